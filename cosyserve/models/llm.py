@@ -1,0 +1,319 @@
+"""The CosyVoice2 speech language model (upstream ``Qwen2LM``) with a slot-based KV cache.
+
+Architecture (upstream ``cosyvoice/llm/llm.py``, class ``Qwen2LM``): a Qwen2 decoder
+(``transformers.Qwen2ForCausalLM`` built from ``CosyVoice-BlankEN/config.json``; its text
+``lm_head`` is never used) plus three CosyVoice heads:
+
+* ``llm_embedding``   ``[2, H]``: row 0 = sos, row 1 = task id;
+* ``speech_embedding`` ``[S+3, H]``: speech tokens ``0..S-1`` and the three extra ids;
+* ``llm_decoder``     ``Linear(H, S+3)``: next-speech-token logits.
+
+``S`` is ``speech_token_size`` (6561); ``S`` is end-of-speech, ``S+1`` and ``S+2`` (the
+fill token) also stop decoding. The input sequence of a request is::
+
+    [sos] + embed_tokens(prompt_text + text) + [task_id] + speech_embedding(prompt_speech_tokens)
+
+and every later step feeds ``speech_embedding[previous token]``.
+
+Decoding runs the transformers Qwen2 layer modules (projections, RMSNorm, MLP, rotary
+tables) under cosyserve's own attention loop over a static KV cache with one *slot* per
+request (:class:`KVCache`), so that many requests at different positions can share one
+decode step (continuous batching) and the step has static shapes (CUDA-graph friendly).
+The maths is exactly Qwen2's causal attention with rotary position embeddings; parity
+with upstream's ``forward_one_step`` (transformers 4.51 sdpa) is tested on the
+reference cases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import LLMConfig
+from .sampling import UpstreamSampler
+
+
+def _qwen2_config(cfg: LLMConfig):
+    from transformers import Qwen2Config
+
+    if not cfg.qwen:
+        raise ValueError("LLMConfig.qwen (CosyVoice-BlankEN/config.json) is required to build the speech LM")
+    # The LM runs in the dtype of the loaded weights; drop the checkpoint's storage-dtype hint.
+    fields = {k: v for k, v in cfg.qwen.items() if k not in ("torch_dtype", "dtype")}
+    return Qwen2Config(**fields)
+
+
+class _Qwen2Holder(nn.Module):
+    """Mirror of upstream ``Qwen2Encoder``: holds ``model`` (a ``Qwen2ForCausalLM``)."""
+
+    def __init__(self, qwen_config):
+        super().__init__()
+        from transformers import Qwen2ForCausalLM
+
+        self.model = Qwen2ForCausalLM(qwen_config)
+
+
+@dataclass
+class KVCache:
+    """Static per-slot key/value cache for the Qwen2 backbone.
+
+    ``k``/``v``: ``[n_layers, n_slots, n_kv_heads, max_len, head_dim]`` in the LM dtype.
+    One slot holds one request's sequence (prompt prefix + generated speech tokens);
+    position ``p`` of slot ``s`` lives at ``[:, s, :, p]``. Slots are assigned and freed by
+    the caller (engine scheduler); nothing here tracks which are in use.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def allocate(cls, lm: "SpeechLM", n_slots: int, max_len: int, device=None, dtype=None) -> "KVCache":
+        qc = lm.qwen_config
+        n_kv = qc.num_key_value_heads
+        head_dim = getattr(qc, "head_dim", None) or qc.hidden_size // qc.num_attention_heads
+        p = lm.llm_decoder.weight
+        shape = (qc.num_hidden_layers, n_slots, n_kv, max_len, head_dim)
+        device = device or p.device
+        dtype = dtype or p.dtype
+        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+
+    @property
+    def n_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class SpeechLM(nn.Module):
+    """CosyVoice2 speech LM (upstream ``Qwen2LM``); ``state_dict()`` keys equal ``llm.pt``'s.
+
+    Build with :func:`cosyserve.models.loader.load_llm` (weights from ``llm.pt``) or on any
+    device with random weights. Call :meth:`setup_rope` after the weights are in place
+    (the loader does) to build the rotary tables for ``max_positions``.
+    """
+
+    def __init__(self, cfg: LLMConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.qwen_config = _qwen2_config(cfg)
+        h = cfg.llm_input_size
+        self.llm_embedding = nn.Embedding(2, h)
+        self.llm = _Qwen2Holder(self.qwen_config)
+        self.llm_decoder = nn.Linear(cfg.llm_output_size, cfg.num_speech_rows)
+        self.speech_embedding = nn.Embedding(cfg.num_speech_rows, h)
+        self._rope_cos: torch.Tensor | None = None
+        self._rope_sin: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def backbone(self):
+        """The ``transformers`` ``Qwen2Model`` (embeddings, layers, final norm, rotary)."""
+        return self.llm.model.model
+
+    @property
+    def sos_id(self) -> int:
+        return 0
+
+    @property
+    def task_id(self) -> int:
+        return 1
+
+    def reset_rotary(self, device=None) -> None:
+        """Rebuild the backbone's rotary-embedding module (its buffers) on ``device``.
+
+        Needed after building on the meta device: ``inv_freq`` is a non-persistent buffer
+        that no checkpoint carries.
+        """
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+        dev = device if device is not None else self.llm_decoder.weight.device
+        with torch.device(dev):  # the constructor's signature differs across transformers versions
+            self.backbone.rotary_emb = Qwen2RotaryEmbedding(self.qwen_config)
+
+    def setup_rope(self, max_positions: int = 4096) -> None:
+        """Precompute rotary ``cos``/``sin`` tables ``[max_positions, head_dim]`` (float32).
+
+        Uses the backbone's own ``Qwen2RotaryEmbedding`` (rebuilt on the weights' device, so
+        a model built on the meta device gets real ``inv_freq`` buffers).
+        """
+        dev = self.llm_decoder.weight.device
+        self.reset_rotary(dev)
+        rot = self.backbone.rotary_emb
+        pos = torch.arange(max_positions, device=dev)[None]
+        dummy = torch.zeros(1, device=dev, dtype=torch.float32)
+        cos, sin = rot(dummy, pos)
+        self._rope_cos, self._rope_sin = cos[0].float(), sin[0].float()
+
+    @property
+    def max_positions(self) -> int:
+        return 0 if self._rope_cos is None else self._rope_cos.shape[0]
+
+    # ------------------------------------------------------------------ inputs
+    def embed_prefix(
+        self, text_ids: torch.Tensor, prompt_text_ids: torch.Tensor, prompt_speech_tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """Input embeddings of a request's prefix, as upstream ``Qwen2LM.inference``.
+
+        Args: 1-D integer tensors ``text_ids [Lt]`` (text to speak), ``prompt_text_ids [Lp]``
+        (prompt transcript or instruction, may be empty), ``prompt_speech_tokens [Ps]``
+        (speech tokens of the prompt audio, may be empty).
+        Returns ``[1 + Lp + Lt + 1 + Ps, H]`` in the LM dtype.
+        """
+        dev = self.llm_embedding.weight.device
+        text = torch.cat([prompt_text_ids.reshape(-1), text_ids.reshape(-1)]).to(dev, torch.long)
+        parts = [
+            self.llm_embedding.weight[self.sos_id : self.sos_id + 1],
+            self.backbone.embed_tokens(text),
+            self.llm_embedding.weight[self.task_id : self.task_id + 1],
+        ]
+        if prompt_speech_tokens.numel():
+            parts.append(self.speech_embedding(prompt_speech_tokens.reshape(-1).to(dev, torch.long)))
+        return torch.cat(parts, dim=0)
+
+    def embed_speech(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``speech_embedding`` rows for integer ``tokens`` of any shape -> ``[..., H]``."""
+        return self.speech_embedding(tokens.to(self.speech_embedding.weight.device, torch.long))
+
+    # ------------------------------------------------------------------ backbone
+    def forward_cached(
+        self,
+        embeds: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor | slice,
+        start: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the Qwen2 decoder on new positions of several slots; update the cache.
+
+        Args:
+          embeds: ``[B, T, H]`` input embeddings; row ``b`` holds positions
+            ``start[b] .. start[b] + T - 1`` of the sequence in slot ``slots[b]``.
+          cache: the :class:`KVCache` (modified in place).
+          slots: ``[B]`` long tensor of slot indices, or a ``slice`` of consecutive slots
+            (cheaper: the cache is then read as a view instead of gathered).
+          start: ``[B]`` long tensor, number of positions already in each slot.
+        Returns the final-norm hidden states ``[B, T, H]``.
+
+        Each query attends causally to its slot's positions ``0 .. start[b] + t``. Attention
+        reads the cache up to the longest sequence in the batch, so its cost follows the
+        actual lengths. No host synchronisation except for that length (one ``max``).
+        """
+        if self._rope_cos is None:
+            raise RuntimeError("call setup_rope() before decoding")
+        bsz, t_new, _ = embeds.shape
+        dev = embeds.device
+        qc = self.qwen_config
+        n_heads = qc.num_attention_heads
+        start = start.to(dev, torch.long)
+        pos = start[:, None] + torch.arange(t_new, device=dev)[None]  # [B, T]
+        if isinstance(slots, slice):
+            slot_idx = torch.arange(slots.start, slots.stop, device=dev)
+        else:
+            slot_idx = slots.to(dev, torch.long)
+        kv_len = int(pos.max().item()) + 1
+        if kv_len > cache.max_len or kv_len > self.max_positions:
+            raise ValueError(f"sequence length {kv_len} exceeds the KV cache ({cache.max_len}) or rope table")
+        cos = self._rope_cos[pos].to(embeds.dtype)[:, None]  # [B, 1, T, D]
+        sin = self._rope_sin[pos].to(embeds.dtype)[:, None]
+        key_pos = torch.arange(kv_len, device=dev)
+        mask = (key_pos[None, None, None, :] <= pos[:, None, :, None])  # [B, 1, T, Lk]
+        write_slots = slot_idx[:, None].expand(bsz, t_new)
+
+        h = embeds
+        for li, layer in enumerate(self.backbone.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(bsz, t_new, n_heads, -1).transpose(1, 2)
+            k = attn.k_proj(x).view(bsz, t_new, -1, q.shape[-1]).transpose(1, 2)
+            v = attn.v_proj(x).view(bsz, t_new, -1, q.shape[-1]).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kc, vc = cache.k[li], cache.v[li]
+            kc[write_slots, :, pos] = k.transpose(1, 2)
+            vc[write_slots, :, pos] = v.transpose(1, 2)
+            if isinstance(slots, slice):
+                keys, vals = kc[slots, :, :kv_len], vc[slots, :, :kv_len]
+            else:
+                keys, vals = kc[slot_idx, :, :kv_len], vc[slot_idx, :, :kv_len]
+            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
+            o = o.transpose(1, 2).reshape(bsz, t_new, -1)
+            h = h + attn.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.backbone.norm(h)
+
+    def forward_full(self, embeds: torch.Tensor) -> torch.Tensor:
+        """Plain causal forward of one full sequence through transformers' own ``Qwen2Model``.
+
+        ``embeds [1, L, H]`` -> final hidden ``[1, L, H]``. A cross-check of
+        :meth:`forward_cached` against the library implementation (used in tests).
+        """
+        out = self.backbone(inputs_embeds=embeds, use_cache=False)
+        return out.last_hidden_state
+
+    def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``log_softmax(llm_decoder(hidden))`` in float32: ``[..., H] -> [..., S+3]``."""
+        return self.llm_decoder(hidden).float().log_softmax(dim=-1)
+
+    # ------------------------------------------------------------------ reference decoding
+    @torch.inference_mode()
+    def generate(
+        self,
+        text_ids: torch.Tensor,
+        prompt_text_ids: torch.Tensor,
+        prompt_speech_tokens: torch.Tensor,
+        *,
+        generator: torch.Generator | None = None,
+        min_token_text_ratio: float = 2.0,
+        max_token_text_ratio: float = 20.0,
+        sampler: UpstreamSampler | None = None,
+        cache: KVCache | None = None,
+        slot: int = 0,
+    ) -> Iterator[int]:
+        """Decode speech tokens for one request, one at a time (upstream ``Qwen2LM.inference``).
+
+        Lengths: ``min_len = int(len(text_ids) * min_token_text_ratio)`` steps during which
+        end-of-speech is masked, at most ``max_len = int(len(text_ids) * max_token_text_ratio)``
+        tokens (the prompt text does not count). Sampling: repetition-aware sampling with the
+        yaml's top-p/top-k/window/tau_r, drawing from ``generator`` (CPU) exactly as upstream
+        draws from torch's global generator, so a generator seeded with ``s`` reproduces
+        upstream after ``torch.manual_seed(s)``.
+        Yields speech-token ids in ``[0, S)``; stops at a stop id or ``max_len``.
+        """
+        sampler = sampler or UpstreamSampler(self.cfg.sampling, eos_id=self.cfg.eos_token)
+        n_text = int(text_ids.numel())
+        min_len = int(n_text * min_token_text_ratio)
+        max_len = int(n_text * max_token_text_ratio)
+        prefix = self.embed_prefix(text_ids, prompt_text_ids, prompt_speech_tokens)
+        if cache is None:
+            cache = KVCache.allocate(self, 1, prefix.shape[0] + max_len + 1)
+            slot = 0
+        if self.max_positions < prefix.shape[0] + max_len + 1:
+            self.setup_rope(prefix.shape[0] + max_len + 1)
+        slots = torch.tensor([slot])
+        hidden = self.forward_cached(prefix[None], cache, slots, torch.zeros(1, dtype=torch.long))[:, -1]
+        length = prefix.shape[0]
+        out: list[int] = []
+        stop = set(self.cfg.stop_token_ids)
+        for i in range(max_len):
+            logp = self.logprobs(hidden)[0]
+            tok = sampler.sample(logp, out, generator=generator, ignore_eos=i < min_len)
+            if tok in stop:
+                break
+            yield tok
+            out.append(tok)
+            emb = self.embed_speech(torch.tensor([[tok]]))
+            hidden = self.forward_cached(emb, cache, slots, torch.tensor([length]))[:, -1]
+            length += 1

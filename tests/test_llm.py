@@ -1,0 +1,129 @@
+"""Speech LM parity with upstream ``Qwen2LM`` on every reference LLM case."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from _reference import discover, meta, model_dir, rel_l2, require_reference_dir, tensors
+from cosyserve.errors import CheckpointError
+from cosyserve.models.checkpoint import load_strict, read_state_dict
+from cosyserve.models.config import load_config
+from cosyserve.models.llm import KVCache, SpeechLM
+from cosyserve.models.loader import load_llm, open_model_dir
+
+TEACHER_CASES = discover("llm", has=("text_ids", "prompt_text_ids", "prompt_speech_token", "target_speech_token", "logp"))
+SEEDED_CASES = discover("llm", has=("text_ids", "prompt_text_ids", "prompt_speech_token", "sampled_speech_token"))
+
+
+@pytest.fixture(scope="module")
+def lm():
+    md = open_model_dir(model_dir(), need=("llm",))
+    return load_llm(md, load_config(md.yaml))
+
+
+def _teacher_forced(lm: SpeechLM, d: dict, cache: KVCache, slot: int):
+    prefix = lm.embed_prefix(d["text_ids"], d["prompt_text_ids"], d["prompt_speech_token"])
+    slots = torch.tensor([slot])
+    hs = [lm.forward_cached(prefix[None], cache, slots, torch.tensor([0]))[:, -1]]
+    for i, tok in enumerate(d["target_speech_token"].reshape(-1).tolist()):
+        emb = lm.embed_speech(torch.tensor([[tok]]))
+        hs.append(lm.forward_cached(emb, cache, slots, torch.tensor([prefix.shape[0] + i]))[:, -1])
+    return prefix, torch.cat(hs)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("case", TEACHER_CASES)
+@torch.inference_mode()
+def test_teacher_forced_logprobs(lm, case):
+    d = tensors(case)
+    cache = KVCache.allocate(lm, n_slots=3, max_len=1024)
+    prefix, hidden = _teacher_forced(lm, d, cache, slot=2)
+    if "lm_input_prefix" in d:
+        assert rel_l2(prefix, d["lm_input_prefix"][0]) <= 1e-6
+    if "step_hidden" in d:
+        assert rel_l2(hidden, d["step_hidden"]) <= 1e-4
+    logp = lm.logprobs(hidden)
+    assert logp.shape == d["logp"].shape
+    assert rel_l2(logp, d["logp"]) <= 1e-4
+    # The KV-cached decode equals one full causal pass of transformers' own Qwen2Model.
+    full = torch.cat([prefix, lm.embed_speech(d["target_speech_token"].reshape(-1))])[None]
+    ref_hidden = lm.forward_full(full)[0, prefix.shape[0] - 1:]
+    assert rel_l2(hidden, ref_hidden) <= 1e-5
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("case", SEEDED_CASES)
+def test_seeded_sampling_reproduces_upstream(lm, case):
+    d, m = tensors(case), meta(case)
+    g = torch.Generator().manual_seed(int(m["seed"]))
+    out = list(lm.generate(d["text_ids"], d["prompt_text_ids"], d["prompt_speech_token"], generator=g))
+    assert out == d["sampled_speech_token"].reshape(-1).tolist()
+
+
+@pytest.mark.parity
+@torch.inference_mode()
+def test_slots_in_one_batch_match_single_runs(lm):
+    """Requests at different positions in different slots share one decode step exactly."""
+    if len(TEACHER_CASES) < 2:
+        pytest.skip("needs two teacher-forced cases")
+    cases = [tensors(c) for c in TEACHER_CASES[:3]]
+    cache = KVCache.allocate(lm, n_slots=len(cases) + 1, max_len=1024)
+    singles, lengths, slots = [], [], []
+    for i, d in enumerate(cases):
+        slot = i + 1  # leave slot 0 unused on purpose
+        prefix = lm.embed_prefix(d["text_ids"], d["prompt_text_ids"], d["prompt_speech_token"])
+        lm.forward_cached(prefix[None], cache, torch.tensor([slot]), torch.tensor([0]))
+        lengths.append(prefix.shape[0])
+        slots.append(slot)
+        # single-request reference for the next 3 steps, in a private cache
+        _, h = _teacher_forced(lm, {**d, "target_speech_token": d["target_speech_token"][..., :3]},
+                               KVCache.allocate(lm, 1, 1024), 0)
+        singles.append(h[1:])
+    batched = []
+    for step in range(3):
+        toks = torch.tensor([[int(d["target_speech_token"].reshape(-1)[step])] for d in cases])
+        start = torch.tensor(lengths) + step
+        batched.append(lm.forward_cached(lm.embed_speech(toks), cache, torch.tensor(slots), start)[:, -1])
+    batched = torch.stack(batched, dim=1)  # [B, 3, H]
+    for i in range(len(cases)):
+        assert rel_l2(batched[i], singles[i]) <= 1e-5
+
+
+def test_llm_checkpoint_errors_name_the_key(tmp_path):
+    md = open_model_dir(model_dir(), need=("llm",))
+    cfg = load_config(md.yaml)
+    sd = read_state_dict(md.llm)
+    with torch.device("meta"):
+        lm = SpeechLM(cfg.llm)
+    broken = dict(sd)
+    broken.pop("llm_decoder.bias")
+    with pytest.raises(CheckpointError, match="llm_decoder.bias"):
+        load_strict(lm, broken, "llm.pt", assign=True)
+    broken = dict(sd)
+    broken["extra.weight"] = torch.zeros(1)
+    with pytest.raises(CheckpointError, match="extra.weight"):
+        load_strict(lm, broken, "llm.pt", assign=True)
+    broken = dict(sd)
+    broken["speech_embedding.weight"] = torch.zeros(5, 3)
+    with pytest.raises(CheckpointError, match=r"speech_embedding.weight: checkpoint \(5, 3\)"):
+        load_strict(lm, broken, "llm.pt", assign=True)
+
+
+def test_full_size_llm_matches_manifest(tmp_path):
+    ref = require_reference_dir()
+    (tmp_path / "CosyVoice-BlankEN").mkdir()
+    shutil.copy(ref / "manifests" / "cosyvoice2.real.yaml", tmp_path / "cosyvoice2.yaml")
+    shutil.copy(ref / "manifests" / "CosyVoice-BlankEN_config.real.json", tmp_path / "CosyVoice-BlankEN" / "config.json")
+    manifest = json.loads((ref / "manifests" / "llm_state_dict.json").read_text())
+    cfg = load_config(tmp_path / "cosyvoice2.yaml")
+    with torch.device("meta"):
+        lm = SpeechLM(cfg.llm)
+    got = {k: list(v.shape) for k, v in lm.state_dict().items()}
+    want = {t["key"]: t["shape"] for t in manifest["tensors"]}
+    assert got == want
+    unique = {id(p): p.numel() for p in lm.parameters()}
+    assert sum(unique.values()) == manifest["n_parameters_unique_storage"]
