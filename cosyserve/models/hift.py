@@ -1,0 +1,844 @@
+"""HiFT vocoder of CosyVoice2: 80-bin natural-log mel (50 frames/s) -> 24 kHz waveform.
+
+Algorithm
+---------
+HiFT is HiFTNet (Li et al., "HiFTNet: A Fast High-Quality Neural Vocoder with Harmonic-plus-Noise
+Filter and Inverse Short Time Fourier Transform", https://arxiv.org/abs/2309.09493): a HiFi-GAN style
+upsampling generator whose output layer predicts an iSTFT spectrum (iSTFTNet) and which is driven by a
+neural-source-filter (NSF, Wang & Yamagishi, https://arxiv.org/abs/1904.12088; hn-NSF,
+https://arxiv.org/abs/1908.10256) excitation:
+
+1. **F0.** A five-layer Conv1d/ELU stack plus a linear head (upstream ``ConvRNNF0Predictor``) maps the
+   mel ``[B, 80, T]`` to a fundamental frequency ``[B, T]`` in Hz (absolute value of the head output).
+2. **Excitation** (upstream ``SourceModuleHnNSF`` with ``SineGen2``, non-causal, the 24 kHz variant).
+   F0 is nearest-upsampled to the sample rate (``samples_per_frame`` = 480 samples per mel frame at
+   24 kHz). For harmonics ``k = 1 .. H+1`` (H = ``nb_harmonics``) the per-sample phase increment
+   ``(k*f0/sr) mod 1`` (cycles) is linearly resampled down to the frame rate, integrated by a cumulative
+   sum over frames, scaled to radians and linearly resampled back up (times ``samples_per_frame``),
+   which yields smooth sine phases. Random initial phases are added to the first sample's increments
+   of the overtones (because of the frame-rate resampling that sample never reaches the output,
+   but the draw still happens). Sines (amplitude ``nsf_alpha``) are gated by the voiced flag
+   ``f0 > nsf_voiced_threshold``; Gaussian noise of std ``nsf_sigma`` (voiced) or ``nsf_alpha/3``
+   (unvoiced) is added; a ``Linear(H+1, 1)`` + ``tanh`` merges the harmonics into one excitation
+   channel ``[B, 1, T*samples_per_frame]``.
+3. **Filter / decoder.** ``conv_pre`` (k=7) then, per upsampling stage, LeakyReLU, a transposed conv,
+   fusion with the downsampled STFT of the excitation (n_fft 16, hop 4, periodic Hann, centred with
+   reflect padding) through a strided conv + Snake ResBlock, and the average of the multi-receptive-
+   field Snake ResBlocks. A final LeakyReLU (torch's default slope 0.01, not ``lrelu_slope`` — as
+   upstream), ``conv_post`` to ``n_fft + 2`` channels: ``exp`` of the first ``n_fft/2+1`` is the
+   magnitude (clipped at 100), ``sin`` of the rest is the phase; an inverse STFT (n_fft 16, hop 4)
+   gives ``T*samples_per_frame`` samples, clamped to ``±audio_limit``.
+
+Upstream reference: ``cosyvoice/hifigan/generator.py`` (``HiFTGenerator``, ``ResBlock``,
+``SineGen2``, ``SourceModuleHnNSF``), ``cosyvoice/hifigan/f0_predictor.py``,
+``cosyvoice/transformer/activation.py`` (``Snake``) and the streaming glue of
+``cosyvoice/cli/model.py`` (``CosyVoice2Model.token2wav``), FunAudioLLM/CosyVoice commit ace7c47.
+This file is an independent implementation; module and parameter names follow upstream only so that
+``state_dict()`` keys are exactly those of the official ``hift.pt``.
+
+Numerical parity
+----------------
+The single-item path (:meth:`HiFTGenerator.predict_f0`, :meth:`~HiFTGenerator.excitation`,
+:meth:`~HiFTGenerator.decode`, :meth:`~HiFTGenerator.inference`) performs the same floating-point
+operations in the same order and memory layouts as upstream, so on the same platform it reproduces
+upstream bit for bit, including the random excitation when given a generator seeded like upstream's
+global generator: the random draws are, in order, ``rand(B, H+1)`` (initial phases, column 0 zeroed),
+``normal_`` on a ``[B, H+1, N]`` tensor viewed as ``[B, N, H+1]`` (exactly what upstream's
+``randn_like(sine_waves)`` does: that tensor is a transposed view, and torch's CPU ``normal_`` yields
+different numbers for a non-contiguous layout than ``randn(B, N, H+1)``), and a ``[B, N, 1]``
+standard-normal draw that upstream makes for its (unused) noise branch and discards. Draws are always
+made in float32 (as upstream) whatever the model dtype, so the generator state advances identically.
+
+The inverse STFT is computed without ``torch.istft`` (whose window-envelope check does a host
+synchronisation) as irfft -> window -> overlap-add (``aten.unfold_backward``) -> divide by the
+overlap-added squared window, which is the same sequence of kernels ``torch.istft`` runs and gives
+identical bits. STFT and inverse STFT run in at least float32 (FFTs have no bfloat16 kernels), as does
+the excitation phase; the rest of the network runs in the module's dtype. Nothing in
+:meth:`~HiFTGenerator.predict_f0` / :meth:`~HiFTGenerator.decode` synchronises with the host.
+
+Observed (reference data: torch 2.13 CPU, one thread): F0, decode, the seeded inference and the
+seeded stream are bit-exact with one torch thread; with more threads the convs sum in another order
+(~3e-7 relative). The excitation is very sensitive to F0 rounding: its phase is the running sum of F0
+over the utterance, so a 1e-7 relative F0 difference becomes a ~1e-3 relative difference of a 2 s
+source (seen on an H200 with TF32 off; with PyTorch's default TF32 convolutions F0 differs by ~3e-5
+and a seeded source by ~4e-2). Seeded excitation therefore only reproduces upstream on the same
+platform; ``decode(mel, source)`` is well conditioned (~4e-7 on the H200 with TF32 off, ~3e-4 with
+TF32 convolutions).
+
+Batching
+--------
+:meth:`HiFTGenerator.inference_batch` runs items of different lengths in one padded pass and returns
+what the single-item calls would return (to float rounding of differently blocked conv/GEMM kernels,
+~3e-7 relative on the speech, <1e-7 on the excitation). F0 is computed item by item with the
+single-item kernels (see :class:`HiFTGenerator` for why); everything else is one padded pass. Padding
+cannot leak into valid samples: every conv input is zeroed beyond the item's end (upstream's zero
+padding), the phase upsampling is clamped at the item's own last frame (upstream's interpolation
+clamps at the end of the tensor), the source STFT reflect-pads at the item's own end, and the inverse
+STFT's overlap-add and window envelope only count the item's own frames. Each item draws its random
+numbers from its own generator with the shapes of a single-item call (items in order).
+
+Streaming
+---------
+:class:`HiFTStreamState` and :func:`hift_stream_step` reproduce the HiFT part of upstream
+``CosyVoice2Model.token2wav``: the last ``mel_cache_len`` (8) mel frames of a chunk are prepended to the
+next chunk, the last ``source_cache_len`` (8 * 480 = 3840) excitation samples replace the start of the
+next chunk's excitation, the first ``source_cache_len`` output samples are cross-faded with the held
+back tail of the previous chunk using ``numpy.hamming(2 * source_cache_len)`` (computed in float64,
+the products and the sum in float64, the result rounded to the speech dtype, exactly as upstream's
+``fade_in_out`` does when multiplying a float32 tensor by a float64 numpy window), and a non-final
+chunk holds back its last ``source_cache_len`` samples.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import weight_norm
+
+from .config import HiFTConfig
+
+__all__ = [
+    "HiFTGenerator",
+    "HiFTStreamState",
+    "hift_stream_step",
+    "hift_stream_step_batch",
+    "stream_hift_input",
+    "stream_hift_output",
+    "fade_in_with_cache",
+    "load_hift",
+    "DEFAULT_MEL_CACHE_LEN",
+]
+
+#: Mel frames carried over between streaming chunks (upstream ``CosyVoice2Model.mel_cache_len``).
+DEFAULT_MEL_CACHE_LEN = 8
+
+_SNAKE_EPS = 1e-9  # upstream Snake.no_div_by_zero
+_MAG_MAX = 1e2  # magnitude clip before the inverse STFT
+
+
+# ----------------------------------------------------------------------------------------------
+# small helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _zero_outside(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``x`` with time steps where ``mask`` ([B, 1, T] bool) is False set to 0; identity if mask is None."""
+    if mask is None:
+        return x
+    return x.masked_fill(~mask, 0.0)
+
+
+def _time_mask(valid: torch.Tensor, size: int) -> torch.Tensor:
+    """[B, 1, size] bool: ``t < valid[b]`` (``valid`` an int tensor [B], on the target device)."""
+    return (torch.arange(size, device=valid.device)[None, :] < valid[:, None])[:, None, :]
+
+
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Move ``x`` to ``device``; CPU -> CUDA goes through pinned memory without blocking the host."""
+    device = torch.device(device)
+    if x.device == device:
+        return x
+    if x.device.type == "cpu" and device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
+def _int_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """int64 tensor of host ints on ``device`` (no host synchronisation on CUDA)."""
+    return _to_device(torch.tensor(list(values), dtype=torch.int64), device)
+
+
+def _hann_periodic(n: int) -> np.ndarray:
+    """Periodic Hann window of length n as float32, computed in float64 like ``scipy.signal.get_window``."""
+    fac = np.linspace(-np.pi, np.pi, n + 1)
+    w = np.zeros(n + 1)
+    w += 0.5 * np.cos(0.0 * fac)
+    w += 0.5 * np.cos(fac)
+    return w[:n].astype(np.float32)
+
+
+@functools.lru_cache(maxsize=8)
+def _hamming_f64(n: int) -> np.ndarray:
+    """``numpy.hamming(n)`` (float64), the streaming fade window; read-only."""
+    w = np.hamming(n)
+    w.setflags(write=False)
+    return w
+
+
+def _padding(kernel: int, dilation: int = 1) -> int:
+    return (kernel * dilation - dilation) // 2
+
+
+# ----------------------------------------------------------------------------------------------
+# building blocks
+# ----------------------------------------------------------------------------------------------
+
+
+class Snake(nn.Module):
+    """Snake activation ``x + sin(alpha*x)^2 / (alpha + 1e-9)`` with one ``alpha`` per channel.
+
+    Ziyin et al., https://arxiv.org/abs/2006.08195 (linear-scale alpha, as in BigVGAN/HiFT).
+    Input/output ``[B, C, T]``, any floating dtype. Note ``Snake(0) == 0``.
+    """
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.alpha[None, :, None]
+        return x + (1.0 / (a + _SNAKE_EPS)) * torch.pow(torch.sin(x * a), 2)
+
+
+class _SnakeResBlock(nn.Module):
+    """HiFi-GAN/BigVGAN residual block: per dilation d, ``x += conv_1(snake(conv_d(snake(x))))``.
+
+    ``convs1[i]`` has dilation ``dilations[i]``, ``convs2[i]`` dilation 1; both keep the length
+    ("same" zero padding) and are weight-normalised. ``mask`` ([B, 1, T] bool or None) zeroes every
+    conv input beyond each item's end, so padded batches equal single-item runs.
+    """
+
+    def __init__(self, channels: int, kernel_size: int, dilations: Sequence[int]):
+        super().__init__()
+        self.convs1 = nn.ModuleList(
+            weight_norm(nn.Conv1d(channels, channels, kernel_size, 1, dilation=d, padding=_padding(kernel_size, d)))
+            for d in dilations
+        )
+        self.convs2 = nn.ModuleList(
+            weight_norm(nn.Conv1d(channels, channels, kernel_size, 1, dilation=1, padding=_padding(kernel_size)))
+            for _ in dilations
+        )
+        self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
+        self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
+            y = c1(_zero_outside(a1(x), mask))
+            y = c2(_zero_outside(a2(y), mask))
+            x = y + x
+        return x
+
+
+class _F0Predictor(nn.Module):
+    """Upstream ``ConvRNNF0Predictor``: 5 x (weight-normed Conv1d k=3 + ELU), then Linear; ``|.|``.
+
+    ``[B, in_channels, T]`` log-mel -> ``[B, T]`` F0 in Hz (``num_class`` must be 1 for HiFT).
+    """
+
+    def __init__(self, in_channels: int, cond_channels: int, num_class: int):
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(5):
+            layers.append(weight_norm(nn.Conv1d(in_channels if i == 0 else cond_channels, cond_channels, 3, padding=1)))
+            layers.append(nn.ELU())
+        self.condnet = nn.Sequential(*layers)
+        self.classifier = nn.Linear(cond_channels, num_class)
+
+    def forward(self, mel: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = mel
+        for layer in self.condnet:
+            x = layer(_zero_outside(x, mask)) if isinstance(layer, nn.Conv1d) else layer(x)
+        return torch.abs(self.classifier(x.transpose(1, 2)).squeeze(-1))
+
+
+class _HarmonicSource(nn.Module):
+    """Holds the harmonic-merge layer ``l_linear`` (upstream ``SourceModuleHnNSF``); no forward."""
+
+    def __init__(self, n_harmonics_total: int):
+        super().__init__()
+        self.l_linear = nn.Linear(n_harmonics_total, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# the generator
+# ----------------------------------------------------------------------------------------------
+
+
+class HiFTGenerator(nn.Module):
+    """HiFTNet generator (NSF excitation + iSTFTNet decoder) as used by CosyVoice2 at 24 kHz.
+
+    Built from :class:`~cosyserve.models.config.HiFTConfig` (``load_config(yaml).hift``); every size
+    comes from it. ``state_dict()`` keys, order and shapes equal the official ``hift.pt``
+    (weight-normalised convs use ``torch.nn.utils.parametrizations.weight_norm``:
+    ``<m>.parametrizations.weight.original0`` = g, ``original1`` = v). Load checkpoints with
+    :func:`cosyserve.models.checkpoint.normalize_weight_norm_keys` (``strip_prefix="generator."``) and
+    :func:`~cosyserve.models.checkpoint.load_strict`, then optionally :meth:`remove_weight_norm`.
+
+    Units: mel frames at 50 frames/s (``sampling_rate / samples_per_frame``), F0 in Hz, waveforms at
+    ``sampling_rate`` (24 kHz), ``samples_per_frame`` (480) samples per mel frame. Works for any
+    floating dtype and device; the excitation phase is computed in at least float32.
+
+    Batched inference (:meth:`inference_batch`) computes F0 item by item with exactly the
+    single-item kernels, and everything else in one padded pass. Reason: the excitation phase is the
+    running integral of F0 (about ``2*pi*f0*t`` radians), so a last-bit F0 difference (conv and GEMM
+    kernels round differently for batch 1 and batch B; seen ~1e-7 relative on CPU) becomes a phase
+    error growing linearly with time (~2e-5 relative on the source after 2 s, ~1e-3 after 10 s);
+    with identical F0 the batched source and speech stay within ~1e-7 of single-item runs at any
+    length. The F0 predictor is a small frame-rate network, so the per-item loop is cheap.
+    :meth:`predict_f0` with ``lengths`` remains available as a padded one-pass F0.
+
+    Raises :class:`ValueError` from the public methods on inconsistent shapes.
+    """
+
+    def __init__(self, cfg: HiFTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.samples_per_frame = cfg.samples_per_frame
+        self.n_fft = cfg.istft_n_fft
+        self.hop = cfg.istft_hop_len
+        self.num_kernels = len(cfg.resblock_kernel_sizes)
+        self.num_upsamples = len(cfg.upsample_rates)
+        n_src = self.n_fft + 2  # real + imaginary STFT bins of the excitation
+        base = cfg.base_channels
+
+        self.m_source = _HarmonicSource(cfg.nb_harmonics + 1)
+        self.conv_pre = weight_norm(nn.Conv1d(cfg.in_channels, base, 7, 1, padding=3))
+
+        self.ups = nn.ModuleList(
+            weight_norm(nn.ConvTranspose1d(base // 2**i, base // 2 ** (i + 1), k, u, padding=(k - u) // 2))
+            for i, (u, k) in enumerate(zip(cfg.upsample_rates, cfg.upsample_kernel_sizes))
+        )
+
+        # Stage i fuses the excitation STFT (hop-rate frames) downsampled to that stage's rate:
+        # stride = product of the upsample rates of the stages after i.
+        self.source_downs = nn.ModuleList()
+        self.source_resblocks = nn.ModuleList()
+        rates = list(cfg.upsample_rates)
+        for i, (k, d) in enumerate(zip(cfg.source_resblock_kernel_sizes, cfg.source_resblock_dilation_sizes)):
+            ch = base // 2 ** (i + 1)
+            stride = math.prod(rates[i + 1:])
+            if stride == 1:
+                self.source_downs.append(nn.Conv1d(n_src, ch, 1, 1))
+            else:
+                self.source_downs.append(nn.Conv1d(n_src, ch, stride * 2, stride, padding=stride // 2))
+            self.source_resblocks.append(_SnakeResBlock(ch, k, d))
+
+        self.resblocks = nn.ModuleList()
+        for i in range(self.num_upsamples):
+            ch = base // 2 ** (i + 1)
+            for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes):
+                self.resblocks.append(_SnakeResBlock(ch, k, d))
+
+        self.conv_post = weight_norm(nn.Conv1d(ch, n_src, 7, 1, padding=3))
+        self.f0_predictor = _F0Predictor(cfg.f0_in_channels, cfg.f0_cond_channels, cfg.f0_num_class)
+
+        # Constant, not part of the checkpoint; created on CPU explicitly so that building the module
+        # under a meta-device context still yields a usable window.
+        self.register_buffer(
+            "stft_window", torch.tensor(_hann_periodic(self.n_fft), dtype=torch.float32, device="cpu"),
+            persistent=False,
+        )
+
+    # ------------------------------------------------------------------ weights
+
+    def remove_weight_norm(self) -> None:
+        """Fold every weight-norm parametrization ``g * v / ||v||`` into a plain ``weight``.
+
+        Call after loading a checkpoint, for inference. Outputs are unchanged (the folded weight is
+        the tensor the parametrization computed). Afterwards ``state_dict()`` uses plain
+        ``<m>.weight`` keys, so checkpoints can no longer be loaded into this instance.
+        """
+        for m in self.modules():
+            if parametrize.is_parametrized(m, "weight"):
+                parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
+
+    # ------------------------------------------------------------------ F0
+
+    def predict_f0(self, mel: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """F0 from mel: ``[B, in_channels, T]`` natural-log mel (float) -> ``[B, T]`` Hz, same dtype.
+
+        ``lengths`` (optional int tensor [B], mel frames, on ``mel.device``) marks each item's valid
+        frames of a padded batch; frames beyond are ignored (zeroed before every conv) and returned as 0.
+        Raises ValueError if ``mel`` is not ``[B, in_channels, T]``.
+        """
+        self._check_mel(mel)
+        mask = None if lengths is None else _time_mask(lengths, mel.shape[-1])
+        f0 = self.f0_predictor(_zero_outside(mel, mask), mask)
+        return f0 if mask is None else f0.masked_fill(~mask[:, 0], 0.0)
+
+    # ------------------------------------------------------------------ excitation
+
+    def upsample_f0(self, f0: torch.Tensor) -> torch.Tensor:
+        """Nearest-neighbour upsampling of F0 to the sample rate: ``[B, T]`` Hz -> ``[B, T*spf, 1]`` Hz.
+
+        Same kernel call as upstream (``nn.Upsample(scale_factor=samples_per_frame)``).
+        """
+        up = F.interpolate(f0[:, None], scale_factor=float(self.samples_per_frame), mode="nearest")
+        return up.transpose(1, 2)
+
+    def draw_excitation_noise(
+        self, batch: int, n_samples: int, generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The random numbers of one excitation call, consumed exactly as upstream consumes them.
+
+        Returns ``rand_ini`` float32 ``[batch, H+1]`` (initial phases in cycles, uniform [0, 1), column 0
+        set to 0) and ``std_noise`` float32 ``[batch, n_samples, H+1]`` standard normal with the memory
+        layout of a transposed ``[batch, H+1, n_samples]`` tensor; a third draw of ``[batch,
+        n_samples, 1]`` standard normals (upstream's discarded noise branch) is made and dropped.
+        Draws come from ``generator`` (on its device) or, if None, from torch's default generator of
+        ``device`` (CPU if None); results are on the generator's device.
+        """
+        dev = generator.device if generator is not None else torch.device(device or "cpu")
+        h = self.cfg.nb_harmonics + 1
+        rand_ini = torch.rand(batch, h, generator=generator, device=dev)
+        rand_ini[:, 0] = 0
+        std_noise = torch.empty(batch, h, n_samples, device=dev).transpose(1, 2).normal_(generator=generator)
+        torch.empty(batch, n_samples, 1, device=dev).normal_(generator=generator)  # upstream's unused noise
+        return rand_ini, std_noise
+
+    def source_from_draws(
+        self, f0_up: torch.Tensor, rand_ini: torch.Tensor, std_noise: torch.Tensor,
+        frame_lengths: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Deterministic part of the excitation (SineGen2 + harmonic merge) given the random draws.
+
+        ``f0_up`` ``[B, N, 1]`` Hz at the sample rate (N = frames * spf), ``rand_ini`` ``[B, H+1]``
+        cycles, ``std_noise`` ``[B, N, H+1]`` standard normal. Returns ``(sine_waves [B, N, H+1],
+        uv [B, N, 1] (1.0 voiced / 0.0), source [B, 1, N])``, computed in
+        ``promote_types(f0_up.dtype, float32)``; ``source`` is cast to ``f0_up.dtype``.
+        ``frame_lengths`` (int tensor [B], frames) clamps the phase interpolation at each item's own
+        last frame (padded batches). Raises ValueError if N is not a multiple of ``samples_per_frame``.
+        """
+        spf = self.samples_per_frame
+        out_dtype = f0_up.dtype
+        work = torch.promote_types(f0_up.dtype, torch.float32)
+        if f0_up.dim() != 3 or f0_up.shape[2] != 1 or f0_up.shape[1] % spf:
+            raise ValueError(f"f0_up must be [B, frames*{spf}, 1], got {tuple(f0_up.shape)}")
+        f0_up = f0_up.to(work)
+        h = self.cfg.nb_harmonics + 1
+        harmonics = torch.arange(1, h + 1, device=f0_up.device, dtype=work)[None, None, :]
+        fn = f0_up * harmonics  # [B, N, H+1] Hz of each harmonic
+
+        # phase increments in cycles per sample; random initial phase on the first sample
+        rad = (fn / self.cfg.sampling_rate) % 1
+        rad[:, 0, :] = rad[:, 0, :] + rand_ini.to(device=rad.device, dtype=work)
+        # integrate at the frame rate, then interpolate the phase back to the sample rate
+        rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / spf, mode="linear").transpose(1, 2)
+        phase = torch.cumsum(rad, dim=1) * 2 * math.pi  # [B, frames, H+1] radians
+        if frame_lengths is not None:
+            # replicate each item's last frame over the padding, as upstream's interpolation clamps
+            # at the end of an unpadded tensor
+            t = phase.shape[1]
+            idx = torch.minimum(torch.arange(t, device=phase.device)[None, :], (frame_lengths - 1)[:, None])
+            phase = phase.gather(1, idx[:, :, None].expand(-1, -1, phase.shape[2]))
+        phase = F.interpolate(phase.transpose(1, 2) * spf, scale_factor=float(spf), mode="linear").transpose(1, 2)
+        sine_waves = torch.sin(phase) * self.cfg.nsf_alpha
+
+        uv = (f0_up > self.cfg.nsf_voiced_threshold).to(work)
+        noise_amp = uv * self.cfg.nsf_sigma + (1 - uv) * self.cfg.nsf_alpha / 3
+        noise = noise_amp * std_noise.to(device=f0_up.device, dtype=work)
+        sine_waves = sine_waves * uv + noise
+
+        lin = self.m_source.l_linear
+        merged = torch.tanh(F.linear(sine_waves, lin.weight.to(work), lin.bias.to(work)))
+        return sine_waves, uv, merged.transpose(1, 2).to(out_dtype)
+
+    def excitation(self, f0: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """NSF excitation from F0: ``[B, T]`` Hz -> source ``[B, 1, T*spf]`` (dtype of ``f0``).
+
+        Random: consumes ``rand(B, H+1)``, then ``normal_`` on a transposed ``[B, H+1, T*spf]``
+        layout, then ``[B, T*spf, 1]`` standard normals (discarded), from ``generator`` or, if None,
+        torch's default generator for ``f0.device`` — the same calls in the same order as upstream's
+        ``SourceModuleHnNSF``/``SineGen2``, so a seeded run matches upstream bit for bit.
+        """
+        if f0.dim() != 2:
+            raise ValueError(f"f0 must be [B, T] (Hz), got {tuple(f0.shape)}")
+        f0_up = self.upsample_f0(f0)
+        rand_ini, std_noise = self.draw_excitation_noise(f0.shape[0], f0_up.shape[1], generator, f0.device)
+        rand_ini, std_noise = _to_device(rand_ini, f0.device), _to_device(std_noise, f0.device)
+        return self.source_from_draws(f0_up, rand_ini, std_noise)[2]
+
+    def excitation_padded(
+        self, f0: torch.Tensor, lengths: Sequence[int],
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> torch.Tensor:
+        """Excitation of a padded batch: ``f0`` ``[B, T_max]`` Hz, ``lengths`` B ints (frames).
+
+        Item b draws its random numbers from ``generators[b]`` (None: default generator) with the
+        shapes of a single-item :meth:`excitation` call on ``f0[b:b+1, :lengths[b]]``, items in order,
+        so the result equals those single-item calls. Returns ``[B, 1, T_max*spf]``, zero beyond
+        each item's ``lengths[b]*spf`` samples. Raises ValueError on inconsistent arguments.
+        """
+        bsz, t_max = f0.shape
+        lengths = [int(n) for n in lengths]
+        if len(lengths) != bsz or any(n < 1 or n > t_max for n in lengths):
+            raise ValueError(f"lengths {lengths} do not fit f0 of shape {tuple(f0.shape)}")
+        gens = list(generators) if generators is not None else [None] * bsz
+        if len(gens) != bsz:
+            raise ValueError(f"{len(gens)} generators for a batch of {bsz}")
+        spf = self.samples_per_frame
+        h = self.cfg.nb_harmonics + 1
+        n_max = t_max * spf
+        rand_ini = torch.zeros(bsz, h, device=f0.device)
+        std_noise = torch.zeros(bsz, h, n_max, device=f0.device).transpose(1, 2)
+        for b, (n, g) in enumerate(zip(lengths, gens)):
+            r, z = self.draw_excitation_noise(1, n * spf, g, f0.device)
+            rand_ini[b] = _to_device(r[0], f0.device)
+            std_noise[b, : n * spf] = _to_device(z[0], f0.device)
+        len_t = _int_tensor(lengths, f0.device)
+        src = self.source_from_draws(self.upsample_f0(f0), rand_ini, std_noise, frame_lengths=len_t)[2]
+        return _zero_outside(src, _time_mask(len_t * spf, n_max))
+
+    # ------------------------------------------------------------------ decoder
+
+    def _source_stft(self, s: torch.Tensor, n_valid: torch.Tensor | None) -> torch.Tensor:
+        """Centred STFT of the excitation ``[B, N]`` -> ``[B, n_fft+2, N/hop+1]`` (real bins, imag bins).
+
+        With ``n_valid`` (int tensor [B], samples) the reflect padding is taken at each item's own end.
+        Computed in at least float32 (FFTs do not support bfloat16), returned in ``s.dtype``.
+        """
+        out_dtype = s.dtype
+        s = s.to(torch.promote_types(s.dtype, torch.float32))
+        win = self.stft_window.to(device=s.device, dtype=s.dtype)
+        if n_valid is None:
+            spec = torch.stft(s, self.n_fft, self.hop, self.n_fft, window=win, center=True,
+                              pad_mode="reflect", return_complex=True)
+        else:
+            pad = self.n_fft // 2
+            n = s.shape[-1]
+            q = torch.arange(-pad, n + pad, device=s.device)[None, :].abs()
+            last = (n_valid - 1)[:, None]
+            q = torch.where(q > last, 2 * last - q, q).clamp(0, n - 1)
+            spec = torch.stft(s.gather(1, q), self.n_fft, self.hop, self.n_fft, window=win, center=False,
+                              return_complex=True)
+        spec = torch.view_as_real(spec)
+        return torch.cat([spec[..., 0], spec[..., 1]], dim=1).to(out_dtype)
+
+    def _istft(self, magnitude: torch.Tensor, phase: torch.Tensor, n_frames: torch.Tensor | None) -> torch.Tensor:
+        """Inverse STFT (n_fft, hop, periodic Hann, centred) of ``[B, n_fft/2+1, F]`` -> ``[B, hop*(F-1)]``.
+
+        Same kernels as ``torch.istft`` minus its host-synchronising envelope check. ``n_frames``
+        (int tensor [B]) restricts overlap-add and window envelope to each item's own frames.
+        Computed in at least float32, returned in ``magnitude.dtype``.
+        """
+        out_dtype = magnitude.dtype
+        work = torch.promote_types(out_dtype, torch.float32)
+        magnitude, phase = magnitude.to(work), phase.to(work)
+        magnitude = torch.clip(magnitude, max=_MAG_MAX)
+        spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        bsz, _, n_fr = spec.shape
+        win = self.stft_window.to(device=magnitude.device, dtype=magnitude.dtype)
+        frames = torch.fft.irfft(spec.transpose(1, 2), self.n_fft, dim=-1) * win  # [B, F, n_fft]
+        total = self.n_fft + self.hop * (n_fr - 1)
+        win_sq = win.pow(2).expand(1, n_fr, self.n_fft)
+        if n_frames is not None:
+            keep = (torch.arange(n_fr, device=frames.device)[None, :] < n_frames[:, None])[:, :, None]
+            frames = frames.masked_fill(~keep, 0.0)
+            win_sq = win_sq * keep.to(win_sq.dtype)
+        y = torch.ops.aten.unfold_backward(frames, [bsz, total], 1, self.n_fft, self.hop)
+        env = torch.ops.aten.unfold_backward(win_sq, [win_sq.shape[0], total], 1, self.n_fft, self.hop)
+        start, end = self.n_fft // 2, total - self.n_fft // 2
+        y, env = y[:, start:end], env[:, start:end]
+        if n_frames is not None:
+            env = env.masked_fill(env == 0, 1.0)  # outside an item's frames; zeroed by the caller
+        return (y / env).to(out_dtype)
+
+    def decode(self, mel: torch.Tensor, source: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Waveform from mel and excitation (deterministic).
+
+        ``mel`` ``[B, in_channels, T]`` natural-log mel, ``source`` ``[B, 1, T*spf]`` excitation (same
+        dtype/device) -> speech ``[B, T*spf]`` at ``sampling_rate``, clamped to ``±audio_limit``.
+        ``lengths`` (optional int tensor [B], mel frames, on ``mel.device``): valid frames per item
+        of a padded batch; the result then equals per-item calls and is 0 beyond each item's end.
+        No host synchronisation. Raises ValueError on inconsistent shapes.
+        """
+        self._check_mel(mel)
+        bsz, _, t = mel.shape
+        spf = self.samples_per_frame
+        if source.dim() != 3 or source.shape[0] != bsz or source.shape[1] != 1 or source.shape[2] != t * spf:
+            raise ValueError(f"source must be [{bsz}, 1, {t * spf}] for mel {tuple(mel.shape)}, got {tuple(source.shape)}")
+        frames_per_mel = spf // self.hop
+        if lengths is None:
+            masks = [None] * (self.num_upsamples + 1)
+            n_stft = None
+            s_stft = self._source_stft(source.squeeze(1), None)
+        else:
+            # valid length at the mel rate and after each upsampling stage (+1: reflection pad)
+            valid = [lengths]
+            for i, r in enumerate(self.cfg.upsample_rates):
+                valid.append(valid[-1] * r)
+            valid[-1] = valid[-1] + 1
+            sizes = [t]
+            for r in self.cfg.upsample_rates:
+                sizes.append(sizes[-1] * r)
+            sizes[-1] += 1
+            masks = [_time_mask(v, s) for v, s in zip(valid, sizes)]
+            n_stft = lengths * frames_per_mel + 1
+            s_stft = self._source_stft(source.squeeze(1), lengths * spf)
+            s_stft = _zero_outside(s_stft, masks[-1])
+
+        x = self.conv_pre(_zero_outside(mel, masks[0]))
+        for i in range(self.num_upsamples):
+            x = F.leaky_relu(x, self.cfg.lrelu_slope)
+            x = self.ups[i](_zero_outside(x, masks[i]))
+            if i == self.num_upsamples - 1:
+                x = F.pad(x, (1, 0), mode="reflect")
+            si = self.source_downs[i](s_stft)
+            si = self.source_resblocks[i](si, masks[i + 1])
+            x = x + si
+            xs = None
+            for j in range(self.num_kernels):
+                r = self.resblocks[i * self.num_kernels + j](x, masks[i + 1])
+                xs = r if xs is None else xs + r
+            x = xs / self.num_kernels
+        x = F.leaky_relu(x)  # default slope 0.01, as upstream
+        x = self.conv_post(_zero_outside(x, masks[-1]))
+        nb = self.n_fft // 2 + 1
+        speech = self._istft(torch.exp(x[:, :nb, :]), torch.sin(x[:, nb:, :]), n_stft)
+        speech = torch.clamp(speech, -self.cfg.audio_limit, self.cfg.audio_limit)
+        if lengths is not None:
+            speech = _zero_outside(speech[:, None], _time_mask(lengths * spf, speech.shape[-1]))[:, 0]
+        return speech
+
+    # ------------------------------------------------------------------ inference
+
+    @torch.inference_mode()
+    def inference(
+        self, mel: torch.Tensor, cache_source: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mel -> (speech, source), upstream ``HiFTGenerator.inference``.
+
+        ``mel`` ``[B, in_channels, T]`` natural-log mel at 50 frames/s. ``cache_source`` (optional,
+        ``[B or 1, 1, n]``, n <= T*spf samples): the first n excitation samples are replaced by it
+        (streaming continuity). ``generator``: see :meth:`excitation`. Returns speech
+        ``[B, T*spf]`` (``±audio_limit``) and the excitation actually used ``[B, 1, T*spf]``.
+        Raises ValueError on inconsistent shapes.
+        """
+        f0 = self.predict_f0(mel)
+        source = self.excitation(f0, generator)
+        if cache_source is not None and cache_source.shape[-1] > 0:
+            n = cache_source.shape[-1]
+            if cache_source.dim() != 3 or cache_source.shape[1] != 1 or n > source.shape[-1]:
+                raise ValueError(
+                    f"cache_source must be [B, 1, n] with n <= {source.shape[-1]}, got {tuple(cache_source.shape)}")
+            source[:, :, :n] = cache_source
+        return self.decode(mel, source), source
+
+    @torch.inference_mode()
+    def inference_batch(
+        self, mels: Sequence[torch.Tensor], cache_sources: Sequence[torch.Tensor | None] | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Several items of different lengths in one padded forward pass.
+
+        ``mels``: B tensors ``[1, in_channels, T_b]`` (same dtype/device); ``cache_sources``: per item
+        None or ``[1, 1, n_b]`` (as :meth:`inference`); ``generators``: per item generator or None.
+        Returns (speeches ``[1, T_b*spf]``, sources ``[1, 1, T_b*spf]``), each equal to the
+        single-item ``inference(mels[b], cache_sources[b], generators[b])`` run in the same order
+        (up to float rounding of differently blocked conv kernels). Raises ValueError on
+        inconsistent arguments.
+        """
+        bsz = len(mels)
+        if bsz == 0:
+            return [], []
+        for m in mels:
+            if m.dim() != 3 or m.shape[0] != 1:
+                raise ValueError(f"each mel must be [1, {self.cfg.in_channels}, T], got {tuple(m.shape)}")
+            self._check_mel(m)
+        caches = list(cache_sources) if cache_sources is not None else [None] * bsz
+        if len(caches) != bsz:
+            raise ValueError(f"{len(caches)} cache_sources for a batch of {bsz}")
+        lengths = [m.shape[-1] for m in mels]
+        if min(lengths) < 1:
+            raise ValueError("every mel needs at least one frame")
+        spf = self.samples_per_frame
+        t_max = max(lengths)
+        mel = torch.cat([F.pad(m, (0, t_max - m.shape[-1])) for m in mels], dim=0)
+        len_t = _int_tensor(lengths, mel.device)
+        # F0 per item with the single-item kernels (see the class docstring: the excitation phase
+        # integrates F0, so conv rounding differences between batch shapes would grow with time).
+        f0 = torch.cat([F.pad(self.predict_f0(m), (0, t_max - m.shape[-1])) for m in mels], dim=0)
+        source = self.excitation_padded(f0, lengths, generators)
+        for b, c in enumerate(caches):
+            if c is not None and c.shape[-1] > 0:
+                n = c.shape[-1]
+                if c.dim() != 3 or c.shape[:2] != (1, 1) or n > lengths[b] * spf:
+                    raise ValueError(f"cache_sources[{b}] must be [1, 1, n] with n <= {lengths[b] * spf}, "
+                                     f"got {tuple(c.shape)}")
+                source[b, :, :n] = c[0]
+        speech = self.decode(mel, source, len_t)
+        return ([speech[b:b + 1, : n * spf] for b, n in enumerate(lengths)],
+                [source[b:b + 1, :, : n * spf] for b, n in enumerate(lengths)])
+
+    def _check_mel(self, mel: torch.Tensor) -> None:
+        if mel.dim() != 3 or mel.shape[1] != self.cfg.in_channels:
+            raise ValueError(f"mel must be [B, {self.cfg.in_channels}, T], got {tuple(mel.shape)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# streaming (upstream CosyVoice2Model.token2wav, HiFT part)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HiFTStreamState:
+    """Per-request HiFT streaming cache carried from one chunk to the next (immutable).
+
+    ``mel``: ``[1, in_channels, mel_cache_len]`` last mel frames of the previous chunk's HiFT input;
+    ``source``: ``[1, 1, source_cache_len]`` last excitation samples; ``speech``:
+    ``[1, source_cache_len]`` held-back (not yet emitted) tail of the previous chunk's faded speech.
+    All None before the first chunk (``HiFTStreamState()``) and after a final chunk.
+    """
+
+    mel: torch.Tensor | None = None
+    source: torch.Tensor | None = None
+    speech: torch.Tensor | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.mel is None
+
+
+def fade_in_with_cache(speech: torch.Tensor, cached: torch.Tensor, overlap: int) -> torch.Tensor:
+    """Cross-fade the first ``overlap`` samples of ``speech`` ``[B, N]`` with ``cached`` ``[B, >=overlap]``.
+
+    ``out[:, :L] = speech[:, :L] * w[:L] + cached[:, -L:] * w[L:]`` with ``w = numpy.hamming(2L)``,
+    evaluated in float64 and rounded to ``speech.dtype`` (upstream ``fade_in_out`` with a float64
+    numpy window); the rest of ``speech`` is unchanged. Returns a new tensor.
+    Raises ValueError if either input is shorter than ``overlap``.
+    """
+    if speech.shape[-1] < overlap or cached.shape[-1] < overlap:
+        raise ValueError(f"fade needs {overlap} samples; got speech {tuple(speech.shape)}, cache {tuple(cached.shape)}")
+    w = _to_device(torch.from_numpy(_hamming_f64(2 * overlap).copy()), speech.device)
+    head = speech[..., :overlap].double() * w[:overlap] + cached[..., -overlap:].double() * w[overlap:]
+    return torch.cat([head.to(speech.dtype), speech[..., overlap:]], dim=-1)
+
+
+def stream_hift_input(
+    hift: HiFTGenerator, state: HiFTStreamState, mel_chunk: torch.Tensor, finalize: bool,
+    mel_cache_len: int = DEFAULT_MEL_CACHE_LEN,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What one streaming step feeds to :meth:`HiFTGenerator.inference`: ``(mel, cache_source)``.
+
+    ``mel`` = cached mel ``[1, C, mel_cache_len]`` + ``mel_chunk`` ``[1, C, T]`` along time (just
+    ``mel_chunk`` at the start of a stream); ``cache_source`` = ``state.source`` (None at the start).
+    Raises ValueError on bad shapes, an empty first chunk, or a non-final chunk whose mel (with cache)
+    is shorter than ``mel_cache_len`` frames.
+    """
+    if mel_chunk.dim() != 3 or mel_chunk.shape[:2] != (1, hift.cfg.in_channels):
+        raise ValueError(f"mel_chunk must be [1, {hift.cfg.in_channels}, T], got {tuple(mel_chunk.shape)}")
+    mel = mel_chunk if state.mel is None else torch.cat([state.mel.to(mel_chunk), mel_chunk], dim=2)
+    if mel.shape[-1] == 0:
+        raise ValueError("empty mel chunk at the start of a stream")
+    if not finalize and mel.shape[-1] < mel_cache_len:
+        raise ValueError(f"a non-final chunk needs at least {mel_cache_len} mel frames (with cache), got {mel.shape[-1]}")
+    return mel, state.source
+
+
+def stream_hift_output(
+    state: HiFTStreamState, speech: torch.Tensor, source: torch.Tensor, mel: torch.Tensor, finalize: bool,
+    mel_cache_len: int = DEFAULT_MEL_CACHE_LEN, source_cache_len: int | None = None,
+) -> tuple[torch.Tensor, HiFTStreamState]:
+    """Fade, hold back and cache after one streaming HiFT call: ``-> (speech_out [1, n], new_state)``.
+
+    ``speech`` ``[1, N]`` / ``source`` ``[1, 1, N]``: the :meth:`HiFTGenerator.inference` outputs for
+    ``mel`` ``[1, C, T]`` (the :func:`stream_hift_input` mel), ``state`` the state before the step.
+    If the state holds a speech tail, the first ``source_cache_len`` samples are cross-faded with it
+    (:func:`fade_in_with_cache`). Non-final: new state = last ``mel_cache_len`` frames of ``mel``,
+    last ``source_cache_len`` samples of ``source`` and of the faded speech; those speech samples are
+    removed from the output. Final: all faded speech is returned with an empty state.
+    ``source_cache_len`` defaults to ``mel_cache_len`` mel frames of samples (``N // T`` per frame).
+    """
+    if source_cache_len is None:
+        source_cache_len = mel_cache_len * (speech.shape[-1] // mel.shape[-1])
+    if state.speech is not None:
+        speech = fade_in_with_cache(speech, state.speech, source_cache_len)
+    if finalize:
+        return speech, HiFTStreamState()
+    if speech.shape[-1] < source_cache_len or source.shape[-1] < source_cache_len or mel.shape[-1] < mel_cache_len:
+        raise ValueError("a non-final chunk is shorter than the stream caches")
+    new_state = HiFTStreamState(
+        mel=mel[:, :, -mel_cache_len:], source=source[:, :, -source_cache_len:], speech=speech[:, -source_cache_len:],
+    )
+    return speech[:, :-source_cache_len], new_state
+
+
+def _cache_lens(hift: HiFTGenerator, mel_cache_len: int, source_cache_len: int | None) -> tuple[int, int]:
+    if source_cache_len is None:
+        source_cache_len = mel_cache_len * hift.samples_per_frame
+    if mel_cache_len < 1 or source_cache_len < 1 or source_cache_len > mel_cache_len * hift.samples_per_frame:
+        raise ValueError(f"invalid cache sizes: mel_cache_len={mel_cache_len}, source_cache_len={source_cache_len}")
+    return mel_cache_len, source_cache_len
+
+
+def hift_stream_step(
+    hift: HiFTGenerator, state: HiFTStreamState, mel_chunk: torch.Tensor, finalize: bool,
+    generator: torch.Generator | None = None, mel_cache_len: int = DEFAULT_MEL_CACHE_LEN,
+    source_cache_len: int | None = None,
+) -> tuple[torch.Tensor, HiFTStreamState]:
+    """One streaming HiFT step (the vocoder half of upstream ``CosyVoice2Model.token2wav``).
+
+    ``mel_chunk`` ``[1, in_channels, T]``: the new flow mel frames of this chunk (flow output after
+    dropping ``token_offset * token_mel_ratio`` frames). The cached mel is prepended, the cached
+    excitation replaces the start of the new excitation, HiFT runs (random draws from ``generator``,
+    see :meth:`HiFTGenerator.excitation`), the first ``source_cache_len`` samples are cross-faded with
+    the cached speech tail (:func:`fade_in_with_cache`). Non-final: the last ``mel_cache_len`` mel
+    frames / ``source_cache_len`` excitation and speech samples become the new state and the last
+    ``source_cache_len`` speech samples are withheld from the output. Final: everything is emitted
+    and the returned state is empty. Defaults: 8 mel frames, ``8 * samples_per_frame`` (3840) samples.
+
+    Returns ``(speech [1, n] at sampling_rate, new_state)``; ``state`` is not modified.
+    Raises ValueError on bad shapes or a non-final chunk shorter than the mel cache.
+    """
+    mel_cache_len, source_cache_len = _cache_lens(hift, mel_cache_len, source_cache_len)
+    mel, cache_source = stream_hift_input(hift, state, mel_chunk, finalize, mel_cache_len)
+    speech, source = hift.inference(mel, cache_source, generator)
+    return stream_hift_output(state, speech, source, mel, finalize, mel_cache_len, source_cache_len)
+
+
+def hift_stream_step_batch(
+    hift: HiFTGenerator, states: Sequence[HiFTStreamState], mel_chunks: Sequence[torch.Tensor],
+    finalize: Sequence[bool], generators: Sequence[torch.Generator | None] | None = None,
+    mel_cache_len: int = DEFAULT_MEL_CACHE_LEN, source_cache_len: int | None = None,
+) -> list[tuple[torch.Tensor, HiFTStreamState]]:
+    """:func:`hift_stream_step` for several requests in one padded HiFT pass.
+
+    Item b uses ``states[b]``, ``mel_chunks[b]``, ``finalize[b]`` and ``generators[b]``; the result
+    list holds ``(speech, new_state)`` per item, equal to the single-request steps run in order.
+    """
+    mel_cache_len, source_cache_len = _cache_lens(hift, mel_cache_len, source_cache_len)
+    if not (len(states) == len(mel_chunks) == len(finalize)):
+        raise ValueError("states, mel_chunks and finalize must have the same length")
+    inputs = [stream_hift_input(hift, s, m, f, mel_cache_len) for s, m, f in zip(states, mel_chunks, finalize)]
+    mels = [mel for mel, _ in inputs]
+    speeches, sources = hift.inference_batch(mels, [c for _, c in inputs], generators)
+    return [
+        stream_hift_output(st, sp, so, m, f, mel_cache_len, source_cache_len)
+        for sp, so, m, st, f in zip(speeches, sources, mels, states, finalize)
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+# ----------------------------------------------------------------------------------------------
+
+
+def load_hift(
+    checkpoint: str | Path, cfg: HiFTConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+    fold_weight_norm: bool = True,
+) -> HiFTGenerator:
+    """Build :class:`HiFTGenerator` from ``cfg``, load ``hift.pt`` strictly, move, set eval mode.
+
+    Accepts both weight-norm key spellings and a ``generator.`` key prefix. With
+    ``fold_weight_norm`` the weight norm is folded (:meth:`HiFTGenerator.remove_weight_norm`).
+    Raises :class:`~cosyserve.errors.CheckpointError` on unreadable files or key/shape mismatches.
+    """
+    from .checkpoint import load_strict, normalize_weight_norm_keys, read_state_dict
+
+    model = HiFTGenerator(cfg)
+    sd = normalize_weight_norm_keys(read_state_dict(checkpoint), strip_prefix="generator.")
+    load_strict(model, sd, str(checkpoint))
+    if fold_weight_norm:
+        model.remove_weight_norm()
+    return model.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,451 @@
+"""Parity tests of the HiFT vocoder (cosyserve.models.hift) against the upstream reference data.
+
+Cases are discovered from ``../shared/reference/cases`` by kind and by the tensors they carry.
+Deterministic checks (F0, decode, fade/trim, caches, source module from stored draws) use a relative
+L2 tolerance of 1e-4; seeded checks (random excitation drawn from a ``torch.Generator`` seeded like
+upstream's global generator) are expected to be bit-exact and are asserted to the same tolerance,
+with exactness reported in the test output (``-s``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from cosyserve.errors import CheckpointError
+from cosyserve.models.checkpoint import load_strict, normalize_weight_norm_keys, read_state_dict
+from cosyserve.models.config import load_config
+from cosyserve.models.hift import (
+    HiFTGenerator,
+    HiFTStreamState,
+    fade_in_with_cache,
+    hift_stream_step,
+    hift_stream_step_batch,
+    stream_hift_input,
+    stream_hift_output,
+)
+
+from _reference import discover, meta, model_dir, rel_l2, require_reference_dir, tensors
+
+TOL = 1e-4
+BATCH_TOL = 1e-5
+
+HIFT_CASES = discover("hift", has=("mel", "f0", "source", "speech"))
+INTERNALS_CASES = discover("hift", has=("mel", "f0_upsampled", "rand_ini", "sine_std_noise", "sine_waves", "uv", "source"))
+E2E_CASES = discover("e2e", has=("mel", "source", "speech"))
+STREAM_CASES = discover("stream", has=("speech_concat",), where=lambda m: bool(m.get("chunks")))
+
+parity = pytest.mark.parity
+
+
+def _report(what: str, err: float, exact: bool | None = None) -> None:
+    extra = "" if exact is None else (" (bit-exact)" if exact else " (not bit-exact)")
+    print(f"[hift] {what}: rel_l2={err:.3e}{extra}")
+
+
+@pytest.fixture
+def one_thread():
+    """The reference was computed with one torch thread; with one thread the float summation order
+    is the same and exact equality can be observed (tolerances do not depend on it)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def full_cfg():
+    require_reference_dir()
+    return load_config(model_dir() / "cosyvoice2.yaml")
+
+
+@pytest.fixture(scope="module")
+def hift_sd():
+    require_reference_dir()
+    return normalize_weight_norm_keys(read_state_dict(model_dir() / "hift.pt"), strip_prefix="generator.")
+
+
+def _build(cfg, sd) -> HiFTGenerator:
+    m = HiFTGenerator(cfg.hift)
+    load_strict(m, sd, "hift.pt")
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def hift(full_cfg, hift_sd):
+    return _build(full_cfg, hift_sd)
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. HiFT cases: F0, decode (deterministic), seeded inference
+# ----------------------------------------------------------------------------------------------
+
+
+@parity
+@pytest.mark.parametrize("case", HIFT_CASES)
+def test_hift_case(hift, case, one_thread):
+    t, md = tensors(case), meta(case)
+    with torch.no_grad():
+        f0 = hift.predict_f0(t["mel"])
+        err = rel_l2(f0, t["f0"])
+        _report(f"{case} f0", err, torch.equal(f0, t["f0"]))
+        assert err <= TOL
+
+        speech = hift.decode(t["mel"], t["source"])
+        err = rel_l2(speech, t["speech"])
+        _report(f"{case} decode(mel, source)", err, torch.equal(speech, t["speech"]))
+        assert err <= TOL
+
+    gen = torch.Generator().manual_seed(int(md["seed"]))
+    speech, source = hift.inference(t["mel"], generator=gen)
+    e_src, e_sp = rel_l2(source, t["source"]), rel_l2(speech, t["speech"])
+    _report(f"{case} seeded inference source", e_src, torch.equal(source, t["source"]))
+    _report(f"{case} seeded inference speech", e_sp, torch.equal(speech, t["speech"]))
+    assert e_src <= TOL and e_sp <= TOL
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. source module internals from the stored random draws
+# ----------------------------------------------------------------------------------------------
+
+
+@parity
+@pytest.mark.parametrize("case", INTERNALS_CASES)
+def test_source_internals(hift, case, one_thread):
+    t, md = tensors(case), meta(case)
+    with torch.no_grad():
+        f0_up = hift.upsample_f0(t["f0"])
+        assert torch.equal(f0_up, t["f0_upsampled"])
+
+        sine, uv, source = hift.source_from_draws(t["f0_upsampled"], t["rand_ini"], t["sine_std_noise"])
+        assert torch.equal(uv, t["uv"])
+        for name, got in (("sine_waves", sine), ("source", source)):
+            err = rel_l2(got, t[name])
+            _report(f"{case} {name} from stored draws", err, torch.equal(got, t[name]))
+            assert err <= TOL
+
+    # the draws themselves: same generator consumption as upstream
+    gen = torch.Generator().manual_seed(int(md["seed"]))
+    rand_ini, std_noise = hift.draw_excitation_noise(1, t["sine_std_noise"].shape[1], gen)
+    assert torch.equal(rand_ini, t["rand_ini"])
+    assert torch.equal(std_noise, t["sine_std_noise"])
+    # and they are NOT randn(1, N, H+1): the transposed layout matters
+    gen = torch.Generator().manual_seed(int(md["seed"]))
+    torch.rand(t["rand_ini"].shape, generator=gen)
+    assert not torch.equal(torch.randn(t["sine_std_noise"].shape, generator=gen), t["sine_std_noise"])
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. end-to-end cases: decode(mel, source)
+# ----------------------------------------------------------------------------------------------
+
+
+@parity
+@pytest.mark.parametrize("case", E2E_CASES)
+def test_e2e_decode(hift, case, one_thread):
+    t = tensors(case)
+    with torch.no_grad():
+        speech = hift.decode(t["mel"], t["source"])
+    err = rel_l2(speech, t["speech"])
+    _report(f"{case} decode(mel, source)", err, torch.equal(speech, t["speech"]))
+    assert err <= TOL
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. streaming
+# ----------------------------------------------------------------------------------------------
+
+
+def _chunk_mel(t, md, full_cfg, i):
+    off = int(md["chunks"][i]["token_offset"]) * full_cfg.token_mel_ratio
+    return t[f"c{i}_flow_mel"][:, :, off:]
+
+
+@parity
+@pytest.mark.parametrize("case", STREAM_CASES)
+def test_stream_deterministic(hift, full_cfg, case, one_thread):
+    """Each chunk with the reference HiFT outputs substituted (independent of the RNG)."""
+    t, md = tensors(case), meta(case)
+    chunks = md["chunks"]
+    state = HiFTStreamState()
+    outs = []
+    for i, ch in enumerate(chunks):
+        fin = bool(ch["finalize"])
+        mel, cache_source = stream_hift_input(hift, state, _chunk_mel(t, md, full_cfg, i), fin)
+        assert torch.equal(mel, t[f"c{i}_hift_mel_in"]), f"chunk {i}: mel fed to HiFT"
+        ref_cache = t[f"c{i}_cache_source"]
+        if ref_cache.shape[-1] == 0:
+            assert cache_source is None
+        else:
+            assert torch.equal(cache_source, ref_cache), f"chunk {i}: cache_source"
+
+        with torch.no_grad():
+            speech = hift.decode(t[f"c{i}_hift_mel_in"], t[f"c{i}_source"])
+        err = rel_l2(speech, t[f"c{i}_hift_speech"])
+        _report(f"{case} c{i} decode", err, torch.equal(speech, t[f"c{i}_hift_speech"]))
+        assert err <= TOL
+        # the excitation used starts with the cached source
+        n = ref_cache.shape[-1]
+        assert torch.equal(t[f"c{i}_source"][..., :n], ref_cache)
+
+        out, state = stream_hift_output(state, t[f"c{i}_hift_speech"], t[f"c{i}_source"], mel, fin)
+        err = rel_l2(out, t[f"c{i}_out_speech"])
+        _report(f"{case} c{i} fade/trim output", err, torch.equal(out, t[f"c{i}_out_speech"]))
+        assert err <= TOL
+        outs.append(out)
+        if i + 1 < len(chunks):
+            assert torch.equal(state.source, t[f"c{i + 1}_cache_source"]), f"chunk {i}: new source cache"
+            n_mel = state.mel.shape[-1]
+            assert torch.equal(state.mel, t[f"c{i + 1}_hift_mel_in"][:, :, :n_mel]), f"chunk {i}: new mel cache"
+        else:
+            assert state.empty
+    err = rel_l2(torch.cat(outs, dim=1), t["speech_concat"])
+    _report(f"{case} concatenated output (reference HiFT outputs)", err)
+    assert err <= TOL
+
+
+@parity
+@pytest.mark.parametrize("case", STREAM_CASES)
+def test_stream_seeded(hift, full_cfg, case, one_thread):
+    """The whole stream with one generator seeded like upstream, chunks in order."""
+    t, md = tensors(case), meta(case)
+    gen = torch.Generator().manual_seed(int(md["seed"]))
+    state = HiFTStreamState()
+    outs = []
+    for i, ch in enumerate(md["chunks"]):
+        out, state = hift_stream_step(hift, state, _chunk_mel(t, md, full_cfg, i), bool(ch["finalize"]), gen)
+        err = rel_l2(out, t[f"c{i}_out_speech"])
+        _report(f"{case} seeded c{i} output", err, torch.equal(out, t[f"c{i}_out_speech"]))
+        assert err <= TOL
+        outs.append(out)
+    speech = torch.cat(outs, dim=1)
+    err = rel_l2(speech, t["speech_concat"])
+    _report(f"{case} seeded speech_concat", err, torch.equal(speech, t["speech_concat"]))
+    assert err <= TOL
+
+
+def test_fade_float64_semantics():
+    """Fade is evaluated in float64 (numpy window) and rounded once to float32."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(0)
+    new, old = torch.randn(1, 100, generator=g), torch.randn(1, 40, generator=g)
+    w = np.hamming(80)
+    ref = new.clone()
+    ref[..., :40] = new[..., :40] * torch.from_numpy(w[:40]) + old[..., -40:] * torch.from_numpy(w[40:])
+    got = fade_in_with_cache(new, old, 40)
+    assert got.dtype == torch.float32 and torch.equal(got, ref)
+    with pytest.raises(ValueError):
+        fade_in_with_cache(new[:, :10], old, 40)
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. batched path == single-item runs
+# ----------------------------------------------------------------------------------------------
+
+
+def _batch_inputs():
+    """Mels of mixed lengths from the reference cases (hift, e2e and stream chunk inputs)."""
+    mels = [tensors(c)["mel"] for c in HIFT_CASES + E2E_CASES]
+    for c in STREAM_CASES:
+        t = tensors(c)
+        mels += [t[f"c{i}_hift_mel_in"] for i in range(len(meta(c)["chunks"]))]
+    # keep the test fast: at most 4 items, shortest first, distinct lengths
+    by_len = {}
+    for m in mels:
+        by_len.setdefault(m.shape[-1], m)
+    return [by_len[k] for k in sorted(by_len)][:4]
+
+
+@parity
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_batch_equals_single(hift, with_cache):
+    mels = _batch_inputs()
+    if len(mels) < 2:
+        pytest.skip("need at least two reference mels of different lengths")
+    spf = hift.samples_per_frame
+    g = torch.Generator().manual_seed(7)
+    caches = [None] * len(mels)
+    if with_cache:
+        # mixed: some items with a cache of various sizes, one without
+        caches = [None if b == 1 else 0.1 * torch.randn(1, 1, min(8 * spf, m.shape[-1] * spf) - 3 * b, generator=g)
+                  for b, m in enumerate(mels)]
+    seeds = [100 + b for b in range(len(mels))]
+    singles = [hift.inference(m, c, torch.Generator().manual_seed(s)) for m, c, s in zip(mels, caches, seeds)]
+    sp_b, so_b = hift.inference_batch(mels, caches, [torch.Generator().manual_seed(s) for s in seeds])
+    for b, ((sp, so), sp2, so2) in enumerate(zip(singles, sp_b, so_b)):
+        assert sp2.shape == sp.shape and so2.shape == so.shape
+        e_so, e_sp = rel_l2(so2, so), rel_l2(sp2, sp)
+        _report(f"batch (cache={with_cache}) item {b} T={mels[b].shape[-1]} source", e_so, torch.equal(so2, so))
+        _report(f"batch (cache={with_cache}) item {b} T={mels[b].shape[-1]} speech", e_sp, torch.equal(sp2, sp))
+        assert e_so <= BATCH_TOL and e_sp <= BATCH_TOL
+
+
+@parity
+def test_batch_default_generator_and_equal_lengths(hift):
+    mels = _batch_inputs()[:2]
+    # default (global) generator: items draw in order, like consecutive single calls
+    torch.manual_seed(5)
+    singles = [hift.inference(m) for m in mels]
+    torch.manual_seed(5)
+    sp_b, _ = hift.inference_batch(mels)
+    for (sp, _), sp2 in zip(singles, sp_b):
+        assert rel_l2(sp2, sp) <= BATCH_TOL
+    # decode with lengths on an unpadded batch equals decode without
+    m = mels[0]
+    mel = torch.cat([m, m + 0.1], dim=0)
+    with torch.no_grad():
+        f0 = hift.predict_f0(mel)
+        src = hift.excitation(f0, torch.Generator().manual_seed(1))
+        a = hift.decode(mel, src)
+        b = hift.decode(mel, src, torch.full((2,), m.shape[-1]))
+    assert rel_l2(b, a) <= BATCH_TOL
+
+
+@parity
+@pytest.mark.parametrize("case", STREAM_CASES)
+def test_stream_batch_equals_single(hift, full_cfg, case):
+    """Two interleaved streams (the reference chunks, and the same chunks shifted) batched per step."""
+    t, md = tensors(case), meta(case)
+    chunks = md["chunks"]
+    streams = [[_chunk_mel(t, md, full_cfg, i) for i in range(len(chunks))],
+               [_chunk_mel(t, md, full_cfg, i)[:, :, 3:] - 0.2 for i in range(len(chunks))]]
+    fins = [bool(ch["finalize"]) for ch in chunks]
+    single_out = []
+    for s, mels in enumerate(streams):
+        gen, st, outs = torch.Generator().manual_seed(50 + s), HiFTStreamState(), []
+        for m, f in zip(mels, fins):
+            o, st = hift_stream_step(hift, st, m, f, gen)
+            outs.append(o)
+        single_out.append(outs)
+    gens = [torch.Generator().manual_seed(50 + s) for s in range(len(streams))]
+    states = [HiFTStreamState() for _ in streams]
+    for i, f in enumerate(fins):
+        res = hift_stream_step_batch(hift, states, [mels[i] for mels in streams], [f] * len(streams), gens)
+        states = [st for _, st in res]
+        for s, (o, _) in enumerate(res):
+            err = rel_l2(o, single_out[s][i])
+            _report(f"{case} batched stream {s} chunk {i}", err, torch.equal(o, single_out[s][i]))
+            assert err <= BATCH_TOL
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. checkpoint key spellings and strict loading
+# ----------------------------------------------------------------------------------------------
+
+
+def _legacy(sd: dict) -> dict:
+    out = {}
+    for k, v in sd.items():
+        k = k.replace(".parametrizations.weight.original0", ".weight_g").replace(".parametrizations.weight.original1", ".weight_v")
+        out["generator." + k] = v
+    return out
+
+
+@parity
+def test_legacy_weight_norm_keys(full_cfg, hift_sd, hift):
+    legacy = _legacy(hift_sd)
+    assert any(k.endswith(".weight_g") for k in legacy)
+    m = HiFTGenerator(full_cfg.hift)
+    load_strict(m, normalize_weight_norm_keys(legacy, strip_prefix="generator."), "legacy hift.pt")
+    m.eval()
+    mel = tensors(HIFT_CASES[0])["mel"] if HIFT_CASES else torch.zeros(1, full_cfg.hift.in_channels, 10)
+    a = hift.inference(mel, generator=torch.Generator().manual_seed(3))
+    b = m.inference(mel, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@parity
+def test_strict_loading_errors(full_cfg, hift_sd):
+    key = "conv_pre.parametrizations.weight.original1"
+    assert key in hift_sd
+    m = HiFTGenerator(full_cfg.hift)
+
+    missing = {k: v for k, v in hift_sd.items() if k != key}
+    with pytest.raises(CheckpointError, match="missing.*" + key.replace(".", r"\.")):
+        load_strict(m, missing, "hift.pt")
+
+    extra = dict(hift_sd, **{"conv_pre.extra_weight": torch.zeros(1)})
+    with pytest.raises(CheckpointError, match=r"unexpected.*conv_pre\.extra_weight"):
+        load_strict(m, extra, "hift.pt")
+
+    wrong = dict(hift_sd)
+    wrong[key] = torch.zeros(*hift_sd[key].shape[:-1], hift_sd[key].shape[-1] + 1)
+    with pytest.raises(CheckpointError, match="shape.*" + key.replace(".", r"\.")):
+        load_strict(m, wrong, "hift.pt")
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. full-size architecture (meta device)
+# ----------------------------------------------------------------------------------------------
+
+
+@parity
+def test_full_size_state_dict_matches_manifest(tmp_path):
+    ref = require_reference_dir()
+    yaml_src = ref / "manifests" / "cosyvoice2.real.yaml"
+    manifest = ref / "manifests" / "hift_state_dict.json"
+    if not (yaml_src.is_file() and manifest.is_file()):
+        pytest.skip("full-size manifests not present")
+    shutil.copy(yaml_src, tmp_path / "cosyvoice2.yaml")
+    cfg = load_config(tmp_path / "cosyvoice2.yaml").hift
+    with torch.device("meta"):
+        m = HiFTGenerator(cfg)
+    got = {k: list(v.shape) for k, v in m.state_dict().items()}
+    want = {e["key"]: list(e["shape"]) for e in json.loads(manifest.read_text())["tensors"]}
+    assert got == want
+    assert all(v.dtype == torch.float32 for v in m.state_dict().values())
+    assert cfg.samples_per_frame * 50 == cfg.sampling_rate
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. folding the weight norm
+# ----------------------------------------------------------------------------------------------
+
+
+@parity
+def test_remove_weight_norm_keeps_outputs(full_cfg, hift_sd):
+    m = _build(full_cfg, hift_sd)
+    case = (INTERNALS_CASES or HIFT_CASES)[0]
+    t = tensors(case)
+    with torch.no_grad():
+        f0_a, sp_a = m.predict_f0(t["mel"]), m.decode(t["mel"], t["source"])
+        m.remove_weight_norm()
+        f0_b, sp_b = m.predict_f0(t["mel"]), m.decode(t["mel"], t["source"])
+    assert not any("parametrizations" in k for k in m.state_dict())
+    e_f0, e_sp = rel_l2(f0_b, f0_a), rel_l2(sp_b, sp_a)
+    _report("remove_weight_norm f0", e_f0, torch.equal(f0_a, f0_b))
+    _report("remove_weight_norm decode", e_sp, torch.equal(sp_a, sp_b))
+    assert e_f0 <= 1e-6 and e_sp <= 1e-6
+
+
+# ----------------------------------------------------------------------------------------------
+# misc: errors and window constant
+# ----------------------------------------------------------------------------------------------
+
+
+@parity
+def test_shape_errors(hift):
+    cfg = hift.cfg
+    mel = torch.zeros(1, cfg.in_channels, 4)
+    with pytest.raises(ValueError):
+        hift.predict_f0(torch.zeros(1, cfg.in_channels + 1, 4))
+    with pytest.raises(ValueError):
+        hift.decode(mel, torch.zeros(1, 1, 4 * cfg.samples_per_frame - 1))
+    with pytest.raises(ValueError):
+        hift.inference(mel, cache_source=torch.zeros(1, 1, 5 * cfg.samples_per_frame))
+    with pytest.raises(ValueError):
+        hift_stream_step(hift, HiFTStreamState(), torch.zeros(1, cfg.in_channels, 3), finalize=False)
+
+
+def test_stft_window_matches_scipy():
+    scipy_signal = pytest.importorskip("scipy.signal")
+    import numpy as np
+
+    from cosyserve.models.hift import _hann_periodic
+
+    for n in (16, 20):
+        assert np.array_equal(_hann_periodic(n), scipy_signal.get_window("hann", n, fftbins=True).astype(np.float32))
