@@ -185,12 +185,15 @@ def build_random(
     seed: int = 0,
     qwen_config_path: str | Path | None = None,
     components: tuple[str, ...] = ("llm", "flow", "hift"),
+    fold_weight_norm: bool = True,
 ) -> CosyVoice2Models:
     """Random-weight CosyVoice2 networks built from a yaml alone (for benchmarks/demos).
 
     The Qwen2 config is read from ``qwen_config_path`` or ``<yaml dir>/CosyVoice-BlankEN/
     config.json``. Weights use each module's default initialisation under
     ``torch.manual_seed(seed)`` on a private RNG fork (the global RNG is left untouched).
+    ``fold_weight_norm=False`` keeps HiFT's weight-norm parametrisation (to save a
+    checkpoint with the official key spelling).
     """
     cfg = load_config(yaml_path, qwen_config_path)
     if "llm" in components and not cfg.llm.qwen:
@@ -208,6 +211,7 @@ def build_random(
     if flow is not None:
         flow.to(dtype=dtype).eval()
     if hift is not None:
-        hift.remove_weight_norm()
+        if fold_weight_norm:
+            hift.remove_weight_norm()
         hift.eval()
     return CosyVoice2Models(cfg=cfg, llm=llm, flow=flow, hift=hift)

@@ -1,0 +1,385 @@
+"""CosyVoice2 flow model: speech tokens (25/s) -> 80-bin natural-log mel (50 frames/s).
+
+Algorithm source: CosyVoice commit ace7c47, ``cosyvoice/flow/flow.py``
+(``CausalMaskedDiffWithXvec.inference``) and ``cosyvoice/flow/flow_matching.py``
+(``CausalConditionalCFM``), with the encoder in :mod:`cosyserve.models.flow_encoder` and
+the velocity estimator in :mod:`cosyserve.models.flow_estimator`. Independent plain-torch
+re-implementation; ``FlowModel.state_dict()`` has exactly the keys and shapes of the
+official ``flow.pt``.
+
+Per utterance (upstream semantics):
+
+1. ``spks = spk_embed_affine_layer(l2_normalize(embedding))`` -> ``[n_mels]``.
+2. Tokens ``[prompt_token, token]`` (``L = P + N``) are embedded (ids clamped at 0) and
+   encoded (see :mod:`~cosyserve.models.flow_encoder`); with ``finalize=False`` the last
+   ``pre_lookahead_len`` tokens are look-ahead context only, so ``T = ratio * (L - 3)``
+   mel frames come out, else ``T = ratio * L``. ``mu = encoder_proj(h)``.
+3. ``cond`` holds ``prompt_feat`` in its first ``F`` frames (``F = prompt_feat.shape[1]``,
+   normally ``ratio * P``) and zeros after.
+4. Conditional flow matching, Euler solver, ``n_timesteps`` (10) steps from the fixed
+   noise ``rand_noise[:, :, :T]`` (a constant buffer, ``torch.randn`` of a generator seeded
+   ``noise_seed``; upstream: ``torch.manual_seed(0); torch.randn(1, 80, 15000)``). Time grid
+   ``t_k = 1 - cos(k / n * pi / 2)`` (cosine scheduler) and, exactly as upstream,
+   ``t <- t + dt`` with ``dt = t_span[k + 1] - t`` recomputed from the accumulated ``t``.
+   Classifier-free guidance: one estimator call on ``2B`` rows (conditional rows, then
+   unconditional rows with ``mu``, ``spks`` and ``cond`` zeroed),
+   ``v = (1 + r) * v_cond - r * v_uncond`` with ``r = inference_cfg_rate`` (0.7).
+   In streaming mode the estimator's attention is chunk-causal (``static_chunk_size`` mel
+   frames, chunks counted from the first prompt frame).
+5. The first ``F`` (prompt) frames are dropped; the result is returned as float32.
+
+Batching (:meth:`FlowModel.inference_batch`) pads items on the right and gives every item
+its own masks, streaming/finalize behaviour and noise prefix; results equal single-item
+results up to float summation order (relative L2 ~1e-7 in float32).
+
+Numerics: float32 by default; the model may be cast to bfloat16/float16 (``.to(dtype)``),
+in which case every computation, including the Euler time grid, runs in that dtype as
+upstream does under autocast, and the returned mel is cast to float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils.rnn import pad_sequence
+
+from ..errors import ConfigError
+from .config import CFMConfig, EstimatorConfig, FlowConfig
+from .flow_encoder import UpsampleConformerEncoder
+from .flow_estimator import FlowEstimator
+
+__all__ = ["FlowModel", "FlowConditioning", "CausalFlowMatching"]
+
+
+@dataclass
+class FlowConditioning:
+    """Everything the flow-matching solver needs for a right-padded batch of ``B`` items.
+
+    Attributes:
+        encoder_out: ``[B, T, encoder.output_size]`` encoder output (after its final
+            LayerNorm, before ``encoder_proj``), model dtype.
+        mu: ``[B, n_mels, T]`` ``encoder_proj(encoder_out)``, zero at padded frames.
+        spks: ``[B, n_mels]`` projected speaker vector.
+        cond: ``[B, n_mels, T]`` prompt log-mel in the first ``prompt_frames[b]`` frames, zeros after.
+        mask: ``[B, 1, T]`` 1 at each item's ``mel_lengths[b]`` valid frames, 0 after (model dtype).
+        streaming: ``[B]`` bool, chunk-causal estimator attention per item.
+        mel_lengths: frames per item, prompt included (50 frames/s).
+        prompt_frames: prompt frames per item (removed from the output).
+    """
+
+    encoder_out: Tensor
+    mu: Tensor
+    spks: Tensor
+    cond: Tensor
+    mask: Tensor
+    streaming: Tensor
+    mel_lengths: tuple[int, ...]
+    prompt_frames: tuple[int, ...]
+
+
+class CausalFlowMatching(nn.Module):
+    """Conditional flow matching sampler (upstream ``CausalConditionalCFM`` at inference).
+
+    Holds the :class:`~cosyserve.models.flow_estimator.FlowEstimator` (``estimator``) and
+    the fixed start noise ``rand_noise`` ``[1, n_mels, noise_frames]`` (non-persistent
+    buffer, not in ``flow.pt``; drawn on CPU with a private ``torch.Generator`` seeded
+    ``noise_seed``, so the global RNG is never touched, then placed on the construction
+    device; under ``torch.device("meta")`` it stays on CPU so that its values survive
+    ``load_state_dict(assign=True)``, and it follows the parameters on first use).
+    """
+
+    def __init__(self, cfm: CFMConfig, estimator: EstimatorConfig, n_mels: int):
+        super().__init__()
+        if cfm.t_scheduler not in ("cosine", "linear"):
+            raise ConfigError(f"flow decoder: t_scheduler {cfm.t_scheduler!r} unsupported")
+        self.cfm = cfm
+        self.n_mels = n_mels
+        self.estimator = FlowEstimator(estimator)
+        gen = torch.Generator(device="cpu").manual_seed(cfm.noise_seed)
+        noise = torch.randn(1, n_mels, cfm.noise_frames, generator=gen, device="cpu")
+        target = torch.empty(0).device  # honours an enclosing `with torch.device(...)`
+        if target.type != "meta":  # on meta keep the real values (CPU) so assign-loading keeps them
+            noise = noise.to(target)
+        self.register_buffer("rand_noise", noise, persistent=False)
+
+    def time_span(self, n_timesteps: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """``[n_timesteps + 1]`` time grid in ``dtype``: linspace(0, 1), cosine-warped if configured."""
+        t = torch.linspace(0, 1, n_timesteps + 1, device=device, dtype=dtype)
+        if self.cfm.t_scheduler == "cosine":
+            t = 1 - torch.cos(t * 0.5 * torch.pi)
+        return t
+
+    def noise(self, frames: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """``rand_noise[:, :, :frames]`` as ``[1, n_mels, frames]``; ValueError past the buffer."""
+        if frames > self.rand_noise.size(-1):
+            raise ValueError(
+                f"flow: {frames} mel frames exceed the fixed noise buffer of {self.rand_noise.size(-1)} frames"
+                f" ({self.rand_noise.size(-1) / 50:.0f} s at 50 frames/s)"
+            )
+        if self.rand_noise.device != device:
+            # e.g. parameters assigned onto another device after a meta build: move once, not per call
+            self.rand_noise = self.rand_noise.to(device)
+        return self.rand_noise[:, :, :frames].to(dtype=dtype)
+
+    def solve(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, streaming: Tensor,
+              n_timesteps: int | None = None) -> Tensor:
+        """Integrate the flow ODE from the fixed noise to a mel batch.
+
+        Args:
+            mu, cond: ``[B, n_mels, T]``; mask: ``[B, 1, T]``; spks: ``[B, n_mels]``; all in
+                the model dtype. streaming: ``[B]`` bool.
+            n_timesteps: Euler steps (default ``CFMConfig.n_timesteps``).
+
+        Returns:
+            ``[B, n_mels, T]`` float32 (padded frames are not meaningful). The loop performs
+            no host synchronisation.
+        """
+        n = self.cfm.n_timesteps if n_timesteps is None else int(n_timesteps)
+        b, _, frames = mu.shape
+        dtype, device = mu.dtype, mu.device
+        x = self.noise(frames, device, dtype).expand(b, -1, -1)
+        mu_in = torch.cat([mu, torch.zeros_like(mu)])
+        spks_in = torch.cat([spks, torch.zeros_like(spks)])
+        cond_in = torch.cat([cond, torch.zeros_like(cond)])
+        plan = self.estimator.attention_plan(torch.cat([mask, mask]), torch.cat([streaming, streaming]))
+        rate = self.cfm.inference_cfg_rate
+        t_span = self.time_span(n, device, dtype)
+        t, dt = t_span[0], t_span[1] - t_span[0]
+        for step in range(1, n + 1):
+            v = self.estimator.forward_planned(torch.cat([x, x]), plan, mu_in, t.expand(2 * b), spks_in, cond_in)
+            v_cond, v_uncond = v[:b], v[b:]
+            x = x + dt * ((1.0 + rate) * v_cond - rate * v_uncond)
+            t = t + dt
+            if step < n:
+                dt = t_span[step + 1] - t
+        return x.float()
+
+
+def _as_1d(x: Tensor, what: str, index: int) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise ValueError(f"flow: {what}[{index}] must be a tensor, got {type(x).__name__}")
+    if x.dim() == 2 and x.size(0) == 1:
+        x = x[0]
+    if x.dim() != 1:
+        raise ValueError(f"flow: {what}[{index}] must have shape [1, n] or [n], got {tuple(x.shape)}")
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise ValueError(f"flow: {what}[{index}] must hold integer speech-token ids, got {x.dtype}")
+    return x
+
+
+def _flags(value: bool | Sequence[bool], n: int, what: str) -> list[bool]:
+    if isinstance(value, (bool, int)):
+        return [bool(value)] * n
+    flags = [bool(v) for v in value]
+    if len(flags) != n:
+        raise ValueError(f"flow: {what} has {len(flags)} entries for {n} items")
+    return flags
+
+
+class FlowModel(nn.Module):
+    """CosyVoice2 ``CausalMaskedDiffWithXvec`` for inference (speech tokens -> log-mel).
+
+    Sub-modules (names = ``flow.pt`` key prefixes): ``input_embedding``
+    (``[vocab_size, input_size]``), ``spk_embed_affine_layer`` (``spk_embed_dim -> n_mels``),
+    ``encoder`` (:class:`~cosyserve.models.flow_encoder.UpsampleConformerEncoder`),
+    ``encoder_proj`` (``encoder.output_size -> n_mels``), ``decoder``
+    (:class:`CausalFlowMatching`, with ``decoder.estimator``). All sizes come from
+    :class:`~cosyserve.models.config.FlowConfig`; raises
+    :class:`~cosyserve.errors.ConfigError` on inconsistent sizes.
+    """
+
+    def __init__(self, cfg: FlowConfig):
+        super().__init__()
+        n_mels = cfg.output_size
+        if cfg.cfm.spk_emb_dim != n_mels:
+            raise ConfigError(f"flow: decoder spk_emb_dim {cfg.cfm.spk_emb_dim} must equal output_size {n_mels}")
+        if cfg.estimator.in_channels != 4 * n_mels or cfg.estimator.out_channels != n_mels:
+            raise ConfigError(
+                f"flow: estimator in/out channels {cfg.estimator.in_channels}/{cfg.estimator.out_channels} "
+                f"must be {4 * n_mels}/{n_mels}"
+            )
+        if cfg.input_size != cfg.encoder.input_size:
+            raise ConfigError(f"flow: input_size {cfg.input_size} != encoder input_size {cfg.encoder.input_size}")
+        self.cfg = cfg
+        self.n_mels = n_mels
+        self.token_mel_ratio = cfg.encoder.upsample_stride
+        self.pre_lookahead_len = cfg.encoder.pre_lookahead_len
+        self.input_embedding = nn.Embedding(cfg.vocab_size, cfg.input_size)
+        self.spk_embed_affine_layer = nn.Linear(cfg.spk_embed_dim, n_mels)
+        self.encoder = UpsampleConformerEncoder(cfg.encoder)
+        self.encoder_proj = nn.Linear(cfg.encoder.output_size, n_mels)
+        self.decoder = CausalFlowMatching(cfg.cfm, cfg.estimator, n_mels)
+
+    @property
+    def rand_noise(self) -> Tensor:
+        """The fixed CFM start noise ``[1, n_mels, noise_frames]`` (standard normal)."""
+        return self.decoder.rand_noise
+
+    def _model_dtype(self) -> torch.dtype:
+        return self.encoder_proj.weight.dtype
+
+    def _speaker_rows(self, embeddings: Tensor | Sequence[Tensor], b: int) -> Tensor:
+        """``[B, spk_embed_dim]`` from a tensor of that shape or ``B`` tensors of ``spk_embed_dim`` values."""
+        dim = self.cfg.spk_embed_dim
+        rows = [embeddings] if isinstance(embeddings, Tensor) else list(embeddings)
+        if not all(isinstance(r, Tensor) and r.dtype.is_floating_point for r in rows):
+            raise ValueError("flow: embeddings must be floating-point tensors")
+        emb = torch.cat([r.reshape(-1, dim) if r.numel() % dim == 0 else r.reshape(1, -1) for r in rows])
+        if emb.shape != (b, dim) or (not isinstance(embeddings, Tensor) and len(rows) != b):
+            raise ValueError(f"flow: embeddings must be {b} speaker vectors of {dim} values, "
+                             f"got {[tuple(r.shape) for r in rows]}")
+        return emb
+
+    @torch.inference_mode()
+    def condition(self, tokens: Sequence[Tensor], prompt_tokens: Sequence[Tensor],
+                  prompt_feats: Sequence[Tensor], embeddings: Tensor | Sequence[Tensor],
+                  streaming: bool | Sequence[bool], finalize: bool | Sequence[bool]) -> FlowConditioning:
+        """Run everything before the ODE solver for a batch; see :meth:`inference_batch` for arguments."""
+        b = len(tokens)
+        if b == 0:
+            raise ValueError("flow: empty batch")
+        if len(prompt_tokens) != b or len(prompt_feats) != b:
+            raise ValueError(
+                f"flow: {b} token sequences but {len(prompt_tokens)} prompt_tokens and {len(prompt_feats)} prompt_feats"
+            )
+        streaming_f = _flags(streaming, b, "streaming")
+        finalize_f = _flags(finalize, b, "finalize")
+        device, dtype = self.encoder_proj.weight.device, self._model_dtype()
+        ratio, la = self.token_mel_ratio, self.pre_lookahead_len
+
+        emb = self._speaker_rows(embeddings, b)
+
+        seqs, feats = [], []
+        token_lengths, enc_lengths, mel_lengths, prompt_frames = [], [], [], []
+        for i in range(b):
+            tok = _as_1d(tokens[i], "token", i).to(device=device, dtype=torch.long)
+            ptok = _as_1d(prompt_tokens[i], "prompt_token", i).to(device=device, dtype=torch.long)
+            feat = prompt_feats[i]
+            if not isinstance(feat, Tensor):
+                raise ValueError(f"flow: prompt_feat[{i}] must be a tensor")
+            if feat.dim() == 3 and feat.size(0) == 1:
+                feat = feat[0]
+            if feat.dim() != 2 or feat.size(-1) != self.n_mels or not feat.dtype.is_floating_point:
+                raise ValueError(
+                    f"flow: prompt_feat[{i}] must be a float log-mel of shape [1, frames, {self.n_mels}], "
+                    f"got {tuple(prompt_feats[i].shape)} {prompt_feats[i].dtype}"
+                )
+            total = ptok.numel() + tok.numel()
+            enc_len = total if finalize_f[i] else total - la
+            if enc_len < 1:
+                raise ValueError(
+                    f"flow: item {i} has {total} tokens (prompt included); "
+                    + ("at least 1 is needed" if finalize_f[i] else f"a non-final chunk needs more than {la}")
+                )
+            frames = ratio * enc_len
+            if feat.size(0) > frames:
+                raise ValueError(f"flow: item {i} has {feat.size(0)} prompt mel frames but only {frames} frames in all")
+            seqs.append(torch.cat([ptok, tok]))
+            feats.append(feat.to(device=device, dtype=dtype))
+            token_lengths.append(total)
+            enc_lengths.append(enc_len)
+            mel_lengths.append(frames)
+            prompt_frames.append(feat.size(0))
+        t_max = max(mel_lengths)
+        if t_max > self.rand_noise.size(-1):
+            raise ValueError(
+                f"flow: {t_max} mel frames exceed the fixed noise buffer of {self.rand_noise.size(-1)} frames"
+            )
+
+        lengths_cpu = torch.tensor([token_lengths, enc_lengths, mel_lengths], dtype=torch.long)
+        token_len_t, enc_len_t, mel_len_t = lengths_cpu.to(device).unbind(0)
+        streaming_t = torch.tensor(streaming_f, dtype=torch.bool).to(device)
+
+        ids = pad_sequence(seqs, batch_first=True, padding_value=0)
+        token_mask = torch.arange(ids.size(1), device=device).unsqueeze(0) < token_len_t.unsqueeze(1)
+        x = self.input_embedding(ids.clamp(min=0)) * token_mask.unsqueeze(-1).to(dtype)
+        h = self.encoder(x, token_len_t, enc_len_t, streaming_t, max(enc_lengths))
+
+        mask = (torch.arange(t_max, device=device).unsqueeze(0) < mel_len_t.unsqueeze(1)).unsqueeze(1).to(dtype)
+        mu = self.encoder_proj(h).transpose(1, 2) * mask
+        spks = self.spk_embed_affine_layer(F.normalize(emb.to(device=device, dtype=dtype), dim=1))
+        cond = pad_sequence(feats, batch_first=True)  # [B, F_max, n_mels]
+        cond = F.pad(cond, (0, 0, 0, t_max - cond.size(1))).transpose(1, 2)
+        return FlowConditioning(
+            encoder_out=h, mu=mu, spks=spks, cond=cond, mask=mask, streaming=streaming_t,
+            mel_lengths=tuple(mel_lengths), prompt_frames=tuple(prompt_frames),
+        )
+
+    @torch.inference_mode()
+    def solve(self, c: FlowConditioning, n_timesteps: int | None = None) -> Tensor:
+        """Flow-matching ODE for a :class:`FlowConditioning`: ``[B, n_mels, T]`` float32 log-mel
+        including prompt and padded frames."""
+        return self.decoder.solve(c.mu, c.mask, c.spks, c.cond, c.streaming, n_timesteps)
+
+    @torch.inference_mode()
+    def inference_batch(self, tokens: Sequence[Tensor], prompt_tokens: Sequence[Tensor],
+                        prompt_feats: Sequence[Tensor], embeddings: Tensor | Sequence[Tensor],
+                        streaming: bool | Sequence[bool] = False, finalize: bool | Sequence[bool] = True,
+                        n_timesteps: int | None = None) -> list[Tensor]:
+        """Several utterances in one forward pass (right-padded, per-item masks).
+
+        Args:
+            tokens: ``B`` integer tensors ``[1, N_b]`` (or ``[N_b]``): speech-token ids
+                (25 tokens/s, ``< vocab_size``; negative ids are clamped to 0 as upstream).
+            prompt_tokens: ``B`` integer tensors ``[1, P_b]`` / ``[P_b]``, possibly empty.
+            prompt_feats: ``B`` float tensors ``[1, F_b, n_mels]`` / ``[F_b, n_mels]``:
+                prompt log-mel (50 frames/s), normally ``F_b = token_mel_ratio * P_b``;
+                possibly empty.
+            embeddings: ``[B, spk_embed_dim]`` float tensor or ``B`` tensors
+                ``[1, spk_embed_dim]``: speaker x-vectors (L2-normalised here).
+            streaming: one bool for all items or one per item: chunk-causal attention in
+                encoder and estimator (upstream ``streaming``).
+            finalize: one bool or one per item; False marks a non-final streaming chunk
+                whose last ``pre_lookahead_len`` tokens are look-ahead context only.
+            n_timesteps: Euler steps (default ``CFMConfig.n_timesteps`` = 10).
+
+        Returns:
+            ``B`` float32 tensors ``[1, n_mels, T_b]``: log-mel of the non-prompt frames,
+            ``T_b = token_mel_ratio * (P_b + N_b - (0 if finalize_b else pre_lookahead_len)) - F_b``.
+            Each equals :meth:`inference` on that item alone (up to float summation order).
+
+        Raises:
+            ValueError: inconsistent list lengths, wrong shapes/dtypes, too few tokens
+                (none at all, or ``<= pre_lookahead_len`` in a non-final chunk), more prompt
+                frames than frames in all, or more frames than the fixed noise buffer
+                (``CFMConfig.noise_frames``, 300 s).
+        """
+        c = self.condition(tokens, prompt_tokens, prompt_feats, embeddings, streaming, finalize)
+        mel = self.solve(c, n_timesteps)
+        return [mel[i:i + 1, :, p:n] for i, (p, n) in enumerate(zip(c.prompt_frames, c.mel_lengths))]
+
+    @torch.inference_mode()
+    def inference(self, token: Tensor, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor,
+                  streaming: bool, finalize: bool) -> Tensor:
+        """One utterance, upstream ``CausalMaskedDiffWithXvec.inference`` semantics.
+
+        Args:
+            token: ``[1, N]`` int speech tokens (25/s).
+            prompt_token: ``[1, P]`` int prompt speech tokens (``P`` may be 0).
+            prompt_feat: ``[1, F, n_mels]`` float prompt log-mel (50 frames/s), normally
+                ``F = token_mel_ratio * P``; ``[1, 0, n_mels]`` without prompt.
+            embedding: ``[1, spk_embed_dim]`` float speaker x-vector (L2-normalised here).
+            streaming: chunk-causal attention (encoder chunk ``static_chunk_size`` tokens,
+                estimator chunk ``EstimatorConfig.static_chunk_size`` frames, from frame 0).
+            finalize: False for a non-final streaming chunk: the last
+                ``pre_lookahead_len`` tokens are look-ahead context only (no frames for them).
+
+        Returns:
+            ``[1, n_mels, T]`` float32 natural-log mel of the non-prompt frames,
+            ``T = token_mel_ratio * (P + N - (0 if finalize else pre_lookahead_len)) - F``.
+
+        Raises:
+            ValueError: a batch dimension other than 1, or any condition listed in
+                :meth:`inference_batch`.
+        """
+        for name, x in (("token", token), ("prompt_token", prompt_token), ("prompt_feat", prompt_feat),
+                        ("embedding", embedding)):
+            if not isinstance(x, Tensor) or x.dim() < 2 or x.size(0) != 1:
+                shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+                raise ValueError(f"flow.inference: {name} must have batch dimension 1, got {shape}")
+        return self.inference_batch([token], [prompt_token], [prompt_feat], embedding,
+                                    [bool(streaming)], [bool(finalize)])[0]

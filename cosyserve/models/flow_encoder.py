@@ -1,0 +1,319 @@
+"""Token encoder of the CosyVoice2 flow model: conformer, 2x (token_mel_ratio) upsampling, conformer.
+
+Algorithm source: CosyVoice commit ace7c47, ``cosyvoice/transformer/upsample_encoder.py``
+(``UpsampleConformerEncoder``, ``PreLookaheadLayer``, ``Upsample1D``) with the building
+blocks ``encoder_layer.ConformerEncoderLayer`` (no macaron feed-forward, no convolution
+module, pre-norm), ``attention.RelPositionMultiHeadedAttention``,
+``embedding.EspnetRelPositionalEncoding``, ``subsampling.LinearNoSubsampling`` and
+``positionwise_feed_forward.PositionwiseFeedForward``. This is an independent, batched
+re-implementation: module attribute names follow upstream only so that ``state_dict()``
+keys equal those of the official ``flow.pt`` (``encoder.*``).
+
+Data flow for one utterance of ``L`` speech tokens (25 tokens/s) whose embeddings are
+``x [L, D]``:
+
+1. ``embed``: Linear -> LayerNorm(eps 1e-5) -> multiply by sqrt(D).
+2. ``pre_lookahead_layer``: conv over ``[t, t + pre_lookahead_len]`` (look-ahead) then a
+   causal kernel-3 conv, residual. In a *non-final* streaming chunk the last
+   ``pre_lookahead_len`` tokens are look-ahead context only: the encoder sequence is the
+   first ``T = L - pre_lookahead_len`` tokens and the context tokens are only read by this
+   convolution. Otherwise ``T = L`` and the look-ahead reads zeros past the end.
+3. ``encoders``: ``num_blocks`` conformer layers over ``T`` positions with relative
+   positional self-attention; key padding mask, plus a chunk-causal mask with chunks of
+   ``static_chunk_size`` positions (counted from position 0 = first prompt token) when
+   the utterance is decoded in streaming mode.
+4. ``up_layer``: nearest-neighbour repeat by ``upsample_stride`` (= token_mel_ratio), left
+   pad by ``2 * stride`` zeros, conv of kernel ``2 * stride + 1`` (causal). ``T' = stride * T``
+   positions, i.e. mel frames at 50 frames/s.
+5. ``up_embed`` (Linear -> LayerNorm -> sqrt(D)), ``num_up_blocks`` conformer layers
+   (chunk size ``stride * static_chunk_size`` in streaming mode), final LayerNorm.
+
+Batching: items are right-padded. Everything that could let padding reach valid positions
+is neutralised: the embedded tokens are zeroed past each item's token count before the
+look-ahead convolution (upstream, single item, pads with true zeros there, *after* the
+LayerNorm that would otherwise make zero embeddings non-zero), attention masks padded keys
+per item, the upsampling convolution is causal and every other operation is position-wise.
+
+Deviation from upstream (documented, no numerical effect for the real model):
+upstream builds ``pre_lookahead_layer`` and ``up_layer`` with a literal 512 channels; here
+they are sized from ``EncoderConfig.output_size`` (512 in CosyVoice2-0.5B). The look-ahead
+length is ``EncoderConfig.pre_lookahead_len`` (literal 3 upstream, 3 in the config) and the
+upsample stride ``EncoderConfig.upsample_stride`` (literal 2 upstream, = token_mel_ratio).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import ConfigError
+from .config import EncoderConfig
+
+_ACTIVATIONS = {"swish": nn.SiLU, "relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
+
+
+def relative_position_table(size: int, d_model: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """ESPnet relative sinusoidal table for ``size`` positions.
+
+    Returns ``[1, 2 * size - 1, d_model]`` of ``dtype``; row ``m`` encodes the relative
+    distance ``size - 1 - m`` (query index minus key index), i.e. rows run from
+    ``+(size-1)`` down to ``-(size-1)``. Even channels hold ``sin(r * w_k)``, odd channels
+    ``cos(r * w_k)`` with ``w_k = exp(-2k * ln(10000) / d_model)``, evaluated in float32 as
+    ``EspnetRelPositionalEncoding.extend_pe`` does (its precomputed table is sliced to the
+    same rows; the values do not depend on the table's ``max_len``).
+    """
+    rel = torch.arange(size - 1, -size, -1, device=device, dtype=torch.float32).unsqueeze(1)
+    inv_freq = torch.exp(
+        torch.arange(0, d_model, 2, device=device, dtype=torch.float32) * -(math.log(10000.0) / d_model)
+    )
+    angles = rel * inv_freq
+    table = torch.empty(2 * size - 1, d_model, device=device, dtype=torch.float32)
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles)
+    return table.unsqueeze(0).to(dtype)
+
+
+def chunk_attention_mask(key_valid: Tensor, streaming: Tensor, chunk: int) -> Tensor:
+    """Per-item boolean self-attention mask ``[B, T, T]`` (True = may attend).
+
+    ``key_valid`` ``[B, T]`` bool marks each item's valid (non-padded) positions; padded
+    keys are masked. For items with ``streaming[b]`` True and ``chunk > 0``, query ``i``
+    may in addition only see keys ``j < (i // chunk + 1) * chunk`` (upstream
+    ``subsequent_chunk_mask`` with all left chunks, chunks counted from position 0).
+    No row is ever all-False when every item has a valid position 0, so upstream's
+    "force all-False rows to True" fix-up never applies.
+    """
+    size = key_valid.size(1)
+    allowed = key_valid.unsqueeze(1)  # [B, 1, T]
+    if chunk > 0:
+        pos = torch.arange(size, device=key_valid.device)
+        chunk_end = (torch.div(pos, chunk, rounding_mode="floor") + 1) * chunk
+        causal = pos.unsqueeze(0) < chunk_end.unsqueeze(1)  # [T, T]
+        return allowed & (causal.unsqueeze(0) | ~streaming.view(-1, 1, 1))
+    return allowed.expand(-1, size, -1)
+
+
+def _prefix_mask(lengths: Tensor, size: int) -> Tensor:
+    """``[B, size]`` bool, True at positions ``< lengths[b]``."""
+    return torch.arange(size, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
+
+
+class LinearInputLayer(nn.Module):
+    """``LinearNoSubsampling`` + ``EspnetRelPositionalEncoding`` scaling.
+
+    ``[B, T, idim] -> [B, T, odim]``: Linear, LayerNorm(eps 1e-5), times ``sqrt(odim)``.
+    (Upstream's dropouts are inference no-ops; the positional table is produced
+    separately by :func:`relative_position_table`.)
+    """
+
+    def __init__(self, idim: int, odim: int):
+        super().__init__()
+        self.out = nn.Sequential(nn.Linear(idim, odim), nn.LayerNorm(odim, eps=1e-5))
+        self.xscale = math.sqrt(odim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(x) * self.xscale
+
+
+class RelPositionSelfAttention(nn.Module):
+    """Transformer-XL style self-attention with relative positions (ESPnet variant).
+
+    score(i, j) = ((q_i + u) . k_j + (q_i + v) . p_{i-j}) / sqrt(d_k), where ``p`` are
+    the projected rows of :func:`relative_position_table`. The positional term and the
+    mask are folded into one additive bias and the rest runs in
+    ``F.scaled_dot_product_attention`` (masked keys get ``-inf``, i.e. exactly zero weight,
+    as upstream's masked_fill before/after softmax).
+    """
+
+    def __init__(self, n_head: int, n_feat: int, key_bias: bool = True):
+        super().__init__()
+        if n_feat % n_head:
+            raise ConfigError(f"flow encoder: output_size {n_feat} is not divisible by attention_heads {n_head}")
+        self.h = n_head
+        self.d_k = n_feat // n_head
+        # learnable biases u, v of Transformer-XL section 3.3 (values come from flow.pt)
+        self.pos_bias_u = nn.Parameter(torch.zeros(self.h, self.d_k))
+        self.pos_bias_v = nn.Parameter(torch.zeros(self.h, self.d_k))
+        self.linear_q = nn.Linear(n_feat, n_feat)
+        self.linear_k = nn.Linear(n_feat, n_feat, bias=key_bias)
+        self.linear_v = nn.Linear(n_feat, n_feat)
+        self.linear_out = nn.Linear(n_feat, n_feat)
+        self.linear_pos = nn.Linear(n_feat, n_feat, bias=False)
+
+    @staticmethod
+    def _shift(scores: Tensor) -> Tensor:
+        """``[..., T, 2T-1]`` (column m = distance T-1-m) -> ``[..., T, T]`` (column j = key j).
+
+        Zero-copy strided view: out[i, j] = scores[i, T - 1 - i + j].
+        """
+        scores = scores.contiguous()
+        t = scores.size(-2)
+        st = scores.stride()
+        return scores.as_strided(
+            scores.shape[:-1] + (t,),
+            st[:-2] + (st[-2] - 1, 1),
+            scores.storage_offset() + t - 1,
+        )
+
+    def forward(self, x: Tensor, pos_table: Tensor, allowed: Tensor) -> Tensor:
+        """``x [B, T, F]``, ``pos_table [1, 2T-1, F]``, ``allowed [B, T, T]`` bool -> ``[B, T, F]``."""
+        b, t, _ = x.shape
+        q = self.linear_q(x).view(b, t, self.h, self.d_k)
+        k = self.linear_k(x).view(b, t, self.h, self.d_k).transpose(1, 2)
+        v = self.linear_v(x).view(b, t, self.h, self.d_k).transpose(1, 2)
+        p = self.linear_pos(pos_table).view(1, -1, self.h, self.d_k).transpose(1, 2)  # [1, H, 2T-1, dk]
+        q_u = (q + self.pos_bias_u).transpose(1, 2)
+        q_v = (q + self.pos_bias_v).transpose(1, 2)
+        scale = 1.0 / math.sqrt(self.d_k)
+        pos_scores = self._shift(torch.matmul(q_v, p.transpose(-2, -1))) * scale  # [B, H, T, T]
+        bias = pos_scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+        out = F.scaled_dot_product_attention(q_u, k, v, attn_mask=bias, scale=scale)
+        return self.linear_out(out.transpose(1, 2).reshape(b, t, self.h * self.d_k))
+
+
+class PositionwiseFeedForward(nn.Module):
+    """``w_2(act(w_1(x)))`` applied per position."""
+
+    def __init__(self, idim: int, hidden: int, activation: str):
+        super().__init__()
+        self.w_1 = nn.Linear(idim, hidden)
+        self.activation = _ACTIVATIONS[activation]()
+        self.w_2 = nn.Linear(hidden, idim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_2(self.activation(self.w_1(x)))
+
+
+class ConformerLayer(nn.Module):
+    """Pre-norm block as CosyVoice2 configures ``ConformerEncoderLayer``.
+
+    ``x + MHA(LN(x))`` then ``x + FFN(LN(x))``, both LayerNorms with eps 1e-12.
+    """
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        d = cfg.output_size
+        self.self_attn = RelPositionSelfAttention(cfg.attention_heads, d, cfg.key_bias)
+        self.feed_forward = PositionwiseFeedForward(d, cfg.linear_units, cfg.activation)
+        self.norm_ff = nn.LayerNorm(d, eps=1e-12)
+        self.norm_mha = nn.LayerNorm(d, eps=1e-12)
+
+    def forward(self, x: Tensor, pos_table: Tensor, allowed: Tensor) -> Tensor:
+        x = x + self.self_attn(self.norm_mha(x), pos_table, allowed)
+        return x + self.feed_forward(self.norm_ff(x))
+
+
+class PreLookaheadLayer(nn.Module):
+    """Look-ahead convolution (kernel ``lookahead + 1`` over ``[t, t + lookahead]``),
+    LeakyReLU(0.01), causal kernel-3 convolution, residual.
+
+    Input ``[B, T_in, C]`` whose positions past each item's encoder length already hold
+    either its look-ahead context (non-final chunk) or zeros; ``lookahead`` more zeros are
+    appended here. Output ``[B, T_in, C]`` (only positions < each item's encoder length
+    are meaningful).
+    """
+
+    def __init__(self, channels: int, lookahead: int):
+        super().__init__()
+        self.lookahead = lookahead
+        self.conv1 = nn.Conv1d(channels, channels, kernel_size=lookahead + 1)
+        self.conv2 = nn.Conv1d(channels, channels, kernel_size=3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.pad(x.transpose(1, 2), (0, self.lookahead))
+        h = F.leaky_relu(self.conv1(h))
+        h = self.conv2(F.pad(h, (self.conv2.kernel_size[0] - 1, 0)))
+        return h.transpose(1, 2) + x
+
+
+class RepeatUpsample(nn.Module):
+    """Nearest-neighbour upsampling by ``stride`` followed by a causal conv (kernel ``2*stride+1``).
+
+    ``[B, C, T] -> [B, C, stride * T]``; output frame ``t`` depends on input frames
+    ``<= t // stride`` only.
+    """
+
+    def __init__(self, channels: int, stride: int):
+        super().__init__()
+        self.stride = stride
+        self.conv = nn.Conv1d(channels, channels, 2 * stride + 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.interpolate(x, scale_factor=float(self.stride), mode="nearest")
+        return self.conv(F.pad(x, (2 * self.stride, 0)))
+
+
+class UpsampleConformerEncoder(nn.Module):
+    """Speech-token embeddings -> hidden states at the mel frame rate.
+
+    See the module docstring for the algorithm. Built from :class:`EncoderConfig`;
+    raises :class:`~cosyserve.errors.ConfigError` if ``input_size != output_size``
+    (upstream feeds the ``output_size``-wide upsampled states into ``up_embed``, whose
+    Linear is ``input_size`` wide) or the activation is unknown.
+    """
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        if cfg.input_size != cfg.output_size:
+            raise ConfigError(
+                f"flow encoder: input_size {cfg.input_size} must equal output_size {cfg.output_size} "
+                "(the upsampled states re-enter a Linear of width input_size)"
+            )
+        if cfg.activation not in _ACTIVATIONS:
+            raise ConfigError(f"flow encoder: activation {cfg.activation!r} unsupported")
+        self.cfg = cfg
+        d = cfg.output_size
+        self.embed = LinearInputLayer(cfg.input_size, d)
+        self.after_norm = nn.LayerNorm(d, eps=1e-5)
+        self.pre_lookahead_layer = PreLookaheadLayer(d, cfg.pre_lookahead_len)
+        self.encoders = nn.ModuleList(ConformerLayer(cfg) for _ in range(cfg.num_blocks))
+        self.up_layer = RepeatUpsample(d, cfg.upsample_stride)
+        self.up_embed = LinearInputLayer(cfg.input_size, d)
+        self.up_encoders = nn.ModuleList(ConformerLayer(cfg) for _ in range(cfg.num_up_blocks))
+
+    @property
+    def output_size(self) -> int:
+        return self.cfg.output_size
+
+    def forward(self, tokens: Tensor, token_lengths: Tensor, lengths: Tensor, streaming: Tensor,
+                max_length: int) -> Tensor:
+        """Encode a right-padded batch.
+
+        Args:
+            tokens: ``[B, L_max, input_size]`` token embeddings (model dtype), zero past
+                each item's token count.
+            token_lengths: ``[B]`` int64, tokens per item including look-ahead context.
+            lengths: ``[B]`` int64, encoder positions per item (``token_lengths`` minus
+                ``pre_lookahead_len`` for non-final streaming chunks), each >= 1.
+            streaming: ``[B]`` bool, chunk-causal attention per item.
+            max_length: ``int(lengths.max())``, passed by the caller to avoid a host sync.
+
+        Returns:
+            ``[B, stride * max_length, output_size]`` after the final LayerNorm; item ``b``
+            is valid for its first ``stride * lengths[b]`` positions (mel frames).
+        """
+        stride = self.cfg.upsample_stride
+        x = self.embed(tokens)
+        # zero past each item's tokens: upstream (one item) pads with zeros *after* the LayerNorm
+        keep = _prefix_mask(token_lengths, x.size(1))
+        x = torch.where(keep.unsqueeze(-1), x, x.new_zeros(()))
+        x = self.pre_lookahead_layer(x)[:, :max_length]
+
+        allowed = chunk_attention_mask(_prefix_mask(lengths, max_length), streaming, self.cfg.static_chunk_size)
+        pos = relative_position_table(max_length, self.output_size, x.device, x.dtype)
+        for layer in self.encoders:
+            x = layer(x, pos, allowed)
+
+        x = self.up_layer(x.transpose(1, 2)).transpose(1, 2)
+        up_len = stride * max_length
+        x = self.up_embed(x)
+        allowed = chunk_attention_mask(
+            _prefix_mask(lengths * stride, up_len), streaming, self.cfg.static_chunk_size * stride
+        )
+        pos = relative_position_table(up_len, self.output_size, x.device, x.dtype)
+        for layer in self.up_encoders:
+            x = layer(x, pos, allowed)
+        return self.after_norm(x)
