@@ -119,3 +119,14 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     den = b.norm().item()
     num = (a - b).norm().item()
     return num / den if den > 0 else num
+
+
+class one_thread:
+    """Run a block with one torch thread, as the reference data was produced (bit-exact checks)."""
+
+    def __enter__(self):
+        self.n = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.n)

@@ -1,0 +1,138 @@
+"""Asyncio front of the engine: a background thread steps :class:`EngineCore`.
+
+Model compute must not block the event loop that serves HTTP/gRPC, so one dedicated
+thread runs ``EngineCore.step()`` while there is work (PyTorch releases the GIL inside
+kernels) and sleeps on a condition variable when idle. Each request gets an
+``asyncio.Queue`` that the thread fills through ``loop.call_soon_threadsafe``; the
+request's async iterator drains it. Leaving the iterator early (client disconnect,
+cancellation, ``break``) aborts the request, so its KV slot and caches are freed before
+the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+
+from .core import EngineCore
+from .request import AudioChunk, EngineRequest, Outcome, RequestFinished
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    """Runs an :class:`EngineCore` in a background thread for asyncio callers."""
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the engine thread; must be called from the event loop's thread."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="cosyserve-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self, drain_timeout: float = 0.0) -> None:
+        """Stop the thread. With ``drain_timeout`` > 0, running requests may finish first;
+        whatever is left is aborted (its iterators end with an ``aborted`` outcome)."""
+        if drain_timeout > 0:
+            deadline = asyncio.get_running_loop().time() + drain_timeout
+            while self._queues and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+        for rid in list(self._queues):
+            self.core.abort(rid, Outcome.ABORTED)
+        self._wake()
+        await asyncio.sleep(0)
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+            self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        core = self.core
+        while True:
+            with self._cv:
+                while not self._stop and not core.has_work():
+                    self._cv.wait(timeout=0.5)
+                if self._stop and not core.has_work():
+                    return
+            try:
+                events = core.step()
+            except BaseException as exc:  # an engine bug: fail loudly, keep the process up
+                log.exception("engine step failed")
+                self.error = exc
+                events = []
+                for rid in list(self._queues):
+                    events.append(RequestFinished(rid, Outcome.ERROR, exc))
+                    core.abort(rid, Outcome.ERROR)
+            if events and self._loop is not None:
+                self._loop.call_soon_threadsafe(self._dispatch, events)
+
+    def _dispatch(self, events: list) -> None:
+        for ev in events:
+            q = self._queues.get(ev.request_id)
+            if q is not None:
+                q.put_nowait(ev)
+                if isinstance(ev, RequestFinished):
+                    self._queues.pop(ev.request_id, None)
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, req: EngineRequest) -> asyncio.Queue:
+        """Queue ``req``; returns its event queue. Raises ``QueueFullError``/``InvalidInputError``."""
+        if self._loop is None:
+            raise RuntimeError("AsyncEngine.start() was not called")
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[req.request_id] = q
+        try:
+            self.core.add_request(req)
+        except BaseException:
+            self._queues.pop(req.request_id, None)
+            raise
+        self._wake()
+        return q
+
+    def abort(self, request_id: str) -> None:
+        self.core.abort(request_id, Outcome.ABORTED)
+        self._wake()
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[AudioChunk | RequestFinished]:
+        """Submit ``req`` and yield its audio chunks, then its :class:`RequestFinished`.
+
+        Stopping the iteration early (or cancelling the task) aborts the request.
+        """
+        q = self.submit(req)
+        done = False
+        try:
+            while True:
+                ev = await q.get()
+                if isinstance(ev, RequestFinished):
+                    done = True
+                    yield ev
+                    return
+                yield ev
+        finally:
+            if not done:
+                self._queues.pop(req.request_id, None)
+                self.abort(req.request_id)

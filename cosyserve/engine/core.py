@@ -1,0 +1,420 @@
+"""The engine core: one scheduler that owns the models and batches every request's work.
+
+:class:`EngineCore` is a synchronous state machine (no threads, no I/O): callers add
+requests, then call :meth:`EngineCore.step` repeatedly; each step returns the events it
+produced (:class:`~cosyserve.engine.request.AudioChunk`,
+:class:`~cosyserve.engine.request.RequestFinished`). The CLI steps it directly; servers
+run it in a background thread (:mod:`cosyserve.engine.async_engine`).
+
+One step:
+
+1. **Commands and expiry** — aborted or timed-out requests free their KV slot and caches
+   before any compute (a disconnected client costs nothing after this point).
+2. **Admission** — queued requests become active while fewer than ``max_active`` are.
+   Beyond ``max_active + max_queue`` requests, :meth:`add_request` refuses at once
+   (:class:`QueueFullError`): the queue is bounded.
+3. **LM** (continuous batching) — text segments whose turn has come get a KV-cache slot
+   and are prefilled (at most ``max_prefill_tokens`` per step, at least one segment, so
+   newcomers never stall running streams for long); then every running segment advances
+   one token in ONE batched decode step over the slots; requests join and leave between
+   steps. Sampling is per request (upstream repetition-aware sampling with the request's
+   own generator), so a request samples what it would sample alone.
+4. **token2wav** — every stream whose next chunk is ready (chunk schedule) or whose LM
+   has finished contributes one job; all jobs run as one flow batch + one HiFT batch
+   (:class:`~cosyserve.engine.token2wav.Token2Wav`), each with its own caches.
+
+Failures are isolated: an exception in a batch is retried per request, and only the
+request that fails is finished with an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import CosyServeError, InvalidInputError
+from ..models.llm import KVCache
+from ..models.loader import CosyVoice2Models
+from ..models.sampling import UpstreamSampler
+from .request import (
+    AudioChunk,
+    EngineRequest,
+    Outcome,
+    RequestFinished,
+    RequestState,
+    SegmentState,
+)
+from .token2wav import Token2Wav, Token2WavJob
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(CosyServeError):
+    """The engine already holds ``max_active + max_queue`` requests (HTTP 429)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Scheduler limits.
+
+    ``max_active``: requests processed concurrently (= KV-cache slots); ``max_queue``:
+    requests that may wait beyond those; ``kv_max_len``: positions per KV slot (prompt
+    prefix + generated tokens of one segment); ``max_prefill_tokens``: prefill budget per
+    step; ``max_t2w_batch``: token2wav jobs per step.
+    """
+
+    max_active: int = 16
+    max_queue: int = 64
+    kv_max_len: int = 4096
+    max_prefill_tokens: int = 4096
+    max_t2w_batch: int = 16
+
+    def __post_init__(self):
+        if self.max_active < 1 or self.max_queue < 0 or self.kv_max_len < 64 or self.max_t2w_batch < 1:
+            raise ValueError("invalid engine limits")
+
+
+class EngineObserver:
+    """Hooks for metrics; the default does nothing. Called from the engine thread."""
+
+    def lm_step(self, batch_size: int, prefill_tokens: int, seconds: float) -> None: ...
+
+    def token2wav_step(self, batch_size: int, seconds: float) -> None: ...
+
+    def chunk(self, chunk: AudioChunk, latency_s: float | None) -> None: ...
+
+    def finished(self, event: RequestFinished) -> None: ...
+
+
+@dataclass
+class EngineStats:
+    active: int = 0
+    queued: int = 0
+    kv_slots_used: int = 0
+    kv_slots_total: int = 0
+    steps: int = 0
+    last_lm_batch: int = 0
+    last_t2w_batch: int = 0
+    lm_batches: dict = field(default_factory=dict)
+    t2w_batches: dict = field(default_factory=dict)
+
+
+class EngineCore:
+    """Continuous-batching scheduler over the speech LM and token2wav (see module doc)."""
+
+    def __init__(self, models: CosyVoice2Models, config: EngineConfig = EngineConfig(),
+                 observer: EngineObserver | None = None):
+        if models.llm is None or models.flow is None or models.hift is None:
+            raise ValueError("the engine needs the LM, flow and HiFT")
+        self.models = models
+        self.cfg = config
+        self.observer = observer or EngineObserver()
+        self.lm = models.llm
+        self.sample_rate = models.cfg.sample_rate
+        self.t2w = Token2Wav(models.flow, models.hift, models.cfg.token_mel_ratio)
+        if self.lm.max_positions < config.kv_max_len:
+            self.lm.setup_rope(config.kv_max_len)
+        self.cache = KVCache.allocate(self.lm, config.max_active, config.kv_max_len)
+        self._free_slots = list(range(config.max_active))
+        self._stop_ids = frozenset(models.cfg.llm.stop_token_ids)
+        self._waiting: OrderedDict[str, RequestState] = OrderedDict()
+        self._active: OrderedDict[str, RequestState] = OrderedDict()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._n_requests = 0  # waiting + active + not yet processed adds
+        self.stats = EngineStats(kv_slots_total=config.max_active)
+
+    # ------------------------------------------------------------------ public API
+    def _new_sampler(self) -> UpstreamSampler:
+        c = self.models.cfg.llm
+        return UpstreamSampler(c.sampling, eos_id=c.eos_token)
+
+    def prefix_len(self, req: EngineRequest, seg_ids: torch.Tensor) -> int:
+        v = req.voice
+        return 2 + v.prompt_text_ids.numel() + seg_ids.numel() + v.llm_speech_token.numel()
+
+    def add_request(self, req: EngineRequest) -> RequestState:
+        """Queue a request (thread-safe). Raises :class:`QueueFullError` when the engine is
+        full and :class:`InvalidInputError` when a segment cannot fit the KV cache."""
+        for i, ids in enumerate(req.segments):
+            room = self.cfg.kv_max_len - self.prefix_len(req, ids)
+            if room < max(1, int(ids.numel() * req.params.min_token_text_ratio)) + 1:
+                raise InvalidInputError(
+                    f"text segment {i} with this prompt needs more than the {self.cfg.kv_max_len} positions of the "
+                    "KV cache; use a shorter prompt or text", field="input")
+        st = RequestState.create(req, self.models.cfg.llm.speech_token_size, self._new_sampler)
+        for seg in st.segments:
+            seg.max_len = min(seg.max_len, self.cfg.kv_max_len - self.prefix_len(req, seg.text_ids))
+        with self._lock:
+            if self._n_requests >= self.cfg.max_active + self.cfg.max_queue:
+                raise QueueFullError(
+                    f"server busy: {self._n_requests} requests in progress or queued "
+                    f"(max_active={self.cfg.max_active}, max_queue={self.cfg.max_queue})")
+            self._n_requests += 1
+        self._inbox.put(("add", st))
+        return st
+
+    def abort(self, request_id: str, outcome: Outcome = Outcome.ABORTED) -> None:
+        """Cancel a request (thread-safe); its slot and caches are freed at the next step."""
+        self._inbox.put(("abort", request_id, outcome))
+
+    def has_work(self) -> bool:
+        return bool(self._active or self._waiting or not self._inbox.empty())
+
+    @property
+    def n_requests(self) -> int:
+        return self._n_requests
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list:
+        """Advance every request by at most one LM token and one audio chunk; return events."""
+        events: list = []
+        self._drain_inbox(events)
+        self._expire(events)
+        self._admit()
+        if self._active:
+            self._lm_step(events)
+            self._t2w_step(events)
+        self.stats.steps += 1
+        self.stats.active = len(self._active)
+        self.stats.queued = len(self._waiting)
+        self.stats.kv_slots_used = self.cfg.max_active - len(self._free_slots)
+        return events
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _drain_inbox(self, events: list) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                st = cmd[1]
+                self._waiting[st.request_id] = st
+            else:
+                _, rid, outcome = cmd
+                st = self._active.get(rid) or self._waiting.get(rid)
+                if st is not None:
+                    st.aborted = outcome
+
+    def _expire(self, events: list) -> None:
+        now = time.monotonic()
+        for st in list(self._waiting.values()) + list(self._active.values()):
+            if st.aborted is None and st.deadline is not None and now > st.deadline:
+                st.aborted = Outcome.TIMEOUT
+            if st.aborted is not None:
+                err = TimeoutError(f"request timed out after {st.req.params.timeout_s} s") \
+                    if st.aborted is Outcome.TIMEOUT else None
+                self._finish(st, events, st.aborted, err)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._active) < self.cfg.max_active:
+            rid, st = self._waiting.popitem(last=False)
+            self._active[rid] = st
+
+    def _release_slot(self, seg: SegmentState) -> None:
+        if seg.slot is not None:
+            self._free_slots.append(seg.slot)
+            self._free_slots.sort()
+            seg.slot = None
+
+    def _finish(self, st: RequestState, events: list, outcome: Outcome, error: Exception | None = None) -> None:
+        for seg in st.segments:
+            self._release_slot(seg)
+            seg.hift_state = type(seg.hift_state)()
+        self._active.pop(st.request_id, None)
+        self._waiting.pop(st.request_id, None)
+        with self._lock:
+            self._n_requests -= 1
+        now = time.monotonic()
+        ev = RequestFinished(
+            request_id=st.request_id, outcome=outcome, error=error,
+            n_tokens=sum(len(s.tokens) for s in st.segments),
+            audio_s=st.audio_samples / self.sample_rate,
+            first_chunk_s=None if st.first_chunk_at is None else st.first_chunk_at - st.req.arrival,
+            total_s=now - st.req.arrival, seed=st.seed, tokens=[list(s.tokens) for s in st.segments],
+        )
+        events.append(ev)
+        self.observer.finished(ev)
+
+    def _fail(self, st: RequestState, events: list, exc: Exception) -> None:
+        log.error("request %s failed: %s", st.request_id, exc, exc_info=not isinstance(exc, CosyServeError))
+        if st.request_id in self._active or st.request_id in self._waiting:
+            self._finish(st, events, Outcome.ERROR, exc)
+
+    # ------------------------------------------------------------------ LM
+    def _lm_finish_segment(self, st: RequestState, seg: SegmentState) -> None:
+        seg.lm_done = True
+        st.hift_generator(seg)  # offline: fork HiFT's generator now, before the next segment samples
+        self._release_slot(seg)
+        st.lm_segment += 1
+
+    @torch.inference_mode()
+    def _lm_step(self, events: list) -> None:
+        t0 = time.perf_counter()
+        lm = self.lm
+        rows: list[tuple[RequestState, SegmentState]] = []
+        hidden: list[torch.Tensor] = []
+        # 1. prefill newcomers (bounded)
+        budget = self.cfg.max_prefill_tokens
+        prefill_tokens = 0
+        for st in list(self._active.values()):
+            seg = st.next_lm_segment()
+            if seg is None or seg.prefilled or not self._free_slots:
+                continue
+            n = self.prefix_len(st.req, seg.text_ids)
+            if prefill_tokens and prefill_tokens + n > budget:
+                break
+            try:
+                v = st.req.voice
+                prefix = lm.embed_prefix(seg.text_ids, v.prompt_text_ids, v.llm_speech_token)
+                slot = self._free_slots.pop(0)
+                seg.slot = slot
+                h = lm.forward_cached(prefix[None], self.cache, torch.tensor([slot]), torch.tensor([0]))[:, -1]
+            except Exception as exc:  # noqa: BLE001 - isolate the failing request
+                self._fail(st, events, exc)
+                continue
+            seg.length = prefix.shape[0]
+            seg.prefilled = True
+            prefill_tokens += n
+            rows.append((st, seg))
+            hidden.append(h)
+        # 2. one batched decode step for running segments
+        running = [(st, st.segments[st.lm_segment]) for st in self._active.values()
+                   if st.next_lm_segment() is not None]
+        running = [(st, seg) for st, seg in running if seg.prefilled and seg.tokens and not seg.lm_done
+                   and all(seg is not s for _, s in rows)]
+        if running:
+            toks = torch.tensor([[seg.tokens[-1]] for _, seg in running])
+            slots = torch.tensor([seg.slot for _, seg in running])
+            start = torch.tensor([seg.length for _, seg in running])
+            try:
+                h = lm.forward_cached(lm.embed_speech(toks), self.cache, slots, start)[:, -1]
+            except Exception as exc:  # noqa: BLE001
+                for st, _ in running:
+                    self._fail(st, events, exc)
+                running = []
+            else:
+                for _, seg in running:
+                    seg.length += 1
+                rows.extend(running)
+                hidden.append(h)
+        if not rows:
+            return
+        logp = lm.logprobs(torch.cat(hidden)).cpu()
+        # 3. per-request sampling (upstream RAS, each with its own generator)
+        for i, (st, seg) in enumerate(rows):
+            if st.request_id not in self._active:
+                continue
+            tok = seg.sampler.sample(logp[i], seg.tokens, seg.lm_gen, ignore_eos=len(seg.tokens) < seg.min_len)
+            if tok in self._stop_ids:
+                self._lm_finish_segment(st, seg)
+                continue
+            seg.tokens.append(tok)
+            if len(seg.tokens) >= seg.max_len:
+                self._lm_finish_segment(st, seg)
+        dt = time.perf_counter() - t0
+        self.stats.last_lm_batch = len(rows)
+        self.stats.lm_batches[len(rows)] = self.stats.lm_batches.get(len(rows), 0) + 1
+        self.observer.lm_step(len(rows), prefill_tokens, dt)
+
+    # ------------------------------------------------------------------ token2wav
+    def _next_job(self, st: RequestState) -> tuple[SegmentState, Token2WavJob] | None:
+        while st.out_segment < len(st.segments):
+            seg = st.segments[st.out_segment]
+            if seg.lm_done and not seg.tokens:  # nothing was generated: the segment is silent
+                seg.t2w_done = True
+                st.out_segment += 1
+                continue
+            v = st.req.voice
+            if seg.stream and seg.schedule.ready(len(seg.tokens)):
+                end = seg.schedule.chunk_end()
+                return seg, Token2WavJob(v, torch.tensor(seg.tokens[:end]), seg.schedule.token_offset, False, True,
+                                         seg.hift_state, st.hift_generator(seg))
+            if seg.lm_done:
+                offset = seg.schedule.token_offset if seg.stream else 0
+                return seg, Token2WavJob(v, torch.tensor(seg.tokens), offset, True, False, seg.hift_state,
+                                         st.hift_generator(seg), speed=st.req.params.speed)
+            return None
+        return None
+
+    def _t2w_step(self, events: list) -> None:
+        picked: list[tuple[RequestState, SegmentState, Token2WavJob]] = []
+        for st in list(self._active.values()):
+            if len(picked) >= self.cfg.max_t2w_batch:
+                break
+            nxt = self._next_job(st)
+            if nxt is not None:
+                picked.append((st, *nxt))
+            elif st.out_segment >= len(st.segments):
+                self._finish(st, events, Outcome.OK)
+        if not picked:
+            return
+        t0 = time.perf_counter()
+        try:
+            results = self.t2w.run([j for _, _, j in picked])
+        except Exception:  # noqa: BLE001 - find the culprit, keep the others
+            results = []
+            for st, _, job in picked:
+                try:
+                    results.append(self.t2w.run([job])[0])
+                except Exception as exc:  # noqa: BLE001
+                    self._fail(st, events, exc)
+                    results.append(None)
+        dt = time.perf_counter() - t0
+        self.stats.last_t2w_batch = len(picked)
+        self.stats.t2w_batches[len(picked)] = self.stats.t2w_batches.get(len(picked), 0) + 1
+        self.observer.token2wav_step(len(picked), dt)
+        now = time.monotonic()
+        for (st, seg, job), res in zip(picked, results):
+            if res is None or st.request_id not in self._active:
+                continue
+            seg.hift_state = res.hift_state
+            if job.finalize:
+                n_tok = len(seg.tokens) - job.token_offset
+                seg.t2w_done = True
+                st.out_segment += 1
+                self._skip_silent_segments(st)
+            else:
+                n_tok = seg.schedule.hop
+                seg.schedule.advance()
+            last = st.out_segment >= len(st.segments)
+            chunk = AudioChunk(st.request_id, st.chunks, seg.index, res.speech.numpy(), self.sample_rate, n_tok,
+                               final=last)
+            st.chunks += 1
+            st.audio_samples += chunk.samples.shape[0]
+            latency = None
+            if st.first_chunk_at is None:
+                st.first_chunk_at = now
+                latency = now - st.req.arrival
+            events.append(chunk)
+            self.observer.chunk(chunk, latency)
+            if last:
+                self._finish(st, events, Outcome.OK)
+
+    def _skip_silent_segments(self, st: RequestState) -> None:
+        while st.out_segment < len(st.segments):
+            seg = st.segments[st.out_segment]
+            if seg.lm_done and not seg.tokens:
+                seg.t2w_done = True
+                st.out_segment += 1
+            else:
+                return
+
+    # ------------------------------------------------------------------ convenience
+    def run_to_completion(self, req: EngineRequest):
+        """Add ``req`` and step until it finishes; yields its events (single-user helper)."""
+        self.add_request(req)
+        while True:
+            for ev in self.step():
+                if ev.request_id != req.request_id:
+                    continue
+                yield ev
+                if isinstance(ev, RequestFinished):
+                    return

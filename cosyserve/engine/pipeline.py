@@ -1,0 +1,131 @@
+"""The synthesis pipeline: text + voice -> engine request -> audio.
+
+:class:`Synthesizer` owns the models and the frontend of one model directory: it
+normalises and splits the text, tokenises it, resolves the voice (a registered voice id,
+or a reference recording + transcript turned into a voice on the fly) and builds
+:class:`~cosyserve.engine.request.EngineRequest` objects for the engine. CLI and servers
+use it; it knows nothing about HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import InvalidInputError
+from ..frontend.frontend import DEFAULT_MAX_TEXT_CHARS, Frontend
+from ..frontend.voice import Voice, VoiceStore
+from ..models.demo import is_demo_model
+from ..models.loader import CosyVoice2Models, load_models, open_model_dir
+from .core import EngineConfig, EngineCore
+from .request import AudioChunk, EngineRequest, RequestFinished, SynthesisParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SynthesisResult:
+    """A finished request: the audio (mono float32) and timings in seconds."""
+
+    audio: torch.Tensor
+    sample_rate: int
+    chunks: list[AudioChunk] = field(default_factory=list)
+    finished: RequestFinished | None = None
+    first_chunk_s: float | None = None
+    total_s: float = 0.0
+
+    @property
+    def duration_s(self) -> float:
+        return self.audio.numel() / self.sample_rate
+
+    @property
+    def rtf(self) -> float:
+        """Real-time factor: compute time / audio duration."""
+        return self.total_s / self.duration_s if self.duration_s > 0 else float("inf")
+
+
+class Synthesizer:
+    """Frontend + models of one CosyVoice2 model directory.
+
+    Args:
+      model_dir: the official layout (see :mod:`cosyserve.models.loader`).
+      device, dtype: where the LM and flow run (HiFT runs in float32).
+      voices_dir: voice store directory (optional).
+      normalizer: ``auto`` / ``wetext`` / ``rules`` / ``none`` (see :mod:`cosyserve.frontend.text`).
+      models: already loaded networks (e.g. :func:`cosyserve.models.loader.build_random`).
+      max_text_chars: longest accepted input text.
+    Raises :class:`~cosyserve.errors.ModelDirError` for an unusable model directory.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        voices_dir: str | Path | None = None,
+        normalizer: str = "auto",
+        models: CosyVoice2Models | None = None,
+        onnx_providers: list[str] | None = None,
+        max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
+    ):
+        md = open_model_dir(model_dir, need=("onnx", "qwen") if models is not None else
+                            ("llm", "flow", "hift", "onnx", "qwen"))
+        self.is_demo = is_demo_model(md.root)
+        if self.is_demo:
+            log.warning("%s is a DEMO model with random weights: its audio is noise", md.root)
+        self.models = models or load_models(md.root, device=device, dtype=dtype)
+        self.cfg = self.models.cfg
+        self.frontend = Frontend(md, self.cfg, normalizer, onnx_providers, max_text_chars)
+        self.voices = VoiceStore(voices_dir) if voices_dir is not None else None
+
+    @property
+    def sample_rate(self) -> int:
+        return self.cfg.sample_rate
+
+    def new_engine(self, config: EngineConfig = EngineConfig(), observer=None) -> EngineCore:
+        return EngineCore(self.models, config, observer)
+
+    def make_voice(self, voice_id: str, audio, transcript: str, meta: dict | None = None) -> Voice:
+        """See :meth:`cosyserve.frontend.frontend.Frontend.make_voice`."""
+        return self.frontend.make_voice(voice_id, audio, transcript, meta)
+
+    def get_voice(self, voice_id: str) -> Voice:
+        """A registered voice; raises :class:`~cosyserve.errors.VoiceNotFoundError`."""
+        if self.voices is None:
+            raise InvalidInputError(f"unknown voice {voice_id!r}: no voice store is configured", field="voice")
+        return self.voices.get(voice_id)
+
+    def build_request(self, text: str, voice: Voice, params: SynthesisParams = SynthesisParams(),
+                      request_id: str | None = None) -> EngineRequest:
+        """Normalise, split and tokenise ``text`` for ``voice``."""
+        return EngineRequest(request_id or uuid.uuid4().hex, self.frontend.token_ids(text), voice, params)
+
+    def synthesize(self, text: str, voice: Voice, params: SynthesisParams = SynthesisParams(),
+                   engine: EngineCore | None = None, on_chunk=None) -> SynthesisResult:
+        """Run one request to completion on ``engine`` (a private one by default).
+
+        ``on_chunk(chunk)`` is called as each audio chunk arrives (streaming output).
+        Raises the request's error (e.g. :class:`InvalidInputError`) if it fails.
+        """
+        engine = engine or self.new_engine(EngineConfig(max_active=1, max_queue=0))
+        req = self.build_request(text, voice, params)
+        chunks: list[AudioChunk] = []
+        finished = None
+        for ev in engine.run_to_completion(req):
+            if isinstance(ev, AudioChunk):
+                chunks.append(ev)
+                if on_chunk is not None:
+                    on_chunk(ev)
+            else:
+                finished = ev
+        if finished is not None and finished.error is not None:
+            raise finished.error
+        audio = torch.from_numpy(np.concatenate([c.samples for c in chunks]) if chunks else np.zeros(0, np.float32))
+        return SynthesisResult(audio, self.sample_rate, chunks, finished,
+                               finished.first_chunk_s if finished else None,
+                               finished.total_s if finished else 0.0)

@@ -1,0 +1,97 @@
+"""token2wav: speech tokens -> waveform chunks, batched across streams.
+
+One :class:`Token2WavJob` is one call of upstream ``CosyVoice2Model.token2wav``: the flow
+turns ``[prompt tokens, tokens[:end]]`` into mel (chunk-causal attention for non-final
+streaming chunks, look-ahead tokens excluded), the frames before ``token_offset`` are
+dropped, and HiFT turns the rest into audio with the stream's cache (8-frame mel
+overlap, 3840-sample excitation and speech overlap with a Hamming cross-fade). Jobs of
+different streams that are ready at the same time run as ONE flow batch and ONE HiFT
+batch; each keeps its own caches and random generator, and its result equals what it
+would be alone (see the batching tests).
+
+The first chunk of a stream therefore costs one flow solve over prompt + first chunk,
+later chunks recompute the flow over everything so far (as upstream: the chunk-causal
+attention makes earlier frames unchanged, and the look-ahead tokens of the last chunk are
+refined when more tokens arrive).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..frontend.voice import Voice
+from ..models.hift import HiFTGenerator, HiFTStreamState, hift_stream_step_batch
+
+
+@dataclass
+class Token2WavJob:
+    """One token2wav call.
+
+    ``tokens``: int tensor ``[N]`` of speech tokens passed to the flow (all tokens so far,
+    up to and including the look-ahead for non-final chunks). ``token_offset``: tokens
+    already turned into audio by earlier chunks. ``finalize``: last chunk of the segment
+    (no look-ahead exclusion, no held-back tail). ``streaming``: chunk-causal flow
+    attention (upstream passes ``stream`` for non-final chunks only).
+    """
+
+    voice: Voice
+    tokens: torch.Tensor
+    token_offset: int
+    finalize: bool
+    streaming: bool
+    hift_state: HiFTStreamState
+    generator: torch.Generator | None
+    speed: float = 1.0
+
+
+@dataclass
+class Token2WavResult:
+    speech: torch.Tensor          # [N] float32 on CPU
+    hift_state: HiFTStreamState   # state for the next chunk (empty after a final chunk)
+
+
+class Token2Wav:
+    """Batched flow + HiFT over :class:`Token2WavJob`s.
+
+    ``flow`` runs in its own dtype on its device; HiFT runs in float32. ``token_mel_ratio``
+    comes from the model configuration.
+    """
+
+    def __init__(self, flow, hift: HiFTGenerator, token_mel_ratio: int):
+        self.flow = flow
+        self.hift = hift
+        self.ratio = token_mel_ratio
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.flow.parameters()).device
+
+    @torch.inference_mode()
+    def run(self, jobs: list[Token2WavJob]) -> list[Token2WavResult]:
+        """Run ``jobs`` as one flow batch and one HiFT batch; results in job order."""
+        if not jobs:
+            return []
+        dev = self.device
+        mels = self.flow.inference_batch(
+            [j.tokens.to(dev)[None] for j in jobs],
+            [j.voice.flow_speech_token.to(dev)[None] for j in jobs],
+            [j.voice.speech_feat.to(dev)[None] for j in jobs],
+            torch.stack([j.voice.flow_embedding for j in jobs]).to(dev),
+            streaming=[j.streaming for j in jobs],
+            finalize=[j.finalize for j in jobs],
+        )
+        hift_dev = next(self.hift.parameters()).device
+        chunks = []
+        for j, mel in zip(jobs, mels):
+            m = mel[:, :, j.token_offset * self.ratio:].to(hift_dev, torch.float32)
+            if j.finalize and j.speed != 1.0 and j.hift_state.empty:
+                m = F.interpolate(m, size=max(1, int(m.shape[2] / j.speed)), mode="linear")
+            chunks.append(m)
+        out = hift_stream_step_batch(
+            self.hift, [j.hift_state for j in jobs], chunks, [j.finalize for j in jobs],
+            [j.generator for j in jobs],
+        )
+        return [Token2WavResult(speech[0].float().cpu(), state) for speech, state in out]

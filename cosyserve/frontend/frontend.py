@@ -1,0 +1,101 @@
+"""The request frontend of one model directory: text -> token ids, audio -> voice.
+
+:class:`Frontend` bundles the text tokenizer (``CosyVoice-BlankEN``), text normalisation
+and splitting (:mod:`cosyserve.frontend.text`) and prompt extraction from a reference
+recording (:mod:`cosyserve.frontend.prompt`: resampling, prompt mel, S3Tokenizer and
+CAM++ ONNX models). It needs no network weights, so voice management can run without
+loading the LM, flow or HiFT.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import InvalidInputError
+from ..models.config import CosyVoice2Config, load_config
+from ..models.loader import ModelDir, open_model_dir
+from .audio import AudioSource
+from .prompt import PromptExtractor
+from .text import TextFrontend
+from .tokenizer import TextTokenizer
+from .voice import Voice, validate_voice_id
+
+DEFAULT_MAX_TEXT_CHARS = 5000
+
+
+class Frontend:
+    """Text and voice preprocessing for one model directory.
+
+    Args:
+      model_dir: an official-layout model directory (only the yaml, ``CosyVoice-BlankEN/``
+        and the two ONNX files are used).
+      normalizer: ``auto`` / ``wetext`` / ``rules`` / ``none``.
+      onnx_providers: onnxruntime providers for the speech tokenizer and CAM++.
+      max_text_chars: longest accepted input text (characters).
+    Raises :class:`~cosyserve.errors.ModelDirError` if files are missing.
+    """
+
+    def __init__(self, model_dir: str | Path | ModelDir, cfg: CosyVoice2Config | None = None,
+                 normalizer: str = "auto", onnx_providers: list[str] | None = None,
+                 max_text_chars: int = DEFAULT_MAX_TEXT_CHARS):
+        self.model_dir = model_dir if isinstance(model_dir, ModelDir) else open_model_dir(
+            model_dir, need=("onnx", "qwen"))
+        self.cfg = cfg or load_config(self.model_dir.yaml)
+        self.tokenizer = TextTokenizer(self.model_dir.qwen)
+        self.text = TextFrontend(lambda s: len(self.tokenizer.encode(s)), normalizer)
+        self.prompts = PromptExtractor(self.model_dir.root, self.cfg, providers=onnx_providers)
+        self.max_text_chars = max_text_chars
+
+    def warmup(self) -> None:
+        """Load normaliser grammars and run both ONNX models once, so that the first request
+        does not pay for initialisation."""
+        self.text.warmup()
+        self.text.split("你好。Hello.")
+        wav = torch.zeros(1, self.cfg.sample_rate * 2)
+        wav[0, ::50] = 0.1
+        self.prompts.extract(wav, self.cfg.sample_rate)
+
+    def make_voice(self, voice_id: str, audio: AudioSource | tuple[torch.Tensor, int], transcript: str,
+                   meta: dict | None = None) -> Voice:
+        """Compute a zero-shot voice from a reference recording and its transcript.
+
+        ``audio``: a path, bytes, a binary file, or ``(waveform [C, N] float32, sample_rate)``.
+        Raises :class:`InvalidInputError` for bad audio (undecodable, shorter than 1 s,
+        longer than 30 s, ...), an invalid id or an empty transcript.
+        """
+        validate_voice_id(voice_id, "name")
+        if not isinstance(transcript, str) or not transcript.strip():
+            raise InvalidInputError("the transcript of the reference audio (prompt text) is empty",
+                                    field="prompt_text")
+        if isinstance(audio, tuple):
+            feats = self.prompts.extract(audio[0], int(audio[1]))
+        else:
+            feats = self.prompts.extract_file(audio)
+        ids = torch.tensor(self.tokenizer.encode(self.text.prompt(transcript)), dtype=torch.int32)
+        info = {"created": time.time(), "source": "zero-shot", **(meta or {})}
+        return Voice.from_features(voice_id, transcript.strip(), ids, feats.speech_token, feats.speech_feat,
+                                   feats.embedding, info)
+
+    def segments(self, text: str) -> list[str]:
+        """Normalised text segments to speak in order; raises :class:`InvalidInputError`
+        for empty, too long, or unspeakable (punctuation-only) text."""
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidInputError("the text is empty", field="input")
+        if len(text) > self.max_text_chars:
+            raise InvalidInputError(f"the text has {len(text)} characters; the limit is {self.max_text_chars}",
+                                    field="input")
+        segs = self.text.split(text)
+        if not segs:
+            raise InvalidInputError("the text has nothing to speak (only punctuation or symbols)", field="input")
+        return segs
+
+    def token_ids(self, text: str) -> list[torch.Tensor]:
+        """Token ids (1-D long tensors) of each normalised segment of ``text``."""
+        ids = [torch.tensor(self.tokenizer.encode(s), dtype=torch.long) for s in self.segments(text)]
+        ids = [t for t in ids if t.numel()]
+        if not ids:
+            raise InvalidInputError("the text has nothing to speak", field="input")
+        return ids

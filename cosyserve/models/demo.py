@@ -1,0 +1,342 @@
+"""The demo model: an official-layout model directory with RANDOM weights.
+
+Real CosyVoice2 weights cannot be shipped or downloaded here, yet everything (CLI,
+server, tests, ``make demo``) must run on a fresh machine. ``cosyserve demo-model DIR``
+writes a directory in the exact official layout, with the real architecture at a small
+size and fixed-seed random weights:
+
+* ``cosyvoice2.yaml`` in the official HyperPyYAML form (same classes and keys as the
+  real file, small dimensions), loadable by upstream CosyVoice too;
+* ``llm.pt`` / ``flow.pt`` / ``hift.pt`` state dicts with the official key spellings;
+* ``CosyVoice-BlankEN/``: the real tokenizer files (shipped in ``cosyserve/assets``) and a
+  small Qwen2 ``config.json``;
+* ``campplus.onnx`` and ``speech_tokenizer_v2.onnx``: STAND-INS with the real inputs and
+  outputs (CAM++: fbank ``[1, T, 80]`` -> ``[1, 192]``; S3Tokenizer v2: whisper log-mel
+  ``[1, 128, T]`` + length ``[1]`` -> int64 tokens ``[1, ceil(T/4)]`` in ``[0, 6561)``),
+  computing simple fixed random functions of their input.
+
+**Its output is noise.** It proves the plumbing, shapes, latency and streaming; it says
+nothing about speech quality. Every command that uses it says so.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEMO_MARKER = "DEMO_MODEL_RANDOM_WEIGHTS.txt"
+DEMO_WARNING = "demo model with RANDOM weights: the audio is noise, not speech"
+
+
+@dataclass(frozen=True)
+class DemoSize:
+    """Dimensions of the demo model (the real model's are in the docstrings' brackets)."""
+
+    llm_hidden: int = 64          # [896]
+    llm_layers: int = 2           # [24]
+    llm_heads: int = 4            # [14]
+    llm_kv_heads: int = 2         # [2]
+    llm_intermediate: int = 192   # [4864]
+    flow_dim: int = 64            # [512]
+    flow_heads: int = 2           # [8]
+    flow_blocks: int = 2          # [6]
+    flow_linear: int = 128        # [2048]
+    dec_channels: int = 64        # [256]
+    dec_head_dim: int = 32        # [64]
+    dec_heads: int = 2            # [8]
+    dec_blocks: int = 1           # [4]
+    dec_mid_blocks: int = 2       # [12]
+    hift_channels: int = 64       # [512]
+
+
+_YAML = """\
+# cosyserve DEMO MODEL: random weights, small dimensions. The audio it makes is noise.
+# Same structure, classes and keys as the official CosyVoice2-0.5B cosyvoice2.yaml.
+__set_seed1: !apply:random.seed [1986]
+__set_seed2: !apply:numpy.random.seed [1986]
+__set_seed3: !apply:torch.manual_seed [1986]
+__set_seed4: !apply:torch.cuda.manual_seed_all [1986]
+
+sample_rate: 24000
+llm_input_size: {llm_hidden}
+llm_output_size: {llm_hidden}
+spk_embed_dim: 192
+qwen_pretrain_path: ''
+token_frame_rate: 25
+token_mel_ratio: 2
+
+chunk_size: 25
+num_decoding_left_chunks: -1
+
+llm: !new:cosyvoice.llm.llm.Qwen2LM
+    llm_input_size: !ref <llm_input_size>
+    llm_output_size: !ref <llm_output_size>
+    speech_token_size: 6561
+    length_normalized_loss: True
+    lsm_weight: 0
+    mix_ratio: [5, 15]
+    llm: !new:cosyvoice.llm.llm.Qwen2Encoder
+        pretrain_path: !ref <qwen_pretrain_path>
+    sampling: !name:cosyvoice.utils.common.ras_sampling
+        top_p: 0.8
+        top_k: 25
+        win_size: 10
+        tau_r: 0.1
+
+flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
+    input_size: {flow_dim}
+    output_size: 80
+    spk_embed_dim: !ref <spk_embed_dim>
+    output_type: 'mel'
+    vocab_size: 6561
+    input_frame_rate: !ref <token_frame_rate>
+    only_mask_loss: True
+    token_mel_ratio: !ref <token_mel_ratio>
+    pre_lookahead_len: 3
+    encoder: !new:cosyvoice.transformer.upsample_encoder.UpsampleConformerEncoder
+        output_size: {flow_dim}
+        attention_heads: {flow_heads}
+        linear_units: {flow_linear}
+        num_blocks: {flow_blocks}
+        dropout_rate: 0.1
+        positional_dropout_rate: 0.1
+        attention_dropout_rate: 0.1
+        normalize_before: True
+        input_layer: 'linear'
+        pos_enc_layer_type: 'rel_pos_espnet'
+        selfattention_layer_type: 'rel_selfattn'
+        input_size: {flow_dim}
+        use_cnn_module: False
+        macaron_style: False
+        static_chunk_size: !ref <chunk_size>
+    decoder: !new:cosyvoice.flow.flow_matching.CausalConditionalCFM
+        in_channels: 240
+        n_spks: 1
+        spk_emb_dim: 80
+        cfm_params: !new:omegaconf.DictConfig
+            content:
+                sigma_min: 1e-06
+                solver: 'euler'
+                t_scheduler: 'cosine'
+                training_cfg_rate: 0.2
+                inference_cfg_rate: 0.7
+                reg_loss_type: 'l1'
+        estimator: !new:cosyvoice.flow.decoder.CausalConditionalDecoder
+            in_channels: 320
+            out_channels: 80
+            channels: [{dec_channels}]
+            dropout: 0.0
+            attention_head_dim: {dec_head_dim}
+            n_blocks: {dec_blocks}
+            num_mid_blocks: {dec_mid_blocks}
+            num_heads: {dec_heads}
+            act_fn: 'gelu'
+            static_chunk_size: !ref <chunk_size> * <token_mel_ratio>
+            num_decoding_left_chunks: !ref <num_decoding_left_chunks>
+
+hift: !new:cosyvoice.hifigan.generator.HiFTGenerator
+    in_channels: 80
+    base_channels: {hift_channels}
+    nb_harmonics: 8
+    sampling_rate: !ref <sample_rate>
+    nsf_alpha: 0.1
+    nsf_sigma: 0.003
+    nsf_voiced_threshold: 10
+    upsample_rates: [8, 5, 3]
+    upsample_kernel_sizes: [16, 11, 7]
+    istft_params:
+        n_fft: 16
+        hop_len: 4
+    resblock_kernel_sizes: [3, 7, 11]
+    resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5], [1, 3, 5]]
+    source_resblock_kernel_sizes: [7, 7, 11]
+    source_resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5], [1, 3, 5]]
+    lrelu_slope: 0.1
+    audio_limit: 0.99
+    f0_predictor: !new:cosyvoice.hifigan.f0_predictor.ConvRNNF0Predictor
+        num_class: 1
+        in_channels: 80
+        cond_channels: {hift_channels}
+
+get_tokenizer: !name:cosyvoice.tokenizer.tokenizer.get_qwen_tokenizer
+    token_path: !ref <qwen_pretrain_path>
+    skip_special_tokens: True
+allowed_special: 'all'
+feat_extractor: !name:matcha.utils.audio.mel_spectrogram
+    n_fft: 1920
+    num_mels: 80
+    sampling_rate: !ref <sample_rate>
+    hop_size: 480
+    win_size: 1920
+    fmin: 0
+    fmax: 8000
+    center: False
+"""
+
+
+def demo_yaml(size: DemoSize = DemoSize()) -> str:
+    """The demo ``cosyvoice2.yaml`` text for ``size``."""
+    return _YAML.format(**size.__dict__)
+
+
+def demo_qwen_config(size: DemoSize = DemoSize()) -> dict:
+    """A Qwen2 ``config.json`` with the official fields and the demo dimensions."""
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "hidden_act": "silu",
+        "hidden_size": size.llm_hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": size.llm_intermediate,
+        "max_position_embeddings": 32768,
+        "max_window_layers": size.llm_layers,
+        "model_type": "qwen2",
+        "num_attention_heads": size.llm_heads,
+        "num_hidden_layers": size.llm_layers,
+        "num_key_value_heads": size.llm_kv_heads,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 32768,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    }
+
+
+# ---------------------------------------------------------------------------- ONNX stand-ins
+
+
+def _finish(model):
+    """Pin the IR version (opset 18 = IR 8) so older onnxruntime builds load the file; validate."""
+    import onnx
+
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def campplus_standin(seed: int = 0):
+    """ONNX stand-in for CAM++: ``input`` float32 [1, T, 80] -> ``output`` float32 [1, 192].
+
+    Computes the per-bin mean and root-mean-square over time (160 values) and a fixed
+    random linear map to 192 dimensions.
+    """
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = (np.random.default_rng(seed).standard_normal((160, 192)) / np.sqrt(160)).astype(np.float32)
+    nodes = [
+        helper.make_node("ReduceMean", ["input", "axis1"], ["mean"], keepdims=0),
+        helper.make_node("Mul", ["input", "input"], ["sq"]),
+        helper.make_node("ReduceMean", ["sq", "axis1"], ["msq"], keepdims=0),
+        helper.make_node("Sqrt", ["msq"], ["rms"]),
+        helper.make_node("Concat", ["mean", "rms"], ["stats"], axis=1),
+        helper.make_node("MatMul", ["stats", "w"], ["output"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "campplus_standin",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, "T", 80])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, 192])],
+        initializer=[numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array([1], np.int64), "axis1")],
+    )
+    return _finish(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)],
+                                     producer_name="cosyserve-demo (STAND-IN, not CAM++)"))
+
+
+def speech_tokenizer_standin(seed: int = 1):
+    """ONNX stand-in for S3Tokenizer v2.
+
+    Inputs ``feats`` float32 [1, 128, T] (whisper log-mel, 100 frames/s) and
+    ``feats_length`` int32 [1]; output ``indices`` int64 [1, ceil(T/4)] (25 tokens/s) in
+    ``[0, 6561)``: every 4th frame is projected to 8 values, squashed with tanh, rounded to
+    {-1, 0, 1} and read as 8 base-3 digits.
+    """
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = (np.random.default_rng(seed).standard_normal((128, 8)) * 0.3).astype(np.float32)
+    powers = (3 ** np.arange(8)).astype(np.float32)
+    init = [
+        numpy_helper.from_array(w, "w"),
+        numpy_helper.from_array(powers, "powers"),
+        numpy_helper.from_array(np.array([0], np.int64), "start"),
+        numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), "end"),
+        numpy_helper.from_array(np.array([2], np.int64), "axes"),
+        numpy_helper.from_array(np.array([4], np.int64), "steps"),
+        numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+        numpy_helper.from_array(np.array([-1], np.int64), "last"),
+    ]
+    nodes = [
+        helper.make_node("Slice", ["feats", "start", "end", "axes", "steps"], ["sub"]),
+        helper.make_node("Transpose", ["sub"], ["sub_t"], perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["sub_t", "w"], ["proj"]),
+        helper.make_node("Tanh", ["proj"], ["sq"]),
+        helper.make_node("Round", ["sq"], ["digits"]),
+        helper.make_node("Add", ["digits", "one"], ["digits01"]),
+        helper.make_node("Mul", ["digits01", "powers"], ["weighted"]),
+        helper.make_node("ReduceSum", ["weighted", "last"], ["code"], keepdims=0),
+        helper.make_node("Cast", ["code"], ["indices"], to=TensorProto.INT64),
+    ]
+    graph = helper.make_graph(
+        nodes, "speech_tokenizer_v2_standin",
+        [helper.make_tensor_value_info("feats", TensorProto.FLOAT, [1, 128, "T"]),
+         helper.make_tensor_value_info("feats_length", TensorProto.INT32, [1])],
+        [helper.make_tensor_value_info("indices", TensorProto.INT64, [1, "T4"])],
+        initializer=init,
+    )
+    return _finish(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)],
+                                     producer_name="cosyserve-demo (STAND-IN, not S3Tokenizer)"))
+
+
+# ---------------------------------------------------------------------------- writer
+
+
+def _asset(*parts: str) -> Path:
+    return Path(str(resources.files("cosyserve").joinpath("assets", *parts)))
+
+
+def write_demo_model(out_dir: str | Path, seed: int = 0, size: DemoSize = DemoSize(), force: bool = False) -> Path:
+    """Write the demo model directory (see module docstring); returns its path.
+
+    Existing files are kept unless ``force``; a directory that already holds a complete
+    demo model is returned as is.
+    """
+    import onnx
+
+    from .loader import build_random
+
+    out = Path(out_dir).expanduser()
+    if (out / DEMO_MARKER).is_file() and (out / "llm.pt").is_file() and not force:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    qdir = out / "CosyVoice-BlankEN"
+    qdir.mkdir(exist_ok=True)
+    for f in ("vocab.json", "merges.txt", "tokenizer_config.json"):
+        shutil.copyfile(_asset("blanken", f), qdir / f)
+    (qdir / "config.json").write_text(json.dumps(demo_qwen_config(size), indent=2) + "\n")
+    (out / "cosyvoice2.yaml").write_text(demo_yaml(size))
+
+    models = build_random(out / "cosyvoice2.yaml", seed=seed, fold_weight_norm=False)
+    torch.save(models.llm.state_dict(), out / "llm.pt")
+    torch.save(models.flow.state_dict(), out / "flow.pt")
+    torch.save(models.hift.state_dict(), out / "hift.pt")
+    onnx.save(campplus_standin(seed), str(out / "campplus.onnx"))
+    onnx.save(speech_tokenizer_standin(seed + 1), str(out / "speech_tokenizer_v2.onnx"))
+    (out / DEMO_MARKER).write_text(
+        "This is a cosyserve DEMO model: the real CosyVoice2 architecture at a small size with fixed-seed\n"
+        "RANDOM weights, and stand-in ONNX files. Its audio is noise. Use the official CosyVoice2-0.5B\n"
+        "directory for real speech.\n"
+    )
+    return out
+
+
+def is_demo_model(model_dir: str | Path) -> bool:
+    return (Path(model_dir) / DEMO_MARKER).is_file()

@@ -1,0 +1,163 @@
+"""`cosyserve` commands on the reference tiny model directory; bad input gives one clear line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from _reference import model_dir, require_reference_dir
+from cosyserve.cli import main
+
+TEXT = "你好，世界。"
+TRANSCRIPT = "希望你以后能够做的比我还好呦。"
+RATIO = ["--min-token-text-ratio", "4", "--max-token-text-ratio", "5"]
+
+
+@pytest.fixture(scope="module")
+def prompt_wav():
+    return str(require_reference_dir() / "audio" / "zero_shot_prompt.wav")
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_synthesize_prompt_wav_offline_and_stream(tmp_path, capsys, prompt_wav):
+    md = model_dir()
+    out1 = tmp_path / "off.wav"
+    code, out, err = run(capsys, "synthesize", "--model-dir", md, "--prompt-wav", prompt_wav, "--prompt-text",
+                         TRANSCRIPT, "--text", TEXT, "--seed", 3, "-o", out1, *RATIO)
+    assert code == 0, err
+    assert "RTF" in out
+    out2 = tmp_path / "stream.wav"
+    code, out, err = run(capsys, "synthesize", "--model-dir", md, "--prompt-wav", prompt_wav, "--prompt-text",
+                         TRANSCRIPT, "--text", TEXT, "--seed", 3, "--stream", "-o", out2, *RATIO)
+    assert code == 0, err
+    assert "first-chunk latency" in out and "RTF" in out
+    a, sr = sf.read(out1)
+    b, sr2 = sf.read(out2)
+    assert sr == sr2 == 24000 and a.shape == b.shape
+    n_tokens = int(out.split(" speech tokens")[0].split()[-1])
+    assert len(b) == n_tokens * 960 and np.abs(b).max() > 0.01
+
+
+def test_voices_lifecycle_and_synthesize_by_voice(tmp_path, capsys, prompt_wav):
+    md, vd = model_dir(), tmp_path / "voices"
+    code, out, err = run(capsys, "voices", "--voices-dir", vd, "add", "alice", "--model-dir", md,
+                         "--prompt-wav", prompt_wav, "--prompt-text", TRANSCRIPT)
+    assert code == 0, err
+    code, out, _ = run(capsys, "voices", "--voices-dir", vd, "list")
+    assert "alice" in out and TRANSCRIPT in out
+    code, out, err = run(capsys, "synthesize", "--model-dir", md, "--voices-dir", vd, "--voice", "alice",
+                         "--text", TEXT, "--seed", 1, "-o", tmp_path / "a.wav", *RATIO)
+    assert code == 0, err
+    code, out, err = run(capsys, "voices", "--voices-dir", vd, "export", tmp_path / "spk2info.pt")
+    assert code == 0 and "exported 1" in out
+    code, out, err = run(capsys, "voices", "--voices-dir", tmp_path / "v2", "import", tmp_path / "spk2info.pt")
+    assert code == 0 and "alice" in out
+    code, out, err = run(capsys, "voices", "--voices-dir", vd, "remove", "alice")
+    assert code == 0
+    code, out, err = run(capsys, "voices", "--voices-dir", vd, "remove", "alice")
+    assert code == 2 and "unknown voice 'alice'" in err
+
+
+def test_reference_spk2info_imports(tmp_path, capsys):
+    code, out, err = run(capsys, "voices", "--voices-dir", tmp_path, "import", model_dir() / "spk2info.pt")
+    assert code == 0, err
+
+
+@pytest.fixture()
+def garbage(tmp_path):
+    p = tmp_path / "garbage.wav"
+    p.write_bytes(b"RIFF\x00\x00not really a wav file at all" * 10)
+    return p
+
+
+@pytest.fixture()
+def short_wav(tmp_path):
+    p = tmp_path / "short.wav"
+    sf.write(p, np.random.default_rng(0).standard_normal(8000).astype(np.float32) * 0.1, 16000)
+    return p
+
+
+@pytest.fixture()
+def long_wav(tmp_path):
+    p = tmp_path / "long.wav"
+    sf.write(p, np.random.default_rng(0).standard_normal(16000 * 31).astype(np.float32) * 0.1, 16000)
+    return p
+
+
+@pytest.fixture()
+def text_file(tmp_path):
+    p = tmp_path / "notes.txt"
+    p.write_text("hello")
+    return p
+
+
+BAD = [
+    # (args builder, expected message fragment)
+    (lambda f: ["--prompt-wav", "/nonexistent/x.wav", "--prompt-text", TRANSCRIPT, "--text", TEXT], "not found"),
+    (lambda f: ["--prompt-wav", f["garbage"], "--prompt-text", TRANSCRIPT, "--text", TEXT], "decode"),
+    (lambda f: ["--prompt-wav", f["text_file"], "--prompt-text", TRANSCRIPT, "--text", TEXT], "decode"),
+    (lambda f: ["--prompt-wav", f["short"], "--prompt-text", TRANSCRIPT, "--text", TEXT], "too short"),
+    (lambda f: ["--prompt-wav", f["long"], "--prompt-text", TRANSCRIPT, "--text", TEXT], "too long"),
+    (lambda f: ["--prompt-wav", f["ok"], "--prompt-text", TRANSCRIPT, "--text", "   "], "text is empty"),
+    (lambda f: ["--prompt-wav", f["ok"], "--prompt-text", "", "--text", TEXT], "transcript"),
+    (lambda f: ["--voices-dir", f["tmp"], "--voice", "nobody", "--text", TEXT], "unknown voice 'nobody'"),
+    (lambda f: ["--text", TEXT], "a voice is required"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(BAD)))
+def test_bad_input_one_clear_message(i, tmp_path, capsys, garbage, short_wav, long_wav, text_file, prompt_wav):
+    files = {"garbage": garbage, "short": short_wav, "long": long_wav, "text_file": text_file, "ok": prompt_wav,
+             "tmp": tmp_path / "voices"}
+    args, fragment = BAD[i]
+    code, out, err = run(capsys, "synthesize", "--model-dir", model_dir(), *args(files), "-o", tmp_path / "o.wav")
+    assert code == 2
+    assert err.startswith("cosyserve: error: ") and fragment in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_wrong_model_dir(tmp_path, capsys):
+    code, out, err = run(capsys, "synthesize", "--model-dir", tmp_path, "--prompt-wav", "x.wav", "--prompt-text", "x",
+                         "--text", TEXT, "-o", tmp_path / "o.wav")
+    assert code == 2 and "not a complete CosyVoice2 model directory" in err and "llm.pt" in err
+    code, out, err = run(capsys, "synthesize", "--model-dir", tmp_path / "missing", "--voice", "x", "--text", TEXT,
+                         "-o", tmp_path / "o.wav")
+    assert code == 2 and "does not exist" in err
+
+
+def test_unsupported_output_format(tmp_path, capsys, prompt_wav):
+    code, out, err = run(capsys, "synthesize", "--model-dir", model_dir(), "--prompt-wav", prompt_wav, "--prompt-text",
+                         TRANSCRIPT, "--text", TEXT, "-o", tmp_path / "o.xyz")
+    assert code == 2 and "unsupported output format" in err
+
+
+def test_real_process_prints_no_traceback(tmp_path):
+    """The installed entry point, as a user runs it."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    p = subprocess.run([sys.executable, "-m", "cosyserve.cli", "synthesize", "--model-dir", str(tmp_path), "--voice",
+                        "v", "--text", "hi", "-o", str(tmp_path / "o.wav")], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert p.returncode == 2
+    assert p.stderr.strip().startswith("cosyserve: error:") and "Traceback" not in p.stderr
+
+
+def test_convert_llm(tmp_path, capsys):
+    code, out, err = run(capsys, "convert-llm", model_dir(), tmp_path / "hf", "--dtype", "float32")
+    assert code == 0, err
+    assert "151663" in out and (tmp_path / "hf" / "model.safetensors").is_file()
+    sd = torch.load(model_dir() / "llm.pt", weights_only=True)
+    from safetensors.torch import load_file
+
+    out_sd = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert torch.equal(out_sd["model.norm.weight"], sd["llm.model.model.norm.weight"])
