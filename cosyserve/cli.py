@@ -281,6 +281,63 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _cache_dir() -> Path:
+    return Path(os.environ.get("COSYSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "cosyserve"))
+
+
+def cmd_serve(args) -> int:
+    import asyncio
+    import json
+    from importlib import resources
+
+    from .server.app import serve
+    from .server.state import ServerConfig, setup_logging
+
+    setup_logging(args.log_format, logging.DEBUG if args.verbose else logging.INFO)
+    device = _device(args.device)
+    default_voice = args.default_voice
+    voices_dir = args.voices_dir
+    if args.demo:
+        from .frontend.frontend import Frontend
+        from .frontend.voice import VoiceStore
+        from .models.demo import write_demo_model
+
+        if args.model_dir:
+            raise CLIError("give --model-dir or --demo, not both")
+        args.model_dir = str(write_demo_model(_cache_dir() / "demo-model"))
+        print("note: --demo serves a model with RANDOM weights: the audio is noise, not speech", file=sys.stderr)
+        store = VoiceStore(voices_dir)
+        if "default" not in store:
+            prompts = Path(str(resources.files("cosyserve").joinpath("assets", "prompts")))
+            meta = json.loads((prompts / "transcripts.json").read_text(encoding="utf-8"))["zero_shot_prompt.wav"]
+            fe = Frontend(args.model_dir)
+            store.add(fe.make_voice("default", prompts / "zero_shot_prompt.wav", meta["transcript"]))
+        default_voice = default_voice or "default"
+    if not args.model_dir:
+        raise CLIError("--model-dir (or --demo) is required")
+    from .models.loader import open_model_dir
+
+    open_model_dir(args.model_dir)  # fail fast with a clear message
+    cfg = ServerConfig(
+        model_dir=args.model_dir, host=args.host, port=args.port, grpc_port=args.grpc_port, voices_dir=voices_dir,
+        default_voice=default_voice, max_active_streams=args.max_active_streams, max_queue=args.max_queue,
+        api_key=args.api_key or os.environ.get("COSYSERVE_API_KEY") or None, device=device,
+        dtype=str(_dtype(args.dtype, device)).replace("torch.", ""), request_timeout_s=args.request_timeout or None,
+        max_text_chars=args.max_text_chars, max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
+        normalizer=args.normalizer, chunk_policy=args.chunk_policy,
+        min_token_text_ratio=args.min_token_text_ratio, max_token_text_ratio=args.max_token_text_ratio,
+        warmup=not args.no_warmup,
+    )
+    try:
+        asyncio.run(serve(cfg, args.log_format))
+    except OSError as exc:
+        raise CLIError(f"cannot start the server: {exc}") from None
+    except RuntimeError as exc:
+        raise CLIError(str(exc)) from None
+    return 0
+
+
 def cmd_convert_llm(args) -> int:
     import torch
 
@@ -349,6 +406,27 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--device", default="auto")
     dm.add_argument("--seed", type=int, default=1)
     dm.set_defaults(func=cmd_demo)
+
+    sv = sub.add_parser("serve", help="run the streaming TTS server (OpenAI, KServe v2 HTTP/gRPC, metrics)")
+    sv.add_argument("--model-dir", help="official CosyVoice2 model directory")
+    sv.add_argument("--demo", action="store_true", help="serve the random-weight demo model (audio is noise)")
+    sv.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    sv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI, voices, KServe v2, metrics)")
+    sv.add_argument("--grpc-port", type=int, default=8001, help="KServe v2 / Triton gRPC port")
+    sv.add_argument("--voices-dir", default=DEFAULT_VOICES_DIR, help=f"voice store (default {DEFAULT_VOICES_DIR})")
+    sv.add_argument("--default-voice", help="voice used when a request names none (Triton's spk2info cache)")
+    sv.add_argument("--max-active-streams", type=int, default=16, help="requests processed at once (KV slots)")
+    sv.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get HTTP 429")
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also $COSYSERVE_API_KEY)")
+    sv.add_argument("--request-timeout", type=float, default=300.0, help="seconds; 0 = none")
+    sv.add_argument("--max-text-chars", type=int, default=4096)
+    sv.add_argument("--max-upload-mb", type=float, default=20.0, help="largest request body / audio upload")
+    sv.add_argument("--log-format", default="text", choices=["text", "json"])
+    sv.add_argument("--no-warmup", action="store_true", help="mark ready without a warm-up request")
+    _add_synthesis_args(sv)
+    sv.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("convert-llm", help="export the speech LM as a Hugging Face Qwen2ForCausalLM checkpoint")
     c.add_argument("model_dir")

@@ -169,7 +169,21 @@ class EngineCore:
 
     @property
     def n_requests(self) -> int:
+        """Requests accepted and not yet finished (queued + active)."""
         return self._n_requests
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests accepted but not yet active (waiting for capacity)."""
+        return self._n_requests - len(self._active)
+
+    @property
+    def active_count(self) -> int:
+        return len(self._active)
+
+    @property
+    def kv_slots_used(self) -> int:
+        return self.cfg.max_active - len(self._free_slots)
 
     # ------------------------------------------------------------------ step
     def step(self) -> list:

@@ -1,0 +1,193 @@
+"""The serving process: one FastAPI app (OpenAI + KServe HTTP + metrics) and one gRPC server.
+
+``cosyserve serve`` runs both in one asyncio loop with one :class:`ServerState`: the HTTP
+port answers at once (live), models load in a worker thread, and readiness flips after a
+warm-up request. SIGINT/SIGTERM stop accepting requests, let running streams finish for
+a few seconds, then cancel what is left.
+
+Cross-cutting rules implemented here: optional API key (``Authorization: Bearer``) on
+every route except health; request bodies larger than ``--max-upload-mb`` are refused
+(413); errors become 4xx/5xx with a message naming the field — OpenAI's error shape on
+``/v1``, ``{"error": ...}`` on ``/v2`` — and never affect other requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.middleware.base import BaseHTTPMiddleware
+
+from ..engine.core import QueueFullError
+from ..errors import CosyServeError, InvalidInputError, VoiceNotFoundError
+from . import kserve_http, openai_api
+from .state import NotReadyError, ServerConfig, ServerState
+
+log = logging.getLogger("cosyserve.server")
+
+PUBLIC_PATHS = ("/v2/health/", "/health")
+
+
+def _error(request: Request, status: int, message: str, field: str | None = None, code: str | None = None):
+    if request.url.path.startswith("/v1"):
+        return openai_api.openai_error(status, message, field, code)
+    return JSONResponse({"error": message}, status_code=status)
+
+
+class _Guard(BaseHTTPMiddleware):
+    """API key and upload-size checks before a request reaches a route."""
+
+    async def dispatch(self, request: Request, call_next):
+        st: ServerState = request.app.state.cosyserve
+        key = st.config.api_key
+        if key and not request.url.path.startswith(PUBLIC_PATHS):
+            auth = request.headers.get("authorization", "")
+            token = auth[7:] if auth.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), key.encode()):
+                return _error(request, 401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                              code="invalid_api_key")
+        length = request.headers.get("content-length")
+        if length is not None:
+            try:
+                too_big = int(length) > st.config.max_upload_bytes
+            except ValueError:
+                return _error(request, 400, "invalid Content-Length header")
+            if too_big:
+                return _error(request, 413, f"request body is larger than {st.config.max_upload_bytes} bytes",
+                              code="too_large")
+        return await call_next(request)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """The HTTP application around ``state`` (models are loaded by :meth:`ServerState.start`)."""
+    app = FastAPI(title="cosyserve", description="CosyVoice2 TTS: OpenAI speech API, voices, KServe v2",
+                  docs_url="/docs", openapi_url="/openapi.json")
+    app.state.cosyserve = state
+    app.add_middleware(_Guard)
+    app.include_router(openai_api.router)
+    app.include_router(kserve_http.router)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ready" if state.ready else ("failed" if state.load_error else "loading")}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    @app.exception_handler(VoiceNotFoundError)
+    async def _unknown_voice(request: Request, exc: VoiceNotFoundError):
+        return _error(request, 400 if request.method == "POST" else 404, str(exc), exc.field, "voice_not_found")
+
+    @app.exception_handler(InvalidInputError)
+    async def _invalid(request: Request, exc: InvalidInputError):
+        return _error(request, 400, str(exc), exc.field, "invalid_input")
+
+    @app.exception_handler(QueueFullError)
+    async def _busy(request: Request, exc: QueueFullError):
+        r = _error(request, 429, str(exc), None, "rate_limit_exceeded")
+        r.headers["Retry-After"] = "1"
+        return r
+
+    @app.exception_handler(NotReadyError)
+    async def _not_ready(request: Request, exc: NotReadyError):
+        return _error(request, 503, str(exc), None, "not_ready")
+
+    @app.exception_handler(TimeoutError)
+    async def _timeout(request: Request, exc: TimeoutError):
+        return _error(request, 504, str(exc) or "request timed out", None, "timeout")
+
+    @app.exception_handler(CosyServeError)
+    async def _other(request: Request, exc: CosyServeError):
+        return _error(request, 400, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x not in ("body", "query", "path")]
+        field = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            return _error(request, 400, "malformed JSON in the request body", "body", "invalid_json")
+        msg = f"invalid field '{field}': {first.get('msg', 'invalid value')}" if field else \
+            f"invalid request: {first.get('msg', 'invalid value')}"
+        return _error(request, 400, msg, field, "invalid_request")
+
+    return app
+
+
+class _UvicornServer:
+    """uvicorn without its own signal handling (cosyserve drains streams first, then stops it)."""
+
+    def __new__(cls, config):
+        import contextlib
+
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                yield
+
+        return Server(config)
+
+
+async def serve(config: ServerConfig, log_format: str = "text", drain_seconds: float = 5.0) -> None:
+    """Run the HTTP and gRPC servers until SIGINT/SIGTERM.
+
+    Shutdown: readiness drops, running streams get ``drain_seconds`` to finish, the rest are
+    ended cleanly (their responses terminate normally), then both servers stop.
+    """
+    import signal
+
+    import uvicorn
+
+    from .kserve_grpc import start_grpc_server
+
+    state = ServerState(config)
+    app = create_app(state)
+    uv = _UvicornServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                       access_log=False, lifespan="off", timeout_graceful_shutdown=2))
+    grpc_server = await start_grpc_server(state, config.host, config.grpc_port)
+    loop = asyncio.get_running_loop()
+    stopping: list[asyncio.Task] = []
+
+    async def _shutdown() -> None:
+        log.info("shutting down", extra={"event": "shutdown", "drain_s": drain_seconds})
+        await state.stop(drain_timeout=drain_seconds)  # not ready; drain; abort the rest cleanly
+        await grpc_server.stop(grace=2)
+        uv.should_exit = True
+
+    def _on_signal() -> None:
+        if not stopping:
+            stopping.append(asyncio.create_task(_shutdown()))
+        else:  # a second signal: stop now
+            uv.force_exit = True
+            uv.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, _on_signal)
+    loader = asyncio.create_task(state.start())
+    log.info("listening", extra={"event": "listening", "http": f"http://{config.host}:{config.port}",
+                                 "grpc": f"{config.host}:{config.grpc_port}"})
+
+    def _loaded(t: asyncio.Task) -> None:
+        if not t.cancelled() and t.exception() is not None:
+            log.error("the server stays up but not ready: %s", t.exception())
+
+    loader.add_done_callback(_loaded)
+    try:
+        await uv.serve()
+    finally:
+        loader.cancel()
+        if stopping:
+            await stopping[0]
+        else:
+            await grpc_server.stop(grace=0)
+            await state.stop(drain_timeout=0)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

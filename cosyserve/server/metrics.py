@@ -1,0 +1,94 @@
+"""Prometheus metrics (``GET /metrics``), fed by the protocol adapters and the engine.
+
+Per request (label ``protocol``: ``openai``, ``kserve_http``, ``kserve_grpc``):
+``cosyserve_requests_total{protocol,outcome}``, ``cosyserve_first_chunk_latency_seconds``,
+``cosyserve_request_latency_seconds``, ``cosyserve_rtf`` (compute time / audio duration),
+``cosyserve_audio_seconds_total``. Engine (updated every scheduler step):
+``cosyserve_queue_depth``, ``cosyserve_active_streams``, ``cosyserve_kv_slots_used``,
+``cosyserve_kv_slots_total``, ``cosyserve_lm_batch_size``, ``cosyserve_token2wav_batch_size``,
+``cosyserve_lm_step_seconds``, ``cosyserve_token2wav_step_seconds``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ..engine.core import EngineObserver
+
+LATENCY_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60)
+RTF_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 5, 10)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Metrics(EngineObserver):
+    """All cosyserve metrics in a private registry."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("cosyserve_requests", "Requests by protocol and outcome", ["protocol", "outcome"],
+                                registry=r)
+        self.first_chunk = Histogram("cosyserve_first_chunk_latency_seconds", "Arrival to first audio chunk",
+                                     ["protocol"], buckets=LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("cosyserve_request_latency_seconds", "Arrival to last audio chunk", ["protocol"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.rtf = Histogram("cosyserve_rtf", "Real-time factor: processing time / audio duration", ["protocol"],
+                             buckets=RTF_BUCKETS, registry=r)
+        self.audio = Counter("cosyserve_audio_seconds", "Audio produced (seconds)", ["protocol"], registry=r)
+        self.queue_depth = Gauge("cosyserve_queue_depth", "Requests waiting for a slot", registry=r)
+        self.active = Gauge("cosyserve_active_streams", "Requests being processed", registry=r)
+        self.kv_used = Gauge("cosyserve_kv_slots_used", "KV-cache slots in use", registry=r)
+        self.kv_total = Gauge("cosyserve_kv_slots_total", "KV-cache slots", registry=r)
+        self.lm_batch = Histogram("cosyserve_lm_batch_size", "Sequences per LM step", buckets=BATCH_BUCKETS,
+                                  registry=r)
+        self.t2w_batch = Histogram("cosyserve_token2wav_batch_size", "Chunks per token2wav batch",
+                                   buckets=BATCH_BUCKETS, registry=r)
+        self.lm_step_seconds = Histogram("cosyserve_lm_step_seconds", "Duration of an LM step (prefill + decode)",
+                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
+        self.t2w_step_seconds = Histogram("cosyserve_token2wav_step_seconds", "Duration of a token2wav batch",
+                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r)
+        self.ready = Gauge("cosyserve_ready", "1 when models are loaded and warmed up", registry=r)
+        self._core = None
+
+    def attach(self, core) -> None:
+        """Read queue/slot gauges from ``core`` (an EngineCore) after every step."""
+        self._core = core
+        self.kv_total.set(core.cfg.max_active)
+
+    def _gauges(self) -> None:
+        c = self._core
+        if c is not None:
+            self.queue_depth.set(c.queue_depth)
+            self.active.set(c.active_count)
+            self.kv_used.set(c.kv_slots_used)
+
+    # EngineObserver hooks (engine thread)
+    def lm_step(self, batch_size: int, prefill_tokens: int, seconds: float) -> None:
+        self.lm_batch.observe(batch_size)
+        self.lm_step_seconds.observe(seconds)
+        self._gauges()
+
+    def token2wav_step(self, batch_size: int, seconds: float) -> None:
+        self.t2w_batch.observe(batch_size)
+        self.t2w_step_seconds.observe(seconds)
+        self._gauges()
+
+    def finished(self, event) -> None:
+        self._gauges()
+
+    # protocol hooks (event loop)
+    def record(self, protocol: str, outcome: str, first_chunk_s: float | None, total_s: float, audio_s: float) -> None:
+        self.requests.labels(protocol, outcome).inc()
+        if first_chunk_s is not None:
+            self.first_chunk.labels(protocol).observe(first_chunk_s)
+        if outcome == "ok":
+            self.latency.labels(protocol).observe(total_s)
+            if audio_s > 0:
+                self.rtf.labels(protocol).observe(total_s / audio_s)
+        self.audio.labels(protocol).inc(audio_s)
+
+    def render(self) -> bytes:
+        self._gauges()
+        return generate_latest(self.registry)

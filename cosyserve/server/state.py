@@ -1,0 +1,316 @@
+"""What every protocol adapter shares: configuration, models, engine, voices, metrics.
+
+:class:`ServerState` loads the model directory in a worker thread (the process is *live*
+at once and *ready* only after the models are loaded and a warm-up request has run),
+owns the :class:`~cosyserve.engine.async_engine.AsyncEngine` and the voice store, and
+offers one instrumented path, :meth:`ServerState.stream`, through which every protocol
+runs its requests (metrics, structured logs, outcome accounting). Protocol modules only
+translate their wire format to and from these calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..engine.async_engine import AsyncEngine
+from ..engine.chunking import ChunkPolicy
+from ..engine.core import EngineConfig
+from ..engine.pipeline import Synthesizer
+from ..engine.request import AudioChunk, EngineRequest, Outcome, RequestFinished, SynthesisParams
+from ..errors import CosyServeError, InvalidInputError, VoiceNotFoundError
+from ..frontend.voice import Voice, VoiceStore
+from .metrics import Metrics
+
+log = logging.getLogger("cosyserve.server")
+
+#: OpenAI model names accepted as aliases of the served model (so stock clients work).
+OPENAI_MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+
+
+class NotReadyError(CosyServeError):
+    """Models are still loading / warming up (HTTP 503, gRPC UNAVAILABLE)."""
+
+
+@dataclass
+class ServerConfig:
+    """``cosyserve serve`` options (see ``cosyserve serve --help``)."""
+
+    model_dir: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int = 8001
+    voices_dir: str | None = None
+    default_voice: str | None = None
+    max_active_streams: int = 16
+    max_queue: int = 64
+    api_key: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    request_timeout_s: float | None = 300.0
+    max_text_chars: int = 4096
+    max_upload_bytes: int = 20 * 1024 * 1024
+    normalizer: str = "auto"
+    chunk_policy: str = "upstream"
+    model_name: str = "cosyvoice2"
+    min_token_text_ratio: float = 2.0
+    max_token_text_ratio: float = 20.0
+    kv_max_len: int = 4096
+    warmup: bool = True
+    llm_only: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def served_models(self) -> tuple[str, ...]:
+        return (self.model_name,) + OPENAI_MODEL_ALIASES
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class ServerState:
+    """Models, engine, voices and metrics of one serving process."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.metrics = Metrics()
+        self.synth: Synthesizer | None = None
+        self.engine: AsyncEngine | None = None
+        self.voices = VoiceStore(config.voices_dir) if config.voices_dir else None
+        self.ready = False
+        self.shutting_down = False
+        self.load_error: BaseException | None = None
+        self.started = time.time()
+        self._voice_cache: OrderedDict[str, Voice] = OrderedDict()
+        self._builtin: dict[str, Voice] = {}
+        self.stats = {"inference_count": 0, "success": 0, "fail": 0, "success_ns": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+    def _load_sync(self) -> None:
+        c = self.config
+        synth = Synthesizer(c.model_dir, device=c.device, dtype=_torch_dtype(c.dtype), voices_dir=None,
+                            normalizer=c.normalizer, max_text_chars=c.max_text_chars)
+        synth.frontend.warmup()
+        self.synth = synth
+        md = synth.frontend.model_dir
+        if md.spk2info is not None:  # the model directory's own speaker cache, read-only
+            try:
+                raw = torch.load(md.spk2info, map_location="cpu", weights_only=True)
+                for k, v in raw.items():
+                    try:
+                        self._builtin[str(k)] = Voice.from_spk2info(str(k), v)
+                    except CosyServeError as exc:
+                        log.warning("skipping speaker %r of %s: %s", k, md.spk2info, exc)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("cannot read %s: %s", md.spk2info, exc)
+
+    async def start(self) -> None:
+        """Load models (in a thread), start the engine, warm up, then mark ready."""
+        try:
+            await asyncio.to_thread(self._load_sync)
+            c = self.config
+            core = self.synth.new_engine(
+                EngineConfig(max_active=c.max_active_streams, max_queue=c.max_queue, kv_max_len=c.kv_max_len),
+                observer=self.metrics)
+            self.metrics.attach(core)
+            self.engine = AsyncEngine(core)
+            self.engine.start()
+            if c.default_voice:
+                self.get_voice(c.default_voice)  # fail early on a misconfigured default voice
+            if c.warmup:
+                await self._warmup()
+            self.ready = True
+            self.metrics.ready.set(1)
+            log.info("ready", extra={"event": "ready", "load_s": round(time.time() - self.started, 2),
+                                     "device": c.device, "model_dir": str(c.model_dir)})
+        except BaseException as exc:
+            self.load_error = exc
+            log.error("model loading failed: %s", exc, exc_info=not isinstance(exc, CosyServeError))
+            raise
+
+    async def _warmup(self) -> None:
+        """One short streaming and one offline request through the whole engine."""
+        wav = torch.zeros(1, 24000 * 2)
+        wav[0, ::40] = 0.2
+        voice = await asyncio.to_thread(self.synth.make_voice, "warmup", (wav, 24000), "你好。")
+        for stream in (True, False):
+            req = self.synth.build_request("你好，世界。Hello.", voice, SynthesisParams(
+                seed=0, stream=stream, min_token_text_ratio=2, max_token_text_ratio=3), "warmup-" + str(stream))
+            async for _ in self.engine.generate(req):
+                pass
+
+    async def stop(self, drain_timeout: float = 5.0) -> None:
+        """Stop accepting requests, let running ones finish for ``drain_timeout`` seconds,
+        then end the rest (their streams terminate normally)."""
+        self.shutting_down = True
+        self.ready = False
+        self.metrics.ready.set(0)
+        if self.engine is not None:
+            await self.engine.stop(drain_timeout)
+
+    def require_ready(self) -> None:
+        if self.shutting_down:
+            raise NotReadyError("the server is shutting down")
+        if not self.ready:
+            if self.load_error is not None:
+                raise NotReadyError(f"model failed to load: {self.load_error}")
+            raise NotReadyError("the model is still loading")
+
+    # ------------------------------------------------------------------ voices
+    def get_voice(self, voice_id: str, field_name: str = "voice") -> Voice:
+        """A registered voice (voice store, then the model directory's spk2info.pt)."""
+        if self.voices is not None and voice_id in self.voices:
+            return self.voices.get(voice_id)
+        if voice_id in self._builtin:
+            return self._builtin[voice_id]
+        raise VoiceNotFoundError(f"unknown voice {voice_id!r}", field=field_name)
+
+    def default_voice(self) -> Voice:
+        if not self.config.default_voice:
+            raise InvalidInputError("no reference audio given and the server has no default voice "
+                                    "(start it with --default-voice)", field="reference_wav")
+        return self.get_voice(self.config.default_voice)
+
+    def list_voices(self) -> list[dict]:
+        out = self.voices.list() if self.voices is not None else []
+        ids = {v["id"] for v in out}
+        out += [{**v.info(), "builtin": True} for k, v in self._builtin.items() if k not in ids]
+        return out
+
+    async def voice_from_audio(self, audio, transcript: str, sample_rate: int | None = None) -> Voice:
+        """Voice from request audio (bytes, or float32 samples with ``sample_rate``).
+
+        Features are computed in a worker thread; the last 64 distinct (audio, transcript)
+        pairs are cached, so repeated prompts cost nothing.
+        """
+        self.require_ready()
+        h = hashlib.sha256()
+        if isinstance(audio, np.ndarray):
+            h.update(np.ascontiguousarray(audio, dtype=np.float32).tobytes())
+            h.update(str(sample_rate).encode())
+        else:
+            h.update(bytes(audio))
+        h.update(transcript.encode("utf-8"))
+        key = h.hexdigest()
+        hit = self._voice_cache.get(key)
+        if hit is not None:
+            self._voice_cache.move_to_end(key)
+            return hit
+        src = (torch.from_numpy(np.asarray(audio, dtype=np.float32).reshape(1, -1)), sample_rate) \
+            if isinstance(audio, np.ndarray) else bytes(audio)
+        voice = await asyncio.to_thread(self.synth.make_voice, "request", src, transcript)
+        self._voice_cache[key] = voice
+        while len(self._voice_cache) > 64:
+            self._voice_cache.popitem(last=False)
+        return voice
+
+    # ------------------------------------------------------------------ requests
+    def params(self, seed: int | None = None, stream: bool = True, speed: float = 1.0,
+               chunk_policy: str | None = None) -> SynthesisParams:
+        c = self.config
+        try:
+            policy = ChunkPolicy.parse(chunk_policy or c.chunk_policy)
+        except ValueError as exc:
+            raise InvalidInputError(str(exc), field="chunk_policy") from None
+        return SynthesisParams(seed=seed, stream=stream, chunk_policy=policy, speed=speed,
+                               min_token_text_ratio=c.min_token_text_ratio,
+                               max_token_text_ratio=c.max_token_text_ratio, timeout_s=c.request_timeout_s)
+
+    async def build_request(self, text: str, voice: Voice, params: SynthesisParams,
+                            request_id: str | None = None) -> EngineRequest:
+        self.require_ready()
+        return await asyncio.to_thread(self.synth.build_request, text, voice, params, request_id or uuid.uuid4().hex)
+
+    async def stream(self, protocol: str, req: EngineRequest) -> AsyncIterator[AudioChunk]:
+        """Run ``req`` on the engine; yield its chunks; record metrics and a log line.
+
+        Raises ``QueueFullError`` at once if the engine is full, and the request's error
+        (``InvalidInputError``, ``TimeoutError``, ...) if it fails. Closing the iterator
+        early aborts the request.
+        """
+        self.require_ready()
+        t0 = time.monotonic()
+        outcome, first, audio_s, finished = "error", None, 0.0, None
+        self.stats["inference_count"] += 1
+        log.info("request", extra={"event": "start", "request_id": req.request_id, "protocol": protocol,
+                                   "segments": len(req.segments), "stream": req.params.stream})
+        try:
+            async for ev in self.engine.generate(req):
+                if isinstance(ev, RequestFinished):
+                    finished = ev
+                    outcome = ev.outcome.value
+                    if ev.error is not None:
+                        raise ev.error
+                    if ev.outcome is Outcome.ABORTED and self.shutting_down:
+                        return  # ended by a server shutdown: finish the response cleanly
+                    if ev.outcome is not Outcome.OK:
+                        raise CosyServeError(f"request {ev.outcome.value}")
+                    continue
+                if first is None:
+                    first = time.monotonic() - req.arrival
+                audio_s += ev.duration_s
+                yield ev
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        finally:
+            total = time.monotonic() - t0
+            self.metrics.record(protocol, outcome, first, total, audio_s)
+            if outcome == "ok":
+                self.stats["success"] += 1
+                self.stats["success_ns"] += int(total * 1e9)
+            else:
+                self.stats["fail"] += 1
+            log.info("request", extra={
+                "event": "finish", "request_id": req.request_id, "protocol": protocol, "outcome": outcome,
+                "first_chunk_ms": None if first is None else round(first * 1000, 1),
+                "total_ms": round(total * 1000, 1), "audio_s": round(audio_s, 3),
+                "rtf": round(total / audio_s, 4) if audio_s else None,
+                "seed": finished.seed if finished else req.params.seed,
+                "tokens": finished.n_tokens if finished else None})
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per log line, with the ``extra`` fields (request_id, ...)."""
+
+    _skip = set(logging.LogRecord("x", 0, "x", 0, "x", None, None).__dict__) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        d = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
+             "msg": record.getMessage()}
+        d.update({k: v for k, v in record.__dict__.items() if k not in self._skip})
+        if record.exc_info:
+            d["exc"] = self.formatException(record.exc_info)
+        return json.dumps(d, ensure_ascii=False, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    """Human-readable lines with the structured fields appended as key=value."""
+
+    _skip = JsonFormatter._skip
+
+    def format(self, record: logging.LogRecord) -> str:
+        base = super().format(record)
+        extra = " ".join(f"{k}={v}" for k, v in record.__dict__.items() if k not in self._skip)
+        return f"{base} {extra}" if extra else base
+
+
+def setup_logging(fmt: str = "text", level: int = logging.INFO) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if fmt == "json" else
+                         TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
