@@ -340,3 +340,27 @@ def write_demo_model(out_dir: str | Path, seed: int = 0, size: DemoSize = DemoSi
 
 def is_demo_model(model_dir: str | Path) -> bool:
     return (Path(model_dir) / DEMO_MARKER).is_file()
+
+
+def write_frontend_dir(yaml_path: str | Path, qwen_config_path: str | Path, out_dir: str | Path,
+                       seed: int = 0) -> Path:
+    """A model directory for RANDOM-weight runs of a real-size yaml, without weight files.
+
+    Writes ``cosyvoice2.yaml`` (copied), ``CosyVoice-BlankEN/`` (the shipped tokenizer +
+    ``qwen_config_path``) and the two ONNX stand-ins; the networks come from
+    :func:`cosyserve.models.loader.build_random`. Used by ``cosyserve serve
+    --random-weights`` and the GPU benchmarks (the audio is noise).
+    """
+    import onnx
+
+    out = Path(out_dir).expanduser()
+    qdir = out / "CosyVoice-BlankEN"
+    qdir.mkdir(parents=True, exist_ok=True)
+    for f in ("vocab.json", "merges.txt", "tokenizer_config.json"):
+        shutil.copyfile(_asset("blanken", f), qdir / f)
+    shutil.copyfile(qwen_config_path, qdir / "config.json")
+    shutil.copyfile(yaml_path, out / "cosyvoice2.yaml")
+    onnx.save(campplus_standin(seed), str(out / "campplus.onnx"))
+    onnx.save(speech_tokenizer_standin(seed + 1), str(out / "speech_tokenizer_v2.onnx"))
+    (out / DEMO_MARKER).write_text("RANDOM-weight benchmark directory (no weight files): the audio is noise.\n")
+    return out
