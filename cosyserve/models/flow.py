@@ -213,6 +213,8 @@ class FlowModel(nn.Module):
         self.encoder = UpsampleConformerEncoder(cfg.encoder)
         self.encoder_proj = nn.Linear(cfg.encoder.output_size, n_mels)
         self.decoder = CausalFlowMatching(cfg.cfm, cfg.estimator, n_mels)
+        #: optional :class:`~cosyserve.models.graphs.GraphedFlowSolver` used for CUDA inputs
+        self.graph_solver = None
 
     @property
     def rand_noise(self) -> Tensor:
@@ -313,6 +315,8 @@ class FlowModel(nn.Module):
     def solve(self, c: FlowConditioning, n_timesteps: int | None = None) -> Tensor:
         """Flow-matching ODE for a :class:`FlowConditioning`: ``[B, n_mels, T]`` float32 log-mel
         including prompt and padded frames."""
+        if self.graph_solver is not None and c.mu.is_cuda and n_timesteps in (None, self.cfg.cfm.n_timesteps):
+            return self.graph_solver(c.mu, c.mask, c.spks, c.cond, c.streaming)
         return self.decoder.solve(c.mu, c.mask, c.spks, c.cond, c.streaming, n_timesteps)
 
     @torch.inference_mode()

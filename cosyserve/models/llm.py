@@ -195,6 +195,7 @@ class SpeechLM(nn.Module):
         cache: KVCache,
         slots: torch.Tensor | slice,
         start: torch.Tensor,
+        kv_len: int | None = None,
     ) -> torch.Tensor:
         """Run the Qwen2 decoder on new positions of several slots; update the cache.
 
@@ -205,6 +206,8 @@ class SpeechLM(nn.Module):
           slots: ``[B]`` long tensor of slot indices, or a ``slice`` of consecutive slots
             (cheaper: the cache is then read as a view instead of gathered).
           start: ``[B]`` long tensor, number of positions already in each slot.
+          kv_len: cache positions attention reads (default: the longest sequence, which costs
+            one host synchronisation); pass it to get static shapes (CUDA graphs).
         Returns the final-norm hidden states ``[B, T, H]``.
 
         Each query attends causally to its slot's positions ``0 .. start[b] + t``. Attention
@@ -223,7 +226,8 @@ class SpeechLM(nn.Module):
             slot_idx = torch.arange(slots.start, slots.stop, device=dev)
         else:
             slot_idx = slots.to(dev, torch.long)
-        kv_len = int(pos.max().item()) + 1
+        if kv_len is None:
+            kv_len = int(pos.max().item()) + 1
         if kv_len > cache.max_len or kv_len > self.max_positions:
             raise ValueError(f"sequence length {kv_len} exceeds the KV cache ({cache.max_len}) or rope table")
         cos = self._rope_cos[pos].to(embeds.dtype)[:, None]  # [B, 1, T, D]

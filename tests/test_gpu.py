@@ -1,0 +1,138 @@
+"""GPU-only checks (skipped without CUDA): CUDA graphs equal eager; half precision vs float32.
+
+Run on the device machine: ``python -m pytest tests/test_gpu.py -q``. Uses the demo
+architecture with random weights, so no reference data is needed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cosyserve.models.demo import DemoSize, demo_qwen_config, demo_yaml
+
+pytestmark = pytest.mark.gpu
+
+# Documented errors of half precision against float32 (docs/perf.md); measured ~1/3 of these.
+HALF_TOL = {"logp": 2e-2, "mel": 5e-2}
+
+
+def rel(a, b):
+    a, b = a.double().flatten(), b.double().flatten()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def yaml_dir(tmp_path_factory):
+    import json
+
+    d = tmp_path_factory.mktemp("gpu")
+    (d / "CosyVoice-BlankEN").mkdir()
+    (d / "cosyvoice2.yaml").write_text(demo_yaml(DemoSize()))
+    (d / "CosyVoice-BlankEN" / "config.json").write_text(json.dumps(demo_qwen_config(DemoSize())))
+    return d
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def build(yaml_dir, dtype):
+    from cosyserve.models.loader import build_random
+
+    return build_random(yaml_dir / "cosyvoice2.yaml", device="cuda", dtype=dtype, seed=0)
+
+
+@torch.inference_mode()
+def test_graphed_decode_equals_eager(yaml_dir):
+    from cosyserve.models.graphs import GraphedDecoder
+    from cosyserve.models.llm import KVCache
+
+    m = build(yaml_dir, torch.float32)
+    lm = m.llm
+    cache = KVCache.allocate(lm, 9, 600)
+    prefixes = [lm.embed_prefix(torch.randint(0, 1000, (n,)), torch.zeros(0, dtype=torch.long),
+                                torch.randint(0, 6561, (50 + n,))) for n in (5, 17, 40)]
+    for i, p in enumerate(prefixes):
+        lm.forward_cached(p[None], cache, torch.tensor([i]), torch.tensor([0]))
+    graphs = GraphedDecoder(lm, cache, max_batch=8)
+    eager_cache = KVCache(cache.k.clone(), cache.v.clone())
+    lens = [p.shape[0] for p in prefixes]
+    for step in range(4):
+        toks = torch.randint(0, 6561, (3,))
+        slots, start = torch.tensor([0, 1, 2]), torch.tensor(lens) + step
+        got = graphs(toks, slots, start).clone()
+        ref = lm.logprobs(lm.forward_cached(lm.embed_speech(toks[:, None]), eager_cache, slots, start)[:, -1])
+        assert rel(got, ref) < 1e-5
+    assert torch.equal(cache.k[:, :3], eager_cache.k[:, :3])  # real slots written identically
+
+
+@torch.inference_mode()
+def test_graphed_flow_equals_eager(yaml_dir):
+    from cosyserve.models.graphs import GraphedFlowSolver
+
+    m = build(yaml_dir, torch.float32)
+    flow = m.flow
+    args = dict(tokens=[torch.randint(0, 6561, (1, n)).cuda() for n in (20, 33)],
+                prompt_tokens=[torch.randint(0, 6561, (1, p)).cuda() for p in (30, 0)],
+                prompt_feats=[torch.randn(1, 60, 80).cuda(), torch.zeros(1, 0, 80).cuda()],
+                embeddings=torch.randn(2, 192).cuda(), streaming=[True, False], finalize=[False, True])
+    ref = flow.inference_batch(**args)
+    flow.graph_solver = GraphedFlowSolver(flow.decoder, max_batch=4)
+    try:
+        got = flow.inference_batch(**args)
+        got2 = flow.inference_batch(**args)  # replay
+    finally:
+        flow.graph_solver = None
+    for a, b, c in zip(got, got2, ref):
+        assert rel(a, c) < 1e-5 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@torch.inference_mode()
+def test_half_precision_within_documented_error(yaml_dir, dtype):
+    from cosyserve.models.llm import KVCache
+
+    ref, half = build(yaml_dir, torch.float32), build(yaml_dir, dtype)
+    text, ptok = torch.randint(0, 1000, (20,)), torch.randint(0, 6561, (80,))
+    out = []
+    for m in (ref, half):
+        cache = KVCache.allocate(m.llm, 1, 256)
+        p = m.llm.embed_prefix(text, torch.zeros(0, dtype=torch.long), ptok)
+        out.append(m.llm.logprobs(m.llm.forward_cached(p[None], cache, torch.tensor([0]), torch.tensor([0]))[0]))
+    assert rel(out[1], out[0]) < HALF_TOL["logp"]
+    mels = []
+    for m in (ref, half):
+        mels.append(m.flow.inference(torch.randint(0, 6561, (1, 40)).cuda().fill_(7) + torch.arange(40).cuda(),
+                                     ptok[None].cuda(), torch.randn(1, 160, 80, generator=torch.Generator().manual_seed(0)).cuda(),
+                                     torch.ones(1, 192).cuda(), False, True))
+    assert rel(mels[1], mels[0]) < HALF_TOL["mel"]
+
+
+def test_engine_with_graphs_samples_same_tokens(yaml_dir, tmp_path):
+    """The engine on CUDA with graphs gives the tokens it gives without them (float32)."""
+    from cosyserve.engine.core import EngineConfig, EngineCore
+    from cosyserve.engine.request import EngineRequest, RequestFinished, SynthesisParams
+    from cosyserve.frontend.voice import Voice
+
+    m = build(yaml_dir, torch.float32)
+    voice = Voice.from_features("v", "x", torch.randint(0, 1000, (8,)), torch.randint(0, 6561, (60,)),
+                                torch.randn(120, 80), torch.randn(192))
+    results = []
+    for graphs in (False, True):
+        eng = EngineCore(m, EngineConfig(max_active=4, kv_max_len=512, cuda_graphs=graphs))
+        for i in range(3):
+            eng.add_request(EngineRequest(f"r{i}", [torch.randint(0, 1000, (10 + i,), generator=torch.Generator().manual_seed(i))],
+                                          voice, SynthesisParams(seed=i, min_token_text_ratio=3, max_token_text_ratio=3)))
+        done = {}
+        while eng.has_work():
+            for ev in eng.step():
+                if isinstance(ev, RequestFinished):
+                    done[ev.request_id] = ev.tokens
+        results.append(done)
+        m.flow.graph_solver = None
+    assert results[0] == results[1]
