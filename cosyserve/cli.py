@@ -327,7 +327,7 @@ def cmd_serve(args) -> int:
         max_text_chars=args.max_text_chars, max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
         normalizer=args.normalizer, chunk_policy=args.chunk_policy,
         min_token_text_ratio=args.min_token_text_ratio, max_token_text_ratio=args.max_token_text_ratio,
-        warmup=not args.no_warmup,
+        warmup=not args.no_warmup, llm_only=args.llm_only,
     )
     try:
         asyncio.run(serve(cfg, args.log_format))
@@ -348,6 +348,76 @@ def cmd_convert_llm(args) -> int:
     print(f"wrote Qwen2ForCausalLM checkpoint to {args.out_dir}: speech token i = id {sv.speech_token_offset} + i, "
           f"<|eos1|> {sv.eos_token_id}, <|sos|> {sv.sos_token_id}, <|task_id|> {sv.task_id_token_id}, "
           f"vocab {sv.vocab_size}; the speech-token logit bias is in speech_logit_bias.safetensors")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .client.bench import BenchOptions, parse_levels, run_bench
+
+    protocol = args.protocol or ("grpc" if (args.url or "").startswith("grpc://") else "openai")
+    if args.in_process and args.url:
+        raise CLIError("give --url (a running server) or --in-process, not both")
+    if args.in_process:
+        if args.protocol:
+            raise CLIError("--protocol applies to a server (--url), not to --in-process")
+        protocol = "in-process"
+    device = _device(args.device) if args.in_process else "cpu"
+    opts = BenchOptions(
+        url=args.url, protocol=protocol, mode=args.mode, concurrency=parse_levels(args.concurrency), set=args.set,
+        limit=args.limit, requests_per_level=args.requests_per_level, repeat=args.repeat, warmup=args.warmup,
+        seed=args.seed, voice=args.voice, api_key=args.api_key or os.environ.get("COSYSERVE_API_KEY") or None,
+        model_name=args.model_name, out=args.out, save_audio=args.save_audio, timeout_s=args.timeout,
+        progress=False if args.no_progress else None, min_token_text_ratio=args.min_token_text_ratio,
+        max_token_text_ratio=args.max_token_text_ratio, in_process=args.in_process, model_dir=args.model_dir,
+        demo=args.demo, device=device, dtype=str(_dtype(args.dtype, device)).replace("torch.", ""),
+        voices_dir=args.voices_dir or DEFAULT_VOICES_DIR, max_active_streams=args.max_active_streams,
+        chunk_policy=args.chunk_policy)
+    report = run_bench(opts)
+    failed = sum(lv["failed"] for lv in report["levels"])
+    return 1 if failed and not any(lv["ok"] for lv in report["levels"]) else 0
+
+
+def cmd_batch(args) -> int:
+    from .client.batch import BatchOptions, run_batch
+
+    device = _device(args.device)
+    opts = BatchOptions(
+        set=args.set, out=args.out, limit=args.limit, model_dir=args.model_dir, demo=args.demo, device=device,
+        dtype=str(_dtype(args.dtype, device)).replace("torch.", ""), batch_size=args.batch_size,
+        token2wav_batch_size=args.token2wav_batch_size, seed=args.seed,
+        min_token_text_ratio=args.min_token_text_ratio, max_token_text_ratio=args.max_token_text_ratio,
+        llm_url=args.llm_url, llm_model=args.llm_model, llm_checkpoint=args.llm_checkpoint,
+        logit_bias=args.logit_bias, llm_api_key=args.llm_api_key or os.environ.get("COSYSERVE_LLM_API_KEY") or None,
+        llm_extra=args.llm_extra, normalizer=args.normalizer, progress=False if args.no_progress else None)
+    report = run_batch(opts)
+    return 1 if report["failed"] else 0
+
+
+def cmd_client(args) -> int:
+    from .client.client import ClientOptions, run_client
+
+    protocol = args.protocol or ("grpc" if args.url.startswith("grpc://") else "openai")
+    text = args.text
+    if args.text_file:
+        if text:
+            raise CLIError("give --text or --text-file, not both")
+        try:
+            text = Path(args.text_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CLIError(f"cannot read --text-file: {exc}") from None
+    if not text:
+        raise CLIError("--text or --text-file is required")
+    opts = ClientOptions(url=args.url, protocol=protocol, mode=args.mode, text=text, output=args.output,
+                         voice=args.voice, prompt_wav=args.prompt_wav, prompt_text=args.prompt_text, seed=args.seed,
+                         api_key=args.api_key or os.environ.get("COSYSERVE_API_KEY") or None,
+                         model_name=args.model_name, timeout_s=args.timeout)
+    st = run_client(opts)
+    print(f"wrote {st['path']}: {st['audio_s']:.2f} s of audio in {st['chunks']} chunk(s) over {protocol} "
+          f"({args.mode})")
+    line = f"  total {st['total_s'] * 1000:.0f} ms, RTF {st['rtf']:.3f}"
+    if args.mode == "streaming":
+        line = f"  first chunk {st['first_chunk_s'] * 1000:.0f} ms," + line[1:]
+    print(line)
     return 0
 
 
@@ -425,8 +495,101 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-upload-mb", type=float, default=20.0, help="largest request body / audio upload")
     sv.add_argument("--log-format", default="text", choices=["text", "json"])
     sv.add_argument("--no-warmup", action="store_true", help="mark ready without a warm-up request")
+    sv.add_argument("--llm-only", action="store_true",
+                    help="serve only the speech LM as an OpenAI-compatible POST /v1/completions endpoint "
+                         "(the exported vocabulary of convert-llm; for 'cosyserve batch --llm-url'); no speech "
+                         "routes, no gRPC port")
     _add_synthesis_args(sv)
     sv.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="measure first-chunk latency, RTF and throughput of a server under concurrency",
+                       description="Drive a running cosyserve (or Triton) server -- or the in-process engine -- "
+                                   "with N concurrent clients over a benchmark set; print Markdown tables, write "
+                                   "report.json, report.md and bench.png into --out.")
+    b.add_argument("--url", help="server: grpc://HOST:PORT (KServe gRPC) or http://HOST:PORT (OpenAI / KServe HTTP)")
+    b.add_argument("--protocol", choices=["grpc", "http", "openai"],
+                   help="grpc (Triton ModelStreamInfer / ModelInfer), http (KServe v2 infer, offline only), openai "
+                        "(/v1/audio/speech pcm); default: grpc for grpc:// URLs, else openai")
+    b.add_argument("--mode", choices=["streaming", "offline"], default="streaming")
+    b.add_argument("--concurrency", default="1,2,4,8,16", help="concurrent clients per level (default 1,2,4,8,16)")
+    b.add_argument("--set", help="benchmark set folder or manifest .jsonl (default: benchmarks/sets/default)")
+    b.add_argument("--limit", type=int, help="use only the first N items")
+    b.add_argument("--requests-per-level", type=int, help="requests per level (default: items x --repeat)")
+    b.add_argument("--repeat", type=int, default=1, help="times each item is sent per level (default 1)")
+    b.add_argument("--warmup", type=int, default=2, help="warm-up requests before the first level, not counted")
+    b.add_argument("--seed", type=int, default=0, help="request seed = SEED + item index (same audio across levels)")
+    b.add_argument("--voice", help="send this registered voice id instead of each item's reference audio")
+    b.add_argument("--api-key", help="bearer key of the server (also $COSYSERVE_API_KEY)")
+    b.add_argument("--model-name", default="cosyvoice2", help="KServe model / OpenAI model name")
+    b.add_argument("--out", default="bench_out", help="output folder (default bench_out)")
+    b.add_argument("--save-audio", action="store_true", help="write every request's audio into OUT/audio/")
+    b.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--min-token-text-ratio", type=float, default=None,
+                   help="speech tokens the LM must generate per text token (in-process; for a server: what it was "
+                        "started with, recorded in the report when the server does not report it)")
+    b.add_argument("--max-token-text-ratio", type=float, default=None, help="see --min-token-text-ratio")
+    b.add_argument("--in-process", action="store_true",
+                   help="drive an engine in this process instead of a server (same workload and report)")
+    b.add_argument("--model-dir", help="model directory (--in-process)")
+    b.add_argument("--demo", action="store_true", help="the random-weight demo model (--in-process)")
+    b.add_argument("--device", default="auto")
+    b.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    b.add_argument("--voices-dir", default=None, help="voice store for --voice (--in-process)")
+    b.add_argument("--max-active-streams", type=int, default=16, help="engine KV slots (--in-process)")
+    b.add_argument("--chunk-policy", default="upstream", help="streaming chunk schedule (--in-process)")
+    b.set_defaults(func=cmd_bench)
+
+    bt = sub.add_parser("batch", help="offline inference over a manifest: one wav per item, LLM/token2wav times, RTF",
+                        description="Synthesize every item of a JSONL manifest offline: frontend, then the speech LM "
+                                    "for all items (native continuous batching, or an OpenAI-compatible completions "
+                                    "server with --llm-url), then token2wav in batches. Prints the time of each "
+                                    "stage and the RTF.")
+    bt.add_argument("--set", help="benchmark set folder or manifest .jsonl (default: benchmarks/sets/default)")
+    bt.add_argument("--out", default="batch_out", help="output folder: wavs/<id>.wav and batch_report.json")
+    bt.add_argument("--limit", type=int, help="use only the first N items")
+    bt.add_argument("--model-dir", help="model directory (frontend, flow, HiFT; and the LM unless --llm-url)")
+    bt.add_argument("--demo", action="store_true", help="the random-weight demo model")
+    bt.add_argument("--device", default="auto")
+    bt.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    bt.add_argument("--batch-size", type=int, default=16, help="LM sequences decoded together (native: KV slots; "
+                                                               "--llm-url: requests in flight)")
+    bt.add_argument("--token2wav-batch-size", type=int, default=8, help="utterances per flow + HiFT batch")
+    bt.add_argument("--seed", type=int, default=0, help="item i uses seed SEED + i")
+    bt.add_argument("--min-token-text-ratio", type=float, default=2.0)
+    bt.add_argument("--max-token-text-ratio", type=float, default=20.0)
+    bt.add_argument("--normalizer", default="auto", choices=["auto", "wetext", "rules", "none"])
+    bt.add_argument("--llm-url", help="OpenAI-compatible completions server with the convert-llm checkpoint "
+                                      "(vLLM, SGLang, trtllm-serve, cosyserve serve --llm-only)")
+    bt.add_argument("--llm-model", help="served model name (default: the first of GET /v1/models)")
+    bt.add_argument("--llm-checkpoint", help="the convert-llm output folder (its config.json gives the vocabulary "
+                                             "layout; default: computed from --model-dir)")
+    bt.add_argument("--logit-bias", action="store_true",
+                    help="send the speech-logit bias of --llm-checkpoint as logit_bias (needed by servers that serve "
+                         "the exported checkpoint, not by cosyserve --llm-only)")
+    bt.add_argument("--llm-api-key", help="bearer key of the LM server (also $COSYSERVE_LLM_API_KEY)")
+    bt.add_argument("--llm-extra", help='JSON object merged into every completions request (sent by default: '
+                                        '{"skip_special_tokens": false, "stop_token_ids": [the 3 stop ids]})')
+    bt.add_argument("--no-progress", action="store_true")
+    bt.set_defaults(func=cmd_batch)
+
+    cl = sub.add_parser("client", help="send one request to a server over any protocol and save the wav",
+                        description="One TTS request over KServe gRPC (streaming or not), KServe HTTP or the OpenAI "
+                                    "speech API; writes the audio and prints the latencies.")
+    cl.add_argument("--url", required=True, help="grpc://HOST:PORT or http://HOST:PORT")
+    cl.add_argument("--protocol", choices=["grpc", "http", "openai"], help="default: grpc for grpc://, else openai")
+    cl.add_argument("--mode", choices=["streaming", "offline"], default="streaming")
+    cl.add_argument("--text", help="text to speak")
+    cl.add_argument("--text-file", help="read the text from a UTF-8 file")
+    cl.add_argument("--voice", help="registered voice id")
+    cl.add_argument("--prompt-wav", help="reference recording (sent as 16 kHz reference_wav; KServe protocols)")
+    cl.add_argument("--prompt-text", help="transcript of --prompt-wav")
+    cl.add_argument("--seed", type=int, default=None)
+    cl.add_argument("--api-key", help="bearer key (also $COSYSERVE_API_KEY)")
+    cl.add_argument("--model-name", default="cosyvoice2")
+    cl.add_argument("--timeout", type=float, default=600.0)
+    cl.add_argument("-o", "--output", required=True, help="output wav (24 kHz)")
+    cl.set_defaults(func=cmd_client)
 
     c = sub.add_parser("convert-llm", help="export the speech LM as a Hugging Face Qwen2ForCausalLM checkpoint")
     c.add_argument("model_dir")

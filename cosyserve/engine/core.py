@@ -22,6 +22,8 @@ One step:
 4. **token2wav** — every stream whose next chunk is ready (chunk schedule) or whose LM
    has finished contributes one job; all jobs run as one flow batch + one HiFT batch
    (:class:`~cosyserve.engine.token2wav.Token2Wav`), each with its own caches.
+   LM-only requests (``SynthesisParams.lm_only``) skip this stage: they finish as soon as
+   their last segment's LM stops, and their ``RequestFinished`` carries the tokens.
 
 Failures are isolated: an exception in a batch is retried per request, and only the
 request that fails is finished with an error.
@@ -74,6 +76,7 @@ class EngineConfig:
     kv_max_len: int = 4096
     max_prefill_tokens: int = 4096
     max_t2w_batch: int = 16
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         if self.max_active < 1 or self.max_queue < 0 or self.kv_max_len < 64 or self.max_t2w_batch < 1:
@@ -120,7 +123,16 @@ class EngineCore:
         self.t2w = Token2Wav(models.flow, models.hift, models.cfg.token_mel_ratio)
         if self.lm.max_positions < config.kv_max_len:
             self.lm.setup_rope(config.kv_max_len)
-        self.cache = KVCache.allocate(self.lm, config.max_active, config.kv_max_len)
+        use_graphs = config.cuda_graphs and self.lm.llm_decoder.weight.is_cuda
+        # with CUDA graphs, one extra (scratch) slot absorbs the padding rows of a bucket
+        self.cache = KVCache.allocate(self.lm, config.max_active + int(use_graphs), config.kv_max_len)
+        self.decoder = None
+        if use_graphs:
+            from ..models.graphs import GraphedDecoder, GraphedFlowSolver
+
+            self.decoder = GraphedDecoder(self.lm, self.cache, config.max_active)
+            if models.flow.graph_solver is None:
+                models.flow.graph_solver = GraphedFlowSolver(models.flow.decoder, config.max_t2w_batch)
         self._free_slots = list(range(config.max_active))
         self._stop_ids = frozenset(models.cfg.llm.stop_token_ids)
         self._waiting: OrderedDict[str, RequestState] = OrderedDict()
@@ -144,7 +156,7 @@ class EngineCore:
         full and :class:`InvalidInputError` when a segment cannot fit the KV cache."""
         for i, ids in enumerate(req.segments):
             room = self.cfg.kv_max_len - self.prefix_len(req, ids)
-            if room < max(1, int(ids.numel() * req.params.min_token_text_ratio)) + 1:
+            if room < max(1, req.params.token_bounds(int(ids.numel()))[0]) + 1:
                 raise InvalidInputError(
                     f"text segment {i} with this prompt needs more than the {self.cfg.kv_max_len} positions of the "
                     "KV cache; use a shorter prompt or text", field="input")
@@ -253,6 +265,7 @@ class EngineCore:
             audio_s=st.audio_samples / self.sample_rate,
             first_chunk_s=None if st.first_chunk_at is None else st.first_chunk_at - st.req.arrival,
             total_s=now - st.req.arrival, seed=st.seed, tokens=[list(s.tokens) for s in st.segments],
+            stop_reasons=[s.stop_reason for s in st.segments],
         )
         events.append(ev)
         self.observer.finished(ev)
@@ -263,9 +276,11 @@ class EngineCore:
             self._finish(st, events, Outcome.ERROR, exc)
 
     # ------------------------------------------------------------------ LM
-    def _lm_finish_segment(self, st: RequestState, seg: SegmentState) -> None:
+    def _lm_finish_segment(self, st: RequestState, seg: SegmentState, reason: str) -> None:
         seg.lm_done = True
-        st.hift_generator(seg)  # offline: fork HiFT's generator now, before the next segment samples
+        seg.stop_reason = reason
+        if not st.req.params.lm_only:
+            st.hift_generator(seg)  # offline: fork HiFT's generator now, before the next segment samples
         self._release_slot(seg)
         st.lm_segment += 1
 
@@ -298,7 +313,7 @@ class EngineCore:
             seg.prefilled = True
             prefill_tokens += n
             rows.append((st, seg))
-            hidden.append(h)
+            hidden.append(lm.logprobs(h))
         # 2. one batched decode step for running segments
         running = [(st, st.segments[st.lm_segment]) for st in self._active.values()
                    if st.next_lm_segment() is not None]
@@ -309,7 +324,10 @@ class EngineCore:
             slots = torch.tensor([seg.slot for _, seg in running])
             start = torch.tensor([seg.length for _, seg in running])
             try:
-                h = lm.forward_cached(lm.embed_speech(toks), self.cache, slots, start)[:, -1]
+                if self.decoder is not None:
+                    h = self.decoder(toks.reshape(-1), slots, start)  # log-probs, CUDA graph
+                else:
+                    h = lm.logprobs(lm.forward_cached(lm.embed_speech(toks), self.cache, slots, start)[:, -1])
             except Exception as exc:  # noqa: BLE001
                 for st, _ in running:
                     self._fail(st, events, exc)
@@ -321,18 +339,18 @@ class EngineCore:
                 hidden.append(h)
         if not rows:
             return
-        logp = lm.logprobs(torch.cat(hidden)).cpu()
+        logp = torch.cat(hidden).cpu()  # log-probs of every row
         # 3. per-request sampling (upstream RAS, each with its own generator)
         for i, (st, seg) in enumerate(rows):
             if st.request_id not in self._active:
                 continue
             tok = seg.sampler.sample(logp[i], seg.tokens, seg.lm_gen, ignore_eos=len(seg.tokens) < seg.min_len)
             if tok in self._stop_ids:
-                self._lm_finish_segment(st, seg)
+                self._lm_finish_segment(st, seg, "stop")
                 continue
             seg.tokens.append(tok)
             if len(seg.tokens) >= seg.max_len:
-                self._lm_finish_segment(st, seg)
+                self._lm_finish_segment(st, seg, "length")
         dt = time.perf_counter() - t0
         self.stats.last_lm_batch = len(rows)
         self.stats.lm_batches[len(rows)] = self.stats.lm_batches.get(len(rows), 0) + 1
@@ -361,6 +379,10 @@ class EngineCore:
     def _t2w_step(self, events: list) -> None:
         picked: list[tuple[RequestState, SegmentState, Token2WavJob]] = []
         for st in list(self._active.values()):
+            if st.req.params.lm_only:  # LM-only: done once every segment's LM has finished
+                if st.lm_segment >= len(st.segments):
+                    self._finish(st, events, Outcome.OK)
+                continue
             if len(picked) >= self.cfg.max_t2w_batch:
                 break
             nxt = self._next_job(st)

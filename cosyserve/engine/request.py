@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +37,14 @@ class SynthesisParams:
     the LM must / may generate (upstream 2 and 20); useful to pin the output length of
     untrained weights. ``speed``: tempo factor (0.5-2.0; mel time-stretch as upstream).
     ``timeout_s``: abort the request after this many seconds.
+
+    LM-only requests (``lm_only=True``, the native OpenAI completions endpoint and
+    ``cosyserve batch``): only the speech LM runs, no audio is made; the request's
+    :class:`RequestFinished` carries the generated tokens of each segment. ``min_tokens`` /
+    ``max_tokens`` (speech tokens per segment) then replace the ratio-derived bounds when
+    given, and ``sampler_factory`` (a zero-argument callable returning an object with
+    :class:`~cosyserve.models.sampling.UpstreamSampler`'s ``sample`` method) replaces the
+    model's RAS sampler. They work for audio requests too.
     """
 
     seed: int | None = None
@@ -45,6 +54,10 @@ class SynthesisParams:
     max_token_text_ratio: float = 20.0
     speed: float = 1.0
     timeout_s: float | None = None
+    lm_only: bool = False
+    min_tokens: int | None = None
+    max_tokens: int | None = None
+    sampler_factory: Callable[[], object] | None = field(default=None, compare=False, repr=False)
 
     def validate(self) -> None:
         if not (0.0 <= self.min_token_text_ratio <= self.max_token_text_ratio):
@@ -56,6 +69,19 @@ class SynthesisParams:
             raise InvalidInputError("speed must be between 0.25 and 4.0", field="speed")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise InvalidInputError("timeout must be positive", field="timeout")
+        if self.min_tokens is not None and self.min_tokens < 0:
+            raise InvalidInputError("min_tokens must be >= 0", field="min_tokens")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise InvalidInputError("max_tokens must be >= 1", field="max_tokens")
+        if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidInputError("min_tokens must not exceed max_tokens", field="min_tokens")
+
+    def token_bounds(self, n_text_tokens: int) -> tuple[int, int]:
+        """``(min_len, max_len)`` speech tokens for a segment of ``n_text_tokens`` text tokens
+        (explicit ``min_tokens``/``max_tokens`` win over the ratios, as upstream's ``int(n * ratio)``)."""
+        lo = self.min_tokens if self.min_tokens is not None else int(n_text_tokens * self.min_token_text_ratio)
+        hi = self.max_tokens if self.max_tokens is not None else max(1, int(n_text_tokens * self.max_token_text_ratio))
+        return lo, max(hi, 1)
 
 
 @dataclass
@@ -119,6 +145,9 @@ class RequestFinished:
     total_s: float = 0.0
     seed: int = 0
     tokens: list[list[int]] = field(default_factory=list)
+    #: per segment: ``"stop"`` (a stop token was sampled), ``"length"`` (max length reached),
+    #: ``None`` (the LM did not finish that segment)
+    stop_reasons: list[str | None] = field(default_factory=list)
 
 
 @dataclass
@@ -142,6 +171,7 @@ class SegmentState:
     hift_gen: torch.Generator | None = None
     hift_state: HiFTStreamState = field(default_factory=HiFTStreamState)
     emitted_tokens: int = 0
+    stop_reason: str | None = None  # "stop" / "length" once the LM has finished
 
 
 @dataclass
@@ -170,13 +200,14 @@ class RequestState:
         lm_gen = torch.Generator().manual_seed(seed)
         st = cls(req=req, seed=seed)
         n_prompt = int(req.voice.flow_speech_token.numel())
+        make_sampler = p.sampler_factory or sampler_factory
         for i, ids in enumerate(req.segments):
-            n = int(ids.numel())
+            lo, hi = p.token_bounds(int(ids.numel()))
+            stream = p.stream and not p.lm_only
             st.segments.append(SegmentState(
-                index=i, text_ids=ids.reshape(-1).to(torch.long),
-                min_len=int(n * p.min_token_text_ratio), max_len=max(1, int(n * p.max_token_text_ratio)),
-                lm_gen=lm_gen, sampler=sampler_factory(), stream=p.stream,
-                schedule=p.chunk_policy.start(n_prompt) if p.stream else None,
+                index=i, text_ids=ids.reshape(-1).to(torch.long), min_len=lo, max_len=hi,
+                lm_gen=lm_gen, sampler=make_sampler(), stream=stream,
+                schedule=p.chunk_policy.start(n_prompt) if stream else None,
             ))
         if p.timeout_s is not None:
             st.deadline = req.arrival + p.timeout_s

@@ -71,27 +71,78 @@ class Token2Wav:
 
     @torch.inference_mode()
     def run(self, jobs: list[Token2WavJob]) -> list[Token2WavResult]:
-        """Run ``jobs`` as one flow batch and one HiFT batch; results in job order."""
+        """Run ``jobs`` as one flow batch and one HiFT batch; results in job order (blocking)."""
+        return self.finish(self.launch(jobs, stream=None))
+
+    @torch.inference_mode()
+    def launch(self, jobs: list[Token2WavJob], stream=None) -> "PendingToken2Wav":
+        """Enqueue ``jobs`` without waiting for the GPU.
+
+        With a CUDA ``stream``, all work is issued on it (inputs are created there too, so
+        the caching allocator never hands their memory to another stream early) and an
+        event marks completion; :meth:`PendingToken2Wav.done` polls it. On CPU (or without
+        a stream) the work is simply done here.
+        """
         if not jobs:
-            return []
-        dev = self.device
-        mels = self.flow.inference_batch(
-            [j.tokens.to(dev)[None] for j in jobs],
-            [j.voice.flow_speech_token.to(dev)[None] for j in jobs],
-            [j.voice.speech_feat.to(dev)[None] for j in jobs],
-            torch.stack([j.voice.flow_embedding for j in jobs]).to(dev),
-            streaming=[j.streaming for j in jobs],
-            finalize=[j.finalize for j in jobs],
-        )
-        hift_dev = next(self.hift.parameters()).device
-        chunks = []
-        for j, mel in zip(jobs, mels):
-            m = mel[:, :, j.token_offset * self.ratio:].to(hift_dev, torch.float32)
-            if j.finalize and j.speed != 1.0 and j.hift_state.empty:
-                m = F.interpolate(m, size=max(1, int(m.shape[2] / j.speed)), mode="linear")
-            chunks.append(m)
-        out = hift_stream_step_batch(
-            self.hift, [j.hift_state for j in jobs], chunks, [j.finalize for j in jobs],
-            [j.generator for j in jobs],
-        )
-        return [Token2WavResult(speech[0].float().cpu(), state) for speech, state in out]
+            return PendingToken2Wav([], [], None)
+        ctx = torch.cuda.stream(stream) if stream is not None else _null()
+        with ctx:
+            dev = self.device
+            mels = self.flow.inference_batch(
+                [j.tokens.to(dev, non_blocking=True)[None] for j in jobs],
+                [j.voice.flow_speech_token.to(dev, non_blocking=True)[None] for j in jobs],
+                [j.voice.speech_feat.to(dev, non_blocking=True)[None] for j in jobs],
+                torch.stack([j.voice.flow_embedding for j in jobs]).to(dev, non_blocking=True),
+                streaming=[j.streaming for j in jobs],
+                finalize=[j.finalize for j in jobs],
+            )
+            hift_dev = next(self.hift.parameters()).device
+            chunks = []
+            for j, mel in zip(jobs, mels):
+                m = mel[:, :, j.token_offset * self.ratio:].to(hift_dev, torch.float32)
+                if j.finalize and j.speed != 1.0 and j.hift_state.empty:
+                    m = F.interpolate(m, size=max(1, int(m.shape[2] / j.speed)), mode="linear")
+                chunks.append(m)
+            out = hift_stream_step_batch(
+                self.hift, [j.hift_state for j in jobs], chunks, [j.finalize for j in jobs],
+                [j.generator for j in jobs],
+            )
+            speech = [s[0].float() for s, _ in out]
+            event = None
+            if stream is not None:
+                host = [torch.empty(s.shape, dtype=torch.float32, pin_memory=True) for s in speech]
+                for h, s in zip(host, speech):
+                    h.copy_(s, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+                speech = host
+        return PendingToken2Wav(speech, [st for _, st in out], event, keep=(jobs, mels, chunks))
+
+    def finish(self, pending: "PendingToken2Wav") -> list[Token2WavResult]:
+        """Wait for ``pending`` and return its results (speech on the CPU)."""
+        if pending.event is not None:
+            pending.event.synchronize()
+        return [Token2WavResult(s.cpu() if s.device.type != "cpu" else s, st)
+                for s, st in zip(pending.speech, pending.states)]
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+@dataclass
+class PendingToken2Wav:
+    """A token2wav batch in flight: per-job speech (pinned host buffers being filled, or
+    CPU/device tensors), next HiFT states, and the CUDA event that marks completion."""
+
+    speech: list
+    states: list
+    event: "torch.cuda.Event | None"
+    keep: tuple = ()
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()

@@ -5,6 +5,10 @@ port answers at once (live), models load in a worker thread, and readiness flips
 warm-up request. SIGINT/SIGTERM stop accepting requests, let running streams finish for
 a few seconds, then cancel what is left.
 
+With ``--llm-only`` the process serves the speech LM alone (``POST /v1/completions``,
+:mod:`cosyserve.server.completions`): the speech routes answer 404 and no gRPC port is
+opened.
+
 Cross-cutting rules implemented here: optional API key (``Authorization: Bearer``) on
 every route except health; request bodies larger than ``--max-upload-mb`` are refused
 (413); errors become 4xx/5xx with a message naming the field — OpenAI's error shape on
@@ -24,12 +28,14 @@ from starlette.middleware.base import BaseHTTPMiddleware
 
 from ..engine.core import QueueFullError
 from ..errors import CosyServeError, InvalidInputError, VoiceNotFoundError
-from . import kserve_http, openai_api
+from . import completions, kserve_http, openai_api
 from .state import NotReadyError, ServerConfig, ServerState
 
 log = logging.getLogger("cosyserve.server")
 
 PUBLIC_PATHS = ("/v2/health/", "/health")
+#: routes that synthesize audio; a ``--llm-only`` server answers them with 404
+TTS_PATHS = ("/v1/audio/", "/v2/models/")
 
 
 def _error(request: Request, status: int, message: str, field: str | None = None, code: str | None = None):
@@ -50,6 +56,9 @@ class _Guard(BaseHTTPMiddleware):
             if not hmac.compare_digest(token.encode(), key.encode()):
                 return _error(request, 401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                               code="invalid_api_key")
+        if st.config.llm_only and request.url.path.startswith(TTS_PATHS):
+            return _error(request, 404, "this server runs with --llm-only: it serves the speech LM on "
+                                        "POST /v1/completions, not speech", code="not_found")
         length = request.headers.get("content-length")
         if length is not None:
             try:
@@ -70,6 +79,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_middleware(_Guard)
     app.include_router(openai_api.router)
     app.include_router(kserve_http.router)
+    app.include_router(completions.router)
 
     @app.get("/health")
     async def health():
@@ -152,14 +162,15 @@ async def serve(config: ServerConfig, log_format: str = "text", drain_seconds: f
     app = create_app(state)
     uv = _UvicornServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                        access_log=False, lifespan="off", timeout_graceful_shutdown=2))
-    grpc_server = await start_grpc_server(state, config.host, config.grpc_port)
+    grpc_server = None if config.llm_only else await start_grpc_server(state, config.host, config.grpc_port)
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task] = []
 
     async def _shutdown() -> None:
         log.info("shutting down", extra={"event": "shutdown", "drain_s": drain_seconds})
         await state.stop(drain_timeout=drain_seconds)  # not ready; drain; abort the rest cleanly
-        await grpc_server.stop(grace=2)
+        if grpc_server is not None:
+            await grpc_server.stop(grace=2)
         uv.should_exit = True
 
     def _on_signal() -> None:
@@ -173,7 +184,8 @@ async def serve(config: ServerConfig, log_format: str = "text", drain_seconds: f
         loop.add_signal_handler(sig, _on_signal)
     loader = asyncio.create_task(state.start())
     log.info("listening", extra={"event": "listening", "http": f"http://{config.host}:{config.port}",
-                                 "grpc": f"{config.host}:{config.grpc_port}"})
+                                 "grpc": None if grpc_server is None else f"{config.host}:{config.grpc_port}",
+                                 "llm_only": config.llm_only})
 
     def _loaded(t: asyncio.Task) -> None:
         if not t.cancelled() and t.exception() is not None:
@@ -187,7 +199,8 @@ async def serve(config: ServerConfig, log_format: str = "text", drain_seconds: f
         if stopping:
             await stopping[0]
         else:
-            await grpc_server.stop(grace=0)
+            if grpc_server is not None:
+                await grpc_server.stop(grace=0)
             await state.stop(drain_timeout=0)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

@@ -54,10 +54,19 @@ def model_metadata(name: str) -> dict:
     }
 
 
-def model_config(name: str, max_batch_size: int) -> dict:
+def model_parameters(config) -> dict[str, str]:
+    """Server settings published as the model configuration's ``parameters`` (a cosyserve
+    extension read by ``cosyserve bench``): token/text ratios and chunk policy."""
+    return {"min_token_text_ratio": str(config.min_token_text_ratio),
+            "max_token_text_ratio": str(config.max_token_text_ratio),
+            "chunk_policy": str(config.chunk_policy)}
+
+
+def model_config(name: str, max_batch_size: int, parameters: dict[str, str] | None = None) -> dict:
     """Triton model configuration (JSON form of ``config.pbtxt``), decoupled."""
     return {
         "name": name, "platform": "cosyserve", "backend": "cosyserve", "max_batch_size": max_batch_size,
+        "parameters": {k: {"string_value": v} for k, v in (parameters or {}).items()},
         "model_transaction_policy": {"decoupled": True},
         "input": [{"name": n, "data_type": "TYPE_" + ("STRING" if t == "BYTES" else t), "dims": [s[1]],
                    "optional": opt} for n, t, s, opt in INPUTS],

@@ -37,6 +37,7 @@ from .kserve_common import (
     MODEL_VERSION,
     OUTPUTS,
     decode_raw,
+    model_parameters,
     parse_request,
     resolve_voice,
 )
@@ -180,6 +181,8 @@ class TritonService(pb_grpc.GRPCInferenceServiceServicer):
         cfg = mc.ModelConfig(name=request.name, platform="cosyserve", backend="cosyserve",
                              max_batch_size=self.state.config.max_active_streams)
         cfg.model_transaction_policy.decoupled = True
+        for k, v in model_parameters(self.state.config).items():
+            cfg.parameters[k].string_value = v
         for n, t, s, opt in INPUTS:
             cfg.input.add(name=n, data_type=dt[t], dims=[s[1]], optional=opt)
         for n, t, s in OUTPUTS:

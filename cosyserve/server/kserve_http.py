@@ -25,6 +25,7 @@ from .kserve_common import (
     decode_raw,
     model_config,
     model_metadata,
+    model_parameters,
     parse_request,
     resolve_voice,
 )
@@ -83,7 +84,8 @@ async def model_ready(name: str, request: Request, version: str | None = None):
 @router.get("/v2/models/{name}/versions/{version}/config")
 async def get_config(name: str, request: Request, version: str | None = None):
     st = _state(request)
-    return _check_model(st, name, version) or model_config(name, st.config.max_active_streams)
+    return _check_model(st, name, version) or model_config(name, st.config.max_active_streams,
+                                                            model_parameters(st.config))
 
 
 def statistics(st: ServerState) -> dict:

@@ -141,7 +141,16 @@ class ServerState:
             raise
 
     async def _warmup(self) -> None:
-        """One short streaming and one offline request through the whole engine."""
+        """One short streaming and one offline request through the whole engine (an LM-only
+        request with ``--llm-only``)."""
+        if self.config.llm_only:
+            ids = self.synth.frontend.token_ids("你好，世界。Hello.")
+            req = EngineRequest("warmup-lm", ids[:1], Voice.from_features(
+                "warmup", "", torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                torch.zeros(0, 80), torch.zeros(192)), SynthesisParams(seed=0, lm_only=True, min_tokens=4, max_tokens=8))
+            async for _ in self.engine.generate(req):
+                pass
+            return
         wav = torch.zeros(1, 24000 * 2)
         wav[0, ::40] = 0.2
         voice = await asyncio.to_thread(self.synth.make_voice, "warmup", (wav, 24000), "你好。")

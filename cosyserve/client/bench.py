@@ -1,0 +1,595 @@
+"""``cosyserve bench``: latency and throughput of a TTS server under N concurrent clients.
+
+For each concurrency level ``c`` of ``--concurrency`` (e.g. ``1,2,4,8,16``), ``c`` client
+threads (each with its own connection) take requests from one shared list — the manifest's
+items, cycled to ``--requests-per-level`` (default: every item ``--repeat`` times) — and
+send them one after the other (closed loop). Warm-up requests (``--warmup``) run first and
+are not counted. Protocols and what counts as a chunk: :mod:`cosyserve.client.protocols`.
+
+Per request (times from just before the request is sent, client clock):
+
+* **first-chunk latency** — until the first audio arrives (offline: the whole waveform);
+* **second-chunk latency** — from the first to the second chunk (as CosyVoice's
+  ``client_grpc.py``); none with a single chunk;
+* **total latency** — until the response is complete;
+* **audio seconds** — returned samples / sample rate (24 kHz);
+* **stalls** — playback starts when the first chunk arrives; a later chunk that arrives
+  after everything before it has finished playing is a stall (playback waits for it and
+  goes on). ``stalled`` = at least one stall.
+
+Per level: avg/p50/p90/p95/p99 of the latencies (linear-interpolated percentiles, as
+``numpy.percentile``), over successful requests; ``RTF = Σ total latency / Σ audio
+seconds`` (compute seconds per audio second as one request sees it); ``throughput = Σ audio
+seconds / wall seconds`` (× real time: audio the server produces per second with ``c``
+clients); ``rtf_wall = wall / Σ audio`` (the RTF that ``client_grpc.py`` prints); requests
+that stalled.
+
+Output in ``--out``: ``report.json`` (configuration, machine, every level and every
+request), ``report.md`` (the Markdown tables also printed on stdout), ``bench.png``
+(latency percentiles vs concurrency; first-chunk latency CDF per level; needs matplotlib,
+``pip install cosyserve[bench]``) and, with ``--save-audio``, one wav per request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .. import __version__
+from ..errors import CosyServeError
+from .manifest import BenchItem, load_manifest, resolve_manifest
+from .progress import Progress
+from .protocols import (
+    ClientError,
+    GrpcStreamRunner,
+    InProcessEngine,
+    InProcessRunner,
+    KServeOfflineRunner,
+    OpenAIRunner,
+    RequestSpec,
+    Runner,
+    Trace,
+    check_combination,
+    delete_openai_voices,
+    parse_url,
+    register_openai_voices,
+)
+
+PCTS = (50, 90, 95, 99)
+
+DEFINITIONS = {
+    "first_chunk_s": "send -> first audio received (offline modes: the whole waveform)",
+    "second_chunk_s": "first chunk received -> second chunk received (as client_grpc.py); null with one chunk",
+    "total_s": "send -> response complete",
+    "audio_s": "returned samples / sample_rate",
+    "stall": "a chunk that arrives after all audio before it has finished playing, playback having started "
+             "at the first chunk's arrival and waiting at each stall",
+    "rtf": "sum of total_s / sum of audio_s over successful requests",
+    "rtf_wall": "wall_s / sum of audio_s (the RTF printed by CosyVoice's client_grpc.py)",
+    "throughput": "sum of audio_s / wall_s (x real time)",
+    "percentiles": "numpy.percentile (linear interpolation) over successful requests",
+}
+
+
+@dataclass
+class BenchOptions:
+    """Everything ``cosyserve bench`` needs (see ``cosyserve bench --help``)."""
+
+    url: str | None = None
+    protocol: str = "grpc"
+    mode: str = "streaming"
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    set: str | None = None
+    limit: int | None = None
+    requests_per_level: int | None = None
+    repeat: int = 1
+    warmup: int = 2
+    seed: int = 0
+    voice: str | None = None
+    api_key: str | None = None
+    model_name: str = "cosyvoice2"
+    out: str = "bench_out"
+    save_audio: bool = False
+    timeout_s: float = 600.0
+    progress: bool | None = None
+    min_token_text_ratio: float | None = None
+    max_token_text_ratio: float | None = None
+    # in-process
+    in_process: bool = False
+    model_dir: str | None = None
+    demo: bool = False
+    device: str = "cpu"
+    dtype: str = "float32"
+    voices_dir: str | None = None
+    max_active_streams: int = 16
+    chunk_policy: str = "upstream"
+
+
+# ---------------------------------------------------------------------------- analysis
+
+
+def playback_stalls(arrivals: list[tuple[float, int]], sample_rate: int) -> tuple[int, float]:
+    """``(stalls, seconds waited)`` of a chunk arrival sequence ``[(time, samples), ...]``
+    (see module docstring)."""
+    if not arrivals:
+        return 0, 0.0
+    t0, n0 = arrivals[0]
+    clock = t0 + n0 / sample_rate
+    count, waited = 0, 0.0
+    for t, n in arrivals[1:]:
+        if t > clock:
+            count += 1
+            waited += t - clock
+            clock = t
+        clock += n / sample_rate
+    return count, waited
+
+
+def analyze(tr: Trace) -> dict:
+    """Per-request numbers of a :class:`Trace` (seconds)."""
+    ok = tr.error is None and tr.t_end is not None and tr.samples > 0
+    if tr.error is None and tr.t_end is not None and tr.samples == 0:
+        tr.error = "no audio returned"
+    first = tr.arrivals[0][0] - tr.t_send if tr.arrivals else None
+    second = tr.arrivals[1][0] - tr.arrivals[0][0] if len(tr.arrivals) > 1 else None
+    stalls, waited = playback_stalls(tr.arrivals, tr.sample_rate)
+    return {
+        "ok": ok, "error": tr.error,
+        "first_chunk_s": first, "second_chunk_s": second,
+        "total_s": (tr.t_end - tr.t_send) if tr.t_end is not None else None,
+        "chunks": len(tr.arrivals), "samples": tr.samples, "sample_rate": tr.sample_rate,
+        "audio_s": tr.samples / tr.sample_rate,
+        "stalls": stalls, "stall_s": waited, "stalled": stalls > 0,
+        "chunk_arrivals": [[round(t - tr.t_send, 6), n] for t, n in tr.arrivals],
+    }
+
+
+def stats(values: list[float]) -> dict | None:
+    """avg/min/max and percentiles of ``values`` (``None`` when empty)."""
+    v = [x for x in values if x is not None]
+    if not v:
+        return None
+    a = np.asarray(v, dtype=np.float64)
+    out = {"n": int(a.size), "avg": float(a.mean()), "min": float(a.min()), "max": float(a.max())}
+    for p in PCTS:
+        out[f"p{p}"] = float(np.percentile(a, p))
+    return out
+
+
+def summarize(concurrency: int, records: list[dict], wall_s: float) -> dict:
+    ok = [r for r in records if r["ok"]]
+    audio = sum(r["audio_s"] for r in ok)
+    compute = sum(r["total_s"] for r in ok)
+    return {
+        "concurrency": concurrency, "requests": len(records), "ok": len(ok), "failed": len(records) - len(ok),
+        "wall_s": wall_s, "audio_s": audio, "compute_s": compute,
+        "rtf": compute / audio if audio else None,
+        "rtf_wall": wall_s / audio if audio else None,
+        "throughput": audio / wall_s if wall_s > 0 else None,
+        "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
+        "first_chunk_s": stats([r["first_chunk_s"] for r in ok]),
+        "second_chunk_s": stats([r["second_chunk_s"] for r in ok]),
+        "total_s": stats([r["total_s"] for r in ok]),
+        "stalled": sum(1 for r in ok if r["stalled"]),
+        "stall_s": sum(r["stall_s"] for r in ok),
+        "errors": sorted({r["error"] for r in records if r["error"]})[:5],
+    }
+
+
+def machine_info() -> dict:
+    """The client machine: CPU model (``/proc/cpuinfo``), cores, OS, Python."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "os": platform.platform(), "python": platform.python_version()}
+
+
+# ---------------------------------------------------------------------------- presentation
+
+
+def _ms(x: float | None) -> str:
+    if x is None:
+        return "–"
+    v = x * 1000
+    return f"{v:.1f}" if v < 10 else f"{v:.0f}"
+
+
+def _num(x: float | None, fmt: str = "{:.3f}") -> str:
+    return "–" if x is None else fmt.format(x)
+
+
+def ratio_text(report: dict) -> str:
+    r = report.get("token_text_ratio") or {}
+    lo, hi = r.get("min"), r.get("max")
+    if lo is None and hi is None:
+        return "token/text ratio: not reported by the server"
+    return f"token/text ratio {lo:g}–{hi:g} ({r.get('source', '')})"
+
+
+def markdown(report: dict) -> str:
+    """The Markdown summary of a report (also written to ``report.md``)."""
+    c = report["config"]
+    stream = c["mode"] == "streaming"
+    target = "in-process engine" if c["in_process"] else c["url"]
+    what = c["mode"] if c["in_process"] else f"{c['protocol']} {c['mode']}"
+    lines = [f"### cosyserve bench — {what} — {target}", "",
+             f"{report['set']['items']} items from `{report['set']['name']}`, "
+             f"{c['requests_per_level']} requests per level, {c['warmup']} warm-up, seed {c['seed']}; "
+             f"{ratio_text(report)}; client: {report['machine']['cpu']}, {report['machine']['cores']} cores", ""]
+    if stream:
+        lines += ["| clients | ok/sent | first chunk avg | p50 | p90 | p95 | p99 | 1st→2nd chunk p50 | total p50 | "
+                  "total p99 | RTF | throughput | stalled |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    else:
+        lines += ["| clients | ok/sent | latency avg | p50 | p90 | p95 | p99 | RTF | throughput |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for lv in report["levels"]:
+        f, s, t = lv["first_chunk_s"] or {}, lv["second_chunk_s"] or {}, lv["total_s"] or {}
+        thr = "–" if lv["throughput"] is None else f"{lv['throughput']:.2f}×"
+        if stream:
+            lines.append(f"| {lv['concurrency']} | {lv['ok']}/{lv['requests']} | {_ms(f.get('avg'))} | "
+                         f"{_ms(f.get('p50'))} | {_ms(f.get('p90'))} | {_ms(f.get('p95'))} | {_ms(f.get('p99'))} | "
+                         f"{_ms(s.get('p50'))} | {_ms(t.get('p50'))} | {_ms(t.get('p99'))} | {_num(lv['rtf'])} | "
+                         f"{thr} | {lv['stalled']} |")
+        else:
+            lines.append(f"| {lv['concurrency']} | {lv['ok']}/{lv['requests']} | {_ms(t.get('avg'))} | "
+                         f"{_ms(t.get('p50'))} | {_ms(t.get('p90'))} | {_ms(t.get('p95'))} | {_ms(t.get('p99'))} | "
+                         f"{_num(lv['rtf'])} | {thr} |")
+    lines += ["", "Latencies in ms. RTF = Σ request latency / Σ audio seconds; throughput = Σ audio seconds / "
+              "wall seconds (× real time)" + ("; stalled = requests whose playback, started at the first chunk, "
+                                              "ran dry before a later chunk arrived." if stream else ".")]
+    errs = sorted({e for lv in report["levels"] for e in lv["errors"]})
+    if errs:
+        lines += ["", "Errors: " + "; ".join(errs[:5])]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> Path | None:
+    """``bench.png``: latency percentiles vs concurrency, and the first-chunk latency CDF.
+    Returns ``None`` (with a note on stderr) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: no plot (matplotlib is not installed: pip install 'cosyserve[bench]')", file=sys.stderr)
+        return None
+    c = report["config"]
+    stream = c["mode"] == "streaming"
+    key, name = ("first_chunk_s", "first-chunk latency") if stream else ("total_s", "latency (whole waveform)")
+    levels = [lv for lv in report["levels"] if lv[key]]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.6))
+    xs = [lv["concurrency"] for lv in levels]
+    for p, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
+        a1.plot(xs, [lv[key][p] * 1000 for lv in levels], style, label=f"{name} {p}")
+    if stream:
+        a1.plot(xs, [lv["total_s"]["p50"] * 1000 for lv in levels if lv["total_s"]], "d-", color="grey",
+                alpha=0.7, label="total latency p50")
+    a1.set_xscale("log", base=2)
+    a1.set_xticks(xs, [str(x) for x in xs])
+    a1.set_xlabel("concurrent clients")
+    a1.set_ylabel("ms")
+    a1.set_title("latency vs concurrency")
+    a1.grid(True, alpha=0.3)
+    a1.legend(fontsize=8)
+    by_level: dict[int, list[float]] = {}
+    for r in report["requests"]:
+        if r["ok"] and r[key] is not None:
+            by_level.setdefault(r["concurrency"], []).append(r[key] * 1000)
+    for lvl in sorted(by_level):
+        v = np.sort(np.asarray(by_level[lvl]))
+        a2.step(np.concatenate([[v[0]], v]), np.arange(0, v.size + 1) / v.size, where="post",
+                label=f"{lvl} client{'s' if lvl > 1 else ''}")
+    a2.set_xlabel(f"{name} (ms)")
+    a2.set_ylabel("fraction of requests")
+    a2.set_ylim(0, 1.02)
+    a2.set_title(f"{name} CDF")
+    a2.grid(True, alpha=0.3)
+    a2.legend(fontsize=8)
+    what = f"in-process {c['mode']}" if c["in_process"] else f"{c['protocol']} {c['mode']} — {c['url']}"
+    fig.suptitle(f"cosyserve bench — {what} — {report['set']['name']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------- running
+
+
+def _server_ratio(opts: BenchOptions, addr: str, scheme: str) -> dict:
+    """The server's token/text ratio and chunk policy from its KServe model config
+    (``parameters``, a cosyserve extension); ``{}`` when unavailable."""
+    params = {}
+    try:
+        if opts.protocol == "grpc":
+            import tritonclient.grpc as tg
+
+            cl = tg.InferenceServerClient(addr)
+            cfg = cl.get_model_config(opts.model_name, headers=_headers(opts), as_json=True)
+            params = {k: v.get("string_value") for k, v in (cfg.get("config", {}).get("parameters") or {}).items()}
+            cl.close()
+        else:
+            import httpx
+
+            r = httpx.get(f"{scheme}://{addr}/v2/models/{opts.model_name}/config", headers=_headers(opts), timeout=10)
+            if r.status_code == 200:
+                params = {k: (v or {}).get("string_value") for k, v in (r.json().get("parameters") or {}).items()}
+    except Exception:  # noqa: BLE001 - informational only
+        return {}
+    return params
+
+
+def _headers(opts: BenchOptions) -> dict:
+    return {"authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
+
+
+class _Setup:
+    """Runner factory + per-item request data for one benchmark run."""
+
+    def __init__(self, opts: BenchOptions, items: list[BenchItem]):
+        self.opts, self.items = opts, items
+        self.created_voices: list[str] = []
+        self.shared: InProcessEngine | None = None
+        self.server_params: dict = {}
+        self.prompts = {it.id: it.prompt_16k() for it in items} if not opts.voice else {}
+        self.voice_of: dict[str, str] = {}
+        if opts.in_process:
+            self._start_in_process()
+            return
+        if not opts.url:
+            raise ClientError("--url is required (or --in-process)")
+        check_combination(opts.protocol, opts.mode)
+        self.scheme, self.addr = parse_url(opts.url, opts.protocol)
+        self.base = f"{self.scheme}://{self.addr}"
+        self.server_params = _server_ratio(opts, self.addr, self.scheme)
+        if opts.protocol == "openai" and not opts.voice:
+            prompts = {it.id: (it.prompt_wav.read_bytes(), it.prompt_text) for it in items}
+            self.voice_of, self.created_voices = register_openai_voices(self.base, prompts, opts.api_key)
+
+    def _start_in_process(self) -> None:
+        from ..engine.chunking import ChunkPolicy
+        from ..engine.core import EngineConfig
+        from ..engine.pipeline import Synthesizer
+        from ..engine.request import SynthesisParams
+        from ..frontend.voice import VoiceStore
+
+        o = self.opts
+        if o.mode not in ("streaming", "offline"):
+            raise ClientError(f"unknown mode {o.mode!r}")
+        builtin = {}
+        if o.demo:
+            from ..models.demo import write_demo_model
+
+            cache = Path(os.environ.get("COSYSERVE_CACHE_DIR") or Path.home() / ".cache" / "cosyserve")
+            model_dir = write_demo_model(cache / "demo-model")
+        elif o.model_dir:
+            model_dir = o.model_dir
+        else:
+            raise ClientError("--in-process needs --model-dir DIR or --demo")
+        import torch
+
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[o.dtype]
+        synth = Synthesizer(model_dir, device=o.device, dtype=dtype)
+        synth.frontend.warmup()
+        if o.demo and o.voice == "default":
+            import json as _json
+            from importlib import resources
+
+            prompts = Path(str(resources.files("cosyserve").joinpath("assets", "prompts")))
+            meta = _json.loads((prompts / "transcripts.json").read_text(encoding="utf-8"))["zero_shot_prompt.wav"]
+            builtin["default"] = synth.make_voice("default", prompts / "zero_shot_prompt.wav", meta["transcript"])
+        lo = 2.0 if o.min_token_text_ratio is None else o.min_token_text_ratio
+        hi = 20.0 if o.max_token_text_ratio is None else o.max_token_text_ratio
+        try:
+            policy = ChunkPolicy.parse(o.chunk_policy)
+        except ValueError as exc:
+            raise ClientError(str(exc)) from None
+
+        def params(seed, stream):
+            return SynthesisParams(seed=seed, stream=stream, chunk_policy=policy, min_token_text_ratio=lo,
+                                   max_token_text_ratio=hi, timeout_s=o.timeout_s)
+
+        self.server_params = {"min_token_text_ratio": str(lo), "max_token_text_ratio": str(hi),
+                              "chunk_policy": o.chunk_policy}
+        voices = VoiceStore(o.voices_dir) if (o.voice and o.voices_dir) else None
+        self.shared = InProcessEngine(synth, EngineConfig(max_active=o.max_active_streams,
+                                                          max_queue=max(64, max(o.concurrency) * 2)),
+                                      params, voices, builtin)
+
+    def runner(self, keep_audio: bool) -> Runner:
+        o = self.opts
+        if self.shared is not None:
+            r: Runner = InProcessRunner(self.shared, o.mode == "streaming", o.timeout_s)
+        elif o.protocol == "grpc" and o.mode == "streaming":
+            r = GrpcStreamRunner(self.addr, o.model_name, o.api_key, o.timeout_s)
+        elif o.protocol in ("grpc", "http"):
+            r = KServeOfflineRunner(o.protocol, self.addr, o.model_name, o.api_key, o.timeout_s,
+                                    ssl=self.scheme == "https")
+        else:
+            r = OpenAIRunner(self.base, o.mode == "streaming", o.model_name, o.api_key, o.timeout_s)
+        r.keep_audio = keep_audio
+        return r
+
+    def spec(self, item: BenchItem, seed: int) -> RequestSpec:
+        voice = self.opts.voice or self.voice_of.get(item.id)
+        return RequestSpec(request_id=uuid.uuid4().hex, text=item.target_text, seed=seed, voice=voice,
+                           prompt_16k=None if voice else self.prompts[item.id],
+                           prompt_text=None if voice else item.prompt_text, item_id=item.id)
+
+    def close(self) -> None:
+        if self.created_voices:
+            delete_openai_voices(self.base, self.created_voices, self.opts.api_key)
+        if self.shared is not None:
+            self.shared.close()
+
+
+def _run_level(setup: _Setup, work: list[tuple[int, BenchItem, int]], concurrency: int, keep_audio: bool,
+               progress: Progress | None) -> tuple[list[tuple[int, BenchItem, int, Trace]], float]:
+    """Run ``work`` with ``concurrency`` client threads; returns the traces (in work order)
+    and the wall time from the first send to the last completion (seconds).
+
+    Each thread opens its own connection (runner) before the clock starts and closes it
+    after (tritonclient.http's gevent client must stay on the thread that made it).
+    """
+    lock = threading.Lock()
+    pending = list(reversed(work))
+    done: list[tuple[int, BenchItem, int, Trace]] = []
+    start: list[float] = []
+    # the clock starts when every connection is open, before any thread may send
+    ready = threading.Barrier(concurrency + 1, action=lambda: start.append(time.perf_counter()))
+    failures: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            runner = setup.runner(keep_audio)
+        except BaseException as exc:  # noqa: BLE001 - reported after the barrier
+            failures.append(exc)
+            ready.wait()
+            return
+        ready.wait()
+        try:
+            while True:
+                with lock:
+                    if not pending:
+                        return
+                    idx, item, seed = pending.pop()
+                tr = runner.run(setup.spec(item, seed))
+                with lock:
+                    done.append((idx, item, seed, tr))
+                if progress is not None:
+                    progress.advance(tr.error is None)
+        finally:
+            runner.close()
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    ready.wait()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start[0]
+    if failures:
+        raise ClientError(f"cannot connect: {failures[0]}")
+    done.sort(key=lambda x: x[0])
+    return done, wall
+
+
+def run_bench(opts: BenchOptions, echo=print) -> dict:
+    """Run the benchmark; write the outputs into ``opts.out``; return the report dict.
+
+    Raises :class:`~cosyserve.errors.CosyServeError` subclasses for bad options, a missing
+    manifest, or a server that cannot be reached at all.
+    """
+    if not opts.concurrency or any(c < 1 for c in opts.concurrency):
+        raise ClientError("--concurrency must list positive integers, e.g. 1,2,4,8,16")
+    if opts.repeat < 1 or (opts.requests_per_level is not None and opts.requests_per_level < 1) or opts.warmup < 0:
+        raise ClientError("--repeat and --requests-per-level must be >= 1, --warmup >= 0")
+    manifest = resolve_manifest(opts.set)
+    items = load_manifest(manifest, opts.limit)
+    n_req = opts.requests_per_level or len(items) * opts.repeat
+    out = Path(opts.out)
+    try:
+        (out / "audio" if opts.save_audio else out).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ClientError(f"cannot create the output folder {out}: {exc}") from None
+    setup = _Setup(opts, items)
+    records: list[dict] = []
+    levels: list[dict] = []
+    try:
+        if opts.warmup:
+            wu = [(i, items[i % len(items)], opts.seed + i % len(items)) for i in range(opts.warmup)]
+            prog = Progress(len(wu), "warm-up", opts.progress)
+            res, _ = _run_level(setup, wu, min(opts.warmup, max(opts.concurrency)), False, prog)
+            prog.close()
+            bad = [tr.error for *_, tr in res if tr.error]
+            if len(bad) == len(res):
+                raise ClientError(f"every warm-up request failed: {bad[0]}")
+        for c in opts.concurrency:
+            work = [(i, items[i % len(items)], opts.seed + i % len(items)) for i in range(n_req)]
+            prog = Progress(len(work), f"{c} client{'s' if c > 1 else ''}", opts.progress)
+            res, wall = _run_level(setup, work, c, opts.save_audio, prog)
+            prog.close()
+            recs = []
+            for idx, item, seed, tr in res:
+                r = {"concurrency": c, "index": idx, "item": item.id, "language": item.language, "seed": seed,
+                     **analyze(tr)}
+                if opts.save_audio and tr.audio:
+                    import soundfile as sf
+
+                    p = out / "audio" / f"c{c}_{idx:04d}_{item.id}.wav"
+                    sf.write(str(p), tr.waveform(), tr.sample_rate, subtype="FLOAT")
+                    r["audio_file"] = str(p.relative_to(out))
+                recs.append(r)
+            records += recs
+            levels.append(summarize(c, recs, wall))
+    finally:
+        setup.close()
+    sp = setup.server_params
+
+    def _f(k):
+        try:
+            return float(sp[k])
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    ratio = {"min": _f("min_token_text_ratio"), "max": _f("max_token_text_ratio"),
+             "source": "in-process setting" if opts.in_process else "reported by the server"}
+    if ratio["min"] is None and not opts.in_process and opts.min_token_text_ratio is not None:
+        ratio = {"min": opts.min_token_text_ratio, "max": opts.max_token_text_ratio,
+                 "source": "declared with --min/--max-token-text-ratio (the server did not report it)"}
+    notes = []
+    if not opts.in_process and opts.min_token_text_ratio is not None and ratio["source"] == "reported by the server" \
+            and (ratio["min"], ratio["max"]) != (opts.min_token_text_ratio, opts.max_token_text_ratio):
+        notes.append(f"--min/--max-token-text-ratio {opts.min_token_text_ratio}/{opts.max_token_text_ratio} differ "
+                     f"from the server's {ratio['min']}/{ratio['max']}: the server's settings were in effect")
+    cfg = asdict(opts)
+    cfg.update(requests_per_level=n_req, api_key="***" if opts.api_key else None)
+    report = {
+        "tool": "cosyserve bench", "version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "config": cfg, "machine": machine_info(),
+        "set": {"name": manifest.parent.name if manifest.name == "manifest.jsonl" else manifest.name,
+                "manifest": str(manifest), "items": len(items)},
+        "server": sp, "token_text_ratio": ratio, "notes": notes, "definitions": DEFINITIONS,
+        "levels": levels, "requests": records,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    md = markdown(report)
+    (out / "report.md").write_text(md, encoding="utf-8")
+    echo(md)
+    for n in notes:
+        echo("note: " + n)
+    png = plot(report, out / "bench.png")
+    echo(f"wrote {out / 'report.json'}, {out / 'report.md'}" + (f", {png}" if png else ""))
+    return report
+
+
+def parse_levels(text: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]``; raises :class:`ClientError` for anything else."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ClientError(f"--concurrency must be a comma-separated list of integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise ClientError(f"--concurrency values must be >= 1, got {text!r}")
+    return vals
+
+
+__all__ = ["BenchOptions", "run_bench", "analyze", "summarize", "playback_stalls", "stats", "markdown", "plot",
+           "parse_levels", "machine_info", "CosyServeError"]

@@ -1,0 +1,418 @@
+"""`cosyserve bench`, `batch`, `client` and `serve --llm-only` on the demo model.
+
+Real server processes on 127.0.0.1 (shared per module), driven by the real clients
+(tritonclient gRPC/HTTP, httpx); the reports must be internally consistent: percentiles
+ordered, RTF = compute / audio, audio seconds = returned samples, counts matching; the
+same seeded item gives the same audio over every protocol and mode, and the remote-LM
+path of `cosyserve batch` gives exactly the native path's tokens and audio.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from cosyserve.cli import main
+from cosyserve.client.bench import playback_stalls, stats
+from cosyserve.client.manifest import DEFAULT_SET, ManifestError, load_manifest
+from cosyserve.client.remote_lm import parse_speech_tokens, speech_vocab
+
+N_ITEMS = 4
+RATIO = ["--min-token-text-ratio", "3", "--max-token-text-ratio", "3"]  # pinned: random weights never stop
+SAMPLES_PER_TOKEN = 960  # 24 kHz / 25 tokens per second
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    def __init__(self, tmp: Path, *extra: str):
+        self.port, self.grpc_port = _free_port(), _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.grpc_url = f"grpc://127.0.0.1:{self.grpc_port}"
+        self.cache = tmp / "cache"
+        self.log = open(tmp / "server.log", "w+")
+        cmd = [sys.executable, "-m", "cosyserve.cli", "serve", "--demo", "--port", str(self.port), "--grpc-port",
+               str(self.grpc_port), "--voices-dir", str(tmp / "voices"), *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, COSYSERVE_CACHE_DIR=str(self.cache)))
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("server exited:\n" + self.logs())
+            try:
+                if httpx.get(self.url + "/v2/health/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.proc.kill()
+        raise RuntimeError("server did not become ready:\n" + self.logs())
+
+    def logs(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def tts(tmp_path_factory):
+    s = _Server(tmp_path_factory.mktemp("tts"), "--max-active-streams", "8", *RATIO)
+    yield s
+    assert s.stop() == 0, s.logs()
+    assert "Traceback" not in s.logs()
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    s = _Server(tmp_path_factory.mktemp("llm"), "--llm-only", "--max-active-streams", "8")
+    yield s
+    assert s.stop() == 0, s.logs()
+    assert "Traceback" not in s.logs()
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return {}
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ---------------------------------------------------------------------------- the shipped set
+
+
+def test_default_set_is_real_small_and_documented():
+    items = load_manifest()
+    assert len(items) >= 26
+    assert {"zh", "en"} <= {it.language for it in items}
+    readme = (DEFAULT_SET / "README.md").read_text(encoding="utf-8")
+    total = 0
+    for it in items:
+        info = sf.info(str(it.prompt_wav))
+        assert info.channels == 1 and info.subtype == "PCM_16" and 1.0 <= info.duration <= 15.0, it.prompt_wav
+        assert it.prompt_wav.name in readme  # source and licence documented
+        n = len(it.target_text.split()) if it.language == "en" else sum("\u4e00" <= c <= "\u9fff" for c in
+                                                                          it.target_text) / 2
+        assert 5 <= n <= 40, it.id
+        assert it.prompt_text.strip()
+    for f in (DEFAULT_SET / "audio").iterdir():
+        total += f.stat().st_size
+    assert total < 4 * 1024 * 1024
+    ids = [it.id for it in items[:N_ITEMS]]
+    assert len(set(ids)) == N_ITEMS and {it.language for it in items[:N_ITEMS]} == {"zh", "en"}
+
+
+def test_manifest_errors_name_the_line(tmp_path):
+    p = tmp_path / "m.jsonl"
+    p.write_text('{"id": "a", "prompt_wav": "x.wav", "prompt_text": "t", "target_text": "u"}\n', encoding="utf-8")
+    with pytest.raises(ManifestError, match="m.jsonl:1: prompt_wav"):
+        load_manifest(p)
+    p.write_text('{"id": "a"}\nnot json\n', encoding="utf-8")
+    with pytest.raises(ManifestError, match=":1: missing"):
+        load_manifest(p)
+    with pytest.raises(ManifestError, match="does not exist"):
+        load_manifest(tmp_path / "nope")
+
+
+# ---------------------------------------------------------------------------- pure functions
+
+
+def test_playback_stall_model():
+    sr = 100
+    assert playback_stalls([], sr) == (0, 0.0)
+    assert playback_stalls([(1.0, 50)], sr) == (0, 0.0)
+    # 0.5 s of audio from t=1.0 plays until 1.5; the next chunk at 1.4 is in time, 1.2 s more plays to 2.7
+    assert playback_stalls([(1.0, 50), (1.4, 120), (2.6, 10)], sr) == (0, 0.0)
+    n, waited = playback_stalls([(1.0, 50), (1.8, 50), (2.2, 10)], sr)  # dry at 1.5, waits 0.3; 2.2 < 2.3
+    assert n == 1 and math.isclose(waited, 0.3)
+    assert playback_stalls([(0.0, 10), (0.5, 10), (1.0, 10)], sr)[0] == 2
+
+
+def test_stats_percentiles():
+    s = stats([0.4, 0.1, 0.3, 0.2, None])
+    assert s["n"] == 4 and s["min"] == 0.1 and s["max"] == 0.4 and math.isclose(s["avg"], 0.25)
+    assert s["p50"] == pytest.approx(0.25) and s["p50"] <= s["p90"] <= s["p95"] <= s["p99"] <= s["max"]
+    assert stats([]) is None
+
+
+def test_parse_speech_tokens_is_robust():
+    sv = speech_vocab(151663, 6561)
+    assert parse_speech_tokens("<|s_1|><|s_2|>", None, sv) == ([1, 2], 0)
+    assert parse_speech_tokens(" <|s_1|> <|s_6560|> <|s_7000|>x<|eos1|><|s_3|>", None, sv) == ([1, 6560], 2)
+    ids = [sv.speech_to_id(4), 17, sv.speech_to_id(5), sv.eos_token_id, sv.speech_to_id(6)]
+    assert parse_speech_tokens("ignored", ids, sv) == ([4, 5], 1)
+
+
+# ---------------------------------------------------------------------------- bench over a server
+
+
+def check_report(rep: dict, out: Path, streaming: bool, levels=(1, 4)) -> None:
+    assert [lv["concurrency"] for lv in rep["levels"]] == list(levels)
+    assert rep["token_text_ratio"]["min"] == 3 and rep["token_text_ratio"]["max"] == 3
+    for lv in rep["levels"]:
+        recs = [r for r in rep["requests"] if r["concurrency"] == lv["concurrency"]]
+        assert lv["requests"] == len(recs) == N_ITEMS and lv["ok"] == N_ITEMS and lv["failed"] == 0, lv["errors"]
+        for key in ("first_chunk_s", "total_s"):
+            s = lv[key]
+            assert s["n"] == N_ITEMS
+            assert s["min"] <= s["p50"] <= s["p90"] <= s["p95"] <= s["p99"] <= s["max"]
+            assert s["min"] <= s["avg"] <= s["max"]
+        assert lv["audio_s"] == pytest.approx(sum(r["audio_s"] for r in recs))
+        assert lv["compute_s"] == pytest.approx(sum(r["total_s"] for r in recs))
+        assert lv["rtf"] == pytest.approx(lv["compute_s"] / lv["audio_s"])
+        assert lv["throughput"] == pytest.approx(lv["audio_s"] / lv["wall_s"])
+        assert lv["rtf_wall"] == pytest.approx(lv["wall_s"] / lv["audio_s"])
+        assert max(r["total_s"] for r in recs) <= lv["wall_s"] <= sum(r["total_s"] for r in recs) + 1.0
+        assert lv["stalled"] == sum(r["stalled"] for r in recs)
+        for r in recs:
+            arr = r["chunk_arrivals"]
+            assert r["samples"] == sum(n for _, n in arr) > 0 and r["chunks"] == len(arr)
+            assert r["audio_s"] == pytest.approx(r["samples"] / r["sample_rate"]) and r["sample_rate"] == 24000
+            assert r["samples"] % SAMPLES_PER_TOKEN == 0
+            assert 0 < r["first_chunk_s"] <= r["total_s"] and r["first_chunk_s"] == pytest.approx(arr[0][0], abs=1e-5)
+            assert all(a[0] <= b[0] for a, b in zip(arr, arr[1:]))
+            assert (r["stalls"], r["stalled"]) == (playback_stalls(arr, 24000)[0], r["stalls"] > 0)
+            assert sf.info(str(out / r["audio_file"])).frames == r["samples"]  # audio s = returned samples
+            if streaming:
+                if r["chunks"] > 1:
+                    assert r["second_chunk_s"] == pytest.approx(arr[1][0] - arr[0][0], abs=1e-5)
+            else:
+                assert r["chunks"] == 1 and r["second_chunk_s"] is None and r["stalls"] == 0
+                assert r["first_chunk_s"] == pytest.approx(r["total_s"], abs=1e-3)
+    assert (out / "report.md").read_text(encoding="utf-8").count("\n| ") >= len(levels) + 1
+    assert (out / "bench.png").stat().st_size > 10000
+
+
+BENCH_CASES = [("grpc", "streaming"), ("grpc", "offline"), ("http", "offline"), ("openai", "streaming"),
+               ("openai", "offline")]
+
+
+@pytest.mark.parametrize("protocol,mode", BENCH_CASES)
+def test_bench_protocol_and_mode(tts, tmp_path, capsys, reports, protocol, mode):
+    url = tts.grpc_url if protocol == "grpc" else tts.url
+    code, out, err = run(capsys, "bench", "--url", url, "--protocol", protocol, "--mode", mode, "--limit", N_ITEMS,
+                         "--concurrency", "1,4", "--warmup", 1, "--out", tmp_path, "--save-audio", "--no-progress",
+                         "--seed", 7)
+    assert code == 0, err
+    rep = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
+    check_report(rep, tmp_path, mode == "streaming")
+    assert "| clients | ok/sent |" in out and "RTF" in out
+    if mode == "streaming":
+        assert any(r["chunks"] > 1 for r in rep["requests"])  # several chunks per request were measured
+    reports[(protocol, mode)] = rep
+
+
+def test_bench_in_process_same_workload(tts, tmp_path, capsys, reports, monkeypatch):
+    monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tts.cache))  # the server's demo model (same seed)
+    code, out, err = run(capsys, "bench", "--in-process", "--demo", "--limit", N_ITEMS, "--concurrency", "1,4",
+                         "--warmup", 1, "--out", tmp_path, "--save-audio", "--no-progress", "--seed", 7, *RATIO)
+    assert code == 0, err
+    rep = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
+    check_report(rep, tmp_path, True)
+    assert rep["token_text_ratio"]["source"] == "in-process setting" and "in-process engine" in out
+    reports[("in-process", "streaming")] = rep
+
+
+def test_same_item_same_audio_length_everywhere(reports):
+    """Seeded, length-pinned requests: every protocol, mode and level returns the same samples."""
+    if len(reports) < len(BENCH_CASES) + 1:
+        pytest.skip("needs every bench run of this module")
+    per_item: dict[str, set] = {}
+    for rep in reports.values():
+        for r in rep["requests"]:
+            per_item.setdefault(r["item"], set()).add(r["samples"])
+    assert len(per_item) == N_ITEMS and all(len(v) == 1 for v in per_item.values()), per_item
+
+
+def test_bench_rejects_http_streaming_and_reports_unreachable_server(tts, tmp_path, capsys):
+    code, _, err = run(capsys, "bench", "--url", tts.url, "--protocol", "http", "--mode", "streaming",
+                       "--out", tmp_path)
+    assert code == 2 and "no streaming" in err and "Traceback" not in err
+    code, _, err = run(capsys, "bench", "--url", f"grpc://127.0.0.1:{_free_port()}", "--limit", 1,
+                       "--concurrency", "1", "--warmup", 1, "--out", tmp_path, "--no-progress")
+    assert code == 2 and "warm-up request failed" in err and "UNAVAILABLE" in err
+    code, _, err = run(capsys, "bench", "--url", tts.url, "--concurrency", "0,2", "--out", tmp_path)
+    assert code == 2 and "--concurrency" in err
+
+
+def test_client_every_protocol(tts, tmp_path, capsys):
+    item = load_manifest(limit=1)[0]
+    lens = set()
+    for url, protocol, mode in ((tts.grpc_url, "grpc", "streaming"), (tts.url, "http", "offline"),
+                                (tts.url, "openai", "streaming")):
+        out = tmp_path / f"{protocol}.wav"
+        code, text, err = run(capsys, "client", "--url", url, "--protocol", protocol, "--mode", mode, "--text",
+                              item.target_text, "--prompt-wav", item.prompt_wav, "--prompt-text", item.prompt_text,
+                              "--seed", 7, "-o", out)
+        assert code == 0, err
+        assert f"wrote {out}" in text
+        lens.add(sf.info(str(out)).frames)
+    assert len(lens) == 1
+    code, _, err = run(capsys, "client", "--url", tts.url, "--voice", "nobody", "--text", "你好", "-o",
+                       tmp_path / "x.wav")
+    assert code == 2 and "unknown voice" in err
+
+
+# ---------------------------------------------------------------------------- serve --llm-only
+
+
+def _complete(llm, **body):
+    return httpx.post(llm.url + "/v1/completions", json={"model": "cosyvoice2", **body}, timeout=60)
+
+
+def test_llm_only_completions(llm):
+    sv = speech_vocab(151663, 6561)
+    text_ids = [100, 200, 300]
+    ids = [sv.sos_token_id, *text_ids, sv.task_id_token_id, sv.speech_to_id(1), sv.speech_to_id(2)]
+    r = _complete(llm, prompt=ids, max_tokens=12, min_tokens=12, seed=3, return_token_ids=True)
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    toks, ignored = parse_speech_tokens(ch["text"], None, sv)
+    assert len(toks) == 12 and ignored == 0 and ch["finish_reason"] == "length"
+    assert ch["token_ids"] == [sv.speech_to_id(t) for t in toks]
+    assert r.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 12, "total_tokens": len(ids) + 12}
+    # the same prompt written as a string, and as a batch of two prompts (seed, seed + 1)
+    tok = httpx.post(llm.url + "/v1/completions", timeout=60, json={
+        "model": "tts-1", "prompt": "<|sos|>你好<|task_id|><|s_1|><|s_2|>", "max_tokens": 5, "seed": 1})
+    assert tok.status_code == 200 and tok.json()["choices"][0]["text"].count("<|s_") <= 5
+    two = _complete(llm, prompt=[ids, ids], max_tokens=12, min_tokens=12, seed=3).json()["choices"]
+    assert two[0]["text"] == ch["text"] and two[1]["index"] == 1
+    # greedy + logit_bias: the biased id wins every step
+    g = _complete(llm, prompt=ids, max_tokens=6, min_tokens=6, temperature=0,
+                  logit_bias={str(sv.speech_to_id(7)): 100}).json()["choices"][0]["text"]
+    assert g == "<|s_7|>" * 6
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"prompt": [1, 2, 3]}, 400, "prompt"),
+    ({"prompt": "<|sos|>hi"}, 400, "prompt"),
+    ({"prompt": "<|sos|><|task_id|>"}, 400, "prompt"),
+    ({"prompt": "<|sos|>hi<|task_id|><|eos1|>"}, 400, "prompt"),
+    ({"prompt": "<|sos|>hi<|task_id|><|s_9999|>"}, 400, "prompt"),
+    ({"prompt": "<|sos|>hi<|task_id|>", "stream": True}, 400, "stream"),
+    ({"prompt": "<|sos|>hi<|task_id|>", "n": 2}, 400, "n"),
+    ({"prompt": "<|sos|>hi<|task_id|>", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "<|sos|>hi<|task_id|>", "bogus": 1}, 400, "bogus"),
+    ({"prompt": "<|sos|>hi<|task_id|>", "model": "other"}, 404, "model"),
+])
+def test_llm_only_bad_requests(llm, body, status, param):
+    r = _complete(llm, **body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
+
+
+def test_llm_only_serves_no_speech_and_tts_serves_no_completions(llm, tts):
+    r = httpx.post(llm.url + "/v1/audio/speech", json={"model": "tts-1", "input": "hi", "voice": "default"})
+    assert r.status_code == 404 and "--llm-only" in r.json()["error"]["message"]
+    assert httpx.get(llm.url + "/v1/models").status_code == 200
+    r = httpx.post(tts.url + "/v1/completions", json={"model": "cosyvoice2", "prompt": "x"})
+    assert r.status_code == 404 and "--llm-only" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------------- cosyserve batch
+
+
+def test_batch_native_and_remote_llm_agree(llm, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(llm.cache))
+    common = ["--demo", "--limit", N_ITEMS, "--batch-size", 4, "--token2wav-batch-size", 3, "--seed", 11,
+              "--no-progress", *RATIO]
+    reps = {}
+    for name, extra in (("native", []), ("remote", ["--llm-url", llm.url])):
+        out = tmp_path / name
+        code, text, err = run(capsys, "batch", *common, "--out", out, *extra)
+        assert code == 0, err
+        assert "| LM backend |" in text and "token2wav s" in text
+        rep = reps[name] = json.loads((out / "batch_report.json").read_text(encoding="utf-8"))
+        assert rep["backend"] == name and rep["ok"] == rep["items"] == N_ITEMS and rep["failed"] == 0
+        t = rep["times_s"]
+        assert t["total"] == pytest.approx(t["frontend"] + t["llm"] + t["token2wav"] + t["write"])
+        assert rep["rtf"] == pytest.approx(t["total"] / rep["audio_s"])
+        assert rep["speech_tokens"] == sum(r["n_tokens"] for r in rep["results"])
+        assert rep["audio_s"] == pytest.approx(sum(r["audio_s"] for r in rep["results"]))
+        for r in rep["results"]:
+            info = sf.info(str(out / r["wav"]))
+            assert info.samplerate == 24000 and info.frames == r["samples"] == r["n_tokens"] * SAMPLES_PER_TOKEN
+            assert r["stop_reasons"] == ["length"] * r["n_segments"]
+    for a, b in zip(reps["native"]["results"], reps["remote"]["results"]):
+        assert a["id"] == b["id"] and a["tokens"] == b["tokens"]  # the same LM, reached over HTTP
+        assert (tmp_path / "native" / a["wav"]).read_bytes() == (tmp_path / "remote" / b["wav"]).read_bytes()
+
+
+def test_batch_bad_options(tmp_path, capsys):
+    code, _, err = run(capsys, "batch", "--out", tmp_path)
+    assert code == 2 and "--model-dir" in err
+    code, _, err = run(capsys, "batch", "--demo", "--batch-size", 0, "--out", tmp_path)
+    assert code == 2 and "--batch-size" in err
+
+
+# ---------------------------------------------------------------------------- engine LM-only mode
+
+
+@pytest.fixture(scope="module")
+def demo_synth(tmp_path_factory):
+    from cosyserve.engine.pipeline import Synthesizer
+    from cosyserve.models.demo import write_demo_model
+
+    return Synthesizer(write_demo_model(tmp_path_factory.mktemp("demo") / "model"), normalizer="rules")
+
+
+def test_engine_lm_only_mode(demo_synth):
+    from cosyserve.engine.core import EngineConfig
+    from cosyserve.engine.request import AudioChunk, EngineRequest, RequestFinished, SynthesisParams
+    from cosyserve.errors import InvalidInputError
+
+    item = load_manifest(limit=1)[0]
+    syn = demo_synth
+    v = syn.make_voice("v", item.prompt_wav, item.prompt_text)
+    full = syn.synthesize(item.target_text, v, SynthesisParams(seed=5, stream=False, min_token_text_ratio=3,
+                                                               max_token_text_ratio=3))
+    core = syn.new_engine(EngineConfig(max_active=4))
+    segs = syn.frontend.token_ids(item.target_text)
+    lm = EngineRequest("lm", segs, v, SynthesisParams(seed=5, lm_only=True, min_token_text_ratio=3,
+                                                      max_token_text_ratio=3))
+    fixed = EngineRequest("fixed", segs, v, SynthesisParams(seed=1, lm_only=True, min_tokens=7, max_tokens=7))
+    audio = EngineRequest("audio", segs, v, SynthesisParams(seed=2, min_token_text_ratio=3, max_token_text_ratio=3))
+    for r in (lm, fixed, audio):
+        core.add_request(r)
+    events = []
+    while core.has_work():
+        events += core.step()
+    done = {e.request_id: e for e in events if isinstance(e, RequestFinished)}
+    chunks = [e.request_id for e in events if isinstance(e, AudioChunk)]
+    assert set(chunks) == {"audio"}  # LM-only requests make no audio
+    assert done["lm"].tokens == full.finished.tokens and done["lm"].stop_reasons == ["length"] * len(segs)
+    assert done["lm"].audio_s == 0 and done["audio"].audio_s > 0
+    assert [len(t) for t in done["fixed"].tokens] == [7] * len(segs)
+    with pytest.raises(InvalidInputError, match="min_tokens"):
+        SynthesisParams(min_tokens=5, max_tokens=4).validate()
+    assert SynthesisParams(min_token_text_ratio=2, max_token_text_ratio=3).token_bounds(10) == (20, 30)
+    assert torch.equal(torch.tensor(done["lm"].tokens[0]), torch.tensor(full.finished.tokens[0]))
+    assert np.isfinite(full.audio.numpy()).all()
