@@ -131,9 +131,13 @@ class EngineCore:
             from ..models.graphs import GraphedDecoder, GraphedFlowSolver
 
             self.decoder = GraphedDecoder(self.lm, self.cache, config.max_active)
+            self.decoder.warmup()  # capture every (batch, KV length) bucket now, not mid-request
             if models.flow.graph_solver is None:
                 models.flow.graph_solver = GraphedFlowSolver(models.flow.decoder, config.max_t2w_batch)
         self._free_slots = list(range(config.max_active))
+        # token2wav batches run on their own CUDA stream, overlapping LM decoding
+        self._t2w_stream = torch.cuda.Stream(device=self.cache.k.device) if self.cache.k.is_cuda else None
+        self._inflight = None
         self._stop_ids = frozenset(models.cfg.llm.stop_token_ids)
         self._waiting: OrderedDict[str, RequestState] = OrderedDict()
         self._active: OrderedDict[str, RequestState] = OrderedDict()
@@ -177,7 +181,7 @@ class EngineCore:
         self._inbox.put(("abort", request_id, outcome))
 
     def has_work(self) -> bool:
-        return bool(self._active or self._waiting or not self._inbox.empty())
+        return bool(self._active or self._waiting or self._inflight is not None or not self._inbox.empty())
 
     @property
     def n_requests(self) -> int:
@@ -205,8 +209,12 @@ class EngineCore:
         self._expire(events)
         self._admit()
         if self._active:
-            self._lm_step(events)
+            lm_rows = self._lm_step(events)
+            if not lm_rows and self._inflight is not None:
+                self._collect(events, wait=True)  # nothing else to do: block (GIL released)
             self._t2w_step(events)
+        elif self._inflight is not None:
+            self._collect(events, wait=True)
         self.stats.steps += 1
         self.stats.active = len(self._active)
         self.stats.queued = len(self._waiting)
@@ -285,14 +293,15 @@ class EngineCore:
         st.lm_segment += 1
 
     @torch.inference_mode()
-    def _lm_step(self, events: list) -> None:
+    def _lm_step(self, events: list) -> int:
         t0 = time.perf_counter()
         lm = self.lm
         rows: list[tuple[RequestState, SegmentState]] = []
         hidden: list[torch.Tensor] = []
-        # 1. prefill newcomers (bounded)
+        # 1. prefill newcomers (bounded), all in one padded forward
         budget = self.cfg.max_prefill_tokens
         prefill_tokens = 0
+        new: list[tuple[RequestState, SegmentState, torch.Tensor]] = []
         for st in list(self._active.values()):
             seg = st.next_lm_segment()
             if seg is None or seg.prefilled or not self._free_slots:
@@ -303,17 +312,31 @@ class EngineCore:
             try:
                 v = st.req.voice
                 prefix = lm.embed_prefix(seg.text_ids, v.prompt_text_ids, v.llm_speech_token)
-                slot = self._free_slots.pop(0)
-                seg.slot = slot
-                h = lm.forward_cached(prefix[None], self.cache, torch.tensor([slot]), torch.tensor([0]))[:, -1]
             except Exception as exc:  # noqa: BLE001 - isolate the failing request
                 self._fail(st, events, exc)
                 continue
-            seg.length = prefix.shape[0]
-            seg.prefilled = True
+            seg.slot = self._free_slots.pop(0)
             prefill_tokens += n
-            rows.append((st, seg))
-            hidden.append(lm.logprobs(h))
+            new.append((st, seg, prefix))
+        if new:
+            try:
+                h = self._prefill([seg.slot for _, seg, _ in new], [p for _, _, p in new])
+            except Exception:  # noqa: BLE001 - one at a time, to find the request that fails
+                h, keep = [], []
+                for st, seg, p in new:
+                    try:
+                        h.append(self._prefill([seg.slot], [p]))
+                        keep.append((st, seg, p))
+                    except Exception as exc:  # noqa: BLE001
+                        self._fail(st, events, exc)
+                new = keep
+                h = torch.cat(h) if h else None
+            for st, seg, p in new:
+                seg.length = p.shape[0]
+                seg.prefilled = True
+                rows.append((st, seg))
+            if new:
+                hidden.append(lm.logprobs(h))
         # 2. one batched decode step for running segments
         running = [(st, st.segments[st.lm_segment]) for st in self._active.values()
                    if st.next_lm_segment() is not None]
@@ -338,7 +361,7 @@ class EngineCore:
                 rows.extend(running)
                 hidden.append(h)
         if not rows:
-            return
+            return 0
         logp = torch.cat(hidden).cpu()  # log-probs of every row
         # 3. per-request sampling (upstream RAS, each with its own generator)
         for i, (st, seg) in enumerate(rows):
@@ -355,6 +378,22 @@ class EngineCore:
         self.stats.last_lm_batch = len(rows)
         self.stats.lm_batches[len(rows)] = self.stats.lm_batches.get(len(rows), 0) + 1
         self.observer.lm_step(len(rows), prefill_tokens, dt)
+        return len(rows)
+
+    def _prefill(self, slots: list[int], prefixes: list[torch.Tensor]) -> torch.Tensor:
+        """Prefill several prefixes (right-padded into one forward); last hidden per row.
+
+        Padded positions write K/V past each row's length; decoding overwrites them before
+        any query can attend to them (attention only reaches positions <= the query's).
+        """
+        lm = self.lm
+        lengths = [p.shape[0] for p in prefixes]
+        emb = prefixes[0].new_zeros(len(prefixes), max(lengths), prefixes[0].shape[-1])
+        for i, p in enumerate(prefixes):
+            emb[i, : p.shape[0]] = p
+        h = lm.forward_cached(emb, self.cache, torch.tensor(slots), torch.zeros(len(slots), dtype=torch.long))
+        idx = torch.tensor(lengths, device=h.device) - 1
+        return h[torch.arange(len(slots), device=h.device), idx]
 
     # ------------------------------------------------------------------ token2wav
     def _next_job(self, st: RequestState) -> tuple[SegmentState, Token2WavJob] | None:
@@ -377,6 +416,8 @@ class EngineCore:
         return None
 
     def _t2w_step(self, events: list) -> None:
+        if not self._collect(events, wait=False):
+            return  # one token2wav batch in flight at a time
         picked: list[tuple[RequestState, SegmentState, Token2WavJob]] = []
         for st in list(self._active.values()):
             if st.req.params.lm_only:  # LM-only: done once every segment's LM has finished
@@ -394,7 +435,7 @@ class EngineCore:
             return
         t0 = time.perf_counter()
         try:
-            results = self.t2w.run([j for _, _, j in picked])
+            pending = self.t2w.launch([j for _, _, j in picked], stream=self._t2w_stream)
         except Exception:  # noqa: BLE001 - find the culprit, keep the others
             results = []
             for st, _, job in picked:
@@ -403,6 +444,32 @@ class EngineCore:
                 except Exception as exc:  # noqa: BLE001
                     self._fail(st, events, exc)
                     results.append(None)
+            self._emit(picked, results, events, t0)
+            return
+        if self._t2w_stream is None:
+            self._emit(picked, self.t2w.finish(pending), events, t0)
+        else:
+            self._inflight = (picked, pending, t0)  # the LM keeps decoding while the GPU runs it
+
+    def _collect(self, events: list, wait: bool) -> bool:
+        """Emit the in-flight token2wav batch if it is done (or, with ``wait``, once it is).
+        Returns True if nothing is in flight any more."""
+        if self._inflight is None:
+            return True
+        picked, pending, t0 = self._inflight
+        if not wait and not pending.done():
+            return False
+        self._inflight = None
+        try:
+            results = self.t2w.finish(pending)
+        except Exception as exc:  # noqa: BLE001
+            for st, _, _ in picked:
+                self._fail(st, events, exc)
+            return True
+        self._emit(picked, results, events, t0)
+        return True
+
+    def _emit(self, picked, results, events: list, t0: float) -> None:
         dt = time.perf_counter() - t0
         self.stats.last_t2w_batch = len(picked)
         self.stats.t2w_batches[len(picked)] = self.stats.t2w_batches.get(len(picked), 0) + 1
