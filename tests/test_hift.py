@@ -441,11 +441,15 @@ def test_shape_errors(hift):
         hift_stream_step(hift, HiFTStreamState(), torch.zeros(1, cfg.in_channels, 3), finalize=False)
 
 
-def test_stft_window_matches_scipy():
-    scipy_signal = pytest.importorskip("scipy.signal")
+def test_stft_window_is_scipy_periodic_hann():
+    """Upstream uses scipy.signal.get_window("hann", n, fftbins=True) (float64) cast to float32:
+    the periodic Hann window 0.5 - 0.5 cos(2 pi k / n), k = 0..n-1."""
     import numpy as np
 
     from cosyserve.models.hift import _hann_periodic
 
     for n in (16, 20):
-        assert np.array_equal(_hann_periodic(n), scipy_signal.get_window("hann", n, fftbins=True).astype(np.float32))
+        k = np.arange(n, dtype=np.float64)
+        ref = (0.5 - 0.5 * np.cos(2.0 * np.pi * k / n)).astype(np.float32)
+        assert np.array_equal(_hann_periodic(n), ref)
+        assert np.array_equal(_hann_periodic(n), torch.hann_window(n, periodic=True, dtype=torch.float64).float().numpy())
