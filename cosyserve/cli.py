@@ -113,6 +113,21 @@ def _open_wav(path: Path, sample_rate: int):
         raise CLIError(f"cannot write {path}: {exc}") from None
 
 
+def _read_text(args) -> str:
+    """The text of ``--text`` or ``--text-file`` (exactly one of them)."""
+    text = args.text
+    if args.text_file:
+        if text:
+            raise CLIError("give --text or --text-file, not both")
+        try:
+            text = Path(args.text_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CLIError(f"cannot read --text-file: {exc}") from None
+    if text is None:
+        raise CLIError("--text or --text-file is required")
+    return text
+
+
 def _voice_from_args(syn_or_frontend, args, store):
     if args.voice and (args.prompt_wav or args.prompt_text):
         raise CLIError("give either --voice or --prompt-wav with --prompt-text, not both")
@@ -173,16 +188,7 @@ def cmd_synthesize(args) -> int:
     from .frontend.voice import VoiceStore
 
     device = _device(args.device)
-    text = args.text
-    if args.text_file:
-        if text:
-            raise CLIError("give --text or --text-file, not both")
-        try:
-            text = Path(args.text_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CLIError(f"cannot read --text-file: {exc}") from None
-    if text is None:
-        raise CLIError("--text or --text-file is required")
+    text = _read_text(args)
     store = VoiceStore(args.voices_dir) if (args.voice or args.voices_dir_given) else None
     params = _params(args, stream=args.stream)
     syn = Synthesizer(args.model_dir, device=device, dtype=_dtype(args.dtype, device), normalizer=args.normalizer)
@@ -397,14 +403,7 @@ def cmd_client(args) -> int:
     from .client.client import ClientOptions, run_client
 
     protocol = args.protocol or ("grpc" if args.url.startswith("grpc://") else "openai")
-    text = args.text
-    if args.text_file:
-        if text:
-            raise CLIError("give --text or --text-file, not both")
-        try:
-            text = Path(args.text_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CLIError(f"cannot read --text-file: {exc}") from None
+    text = _read_text(args)
     if not text:
         raise CLIError("--text or --text-file is required")
     opts = ClientOptions(url=args.url, protocol=protocol, mode=args.mode, text=text, output=args.output,

@@ -11,12 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -25,6 +19,7 @@ import pytest
 import soundfile as sf
 import torch
 
+from _server import Server, free_port
 from cosyserve.cli import main
 from cosyserve.client.bench import playback_stalls, stats
 from cosyserve.client.manifest import DEFAULT_SET, ManifestError, load_manifest
@@ -35,53 +30,9 @@ RATIO = ["--min-token-text-ratio", "3", "--max-token-text-ratio", "3"]  # pinned
 SAMPLES_PER_TOKEN = 960  # 24 kHz / 25 tokens per second
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Server:
-    def __init__(self, tmp: Path, *extra: str):
-        self.port, self.grpc_port = _free_port(), _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.grpc_url = f"grpc://127.0.0.1:{self.grpc_port}"
-        self.cache = tmp / "cache"
-        self.log = open(tmp / "server.log", "w+")
-        cmd = [sys.executable, "-m", "cosyserve.cli", "serve", "--demo", "--port", str(self.port), "--grpc-port",
-               str(self.grpc_port), "--voices-dir", str(tmp / "voices"), *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, COSYSERVE_CACHE_DIR=str(self.cache)))
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + self.logs())
-            try:
-                if httpx.get(self.url + "/v2/health/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.proc.kill()
-        raise RuntimeError("server did not become ready:\n" + self.logs())
-
-    def logs(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=60)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-
-
 @pytest.fixture(scope="module")
 def tts(tmp_path_factory):
-    s = _Server(tmp_path_factory.mktemp("tts"), "--max-active-streams", "8", *RATIO)
+    s = Server(tmp_path_factory.mktemp("tts"), "--max-active-streams", "8", *RATIO)
     yield s
     assert s.stop() == 0, s.logs()
     assert "Traceback" not in s.logs()
@@ -89,7 +40,7 @@ def tts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    s = _Server(tmp_path_factory.mktemp("llm"), "--llm-only", "--max-active-streams", "8")
+    s = Server(tmp_path_factory.mktemp("llm"), "--llm-only", "--max-active-streams", "8")
     yield s
     assert s.stop() == 0, s.logs()
     assert "Traceback" not in s.logs()
@@ -256,7 +207,7 @@ def test_bench_rejects_http_streaming_and_reports_unreachable_server(tts, tmp_pa
     code, _, err = run(capsys, "bench", "--url", tts.url, "--protocol", "http", "--mode", "streaming",
                        "--out", tmp_path)
     assert code == 2 and "no streaming" in err and "Traceback" not in err
-    code, _, err = run(capsys, "bench", "--url", f"grpc://127.0.0.1:{_free_port()}", "--limit", 1,
+    code, _, err = run(capsys, "bench", "--url", f"grpc://127.0.0.1:{free_port()}", "--limit", 1,
                        "--concurrency", "1", "--warmup", 1, "--out", tmp_path, "--no-progress")
     assert code == 2 and "warm-up request failed" in err and "UNAVAILABLE" in err
     code, _, err = run(capsys, "bench", "--url", tts.url, "--concurrency", "0,2", "--out", tmp_path)

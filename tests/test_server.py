@@ -11,12 +11,8 @@ import base64
 import concurrent.futures as cf
 import io
 import json
-import os
 import queue
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,50 +21,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from _server import Server
+
 PROMPT = Path(__file__).resolve().parent.parent / "cosyserve" / "assets" / "prompts" / "zero_shot_prompt.wav"
 TRANSCRIPT = "希望你以后能够做的比我还好呦。"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, tmp: Path, *extra: str, env: dict | None = None):
-        self.port, self.grpc_port = _free_port(), _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(tmp / f"server-{self.port}.log", "w+")
-        cmd = [sys.executable, "-m", "cosyserve.cli", "serve", "--demo", "--port", str(self.port), "--grpc-port",
-               str(self.grpc_port), "--voices-dir", str(tmp / "voices"), *extra]
-        e = dict(os.environ, COSYSERVE_CACHE_DIR=str(tmp / "cache"), **(env or {}))
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=e)
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + self.logs())
-            try:
-                if httpx.get(self.url + "/v2/health/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.proc.kill()
-        raise RuntimeError("server did not become ready:\n" + self.logs())
-
-    def logs(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=60)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
 
 
 def metrics(url: str, headers=None) -> dict:
@@ -115,7 +71,7 @@ def test_openai_sdk_non_streaming_and_streaming(oai):
     r = oai.audio.speech.create(model="cosyvoice2", voice="default", input="你好，世界。", response_format="wav")
     audio, sr = sf.read(io.BytesIO(r.content))
     assert sr == 24000 and len(audio) > 0 and len(audio) % 960 == 0
-    first, n, t0 = None, 0, time.time()
+    first, t0 = None, time.time()
     with oai.audio.speech.with_streaming_response.create(model="tts-1", voice="default", response_format="pcm",
                                                          input="Hello there. This is a streaming test.") as resp:
         assert resp.headers["content-type"].startswith("audio/pcm")
@@ -227,8 +183,6 @@ def _triton_inputs(mod, wav: np.ndarray | None, target: str, pad_to: int | None 
 
 @pytest.fixture(scope="module")
 def wav16k():
-    import torch
-
     from cosyserve.frontend.audio import load_prompt_wav
 
     return load_prompt_wav(str(PROMPT), 16000)[0].numpy()

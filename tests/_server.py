@@ -1,0 +1,60 @@
+"""Start the real ``cosyserve serve --demo`` process for tests (shared by server and bench tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``cosyserve serve --demo`` on free ports of 127.0.0.1; waits until ready (or raises with its log)."""
+
+    def __init__(self, tmp: Path, *extra: str, env: dict | None = None):
+        self.port, self.grpc_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.grpc_url = f"grpc://127.0.0.1:{self.grpc_port}"
+        self.cache = tmp / "cache"
+        self.log = open(tmp / f"server-{self.port}.log", "w+")
+        cmd = [sys.executable, "-m", "cosyserve.cli", "serve", "--demo", "--port", str(self.port), "--grpc-port",
+               str(self.grpc_port), "--voices-dir", str(tmp / "voices"), *extra]
+        e = dict(os.environ, COSYSERVE_CACHE_DIR=str(self.cache), **(env or {}))
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=e)
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("server exited:\n" + self.logs())
+            try:
+                if httpx.get(self.url + "/v2/health/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.proc.kill()
+        raise RuntimeError("server did not become ready:\n" + self.logs())
+
+    def logs(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> int:
+        """SIGTERM (graceful shutdown); returns the exit status."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
