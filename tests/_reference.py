@@ -130,3 +130,38 @@ class one_thread:
 
     def __exit__(self, *exc):
         torch.set_num_threads(self.n)
+
+
+def full_size_config(tmp_path: Path):
+    """The REAL CosyVoice2-0.5B configuration from ``manifests/`` (yaml + BlankEN config.json),
+    laid out as a model directory in ``tmp_path``; returns its ``CosyVoice2Config``."""
+    import shutil
+
+    import pytest
+
+    from cosyserve.models.config import load_config
+
+    man = require_reference_dir() / "manifests"
+    if not (man / "cosyvoice2.real.yaml").is_file():
+        pytest.skip("the reference directory has no full-size manifests")
+    shutil.copy(man / "cosyvoice2.real.yaml", tmp_path / "cosyvoice2.yaml")
+    qwen = man / "CosyVoice-BlankEN_config.real.json"
+    if qwen.is_file():
+        (tmp_path / "CosyVoice-BlankEN").mkdir(exist_ok=True)
+        shutil.copy(qwen, tmp_path / "CosyVoice-BlankEN" / "config.json")
+    return load_config(tmp_path / "cosyvoice2.yaml")
+
+
+def manifest(component: str) -> dict:
+    """``manifests/<component>_state_dict.json`` (component: llm, flow, hift)."""
+    import pytest
+
+    p = require_reference_dir() / "manifests" / f"{component}_state_dict.json"
+    if not p.is_file():
+        pytest.skip(f"the reference directory has no {p.name}")
+    return json.loads(p.read_text(encoding="utf-8"))
+
+
+def manifest_shapes(component: str) -> dict[str, list[int]]:
+    """``{key: shape}`` of the full-size checkpoint ``component``."""
+    return {e["key"]: list(e["shape"]) for e in manifest(component)["tensors"]}

@@ -7,13 +7,12 @@ sidecars list (see ``tests/_reference.py``); nothing here names a case or a dime
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
 
 import pytest
 import torch
 
-from _reference import discover, meta, model_dir, reference_dir, rel_l2, require_reference_dir, tensors
+from _reference import (discover, full_size_config, manifest, manifest_shapes, meta, model_dir, reference_dir, rel_l2,
+                        require_reference_dir, tensors)
 from cosyserve.errors import CheckpointError
 from cosyserve.models.checkpoint import load_strict, read_state_dict
 from cosyserve.models.config import load_config
@@ -220,21 +219,14 @@ def test_strict_loading_names_the_key():
 
 
 def test_full_size_state_dict_matches_manifest(tmp_path):
-    ref = require_reference_dir()
-    yaml_path = ref / "manifests" / "cosyvoice2.real.yaml"
-    manifest_path = ref / "manifests" / "flow_state_dict.json"
-    if not (yaml_path.is_file() and manifest_path.is_file()):
-        pytest.skip("manifests not present in the reference directory")
-    shutil.copy(yaml_path, tmp_path / "cosyvoice2.yaml")
-    cfg = load_config(tmp_path / "cosyvoice2.yaml").flow
+    cfg = full_size_config(tmp_path).flow
     with torch.device("meta"):
         model = FlowModel(cfg)
     got = {k: list(v.shape) for k, v in model.state_dict().items()}
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    want = {e["key"]: list(e["shape"]) for e in manifest["tensors"]}
+    want = manifest_shapes("flow")
     assert sorted(set(got) - set(want)) == [] and sorted(set(want) - set(got)) == []
     assert {k: v for k, v in got.items() if want[k] != v} == {}
-    assert len(got) == manifest.get("n_tensors", len(want))
+    assert len(got) == manifest("flow").get("n_tensors", len(want))
 
 
 # ---------------------------------------------------------------------------------------

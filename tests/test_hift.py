@@ -9,8 +9,6 @@ with exactness reported in the test output (``-s``).
 
 from __future__ import annotations
 
-import json
-import shutil
 
 import pytest
 import torch
@@ -28,7 +26,7 @@ from cosyserve.models.hift import (
     stream_hift_output,
 )
 
-from _reference import discover, meta, model_dir, rel_l2, require_reference_dir, tensors
+from _reference import discover, full_size_config, manifest_shapes, meta, model_dir, rel_l2, require_reference_dir, tensors
 
 TOL = 1e-4
 BATCH_TOL = 1e-5
@@ -385,17 +383,11 @@ def test_strict_loading_errors(full_cfg, hift_sd):
 
 @parity
 def test_full_size_state_dict_matches_manifest(tmp_path):
-    ref = require_reference_dir()
-    yaml_src = ref / "manifests" / "cosyvoice2.real.yaml"
-    manifest = ref / "manifests" / "hift_state_dict.json"
-    if not (yaml_src.is_file() and manifest.is_file()):
-        pytest.skip("full-size manifests not present")
-    shutil.copy(yaml_src, tmp_path / "cosyvoice2.yaml")
-    cfg = load_config(tmp_path / "cosyvoice2.yaml").hift
+    cfg = full_size_config(tmp_path).hift
     with torch.device("meta"):
         m = HiFTGenerator(cfg)
     got = {k: list(v.shape) for k, v in m.state_dict().items()}
-    want = {e["key"]: list(e["shape"]) for e in json.loads(manifest.read_text())["tensors"]}
+    want = manifest_shapes("hift")
     assert got == want
     assert all(v.dtype == torch.float32 for v in m.state_dict().values())
     assert cfg.samples_per_frame * 50 == cfg.sampling_rate

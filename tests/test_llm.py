@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import shutil
 
 import pytest
 import torch
 
-from _reference import discover, meta, model_dir, rel_l2, require_reference_dir, tensors
+from _reference import discover, full_size_config, manifest, manifest_shapes, meta, model_dir, rel_l2, tensors
 from cosyserve.errors import CheckpointError
 from cosyserve.models.checkpoint import load_strict, read_state_dict
 from cosyserve.models.config import load_config
@@ -114,16 +112,10 @@ def test_llm_checkpoint_errors_name_the_key(tmp_path):
 
 
 def test_full_size_llm_matches_manifest(tmp_path):
-    ref = require_reference_dir()
-    (tmp_path / "CosyVoice-BlankEN").mkdir()
-    shutil.copy(ref / "manifests" / "cosyvoice2.real.yaml", tmp_path / "cosyvoice2.yaml")
-    shutil.copy(ref / "manifests" / "CosyVoice-BlankEN_config.real.json", tmp_path / "CosyVoice-BlankEN" / "config.json")
-    manifest = json.loads((ref / "manifests" / "llm_state_dict.json").read_text())
-    cfg = load_config(tmp_path / "cosyvoice2.yaml")
+    cfg = full_size_config(tmp_path)
     with torch.device("meta"):
         lm = SpeechLM(cfg.llm)
     got = {k: list(v.shape) for k, v in lm.state_dict().items()}
-    want = {t["key"]: t["shape"] for t in manifest["tensors"]}
-    assert got == want
+    assert got == manifest_shapes("llm")
     unique = {id(p): p.numel() for p in lm.parameters()}
-    assert sum(unique.values()) == manifest["n_parameters_unique_storage"]
+    assert sum(unique.values()) == manifest("llm")["n_parameters_unique_storage"]

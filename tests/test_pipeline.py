@@ -172,16 +172,16 @@ def test_admission_abort_and_timeout(syn, voice):
         engine.add_request(syn.build_request("第三个。", voice, long, "c"))
     for _ in range(3):
         engine.step()
-    assert engine.stats.kv_slots_used == 1 and engine.stats.queued == 1
+    assert engine.kv_slots_used == 1 and engine.queue_depth == 1
     engine.abort("a")
     evs = engine.step()
     fin = [e for e in evs if isinstance(e, RequestFinished) and e.request_id == "a"]
     assert fin and fin[0].outcome is Outcome.ABORTED
     engine.step()
-    assert engine.stats.active == 1  # b admitted into the freed slot
+    assert engine.active_count == 1  # b admitted into the freed slot
     engine.abort("b")
     engine.step()
-    assert engine.stats.kv_slots_used == 0 and not engine.has_work()
+    assert engine.kv_slots_used == 0 and not engine.has_work()
     t = syn.build_request("超时测试。", voice, SynthesisParams(seed=1, timeout_s=1e-6, max_token_text_ratio=20), "t")
     evs = list(engine.run_to_completion(t))
     assert evs[-1].outcome is Outcome.TIMEOUT and isinstance(evs[-1].error, TimeoutError)

@@ -97,10 +97,9 @@ class EngineObserver:
 
 @dataclass
 class EngineStats:
-    active: int = 0
-    queued: int = 0
-    kv_slots_used: int = 0
-    kv_slots_total: int = 0
+    """Step and batch-size counters (live occupancy: ``EngineCore.active_count``,
+    ``queue_depth``, ``kv_slots_used``)."""
+
     steps: int = 0
     last_lm_batch: int = 0
     last_t2w_batch: int = 0
@@ -144,7 +143,7 @@ class EngineCore:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._n_requests = 0  # waiting + active + not yet processed adds
-        self.stats = EngineStats(kv_slots_total=config.max_active)
+        self.stats = EngineStats()
 
     # ------------------------------------------------------------------ public API
     def _new_sampler(self) -> UpstreamSampler:
@@ -216,9 +215,6 @@ class EngineCore:
         elif self._inflight is not None:
             self._collect(events, wait=True)
         self.stats.steps += 1
-        self.stats.active = len(self._active)
-        self.stats.queued = len(self._waiting)
-        self.stats.kv_slots_used = self.cfg.max_active - len(self._free_slots)
         return events
 
     # ------------------------------------------------------------------ bookkeeping

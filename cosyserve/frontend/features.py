@@ -165,27 +165,26 @@ def _on(key: tuple, make, device: torch.device, dtype: torch.dtype) -> torch.Ten
 # --------------------------------------------------------------------------------------
 
 
+# Slaney mel scale: linear below 1 kHz (200/3 Hz per mel), logarithmic above.
+_SLANEY_F_SP = 200.0 / 3
+_SLANEY_MIN_LOG_HZ = 1000.0
+_SLANEY_MIN_LOG_MEL = _SLANEY_MIN_LOG_HZ / _SLANEY_F_SP
+_SLANEY_LOGSTEP = np.log(6.4) / 27.0
+
+
 def _hz_to_mel_slaney(f: np.ndarray) -> np.ndarray:
     f = np.asarray(f, dtype=np.float64)
-    f_sp = 200.0 / 3
-    min_log_hz = 1000.0
-    min_log_mel = min_log_hz / f_sp
-    logstep = np.log(6.4) / 27.0
-    linear = f / f_sp
+    linear = f / _SLANEY_F_SP
     with np.errstate(divide="ignore", invalid="ignore"):
-        log = min_log_mel + np.log(f / min_log_hz) / logstep
-    return np.where(f >= min_log_hz, log, linear)
+        log = _SLANEY_MIN_LOG_MEL + np.log(f / _SLANEY_MIN_LOG_HZ) / _SLANEY_LOGSTEP
+    return np.where(f >= _SLANEY_MIN_LOG_HZ, log, linear)
 
 
 def _mel_to_hz_slaney(m: np.ndarray) -> np.ndarray:
     m = np.asarray(m, dtype=np.float64)
-    f_sp = 200.0 / 3
-    min_log_hz = 1000.0
-    min_log_mel = min_log_hz / f_sp
-    logstep = np.log(6.4) / 27.0
-    linear = f_sp * m
-    log = min_log_hz * np.exp(logstep * (m - min_log_mel))
-    return np.where(m >= min_log_mel, log, linear)
+    linear = _SLANEY_F_SP * m
+    log = _SLANEY_MIN_LOG_HZ * np.exp(_SLANEY_LOGSTEP * (m - _SLANEY_MIN_LOG_MEL))
+    return np.where(m >= _SLANEY_MIN_LOG_MEL, log, linear)
 
 
 @functools.lru_cache(maxsize=16)

@@ -41,7 +41,8 @@ INPUTS = (
     ("voice", "BYTES", [-1, 1], True),
 )
 OUTPUTS = (("waveform", "FP32", [-1, -1]),)
-_NP = {"FP32": "<f4", "FP64": "<f8", "INT32": "<i4", "INT64": "<i8", "INT16": "<i2", "INT8": "i1", "UINT8": "u1",
+#: KServe datatype -> little-endian numpy dtype string (HTTP binary and gRPC raw contents)
+NUMPY_DTYPES = {"FP32": "<f4", "FP64": "<f8", "INT32": "<i4", "INT64": "<i8", "INT16": "<i2", "INT8": "i1", "UINT8": "u1",
        "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8", "FP16": "<f2", "BOOL": "?"}
 
 
@@ -100,9 +101,9 @@ def decode_raw(name: str, datatype: str, shape: list[int], raw: bytes):
     count = _count(name, shape)
     if datatype == "BYTES":
         return decode_bytes_tensor(raw, count, name)
-    if datatype not in _NP:
+    if datatype not in NUMPY_DTYPES:
         raise InvalidInputError(f"input '{name}': unsupported datatype {datatype}", field=name)
-    dt = np.dtype(_NP[datatype])
+    dt = np.dtype(NUMPY_DTYPES[datatype])
     if len(raw) != count * dt.itemsize:
         raise InvalidInputError(f"input '{name}': {len(raw)} bytes of data for shape {shape} of {datatype} "
                                 f"(expected {count * dt.itemsize})", field=name)
@@ -117,10 +118,10 @@ def decode_json_data(name: str, datatype: str, shape: list[int], data):
         raise InvalidInputError(f"input '{name}': {len(flat)} values for shape {shape}", field=name)
     if datatype == "BYTES":
         return [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in flat]
-    if datatype not in _NP:
+    if datatype not in NUMPY_DTYPES:
         raise InvalidInputError(f"input '{name}': unsupported datatype {datatype}", field=name)
     try:
-        return np.asarray(flat, dtype=np.dtype(_NP[datatype])).reshape(shape)
+        return np.asarray(flat, dtype=np.dtype(NUMPY_DTYPES[datatype])).reshape(shape)
     except (TypeError, ValueError) as exc:
         raise InvalidInputError(f"input '{name}': data does not match {datatype}: {exc}", field=name) from None
 

@@ -35,6 +35,7 @@ from ..errors import CosyServeError, InvalidInputError, VoiceNotFoundError
 from .kserve_common import (
     INPUTS,
     MODEL_VERSION,
+    NUMPY_DTYPES,
     OUTPUTS,
     decode_raw,
     model_parameters,
@@ -48,8 +49,6 @@ log = logging.getLogger("cosyserve.server")
 _CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents", "INT32": "int_contents", "INT64": "int64_contents",
              "BYTES": "bytes_contents", "BOOL": "bool_contents", "UINT32": "uint_contents",
              "UINT64": "uint64_contents"}
-_DTYPE = {"FP32": np.float32, "FP64": np.float64, "INT32": np.int32, "INT64": np.int64, "BOOL": np.bool_,
-          "UINT32": np.uint32, "UINT64": np.uint64}
 
 
 def _status_of(exc: BaseException) -> grpc.StatusCode:
@@ -91,7 +90,7 @@ def decode_inputs(request: pb.ModelInferRequest) -> dict:
             n = int(np.prod(shape)) if shape else 1
             if len(vals) != n:
                 raise InvalidInputError(f"input '{t.name}': {len(vals)} values for shape {shape}", field=t.name)
-            value = vals if t.datatype == "BYTES" else np.asarray(vals, dtype=_DTYPE[t.datatype]).reshape(shape)
+            value = vals if t.datatype == "BYTES" else np.asarray(vals, dtype=NUMPY_DTYPES[t.datatype]).reshape(shape)
         if t.name in tensors:
             raise InvalidInputError(f"input '{t.name}' is given twice", field=t.name)
         tensors[t.name] = (t.datatype, shape, value)

@@ -204,7 +204,7 @@ async def delete_voice(name: str, request: Request):
     store = _store(st)
     validate_voice_id(name, "name")
     if name not in store:
-        if name in st._builtin:
+        if st.is_builtin_voice(name):
             return openai_error(400, f"voice {name!r} comes from the model directory and cannot be deleted", "name")
         return openai_error(404, f"unknown voice {name!r}", "name", "voice_not_found")
     store.remove(name)

@@ -185,6 +185,10 @@ class ServerState:
             return self._builtin[voice_id]
         raise VoiceNotFoundError(f"unknown voice {voice_id!r}", field=field_name)
 
+    def is_builtin_voice(self, voice_id: str) -> bool:
+        """True for speakers of the model directory's ``spk2info.pt`` (read-only voices)."""
+        return voice_id in self._builtin
+
     def default_voice(self) -> Voice:
         if not self.config.default_voice:
             raise InvalidInputError("no reference audio given and the server has no default voice "
