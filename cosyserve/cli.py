@@ -292,10 +292,48 @@ def _cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "cosyserve"))
 
 
-def cmd_serve(args) -> int:
-    import asyncio
+def _add_random_weights_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--random-weights", metavar="YAML",
+                   help="full-size RANDOM-weight networks built from this cosyvoice2.yaml (benchmarks; the audio is "
+                        "noise); the tokenizer, Qwen2 config and ONNX stand-ins are written to the cache")
+    p.add_argument("--qwen-config", metavar="JSON",
+                   help="Qwen2 config.json for --random-weights (default: YAML's dir/CosyVoice-BlankEN/config.json)")
+
+
+def _resolve_random_weights(args) -> bool:
+    """Turn ``--random-weights YAML`` into ``args.model_dir``; True if it was given."""
+    if not getattr(args, "random_weights", None):
+        if getattr(args, "qwen_config", None):
+            raise CLIError("--qwen-config only applies with --random-weights")
+        return False
+    if args.model_dir or getattr(args, "demo", False):
+        raise CLIError("give one of --model-dir, --demo or --random-weights")
+    from .models.demo import prepare_random_weights_dir
+
+    args.model_dir = str(prepare_random_weights_dir(args.random_weights, args.qwen_config, _cache_dir()))
+    print(f"note: --random-weights builds {args.random_weights} with RANDOM weights: the audio is noise, not speech",
+          file=sys.stderr)
+    return True
+
+
+def _builtin_default_voice(model_dir: str, voices_dir: str) -> None:
+    """Register the shipped prompt as voice ``default`` (demo / random-weight models)."""
     import json
     from importlib import resources
+
+    from .frontend.frontend import Frontend
+    from .frontend.voice import VoiceStore
+
+    store = VoiceStore(voices_dir)
+    if "default" not in store:
+        prompts = Path(str(resources.files("cosyserve").joinpath("assets", "prompts")))
+        meta = json.loads((prompts / "transcripts.json").read_text(encoding="utf-8"))["zero_shot_prompt.wav"]
+        fe = Frontend(model_dir)
+        store.add(fe.make_voice("default", prompts / "zero_shot_prompt.wav", meta["transcript"]))
+
+
+def cmd_serve(args) -> int:
+    import asyncio
 
     from .server.app import serve
     from .server.state import ServerConfig, setup_logging
@@ -304,24 +342,20 @@ def cmd_serve(args) -> int:
     device = _device(args.device)
     default_voice = args.default_voice
     voices_dir = args.voices_dir
+    synthetic = _resolve_random_weights(args)
     if args.demo:
-        from .frontend.frontend import Frontend
-        from .frontend.voice import VoiceStore
         from .models.demo import write_demo_model
 
         if args.model_dir:
             raise CLIError("give --model-dir or --demo, not both")
         args.model_dir = str(write_demo_model(_cache_dir() / "demo-model"))
         print("note: --demo serves a model with RANDOM weights: the audio is noise, not speech", file=sys.stderr)
-        store = VoiceStore(voices_dir)
-        if "default" not in store:
-            prompts = Path(str(resources.files("cosyserve").joinpath("assets", "prompts")))
-            meta = json.loads((prompts / "transcripts.json").read_text(encoding="utf-8"))["zero_shot_prompt.wav"]
-            fe = Frontend(args.model_dir)
-            store.add(fe.make_voice("default", prompts / "zero_shot_prompt.wav", meta["transcript"]))
+        synthetic = True
+    if synthetic:
+        _builtin_default_voice(args.model_dir, voices_dir)
         default_voice = default_voice or "default"
     if not args.model_dir:
-        raise CLIError("--model-dir (or --demo) is required")
+        raise CLIError("--model-dir (or --demo, or --random-weights YAML) is required")
     from .models.loader import open_model_dir
 
     open_model_dir(args.model_dir)  # fail fast with a clear message
@@ -367,6 +401,9 @@ def cmd_bench(args) -> int:
         if args.protocol:
             raise CLIError("--protocol applies to a server (--url), not to --in-process")
         protocol = "in-process"
+    if args.random_weights and not args.in_process:
+        raise CLIError("--random-weights applies to --in-process (for a server: cosyserve serve --random-weights)")
+    _resolve_random_weights(args)
     device = _device(args.device) if args.in_process else "cpu"
     opts = BenchOptions(
         url=args.url, protocol=protocol, mode=args.mode, concurrency=parse_levels(args.concurrency), set=args.set,
@@ -377,7 +414,7 @@ def cmd_bench(args) -> int:
         max_token_text_ratio=args.max_token_text_ratio, in_process=args.in_process, model_dir=args.model_dir,
         demo=args.demo, device=device, dtype=str(_dtype(args.dtype, device)).replace("torch.", ""),
         voices_dir=args.voices_dir or DEFAULT_VOICES_DIR, max_active_streams=args.max_active_streams,
-        chunk_policy=args.chunk_policy)
+        chunk_policy=args.chunk_policy, metrics_url=args.metrics_url)
     report = run_bench(opts)
     failed = sum(lv["failed"] for lv in report["levels"])
     return 1 if failed and not any(lv["ok"] for lv in report["levels"]) else 0
@@ -386,6 +423,7 @@ def cmd_bench(args) -> int:
 def cmd_batch(args) -> int:
     from .client.batch import BatchOptions, run_batch
 
+    _resolve_random_weights(args)
     device = _device(args.device)
     opts = BatchOptions(
         set=args.set, out=args.out, limit=args.limit, model_dir=args.model_dir, demo=args.demo, device=device,
@@ -498,6 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve only the speech LM as an OpenAI-compatible POST /v1/completions endpoint "
                          "(the exported vocabulary of convert-llm; for 'cosyserve batch --llm-url'); no speech "
                          "routes, no gRPC port")
+    _add_random_weights_args(sv)
     _add_synthesis_args(sv)
     sv.set_defaults(func=cmd_serve)
 
@@ -522,6 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model-name", default="cosyvoice2", help="KServe model / OpenAI model name")
     b.add_argument("--out", default="bench_out", help="output folder (default bench_out)")
     b.add_argument("--save-audio", action="store_true", help="write every request's audio into OUT/audio/")
+    b.add_argument("--metrics-url", help="the server's Prometheus page for the engine stage breakdown (default: "
+                                         "URL/metrics for http:// URLs; give it for grpc://)")
     b.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     b.add_argument("--no-progress", action="store_true")
     b.add_argument("--min-token-text-ratio", type=float, default=None,
@@ -532,11 +573,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drive an engine in this process instead of a server (same workload and report)")
     b.add_argument("--model-dir", help="model directory (--in-process)")
     b.add_argument("--demo", action="store_true", help="the random-weight demo model (--in-process)")
+    _add_random_weights_args(b)
     b.add_argument("--device", default="auto")
     b.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     b.add_argument("--voices-dir", default=None, help="voice store for --voice (--in-process)")
     b.add_argument("--max-active-streams", type=int, default=16, help="engine KV slots (--in-process)")
-    b.add_argument("--chunk-policy", default="upstream", help="streaming chunk schedule (--in-process)")
+    b.add_argument("--chunk-policy", default=None,
+                   help="streaming chunk schedule: in-process (default upstream), or sent to a server as the KServe "
+                        "gRPC request parameter chunk_policy (default: the server's)")
     b.set_defaults(func=cmd_bench)
 
     bt = sub.add_parser("batch", help="offline inference over a manifest: one wav per item, LLM/token2wav times, RTF",
@@ -549,6 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--limit", type=int, help="use only the first N items")
     bt.add_argument("--model-dir", help="model directory (frontend, flow, HiFT; and the LM unless --llm-url)")
     bt.add_argument("--demo", action="store_true", help="the random-weight demo model")
+    _add_random_weights_args(bt)
     bt.add_argument("--device", default="auto")
     bt.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     bt.add_argument("--batch-size", type=int, default=16, help="LM sequences decoded together (native: KV slots; "

@@ -1,4 +1,4 @@
-"""Start the real ``cosyserve serve --demo`` process for tests (shared by server and bench tests)."""
+"""Start the real ``cosyserve serve`` process for tests (shared by server and bench tests)."""
 
 from __future__ import annotations
 
@@ -20,15 +20,16 @@ def free_port() -> int:
 
 
 class Server:
-    """``cosyserve serve --demo`` on free ports of 127.0.0.1; waits until ready (or raises with its log)."""
+    """``cosyserve serve --demo`` (or ``model`` arguments) on free ports of 127.0.0.1; waits until
+    ready (or raises with its log)."""
 
-    def __init__(self, tmp: Path, *extra: str, env: dict | None = None):
+    def __init__(self, tmp: Path, *extra: str, env: dict | None = None, model: tuple[str, ...] = ("--demo",)):
         self.port, self.grpc_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.grpc_url = f"grpc://127.0.0.1:{self.grpc_port}"
         self.cache = tmp / "cache"
         self.log = open(tmp / f"server-{self.port}.log", "w+")
-        cmd = [sys.executable, "-m", "cosyserve.cli", "serve", "--demo", "--port", str(self.port), "--grpc-port",
+        cmd = [sys.executable, "-m", "cosyserve.cli", "serve", *model, "--port", str(self.port), "--grpc-port",
                str(self.grpc_port), "--voices-dir", str(tmp / "voices"), *extra]
         e = dict(os.environ, COSYSERVE_CACHE_DIR=str(self.cache), **(env or {}))
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=e)

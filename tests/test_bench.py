@@ -160,6 +160,21 @@ def check_report(rep: dict, out: Path, streaming: bool, levels=(1, 4)) -> None:
                 assert r["first_chunk_s"] == pytest.approx(r["total_s"], abs=1e-3)
     assert (out / "report.md").read_text(encoding="utf-8").count("\n| ") >= len(levels) + 1
     assert (out / "bench.png").stat().st_size > 10000
+    check_breakdown(rep)
+
+
+def check_breakdown(rep: dict) -> None:
+    """Engine stage times and first-chunk phases, per level (from /metrics or in-process)."""
+    for lv in rep["levels"]:
+        b = lv["breakdown"]
+        assert b is not None, "no stage breakdown"
+        assert set(b["stages"]) == {"prefill", "decode", "flow", "hift"}
+        for s in b["stages"].values():
+            assert s["calls"] >= 1 and s["mean_ms"] > 0 and 1 <= s["mean_batch"] <= lv["concurrency"]
+        assert b["first_chunks"] == lv["ok"]
+        assert set(b["phases"]) == {"queue", "prefill", "decode", "t2w_wait", "token2wav"}
+        # the engine's phases add up to at most what the client saw (+ network, encoding)
+        assert 0 < sum(b["phases"].values()) <= lv["first_chunk_s"]["avg"] * 1000 + 1
 
 
 BENCH_CASES = [("grpc", "streaming"), ("grpc", "offline"), ("http", "offline"), ("openai", "streaming"),
@@ -169,9 +184,10 @@ BENCH_CASES = [("grpc", "streaming"), ("grpc", "offline"), ("http", "offline"), 
 @pytest.mark.parametrize("protocol,mode", BENCH_CASES)
 def test_bench_protocol_and_mode(tts, tmp_path, capsys, reports, protocol, mode):
     url = tts.grpc_url if protocol == "grpc" else tts.url
+    extra = ["--metrics-url", tts.url + "/metrics"] if protocol == "grpc" else []
     code, out, err = run(capsys, "bench", "--url", url, "--protocol", protocol, "--mode", mode, "--limit", N_ITEMS,
                          "--concurrency", "1,4", "--warmup", 1, "--out", tmp_path, "--save-audio", "--no-progress",
-                         "--seed", 7)
+                         "--seed", 7, *extra)
     assert code == 0, err
     rep = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
     check_report(rep, tmp_path, mode == "streaming")
@@ -201,6 +217,44 @@ def test_same_item_same_audio_length_everywhere(reports):
         for r in rep["requests"]:
             per_item.setdefault(r["item"], set()).add(r["samples"])
     assert len(per_item) == N_ITEMS and all(len(v) == 1 for v in per_item.values()), per_item
+
+
+def test_random_weights_server_and_in_process(tmp_path, capsys, monkeypatch):
+    """``serve --random-weights YAML`` and ``bench --in-process --random-weights YAML`` build the
+    networks from the yaml alone (here the demo yaml: same code path as the real-size one) and
+    give the same seeded audio."""
+    from cosyserve.models.demo import demo_qwen_config, demo_yaml
+
+    (tmp_path / "cfg").mkdir()
+    yaml_path, qcfg = tmp_path / "cfg" / "cosyvoice2.yaml", tmp_path / "cfg" / "qwen.json"
+    yaml_path.write_text(demo_yaml())
+    qcfg.write_text(json.dumps(demo_qwen_config()))
+    rw = ("--random-weights", str(yaml_path), "--qwen-config", str(qcfg))
+    (tmp_path / "srv").mkdir()
+    srv = Server(tmp_path / "srv", *RATIO, "--chunk-policy", "exponential", model=rw)
+    try:
+        code, _, err = run(capsys, "bench", "--url", srv.grpc_url, "--metrics-url", srv.url + "/metrics", "--limit", 2,
+                           "--concurrency", "2", "--warmup", 0, "--voice", "default", "--out", tmp_path / "a",
+                           "--no-progress")
+        assert code == 0, err
+    finally:
+        assert srv.stop() == 0
+    assert "RANDOM weights" in srv.logs()
+    monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(srv.cache))
+    code, out, err = run(capsys, "bench", "--in-process", *rw, "--limit", 2, "--concurrency", "2", "--warmup", 0,
+                         "--voice", "default", "--chunk-policy", "exponential", "--out", tmp_path / "b",
+                         "--no-progress", *RATIO)
+    assert code == 0, err
+    a, b = (json.loads((tmp_path / d / "report.json").read_text()) for d in "ab")
+    for rep in (a, b):
+        assert rep["levels"][0]["ok"] == 2
+        check_breakdown(rep)
+    assert sorted(r["samples"] for r in a["requests"]) == sorted(r["samples"] for r in b["requests"])
+    # bad use is one clear error
+    code, _, err = run(capsys, "bench", "--in-process", "--random-weights", str(tmp_path / "missing.yaml"))
+    assert code == 2 and "missing.yaml" in err and "Traceback" not in err
+    code, _, err = run(capsys, "bench", "--in-process", "--demo", *rw)
+    assert code == 2 and "one of --model-dir, --demo or --random-weights" in err
 
 
 def test_bench_rejects_http_streaming_and_reports_unreachable_server(tts, tmp_path, capsys):

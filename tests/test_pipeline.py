@@ -161,6 +161,75 @@ def test_batching_does_not_change_results(syn, voice):
         assert rel_l2(together, alone[i].audio) <= WAVE_TOL  # flow batching noise (~1e-7), amplified by HiFT phase
 
 
+class _StageLog:
+    def __init__(self):
+        self.stages = []
+
+    def lm_step(self, *a): ...
+
+    def token2wav_step(self, *a): ...
+
+    def chunk(self, *a): ...
+
+    def finished(self, *a): ...
+
+    def stage(self, name, batch, seconds):
+        self.stages.append((name, batch, seconds))
+
+
+def test_stage_times_and_first_chunk_breakdown(syn, voice):
+    """The engine reports device time per batched stage and splits each request's first-chunk
+    latency into scheduler phases that add up to it."""
+    obs = _StageLog()
+    engine = syn.new_engine(EngineConfig(max_active=4, max_queue=0), observer=obs)
+    reqs = [syn.build_request(t, voice, SynthesisParams(seed=i, stream=i < 3, min_token_text_ratio=3,
+                                                       max_token_text_ratio=3), request_id=f"b{i}")
+            for i, t in enumerate(["你好，世界。", "Hello there.", "今天天气很好。", "谢谢你。"])]
+    for r in reqs:
+        engine.add_request(r)
+    done = {}
+    while engine.has_work():
+        for ev in engine.step():
+            if isinstance(ev, RequestFinished):
+                done[ev.request_id] = ev
+    assert len(done) == 4
+    for ev in done.values():
+        b = ev.first_chunk_breakdown
+        assert set(b) == {"queue", "prefill", "decode", "t2w_wait", "token2wav"}
+        assert all(v >= 0 for v in b.values())
+        assert sum(b.values()) == pytest.approx(ev.first_chunk_s, abs=1e-6)
+        assert b["prefill"] > 0 and b["token2wav"] > 0
+    names = {n for n, _, _ in obs.stages}
+    assert names == {"prefill", "decode", "flow", "hift"}
+    assert all(sec > 0 and batch >= 1 for _, batch, sec in obs.stages)
+    assert max(batch for n, batch, _ in obs.stages if n == "prefill") == 4  # newcomers prefilled together
+    assert max(batch for n, batch, _ in obs.stages if n == "decode") == 4
+
+
+def test_token2wav_batches_earliest_deadline_first(syn, voice):
+    """First chunks (deadline = arrival) go before later chunks with audio still playing; a
+    long job that is not yet due does not join (and slow down) a batch of short ones."""
+    engine = syn.new_engine(EngineConfig(max_active=8, max_queue=0, max_t2w_batch=3, t2w_slack_s=0.5))
+    now = 100.0
+    mk = lambda name: name  # stand-ins: the picker only orders and filters
+    cands = [
+        (now + 2.0, 256, mk("later-long-not-due"), None, "j0"),
+        (now - 1.0, 128, mk("first-chunk-old"), None, "j1"),
+        (now + 0.2, 512, mk("later-long-due"), None, "j2"),
+        (now - 0.5, 100, mk("first-chunk-new"), None, "j3"),
+        (now + 3.0, 120, mk("later-short"), None, "j4"),
+    ]
+    picked = [st for st, _, _ in engine._pick_t2w_batch(list(cands), now)]
+    assert picked == ["first-chunk-old", "first-chunk-new", "later-long-due"]
+    engine2 = syn.new_engine(EngineConfig(max_active=8, max_queue=0, t2w_slack_s=0.5))
+    picked = [st for st, _, _ in engine2._pick_t2w_batch(list(cands), now)]
+    # the due long job raised the batch length to 512 frames: the others fit and ride along
+    assert picked == ["first-chunk-old", "first-chunk-new", "later-long-due", "later-long-not-due", "later-short"]
+    picked = [st for st, _, _ in engine2._pick_t2w_batch([c for c in cands if c[4] != "j2"], now)]
+    assert picked == ["first-chunk-old", "first-chunk-new", "later-short"]  # 256 frames > 128 and not due
+    assert EngineConfig(max_active=5).max_t2w_batch == 5
+
+
 def test_admission_abort_and_timeout(syn, voice):
     engine = syn.new_engine(EngineConfig(max_active=1, max_queue=1))
     long = SynthesisParams(seed=1, min_token_text_ratio=20, max_token_text_ratio=20)

@@ -384,6 +384,15 @@ def test_metrics_scrape(server):
     for name in ("cosyserve_queue_depth", "cosyserve_active_streams", "cosyserve_kv_slots_used",
                  "cosyserve_rtf_count", "cosyserve_token2wav_batch_size_count"):
         assert any(n == name for n, _ in m), name
+    # device time per stage and the first-chunk phases are exported and consistent
+    for stage in ("prefill", "decode", "flow", "hift"):
+        assert metric(m, "cosyserve_stage_seconds_count", stage=stage) >= 1, stage
+        assert metric(m, "cosyserve_stage_seconds_sum", stage=stage) > 0, stage
+    phases = ("queue", "prefill", "decode", "t2w_wait", "token2wav")
+    n_first = metric(m, "cosyserve_first_chunk_phase_seconds_count", phase="token2wav")
+    assert n_first >= 1
+    assert all(metric(m, "cosyserve_first_chunk_phase_seconds_count", phase=p) == n_first for p in phases)
+    assert metric(m, "cosyserve_first_chunk_phase_seconds_sum", phase="token2wav") > 0
 
 
 def test_client_killed_mid_stream_frees_its_slot(server):

@@ -46,6 +46,7 @@ import numpy as np
 
 from .. import __version__
 from ..errors import CosyServeError
+from .breakdown import EngineCounters, breakdown_markdown, level_breakdown
 from .manifest import BenchItem, load_manifest, resolve_manifest
 from .progress import Progress
 from .protocols import (
@@ -111,7 +112,10 @@ class BenchOptions:
     dtype: str = "float32"
     voices_dir: str | None = None
     max_active_streams: int = 16
-    chunk_policy: str = "upstream"
+    chunk_policy: str | None = None  # in-process: default upstream; a server: gRPC request parameter
+    # server: its Prometheus page, scraped around each level for the stage breakdown
+    # (default: URL/metrics for http/openai; none for grpc unless given)
+    metrics_url: str | None = None
 
 
 # ---------------------------------------------------------------------------- analysis
@@ -253,6 +257,7 @@ def markdown(report: dict) -> str:
     lines += ["", "Latencies in ms. RTF = Σ request latency / Σ audio seconds; throughput = Σ audio seconds / "
               "wall seconds (× real time)" + ("; stalled = requests whose playback, started at the first chunk, "
                                               "ran dry before a later chunk arrived." if stream else ".")]
+    lines += breakdown_markdown(report["levels"])
     errs = sorted({e for lv in report["levels"] for e in lv["errors"]})
     if errs:
         lines += ["", "Errors: " + "; ".join(errs[:5])]
@@ -350,15 +355,20 @@ class _Setup:
         self.server_params: dict = {}
         self.prompts = {it.id: it.prompt_16k() for it in items} if not opts.voice else {}
         self.voice_of: dict[str, str] = {}
+        self.metrics_url: str | None = None
         if opts.in_process:
             self._start_in_process()
             return
         if not opts.url:
             raise ClientError("--url is required (or --in-process)")
         check_combination(opts.protocol, opts.mode)
+        if opts.chunk_policy and not (opts.protocol == "grpc" and opts.mode == "streaming"):
+            raise ClientError("--chunk-policy for a server is sent as a KServe gRPC streaming request parameter: "
+                              "use --protocol grpc --mode streaming (or start the server with --chunk-policy)")
         self.scheme, self.addr = parse_url(opts.url, opts.protocol)
         self.base = f"{self.scheme}://{self.addr}"
         self.server_params = _server_ratio(opts, self.addr, self.scheme)
+        self.metrics_url = opts.metrics_url or (f"{self.base}/metrics" if self.scheme in ("http", "https") else None)
         if opts.protocol == "openai" and not opts.voice:
             prompts = {it.id: (it.prompt_wav.read_bytes(), it.prompt_text) for it in items}
             self.voice_of, self.created_voices = register_openai_voices(self.base, prompts, opts.api_key)
@@ -388,7 +398,7 @@ class _Setup:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[o.dtype]
         synth = Synthesizer(model_dir, device=o.device, dtype=dtype)
         synth.frontend.warmup()
-        if o.demo and o.voice == "default":
+        if synth.is_demo and o.voice == "default":  # demo / random-weight models: the shipped prompt
             import json as _json
             from importlib import resources
 
@@ -398,7 +408,7 @@ class _Setup:
         lo = 2.0 if o.min_token_text_ratio is None else o.min_token_text_ratio
         hi = 20.0 if o.max_token_text_ratio is None else o.max_token_text_ratio
         try:
-            policy = ChunkPolicy.parse(o.chunk_policy)
+            policy = ChunkPolicy.parse(o.chunk_policy or "upstream")
         except ValueError as exc:
             raise ClientError(str(exc)) from None
 
@@ -407,11 +417,26 @@ class _Setup:
                                    max_token_text_ratio=hi, timeout_s=o.timeout_s)
 
         self.server_params = {"min_token_text_ratio": str(lo), "max_token_text_ratio": str(hi),
-                              "chunk_policy": o.chunk_policy}
+                              "chunk_policy": o.chunk_policy or "upstream"}
         voices = VoiceStore(o.voices_dir) if (o.voice and o.voices_dir) else None
         self.shared = InProcessEngine(synth, EngineConfig(max_active=o.max_active_streams,
                                                           max_queue=max(64, max(o.concurrency) * 2)),
                                       params, voices, builtin)
+
+    def engine_counters(self) -> EngineCounters | None:
+        """A snapshot of the engine's stage/phase counters (None when unavailable)."""
+        if self.shared is not None:
+            return self.shared.counters.snapshot()
+        if not self.metrics_url:
+            return None
+        try:
+            import httpx
+
+            r = httpx.get(self.metrics_url, headers=_headers(self.opts), timeout=10)
+            r.raise_for_status()
+            return EngineCounters.from_metrics(r.text)
+        except Exception:  # noqa: BLE001 - informational (e.g. a Triton server has other metrics)
+            return None
 
     def runner(self, keep_audio: bool) -> Runner:
         o = self.opts
@@ -431,7 +456,8 @@ class _Setup:
         voice = self.opts.voice or self.voice_of.get(item.id)
         return RequestSpec(request_id=uuid.uuid4().hex, text=item.target_text, seed=seed, voice=voice,
                            prompt_16k=None if voice else self.prompts[item.id],
-                           prompt_text=None if voice else item.prompt_text, item_id=item.id)
+                           prompt_text=None if voice else item.prompt_text, item_id=item.id,
+                           chunk_policy=None if self.opts.in_process else self.opts.chunk_policy)
 
     def close(self) -> None:
         if self.created_voices:
@@ -524,7 +550,9 @@ def run_bench(opts: BenchOptions, echo=print) -> dict:
         for c in opts.concurrency:
             work = [(i, items[i % len(items)], opts.seed + i % len(items)) for i in range(n_req)]
             prog = Progress(len(work), f"{c} client{'s' if c > 1 else ''}", opts.progress)
+            before = setup.engine_counters()
             res, wall = _run_level(setup, work, c, opts.save_audio, prog)
+            after = setup.engine_counters()
             prog.close()
             recs = []
             for idx, item, seed, tr in res:
@@ -539,6 +567,7 @@ def run_bench(opts: BenchOptions, echo=print) -> dict:
                 recs.append(r)
             records += recs
             levels.append(summarize(c, recs, wall))
+            levels[-1]["breakdown"] = level_breakdown(before, after)
     finally:
         setup.close()
     sp = setup.server_params

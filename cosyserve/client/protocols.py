@@ -67,6 +67,7 @@ class RequestSpec:
     prompt_16k: np.ndarray | None = None
     prompt_text: str | None = None
     item_id: str = ""
+    chunk_policy: str | None = None  # KServe gRPC request parameter (cosyserve extension)
 
 
 @dataclass
@@ -159,7 +160,12 @@ def kserve_inputs(mod, spec: RequestSpec) -> list:
 
 
 def _params(spec: RequestSpec) -> dict | None:
-    return {"seed": int(spec.seed)} if spec.seed is not None else None
+    p = {}
+    if spec.seed is not None:
+        p["seed"] = int(spec.seed)
+    if spec.chunk_policy:
+        p["chunk_policy"] = spec.chunk_policy
+    return p or None
 
 
 class GrpcStreamRunner(Runner):
@@ -427,7 +433,10 @@ class InProcessEngine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="cosyserve-bench-loop", daemon=True)
         self._thread.start()
-        self.engine = AsyncEngine(synth.new_engine(engine_config))
+        from .breakdown import EngineCounters
+
+        self.counters = EngineCounters()  # stage times and first-chunk phases (the engine's observer)
+        self.engine = AsyncEngine(synth.new_engine(engine_config, observer=self.counters))
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result()
 
     async def _start(self) -> None:

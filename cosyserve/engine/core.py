@@ -20,8 +20,14 @@ One step:
    steps. Sampling is per request (upstream repetition-aware sampling with the request's
    own generator), so a request samples what it would sample alone.
 4. **token2wav** — every stream whose next chunk is ready (chunk schedule) or whose LM
-   has finished contributes one job; all jobs run as one flow batch + one HiFT batch
-   (:class:`~cosyserve.engine.token2wav.Token2Wav`), each with its own caches.
+   has finished contributes one job; the jobs run as one flow batch + one HiFT batch
+   (:class:`~cosyserve.engine.token2wav.Token2Wav`), each with its own caches. On CUDA the
+   batch runs on a side stream while LM decoding continues; one batch is in flight at a
+   time. Jobs are picked earliest-deadline-first: a stream's deadline is when its client
+   runs out of audio (first chunks: the request's arrival, i.e. now), an offline request's
+   its arrival. The batch's frame length (and so its cost) is set by the most urgent job;
+   longer jobs join only when they are due within ``EngineConfig.t2w_slack_s``, so a
+   whole-utterance recompute does not delay a batch of first chunks.
    LM-only requests (``SynthesisParams.lm_only``) skip this stage: they finish as soon as
    their last segment's LM stops, and their ``RequestFinished`` carries the tokens.
 
@@ -68,25 +74,41 @@ class EngineConfig:
     ``max_active``: requests processed concurrently (= KV-cache slots); ``max_queue``:
     requests that may wait beyond those; ``kv_max_len``: positions per KV slot (prompt
     prefix + generated tokens of one segment); ``max_prefill_tokens``: prefill budget per
-    step; ``max_t2w_batch``: token2wav jobs per step.
+    step; ``max_t2w_batch``: token2wav jobs per batch (default: ``max_active``);
+    ``t2w_slack_s``: seconds before its deadline a job longer than the batch's most urgent
+    one is added anyway (see the module doc); ``cuda_graphs``: LM decode and flow solve
+    as CUDA graphs on CUDA devices.
     """
 
     max_active: int = 16
     max_queue: int = 64
     kv_max_len: int = 4096
     max_prefill_tokens: int = 4096
-    max_t2w_batch: int = 16
+    max_t2w_batch: int | None = None
+    t2w_slack_s: float = 1.0
     cuda_graphs: bool = True
 
     def __post_init__(self):
-        if self.max_active < 1 or self.max_queue < 0 or self.kv_max_len < 64 or self.max_t2w_batch < 1:
+        if self.max_t2w_batch is None:
+            object.__setattr__(self, "max_t2w_batch", self.max_active)
+        if self.max_active < 1 or self.max_queue < 0 or self.kv_max_len < 64 or self.max_t2w_batch < 1 \
+                or self.t2w_slack_s < 0:
             raise ValueError("invalid engine limits")
 
 
 class EngineObserver:
-    """Hooks for metrics; the default does nothing. Called from the engine thread."""
+    """Hooks for metrics; the default does nothing. Called from the engine thread.
+
+    ``stage(name, batch_size, seconds)`` reports the device time of one batched stage:
+    ``prefill`` (one padded prefill forward of ``batch_size`` newcomers), ``decode`` (one LM
+    decode step over ``batch_size`` sequences), ``flow`` (encoder + 10-step CFG solve of one
+    token2wav batch), ``hift`` (the vocoder over the same batch). Measured with CUDA events
+    on CUDA (so overlapped stages do not count each other's time), the host clock on CPU.
+    """
 
     def lm_step(self, batch_size: int, prefill_tokens: int, seconds: float) -> None: ...
+
+    def stage(self, name: str, batch_size: int, seconds: float) -> None: ...
 
     def token2wav_step(self, batch_size: int, seconds: float) -> None: ...
 
@@ -107,6 +129,26 @@ class EngineStats:
     t2w_batches: dict = field(default_factory=dict)
 
 
+class _Marks:
+    """Device-side timestamps of enqueued work: CUDA events on CUDA, the host clock on CPU
+    (where work runs synchronously)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def mark(self, stream=None):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        return ev
+
+    @staticmethod
+    def seconds(a, b) -> float:
+        """Between two marks whose work has completed."""
+        return a.elapsed_time(b) / 1000.0 if isinstance(a, torch.cuda.Event) else b - a
+
+
 class EngineCore:
     """Continuous-batching scheduler over the speech LM and token2wav (see module doc)."""
 
@@ -120,6 +162,7 @@ class EngineCore:
         self.lm = models.llm
         self.sample_rate = models.cfg.sample_rate
         self.t2w = Token2Wav(models.flow, models.hift, models.cfg.token_mel_ratio)
+        self._marks = _Marks(self.lm.llm_decoder.weight.is_cuda)
         if self.lm.max_positions < config.kv_max_len:
             self.lm.setup_rope(config.kv_max_len)
         use_graphs = config.cuda_graphs and self.lm.llm_decoder.weight.is_cuda
@@ -243,6 +286,13 @@ class EngineCore:
                     if st.aborted is Outcome.TIMEOUT else None
                 self._finish(st, events, st.aborted, err)
 
+    def _deadline(self, st: RequestState) -> float:
+        """When this request's next audio is due (monotonic seconds): a started stream's
+        playback end, otherwise (first chunk, offline) its arrival."""
+        if st.first_chunk_at is None or not st.req.params.stream:
+            return st.req.arrival
+        return st.first_chunk_at + st.audio_samples / self.sample_rate
+
     def _admit(self) -> None:
         while self._waiting and len(self._active) < self.cfg.max_active:
             rid, st = self._waiting.popitem(last=False)
@@ -269,7 +319,7 @@ class EngineCore:
             audio_s=st.audio_samples / self.sample_rate,
             first_chunk_s=None if st.first_chunk_at is None else st.first_chunk_at - st.req.arrival,
             total_s=now - st.req.arrival, seed=st.seed, tokens=[list(s.tokens) for s in st.segments],
-            stop_reasons=[s.stop_reason for s in st.segments],
+            stop_reasons=[s.stop_reason for s in st.segments], first_chunk_breakdown=st.first_chunk_breakdown(),
         )
         events.append(ev)
         self.observer.finished(ev)
@@ -314,7 +364,13 @@ class EngineCore:
             seg.slot = self._free_slots.pop(0)
             prefill_tokens += n
             new.append((st, seg, prefix))
+        spans = []
         if new:
+            t_pre = time.monotonic()
+            for st, _, _ in new:
+                if st.t_prefill is None:
+                    st.t_prefill = t_pre
+            m0 = self._marks.mark()
             try:
                 h = self._prefill([seg.slot for _, seg, _ in new], [p for _, _, p in new])
             except Exception:  # noqa: BLE001 - one at a time, to find the request that fails
@@ -333,6 +389,7 @@ class EngineCore:
                 rows.append((st, seg))
             if new:
                 hidden.append(lm.logprobs(h))
+                spans.append(("prefill", len(new), m0, self._marks.mark()))
         # 2. one batched decode step for running segments
         running = [(st, st.segments[st.lm_segment]) for st in self._active.values()
                    if st.next_lm_segment() is not None]
@@ -342,6 +399,7 @@ class EngineCore:
             toks = torch.tensor([[seg.tokens[-1]] for _, seg in running])
             slots = torch.tensor([seg.slot for _, seg in running])
             start = torch.tensor([seg.length for _, seg in running])
+            m0 = self._marks.mark()
             try:
                 if self.decoder is not None:
                     h = self.decoder(toks.reshape(-1), slots, start)  # log-probs, CUDA graph
@@ -352,13 +410,17 @@ class EngineCore:
                     self._fail(st, events, exc)
                 running = []
             else:
+                spans.append(("decode", len(running), m0, self._marks.mark()))
                 for _, seg in running:
                     seg.length += 1
                 rows.extend(running)
                 hidden.append(h)
         if not rows:
             return 0
-        logp = torch.cat(hidden).cpu()  # log-probs of every row
+        logp = torch.cat(hidden).cpu()  # log-probs of every row (waits for the GPU)
+        for name, n, a, b in spans:
+            self.observer.stage(name, n, self._marks.seconds(a, b))
+        t_tok = time.monotonic()
         # 3. per-request sampling (upstream RAS, each with its own generator)
         for i, (st, seg) in enumerate(rows):
             if st.request_id not in self._active:
@@ -368,6 +430,8 @@ class EngineCore:
                 self._lm_finish_segment(st, seg, "stop")
                 continue
             seg.tokens.append(tok)
+            if st.t_first_token is None:
+                st.t_first_token = t_tok
             if len(seg.tokens) >= seg.max_len:
                 self._lm_finish_segment(st, seg, "length")
         dt = time.perf_counter() - t0
@@ -411,27 +475,45 @@ class EngineCore:
             return None
         return None
 
+    def _first_chunk_ready(self, st: RequestState) -> bool:
+        """Cheap check (no job built): is the request's first chunk ready for token2wav?"""
+        if st.out_segment >= len(st.segments):
+            return False
+        seg = st.segments[st.out_segment]
+        return seg.lm_done or (seg.stream and seg.schedule.ready(len(seg.tokens)))
+
     def _t2w_step(self, events: list) -> None:
-        if not self._collect(events, wait=False):
-            return  # one token2wav batch in flight at a time
-        picked: list[tuple[RequestState, SegmentState, Token2WavJob]] = []
+        idle = self._collect(events, wait=False)  # one token2wav batch in flight at a time
+        now = time.monotonic()
+        cands = []
         for st in list(self._active.values()):
             if st.req.params.lm_only:  # LM-only: done once every segment's LM has finished
                 if st.lm_segment >= len(st.segments):
                     self._finish(st, events, Outcome.OK)
                 continue
-            if len(picked) >= self.cfg.max_t2w_batch:
-                break
+            if not idle:
+                if st.t_ready is None and st.first_chunk_at is None and self._first_chunk_ready(st):
+                    st.t_ready = now
+                continue
             nxt = self._next_job(st)
             if nxt is not None:
-                picked.append((st, *nxt))
+                if st.t_ready is None and st.first_chunk_at is None:
+                    st.t_ready = now
+                seg, job = nxt
+                frames = (job.voice.flow_speech_token.numel() + job.tokens.numel()) * self.t2w.ratio
+                cands.append((self._deadline(st), frames, st, seg, job))
             elif st.out_segment >= len(st.segments):
                 self._finish(st, events, Outcome.OK)
-        if not picked:
+        if not cands:
             return
+        picked = self._pick_t2w_batch(cands, now)
         t0 = time.perf_counter()
+        for st, _, _ in picked:
+            if st.t_launch is None and st.first_chunk_at is None:
+                st.t_launch = now
         try:
-            pending = self.t2w.launch([j for _, _, j in picked], stream=self._t2w_stream)
+            pending = self.t2w.launch([j for _, _, j in picked], stream=self._t2w_stream,
+                                      marks=self._marks)
         except Exception:  # noqa: BLE001 - find the culprit, keep the others
             results = []
             for st, _, job in picked:
@@ -443,9 +525,26 @@ class EngineCore:
             self._emit(picked, results, events, t0)
             return
         if self._t2w_stream is None:
-            self._emit(picked, self.t2w.finish(pending), events, t0)
+            self._emit(picked, self.t2w.finish(pending), events, t0, pending)
         else:
             self._inflight = (picked, pending, t0)  # the LM keeps decoding while the GPU runs it
+
+    def _pick_t2w_batch(self, cands: list, now: float) -> list:
+        """Earliest deadline first; the most urgent job sets the batch's frame length (rounded
+        up to 64 frames, the flow graph bucket), longer jobs join only when due within
+        ``t2w_slack_s`` (they would make every job in the batch pay for their length)."""
+        cands.sort(key=lambda c: c[0])
+        horizon = now + self.cfg.t2w_slack_s
+        limit = None
+        picked = []
+        for deadline, frames, st, seg, job in cands:
+            if len(picked) >= self.cfg.max_t2w_batch:
+                break
+            if limit is not None and frames > limit and deadline > horizon:
+                continue
+            limit = max(limit or 0, -(-frames // 64) * 64)
+            picked.append((st, seg, job))
+        return picked
 
     def _collect(self, events: list, wait: bool) -> bool:
         """Emit the in-flight token2wav batch if it is done (or, with ``wait``, once it is).
@@ -462,11 +561,15 @@ class EngineCore:
             for st, _, _ in picked:
                 self._fail(st, events, exc)
             return True
-        self._emit(picked, results, events, t0)
+        self._emit(picked, results, events, t0, pending)
         return True
 
-    def _emit(self, picked, results, events: list, t0: float) -> None:
+    def _emit(self, picked, results, events: list, t0: float, pending=None) -> None:
         dt = time.perf_counter() - t0
+        if pending is not None and pending.marks:
+            a, b, c = pending.marks
+            self.observer.stage("flow", len(picked), self._marks.seconds(a, b))
+            self.observer.stage("hift", len(picked), self._marks.seconds(b, c))
         self.stats.last_t2w_batch = len(picked)
         self.stats.t2w_batches[len(picked)] = self.stats.t2w_batches.get(len(picked), 0) + 1
         self.observer.token2wav_step(len(picked), dt)

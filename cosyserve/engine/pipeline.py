@@ -20,8 +20,8 @@ import torch
 from ..errors import InvalidInputError
 from ..frontend.frontend import DEFAULT_MAX_TEXT_CHARS, Frontend
 from ..frontend.voice import Voice, VoiceStore
-from ..models.demo import is_demo_model
-from ..models.loader import CosyVoice2Models, load_models, open_model_dir
+from ..models.demo import is_demo_model, is_random_weights_dir, random_weights_seed
+from ..models.loader import CosyVoice2Models, build_random, load_models, open_model_dir
 from .core import EngineConfig, EngineCore
 from .request import AudioChunk, EngineRequest, RequestFinished, SynthesisParams
 
@@ -53,7 +53,9 @@ class Synthesizer:
     """Frontend + models of one CosyVoice2 model directory.
 
     Args:
-      model_dir: the official layout (see :mod:`cosyserve.models.loader`).
+      model_dir: the official layout (see :mod:`cosyserve.models.loader`), or a random-weights
+        directory (:func:`cosyserve.models.demo.prepare_random_weights_dir`), whose networks are
+        built from its yaml with random weights.
       device, dtype: where the LM and flow run (HiFT runs in float32).
       voices_dir: voice store directory (optional).
       normalizer: ``auto`` / ``wetext`` / ``rules`` / ``none`` (see :mod:`cosyserve.frontend.text`).
@@ -73,11 +75,14 @@ class Synthesizer:
         onnx_providers: list[str] | None = None,
         max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
     ):
+        random_dir = models is None and is_random_weights_dir(model_dir)
         md = open_model_dir(model_dir, need=("onnx", "qwen") if models is not None else
                             ("llm", "flow", "hift", "onnx", "qwen"))
         self.is_demo = is_demo_model(md.root)
         if self.is_demo:
             log.warning("%s is a DEMO model with random weights: its audio is noise", md.root)
+        if random_dir:  # a --random-weights directory: full-size networks from the yaml alone
+            models = build_random(md.yaml, device=device, dtype=dtype, seed=random_weights_seed(md.root))
         self.models = models or load_models(md.root, device=device, dtype=dtype)
         self.cfg = self.models.cfg
         self.frontend = Frontend(md, self.cfg, normalizer, onnx_providers, max_text_chars)

@@ -148,6 +148,12 @@ class RequestFinished:
     #: per segment: ``"stop"`` (a stop token was sampled), ``"length"`` (max length reached),
     #: ``None`` (the LM did not finish that segment)
     stop_reasons: list[str | None] = field(default_factory=list)
+    #: where the first-chunk latency went (seconds, host clock; they add up to ``first_chunk_s``):
+    #: ``queue`` arrival -> its prefill began (waiting for a slot / the prefill budget),
+    #: ``prefill`` -> first speech token sampled, ``decode`` -> the first chunk's tokens were all
+    #: there, ``t2w_wait`` -> its token2wav batch was launched (waiting for the GPU's previous
+    #: batch), ``token2wav`` -> the chunk was emitted (flow + HiFT + copy). None without a chunk.
+    first_chunk_breakdown: dict[str, float] | None = None
 
 
 @dataclass
@@ -188,6 +194,24 @@ class RequestState:
     first_chunk_at: float | None = None
     aborted: Outcome | None = None
     deadline: float | None = None
+    # first-chunk milestones (time.monotonic), see RequestFinished.first_chunk_breakdown
+    t_prefill: float | None = None
+    t_first_token: float | None = None
+    t_ready: float | None = None
+    t_launch: float | None = None
+
+    def first_chunk_breakdown(self) -> dict[str, float] | None:
+        """The first-chunk latency split into scheduler phases (None before the first chunk)."""
+        if self.first_chunk_at is None:
+            return None
+        marks = [("queue", self.t_prefill), ("prefill", self.t_first_token), ("decode", self.t_ready),
+                 ("t2w_wait", self.t_launch), ("token2wav", self.first_chunk_at)]
+        out, prev = {}, self.req.arrival
+        for name, t in marks:
+            t = prev if t is None else max(t, prev)
+            out[name] = t - prev
+            prev = t
+        return out
 
     @property
     def request_id(self) -> str:

@@ -75,18 +75,22 @@ class Token2Wav:
         return self.finish(self.launch(jobs, stream=None))
 
     @torch.inference_mode()
-    def launch(self, jobs: list[Token2WavJob], stream=None) -> "PendingToken2Wav":
+    def launch(self, jobs: list[Token2WavJob], stream=None, marks=None) -> "PendingToken2Wav":
         """Enqueue ``jobs`` without waiting for the GPU.
 
         With a CUDA ``stream``, all work is issued on it (inputs are created there too, so
         the caching allocator never hands their memory to another stream early) and an
         event marks completion; :meth:`PendingToken2Wav.done` polls it. On CPU (or without
-        a stream) the work is simply done here.
+        a stream) the work is simply done here. ``marks`` (the engine's timestamp source, with
+        ``mark(stream)``) records start / flow done / HiFT done in ``PendingToken2Wav.marks``.
         """
         if not jobs:
             return PendingToken2Wav([], [], None)
         ctx = torch.cuda.stream(stream) if stream is not None else _null()
+        stamps = []
         with ctx:
+            if marks is not None:
+                stamps.append(marks.mark(stream))
             dev = self.device
             mels = self.flow.inference_batch(
                 [j.tokens.to(dev, non_blocking=True)[None] for j in jobs],
@@ -96,6 +100,8 @@ class Token2Wav:
                 streaming=[j.streaming for j in jobs],
                 finalize=[j.finalize for j in jobs],
             )
+            if marks is not None:
+                stamps.append(marks.mark(stream))
             hift_dev = next(self.hift.parameters()).device
             chunks = []
             for j, mel in zip(jobs, mels):
@@ -108,6 +114,8 @@ class Token2Wav:
                 [j.generator for j in jobs],
             )
             speech = [s[0].float() for s, _ in out]
+            if marks is not None:
+                stamps.append(marks.mark(stream))
             event = None
             if stream is not None:
                 host = [torch.empty(s.shape, dtype=torch.float32, pin_memory=True) for s in speech]
@@ -116,7 +124,7 @@ class Token2Wav:
                 event = torch.cuda.Event()
                 event.record(stream)
                 speech = host
-        return PendingToken2Wav(speech, [st for _, st in out], event, keep=(jobs, mels, chunks))
+        return PendingToken2Wav(speech, [st for _, st in out], event, keep=(jobs, mels, chunks), marks=tuple(stamps))
 
     def finish(self, pending: "PendingToken2Wav") -> list[Token2WavResult]:
         """Wait for ``pending`` and return its results (speech on the CPU)."""
@@ -143,6 +151,7 @@ class PendingToken2Wav:
     states: list
     event: "torch.cuda.Event | None"
     keep: tuple = ()
+    marks: tuple = ()  # (start, flow done, HiFT done) timestamps when the engine asked for them
 
     def done(self) -> bool:
         return self.event is None or self.event.query()

@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .loader import RANDOM_WEIGHTS_MARKER
+
 DEMO_MARKER = "DEMO_MODEL_RANDOM_WEIGHTS.txt"
 DEMO_WARNING = "demo model with RANDOM weights: the audio is noise, not speech"
 
@@ -342,14 +344,26 @@ def is_demo_model(model_dir: str | Path) -> bool:
     return (Path(model_dir) / DEMO_MARKER).is_file()
 
 
+def is_random_weights_dir(model_dir: str | Path) -> bool:
+    """True for a directory written by :func:`write_frontend_dir` (networks built at load time)."""
+    return (Path(model_dir) / RANDOM_WEIGHTS_MARKER).is_file()
+
+
+def random_weights_seed(model_dir: str | Path) -> int:
+    """The weight seed recorded in a random-weights directory."""
+    return int(json.loads((Path(model_dir) / RANDOM_WEIGHTS_MARKER).read_text())["seed"])
+
+
 def write_frontend_dir(yaml_path: str | Path, qwen_config_path: str | Path, out_dir: str | Path,
                        seed: int = 0) -> Path:
     """A model directory for RANDOM-weight runs of a real-size yaml, without weight files.
 
     Writes ``cosyvoice2.yaml`` (copied), ``CosyVoice-BlankEN/`` (the shipped tokenizer +
-    ``qwen_config_path``) and the two ONNX stand-ins; the networks come from
-    :func:`cosyserve.models.loader.build_random`. Used by ``cosyserve serve
-    --random-weights`` and the GPU benchmarks (the audio is noise).
+    ``qwen_config_path``), the two ONNX stand-ins and a marker; loading such a directory
+    (:class:`cosyserve.engine.pipeline.Synthesizer`) builds the networks with
+    :func:`cosyserve.models.loader.build_random` at the yaml's dimensions (weight seed
+    ``seed``). Used by ``cosyserve serve/bench/batch --random-weights`` and the GPU
+    benchmarks (the audio is noise). Raises OSError when a file cannot be read or written.
     """
     import onnx
 
@@ -363,4 +377,35 @@ def write_frontend_dir(yaml_path: str | Path, qwen_config_path: str | Path, out_
     onnx.save(campplus_standin(seed), str(out / "campplus.onnx"))
     onnx.save(speech_tokenizer_standin(seed + 1), str(out / "speech_tokenizer_v2.onnx"))
     (out / DEMO_MARKER).write_text("RANDOM-weight benchmark directory (no weight files): the audio is noise.\n")
+    (out / RANDOM_WEIGHTS_MARKER).write_text(json.dumps({"seed": seed, "yaml": str(yaml_path)}) + "\n")
     return out
+
+
+def prepare_random_weights_dir(yaml_path: str | Path, qwen_config_path: str | Path | None, cache_dir: str | Path,
+                               seed: int = 0) -> Path:
+    """:func:`write_frontend_dir` into ``cache_dir/random-<hash>`` (reused while the yaml and
+    the Qwen2 config are unchanged).
+
+    ``qwen_config_path`` defaults to ``<yaml dir>/CosyVoice-BlankEN/config.json`` (the
+    official layout). Raises :class:`~cosyserve.errors.ModelDirError` naming a missing file.
+    """
+    import hashlib
+
+    from ..errors import ModelDirError
+
+    yaml_path = Path(yaml_path).expanduser()
+    if not yaml_path.is_file():
+        raise ModelDirError(f"--random-weights: {yaml_path} is not a file (give the model's cosyvoice2.yaml)")
+    if qwen_config_path is None:
+        qwen_config_path = yaml_path.parent / "CosyVoice-BlankEN" / "config.json"
+        if not Path(qwen_config_path).is_file():
+            raise ModelDirError(f"--random-weights: no Qwen2 config at {qwen_config_path}; pass --qwen-config "
+                                "(the model's CosyVoice-BlankEN/config.json)")
+    qwen_config_path = Path(qwen_config_path).expanduser()
+    if not qwen_config_path.is_file():
+        raise ModelDirError(f"--qwen-config: {qwen_config_path} is not a file")
+    h = hashlib.sha256(yaml_path.read_bytes() + b"\0" + qwen_config_path.read_bytes() + f"\0{seed}".encode())
+    out = Path(cache_dir).expanduser() / f"random-{h.hexdigest()[:16]}"
+    if is_random_weights_dir(out) and (out / "campplus.onnx").is_file():
+        return out
+    return write_frontend_dir(yaml_path, qwen_config_path, out, seed=seed)

@@ -27,6 +27,8 @@ from .config import QWEN_DIR, CosyVoice2Config, load_config
 from .llm import SpeechLM
 
 YAML_NAME = "cosyvoice2.yaml"
+#: marks a ``--random-weights`` directory: no weight files, networks built from the yaml
+RANDOM_WEIGHTS_MARKER = "RANDOM_WEIGHTS_NO_FILES.json"
 LLM_FILE = "llm.pt"
 FLOW_FILE = "flow.pt"
 HIFT_FILE = "hift.pt"
@@ -80,12 +82,15 @@ def open_model_dir(path: str | Path, need: tuple[str, ...] = ("llm", "flow", "hi
     """Check that ``path`` is a CosyVoice2 model directory; return its :class:`ModelDir`.
 
     ``need`` selects which parts must be present (``llm``, ``flow``, ``hift``, ``onnx``,
-    ``qwen``). Raises :class:`ModelDirError` listing every missing file.
+    ``qwen``); a random-weights directory (``RANDOM_WEIGHTS_MARKER``) needs no weight files.
+    Raises :class:`ModelDirError` listing every missing file.
     """
     root = Path(path).expanduser()
     if not root.is_dir():
         raise ModelDirError(f"model directory {root} does not exist or is not a directory")
     md = ModelDir(root.resolve())
+    if (root / RANDOM_WEIGHTS_MARKER).is_file():
+        need = tuple(n for n in need if n not in ("llm", "flow", "hift")) + (("qwen",) if "llm" in need else ())
     files = [YAML_NAME]
     if "llm" in need:
         files.append(LLM_FILE)

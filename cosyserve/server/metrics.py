@@ -6,7 +6,11 @@ Per request (label ``protocol``: ``openai``, ``kserve_http``, ``kserve_grpc``):
 ``cosyserve_audio_seconds_total``. Engine (updated every scheduler step):
 ``cosyserve_queue_depth``, ``cosyserve_active_streams``, ``cosyserve_kv_slots_used``,
 ``cosyserve_kv_slots_total``, ``cosyserve_lm_batch_size``, ``cosyserve_token2wav_batch_size``,
-``cosyserve_lm_step_seconds``, ``cosyserve_token2wav_step_seconds``.
+``cosyserve_lm_step_seconds``, ``cosyserve_token2wav_step_seconds``; device time per batched
+stage ``cosyserve_stage_seconds{stage}`` and items per stage ``cosyserve_stage_items_total{stage}`` (``prefill``, ``decode``, ``flow``, ``hift``; see
+:class:`~cosyserve.engine.core.EngineObserver`) and where first-chunk latency goes,
+``cosyserve_first_chunk_phase_seconds{phase}`` (``queue``, ``prefill``, ``decode``, ``t2w_wait``,
+``token2wav``; see :class:`~cosyserve.engine.request.RequestFinished`).
 """
 
 from __future__ import annotations
@@ -49,6 +53,14 @@ class Metrics(EngineObserver):
                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
         self.t2w_step_seconds = Histogram("cosyserve_token2wav_step_seconds", "Duration of a token2wav batch",
                                   buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r)
+        self.stage_seconds = Histogram(
+            "cosyserve_stage_seconds", "Device time of one batched engine stage", ["stage"],
+            buckets=(0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1, 2), registry=r)
+        self.stage_items = Counter("cosyserve_stage_items", "Sequences or chunks processed by a batched stage",
+                                   ["stage"], registry=r)
+        self.first_chunk_phase = Histogram(
+            "cosyserve_first_chunk_phase_seconds", "First-chunk latency by scheduler phase", ["phase"],
+            buckets=(0.001, 0.005, 0.01, 0.025) + LATENCY_BUCKETS, registry=r)
         self.ready = Gauge("cosyserve_ready", "1 when models are loaded and warmed up", registry=r)
         self._core = None
 
@@ -75,7 +87,13 @@ class Metrics(EngineObserver):
         self.t2w_step_seconds.observe(seconds)
         self._gauges()
 
+    def stage(self, name: str, batch_size: int, seconds: float) -> None:
+        self.stage_seconds.labels(name).observe(seconds)
+        self.stage_items.labels(name).inc(batch_size)
+
     def finished(self, event) -> None:
+        for phase, sec in (event.first_chunk_breakdown or {}).items():
+            self.first_chunk_phase.labels(phase).observe(sec)
         self._gauges()
 
     # protocol hooks (event loop)

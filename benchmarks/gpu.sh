@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The whole GPU benchmark of docs/perf.md in one command (about 6 minutes on one H100):
+#
+#   1. install the wheels carried in .whl/ (the GPU machine lacks fastapi, uvicorn, tritonclient, ...)
+#   2. start `cosyserve serve --random-weights` (full-size CosyVoice2-0.5B architecture from
+#      benchmarks/configs/cosyvoice2-0.5b.yaml, random weights, bf16, output length pinned to
+#      RATIO speech tokens per text token because random weights never choose to stop)
+#   3. warm it up (captures the CUDA graphs of the flow's batch x length buckets)
+#   4. `cosyserve bench` over KServe gRPC: streaming at 1/2/4/8/16/32 clients with the Triton
+#      runtime's exponential schedule (15-token first hop), 1 client with the upstream schedule,
+#      offline at 64 clients; every level with the engine's stage breakdown from /metrics
+#   5. the same streaming and offline workload on the in-process engine (no HTTP/gRPC), so the
+#      serving overhead is the difference
+#
+# Usage:  benchmarks/gpu.sh [OUT_DIR]        (env: RATIO, LEVELS, DTYPE, SKIP_IN_PROCESS=1)
+# Tables go to stdout and OUT_DIR/*/report.md; server log in OUT_DIR/server.log.
+set -u
+cd "$(dirname "$0")/.."
+OUTDIR=${1:-${OUT:-bench_gpu_out}}
+RATIO=${RATIO:-6}
+LEVELS=${LEVELS:-1,2,4,8,16,32}
+DTYPE=${DTYPE:-bfloat16}
+mkdir -p "$OUTDIR"
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/cosyserve-site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/cosyserve-site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1 COSYSERVE_CACHE_DIR=${COSYSERVE_CACHE_DIR:-/tmp/cosyserve-cache}
+CS="python3 -m cosyserve.cli"
+MODEL=(--random-weights benchmarks/configs/cosyvoice2-0.5b.yaml
+       --qwen-config benchmarks/configs/CosyVoice-BlankEN-config.json --device cuda --dtype "$DTYPE")
+PIN=(--min-token-text-ratio "$RATIO" --max-token-text-ratio "$RATIO")
+BENCH=(--voice default --no-progress)
+
+echo "== machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null)," \
+     "$(python3 -c 'import torch; print("torch", torch.__version__)'), commit ${COSYSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+
+$CS serve "${MODEL[@]}" "${PIN[@]}" --max-active-streams 64 --max-queue 256 --chunk-policy exponential \
+  --voices-dir /tmp/cosyserve-voices --port 8000 --grpc-port 8001 >"$OUTDIR/server.log" 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null' EXIT
+t0=$(date +%s)
+python3 - <<'EOF' || { echo "server did not start:"; tail -30 "$OUTDIR/server.log"; exit 1; }
+import time, httpx
+for _ in range(600):
+    try:
+        if httpx.get("http://127.0.0.1:8000/v2/health/ready", timeout=2).status_code == 200:
+            raise SystemExit(0)
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.5)
+raise SystemExit(1)
+EOF
+echo "== server ready in $(( $(date +%s) - t0 )) s"
+
+URL=(--url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics)
+echo "== warm-up (not counted)"
+$CS bench "${URL[@]}" "${BENCH[@]}" --concurrency 1,4,16,32 --requests-per-level 32 --warmup 0 \
+  --out "$OUTDIR/warmup" >/dev/null || exit 1
+$CS bench "${URL[@]}" "${BENCH[@]}" --mode offline --concurrency 64 --requests-per-level 64 --warmup 0 \
+  --out "$OUTDIR/warmup-offline" >/dev/null || exit 1
+
+echo "== server, KServe gRPC streaming, exponential schedule (15, 25, 50, ... tokens)"
+$CS bench "${URL[@]}" "${BENCH[@]}" --concurrency "$LEVELS" --out "$OUTDIR/grpc-streaming" || exit 1
+echo "== server, KServe gRPC streaming, upstream schedule (25 + look-ahead, 50, 100)"
+$CS bench "${URL[@]}" "${BENCH[@]}" --concurrency 1 --chunk-policy upstream --out "$OUTDIR/grpc-upstream" || exit 1
+echo "== server, KServe gRPC offline, 64 requests in flight"
+$CS bench "${URL[@]}" "${BENCH[@]}" --mode offline --concurrency 64 --requests-per-level 128 \
+  --out "$OUTDIR/grpc-offline" || exit 1
+kill -TERM $SERVER; wait $SERVER 2>/dev/null
+trap - EXIT
+
+if [ -z "${SKIP_IN_PROCESS:-}" ]; then
+  echo "== in-process engine, streaming, exponential schedule"
+  $CS bench --in-process "${MODEL[@]}" "${PIN[@]}" "${BENCH[@]}" --max-active-streams 64 --chunk-policy exponential \
+    --concurrency "$LEVELS" --warmup 8 --out "$OUTDIR/in-process-streaming" 2>/dev/null || exit 1
+fi
+echo "== done in $(( $(date +%s) - t0 )) s; reports in $OUTDIR"
