@@ -12,7 +12,9 @@
 #   5. the same streaming and offline workload on the in-process engine (no HTTP/gRPC), so the
 #      serving overhead is the difference
 #
-# Usage:  benchmarks/gpu.sh [OUT_DIR]        (env: RATIO, LEVELS, DTYPE, SKIP_IN_PROCESS=1)
+# Usage:  benchmarks/gpu.sh [OUT_DIR]
+#   env: RATIO (6), LEVELS (1,2,4,8,16,32), DTYPE (bfloat16), DEVICE (cuda), YAML, QWEN_CONFIG,
+#        SKIP_IN_PROCESS=1, NO_WHEELS=1 (use the installed packages), COSYSERVE_COMMIT (default: git)
 # Tables go to stdout and OUT_DIR/*/report.md; server log in OUT_DIR/server.log.
 set -u
 cd "$(dirname "$0")/.."
@@ -20,9 +22,12 @@ OUTDIR=${1:-${OUT:-bench_gpu_out}}
 RATIO=${RATIO:-6}
 LEVELS=${LEVELS:-1,2,4,8,16,32}
 DTYPE=${DTYPE:-bfloat16}
+DEVICE=${DEVICE:-cuda}
+YAML=${YAML:-benchmarks/configs/cosyvoice2-0.5b.yaml}
+QWEN_CONFIG=${QWEN_CONFIG:-benchmarks/configs/CosyVoice-BlankEN-config.json}
 mkdir -p "$OUTDIR"
 
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ -z "${NO_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/cosyserve-site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/cosyserve-site:$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -30,9 +35,10 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1 COSYSERVE_CACHE_DIR=${COSYSERVE_CACHE_DIR:-/tmp/cosyserve-cache}
+python3 -c "import fastapi, uvicorn, multipart, pydantic, tritonclient.grpc, soundfile, cosyserve.server.app" || {
+  echo "missing Python packages (carry them as wheels in .whl/, see the device notes)"; exit 1; }
 CS="python3 -m cosyserve.cli"
-MODEL=(--random-weights benchmarks/configs/cosyvoice2-0.5b.yaml
-       --qwen-config benchmarks/configs/CosyVoice-BlankEN-config.json --device cuda --dtype "$DTYPE")
+MODEL=(--random-weights "$YAML" --qwen-config "$QWEN_CONFIG" --device "$DEVICE" --dtype "$DTYPE")
 PIN=(--min-token-text-ratio "$RATIO" --max-token-text-ratio "$RATIO")
 BENCH=(--voice default --no-progress)
 
@@ -44,9 +50,15 @@ $CS serve "${MODEL[@]}" "${PIN[@]}" --max-active-streams 64 --max-queue 256 --ch
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null' EXIT
 t0=$(date +%s)
-python3 - <<'EOF' || { echo "server did not start:"; tail -30 "$OUTDIR/server.log"; exit 1; }
-import time, httpx
+SERVER_PID=$SERVER python3 - <<'EOF' || { echo "server did not start:"; tail -30 "$OUTDIR/server.log"; exit 1; }
+import os, time, httpx
 for _ in range(600):
+    try:
+        with open(f"/proc/{os.environ['SERVER_PID']}/stat") as f:  # exited (zombie or gone)?
+            if f.read().rsplit(")", 1)[1].split()[0] in "ZX":
+                raise SystemExit(1)
+    except OSError:
+        raise SystemExit(1)
     try:
         if httpx.get("http://127.0.0.1:8000/v2/health/ready", timeout=2).status_code == 200:
             raise SystemExit(0)
