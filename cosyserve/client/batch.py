@@ -135,15 +135,18 @@ def _native_lm(synth, rows: list[dict], params_of, batch_size: int, progress: Pr
         except CosyServeError as exc:
             r["error"] = str(exc)
             progress.advance(False)
-    while core.has_work():
-        for ev in core.step():
-            if isinstance(ev, RequestFinished) and ev.request_id in by_id:
-                r = by_id[ev.request_id]
-                if ev.error is not None or ev.outcome.value != "ok":
-                    r["error"] = str(ev.error or ev.outcome.value)
-                else:
-                    r["tokens"], r["stop_reasons"] = ev.tokens, ev.stop_reasons
-                progress.advance(r.get("error") is None)
+    try:
+        while core.has_work():
+            for ev in core.step():
+                if isinstance(ev, RequestFinished) and ev.request_id in by_id:
+                    r = by_id[ev.request_id]
+                    if ev.error is not None or ev.outcome.value != "ok":
+                        r["error"] = str(ev.error or ev.outcome.value)
+                    else:
+                        r["tokens"], r["stop_reasons"] = ev.tokens, ev.stop_reasons
+                    progress.advance(r.get("error") is None)
+    finally:
+        core.close()
 
 
 def _remote_lm_run(lm, rows: list[dict], params_of, batch_size: int, progress: Progress) -> dict:

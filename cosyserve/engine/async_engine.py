@@ -61,6 +61,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
+        await asyncio.to_thread(self.core.close)
 
     @property
     def running(self) -> bool:

@@ -41,6 +41,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -58,7 +59,7 @@ from .request import (
     RequestState,
     SegmentState,
 )
-from .token2wav import Token2Wav, Token2WavJob
+from .token2wav import Token2Wav, Token2WavJob, Token2WavWorker
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,8 @@ class EngineConfig:
     step; ``max_t2w_batch``: token2wav jobs per batch (default: ``max_active``);
     ``t2w_slack_s``: seconds before its deadline a job longer than the batch's most urgent
     one is added anyway (see the module doc); ``cuda_graphs``: LM decode and flow solve
-    as CUDA graphs on CUDA devices.
+    as CUDA graphs on CUDA devices; ``t2w_thread``: run token2wav on its own thread
+    (:class:`~cosyserve.engine.token2wav.Token2WavWorker`; default: on CUDA only).
     """
 
     max_active: int = 16
@@ -87,6 +89,7 @@ class EngineConfig:
     max_t2w_batch: int | None = None
     t2w_slack_s: float = 1.0
     cuda_graphs: bool = True
+    t2w_thread: bool | None = None
 
     def __post_init__(self):
         if self.max_t2w_batch is None:
@@ -177,8 +180,13 @@ class EngineCore:
             if models.flow.graph_solver is None:
                 models.flow.graph_solver = GraphedFlowSolver(models.flow.decoder, config.max_t2w_batch)
         self._free_slots = list(range(config.max_active))
-        # token2wav batches run on their own CUDA stream, overlapping LM decoding
-        self._t2w_stream = torch.cuda.Stream(device=self.cache.k.device) if self.cache.k.is_cuda else None
+        # on CUDA, token2wav batches run on their own thread and CUDA stream, overlapping LM
+        # decoding (see Token2WavWorker); on CPU they run inline, in the step
+        self._worker = None
+        if config.t2w_thread or (config.t2w_thread is None and self.cache.k.is_cuda):
+            stream = torch.cuda.Stream(device=self.cache.k.device) if self.cache.k.is_cuda else None
+            self._worker = Token2WavWorker(self.t2w, stream, self._marks)
+            weakref.finalize(self, self._worker.stop)  # an engine dropped without close() frees its thread
         self._inflight = None
         self._stop_ids = frozenset(models.cfg.llm.stop_token_ids)
         self._waiting: OrderedDict[str, RequestState] = OrderedDict()
@@ -221,6 +229,11 @@ class EngineCore:
     def abort(self, request_id: str, outcome: Outcome = Outcome.ABORTED) -> None:
         """Cancel a request (thread-safe); its slot and caches are freed at the next step."""
         self._inbox.put(("abort", request_id, outcome))
+
+    def close(self) -> None:
+        """Stop the token2wav thread (after its batch in flight); the engine is unusable after."""
+        if self._worker is not None:
+            self._worker.close()
 
     def has_work(self) -> bool:
         return bool(self._active or self._waiting or self._inflight is not None or not self._inbox.empty())
@@ -511,23 +524,22 @@ class EngineCore:
         for st, _, _ in picked:
             if st.t_launch is None and st.first_chunk_at is None:
                 st.t_launch = now
+        jobs = [j for _, _, j in picked]
+        if self._worker is not None:
+            self._worker.submit(jobs)
+            self._inflight = (picked, t0)  # the LM keeps decoding while the worker runs it
+            return
         try:
-            pending = self.t2w.launch([j for _, _, j in picked], stream=self._t2w_stream,
-                                      marks=self._marks)
+            pending = self.t2w.launch(jobs, marks=self._marks)
+            results, marks = self.t2w.finish(pending), pending.marks
         except Exception:  # noqa: BLE001 - find the culprit, keep the others
-            results = []
-            for st, _, job in picked:
+            results, marks = [], ()
+            for job in jobs:
                 try:
                     results.append(self.t2w.run([job])[0])
                 except Exception as exc:  # noqa: BLE001
-                    self._fail(st, events, exc)
-                    results.append(None)
-            self._emit(picked, results, events, t0)
-            return
-        if self._t2w_stream is None:
-            self._emit(picked, self.t2w.finish(pending), events, t0, pending)
-        else:
-            self._inflight = (picked, pending, t0)  # the LM keeps decoding while the GPU runs it
+                    results.append(exc)
+        self._emit(picked, results, events, t0, marks)
 
     def _pick_t2w_batch(self, cands: list, now: float) -> list:
         """Earliest deadline first; the most urgent job sets the batch's frame length (rounded
@@ -551,23 +563,21 @@ class EngineCore:
         Returns True if nothing is in flight any more."""
         if self._inflight is None:
             return True
-        picked, pending, t0 = self._inflight
-        if not wait and not pending.done():
+        out = self._worker.poll(wait)
+        if out is None:
             return False
+        picked, t0 = self._inflight
         self._inflight = None
-        try:
-            results = self.t2w.finish(pending)
-        except Exception as exc:  # noqa: BLE001
-            for st, _, _ in picked:
-                self._fail(st, events, exc)
-            return True
-        self._emit(picked, results, events, t0, pending)
+        results, marks = out
+        self._emit(picked, results, events, t0, marks)
         return True
 
-    def _emit(self, picked, results, events: list, t0: float, pending=None) -> None:
+    def _emit(self, picked, results, events: list, t0: float, marks: tuple = ()) -> None:
+        """Hand out one finished batch: ``results`` per job (a Token2WavResult or the exception
+        that job raised)."""
         dt = time.perf_counter() - t0
-        if pending is not None and pending.marks:
-            a, b, c = pending.marks
+        if marks:
+            a, b, c = marks
             self.observer.stage("flow", len(picked), self._marks.seconds(a, b))
             self.observer.stage("hift", len(picked), self._marks.seconds(b, c))
         self.stats.last_t2w_batch = len(picked)
@@ -575,7 +585,10 @@ class EngineCore:
         self.observer.token2wav_step(len(picked), dt)
         now = time.monotonic()
         for (st, seg, job), res in zip(picked, results):
-            if res is None or st.request_id not in self._active:
+            if isinstance(res, BaseException):
+                self._fail(st, events, res)
+                continue
+            if st.request_id not in self._active:
                 continue
             seg.hift_state = res.hift_state
             if job.finalize:

@@ -117,17 +117,22 @@ class Synthesizer:
         ``on_chunk(chunk)`` is called as each audio chunk arrives (streaming output).
         Raises the request's error (e.g. :class:`InvalidInputError`) if it fails.
         """
+        own = engine is None
         engine = engine or self.new_engine(EngineConfig(max_active=1, max_queue=0))
         req = self.build_request(text, voice, params)
         chunks: list[AudioChunk] = []
         finished = None
-        for ev in engine.run_to_completion(req):
-            if isinstance(ev, AudioChunk):
-                chunks.append(ev)
-                if on_chunk is not None:
-                    on_chunk(ev)
-            else:
-                finished = ev
+        try:
+            for ev in engine.run_to_completion(req):
+                if isinstance(ev, AudioChunk):
+                    chunks.append(ev)
+                    if on_chunk is not None:
+                        on_chunk(ev)
+                else:
+                    finished = ev
+        finally:
+            if own:
+                engine.close()
         if finished is not None and finished.error is not None:
             raise finished.error
         audio = torch.from_numpy(np.concatenate([c.samples for c in chunks]) if chunks else np.zeros(0, np.float32))

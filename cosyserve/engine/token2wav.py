@@ -17,6 +17,8 @@ refined when more tokens arrive).
 
 from __future__ import annotations
 
+import queue
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -155,3 +157,82 @@ class PendingToken2Wav:
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
+
+
+class Token2WavWorker:
+    """Runs token2wav batches on a dedicated thread and CUDA stream, one batch at a time.
+
+    Why a thread: launching one batch costs tens of milliseconds of host time (the eager flow
+    encoder and HiFT issue hundreds of kernels; HiFT draws its excitation noise on the CPU with
+    each request's generator) and finishing it means waiting for the GPU. On the scheduler's
+    thread either would pause LM decoding for every stream; here the scheduler only hands the
+    batch over (:meth:`submit`) and picks the results up when they are ready (:meth:`poll`).
+    PyTorch releases the GIL inside its ops and while waiting on the GPU, so both threads make
+    progress. Only this thread touches the flow and HiFT modules (and their CUDA graphs).
+
+    Each result is ``(results, marks)``: per job a :class:`Token2WavResult` or the exception
+    that job raised (a failing batch is retried job by job, so one bad request fails alone),
+    and the ``(start, flow done, HiFT done)`` timestamps of :meth:`Token2Wav.launch`.
+    """
+
+    def __init__(self, t2w: Token2Wav, stream, marks=None):
+        self.t2w, self.stream, self.marks = t2w, stream, marks
+        self._in: queue.SimpleQueue = queue.SimpleQueue()
+        self._out: queue.SimpleQueue = queue.SimpleQueue()
+        self._busy = False
+        self._thread = threading.Thread(target=self._run, name="cosyserve-token2wav", daemon=True)
+        self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        """A batch was submitted and its results not yet taken by :meth:`poll`."""
+        return self._busy
+
+    def submit(self, jobs: list[Token2WavJob]) -> None:
+        """Start ``jobs`` (raises RuntimeError if a batch is still in flight)."""
+        if self._busy:
+            raise RuntimeError("a token2wav batch is already in flight")
+        self._busy = True
+        self._in.put(jobs)
+
+    def poll(self, wait: bool = False):
+        """The finished batch's ``(results, marks)``, or None if it is not done (``wait``: block)."""
+        if not self._busy:
+            return None
+        try:
+            out = self._out.get(block=wait)
+        except queue.Empty:
+            return None
+        self._busy = False
+        return out
+
+    def stop(self) -> None:
+        """Ask the thread to exit after the batch in flight (does not wait)."""
+        self._in.put(None)
+
+    def close(self) -> None:
+        """Stop the thread after the batch in flight and wait for it (idempotent)."""
+        if self._thread.is_alive():
+            self._in.put(None)
+            self._thread.join(30)
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                jobs = self._in.get()
+                if jobs is None:
+                    return
+                try:
+                    pending = self.t2w.launch(jobs, stream=self.stream, marks=self.marks)
+                    out = (self.t2w.finish(pending), pending.marks)
+                except Exception:  # noqa: BLE001 - find the culprit, keep the others
+                    results = []
+                    for job in jobs:
+                        try:
+                            results.append(self.t2w.finish(self.t2w.launch([job], stream=self.stream))[0])
+                        except Exception as exc:  # noqa: BLE001
+                            results.append(exc)
+                    out = (results, ())
+                except BaseException as exc:  # noqa: BLE001 - never leave the scheduler waiting
+                    out = ([exc] * len(jobs), ())
+                self._out.put(out)

@@ -14,7 +14,9 @@ the launch cost. Graphs need static shapes, so inputs are padded to buckets:
   are unchanged (the flow's batched path is padding-safe and tested to be).
 
 Graphs are captured lazily on first use of a bucket (a few hundred ms each) into one shared
-memory pool; ``warmup()`` captures them ahead of time.
+memory pool; ``warmup()`` captures them ahead of time. Capture checks only the capturing
+thread (``capture_error_mode="thread_local"``): the engine's token2wav thread captures flow
+graphs while the scheduler thread keeps decoding (and synchronising) on its own stream.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class GraphedDecoder:
                 self._step(buf, kvb)
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
             out = self._step(buf, kvb)
         self._graphs[(bb, kvb)] = (g, out)
         return g, out
@@ -156,7 +158,7 @@ class GraphedFlowSolver:
                 run()
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
             out = run()
         if len(self._graphs) >= self.max_graphs:  # bound memory: drop the oldest graph
             self._graphs.pop(next(iter(self._graphs)))
