@@ -72,6 +72,27 @@ def test_graphed_decode_equals_eager(yaml_dir):
 
 
 @torch.inference_mode()
+def test_graphed_prefill_equals_eager(yaml_dir):
+    from cosyserve.models.graphs import GraphedPrefill
+    from cosyserve.models.llm import KVCache
+
+    m = build(yaml_dir, torch.float32)
+    lm = m.llm
+    cache = KVCache.allocate(lm, 4, 600)
+    eager = KVCache(cache.k.clone(), cache.v.clone())
+    pre = GraphedPrefill(lm, cache, bucket=64, max_len=256)
+    for slot, n in ((0, 5), (1, 64), (2, 150)):
+        p = lm.embed_prefix(torch.randint(0, 1000, (n,)), torch.zeros(0, dtype=torch.long),
+                            torch.randint(0, 6561, (30,))).cuda()
+        got = pre(p[None], slot).clone()
+        ref = lm.forward_cached(p[None], eager, torch.tensor([slot]), torch.tensor([0]))
+        assert got.shape == ref.shape and rel(got, ref) < 1e-5
+        t = p.shape[0]
+        assert rel(cache.k[:, slot, :, :t], eager.k[:, slot, :, :t]) < 1e-5  # [layers, slots, kv, len, hd]
+    assert pre(torch.zeros(1, 300, lm.qwen_config.hidden_size, device="cuda"), 0) is None  # too long: eager
+
+
+@torch.inference_mode()
 def test_graphed_flow_equals_eager(yaml_dir):
     from cosyserve.models.graphs import GraphedFlowSolver
 

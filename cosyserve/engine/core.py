@@ -171,12 +171,14 @@ class EngineCore:
         use_graphs = config.cuda_graphs and self.lm.llm_decoder.weight.is_cuda
         # with CUDA graphs, one extra (scratch) slot absorbs the padding rows of a bucket
         self.cache = KVCache.allocate(self.lm, config.max_active + int(use_graphs), config.kv_max_len)
-        self.decoder = None
+        self.decoder = self.prefill_graphs = None
         if use_graphs:
-            from ..models.graphs import GraphedDecoder, GraphedFlowSolver
+            from ..models.graphs import GraphedDecoder, GraphedFlowSolver, GraphedPrefill
 
             self.decoder = GraphedDecoder(self.lm, self.cache, config.max_active)
             self.decoder.warmup()  # capture every (batch, KV length) bucket now, not mid-request
+            self.prefill_graphs = GraphedPrefill(self.lm, self.cache, pool=self.decoder.pool)
+            self.prefill_graphs.warmup()
             if models.flow.graph_solver is None:
                 models.flow.graph_solver = GraphedFlowSolver(models.flow.decoder, config.max_t2w_batch)
         self._free_slots = list(range(config.max_active))
@@ -461,6 +463,10 @@ class EngineCore:
         """
         lm = self.lm
         lengths = [p.shape[0] for p in prefixes]
+        if len(prefixes) == 1 and self.prefill_graphs is not None:
+            h = self.prefill_graphs(prefixes[0][None].to(self.cache.k.device, non_blocking=True), slots[0])
+            if h is not None:
+                return h[:, -1]
         emb = prefixes[0].new_zeros(len(prefixes), max(lengths), prefixes[0].shape[-1])
         for i, p in enumerate(prefixes):
             emb[i, : p.shape[0]] = p

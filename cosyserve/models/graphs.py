@@ -1,4 +1,5 @@
-"""CUDA graphs for the two launch-bound hot paths: the LM decode step and the flow solve.
+"""CUDA graphs for the launch-bound hot paths: the LM decode step, single-sequence prefill and
+the flow solve.
 
 At serving batch sizes both are bound by kernel launches, not arithmetic (measured on an
 H100: one eager Qwen2-0.5B decode step takes ~18 ms at batch 1 and at batch 64; one
@@ -121,6 +122,69 @@ class GraphedDecoder:
         return out[:n]
 
 
+class GraphedPrefill:
+    """Prefill of a single sequence (a newcomer admitted alone, the one-stream case) as CUDA
+    graphs, one per length bucket (multiples of ``bucket`` positions up to ``max_len``).
+
+    ``__call__(embeds [1, T, H], slot)`` writes positions ``0 .. T-1`` of ``slot`` in ``cache``
+    and returns the final hidden states ``[1, T, H]`` (a view into a static buffer: use it
+    before the next call), or None when ``T`` exceeds the largest bucket (prefill eagerly).
+    The padded positions ``T .. bucket-1`` are written with junk K/V past the sequence, which
+    decoding overwrites before any query can attend to them (causal attention), as in the
+    engine's padded batched prefill.
+    """
+
+    def __init__(self, lm: SpeechLM, cache: KVCache, bucket: int = 64, max_len: int = 1024, pool=None):
+        self.lm, self.cache = lm, cache
+        self.buckets = list(range(bucket, min(max_len, cache.max_len) + 1, bucket))
+        self.scratch = cache.n_slots - 1
+        self.device = cache.k.device
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self._graphs: dict[int, tuple] = {}
+
+    @torch.inference_mode()
+    def _capture(self, tb: int):
+        lm = self.lm
+        dtype = lm.llm_decoder.weight.dtype
+        bufs = {"emb": torch.zeros(1, tb, lm.qwen_config.hidden_size, device=self.device, dtype=dtype),
+                "slot": torch.full((1,), self.scratch, dtype=torch.long, device=self.device),
+                "start": torch.zeros(1, dtype=torch.long, device=self.device)}
+
+        def run():
+            return lm.forward_cached(bufs["emb"], self.cache, bufs["slot"], bufs["start"], kv_len=tb)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+            out = run()
+        self._graphs[tb] = (g, bufs, out)
+        return self._graphs[tb]
+
+    def warmup(self) -> None:
+        for tb in self.buckets:
+            if tb not in self._graphs:
+                self._capture(tb)
+
+    @torch.inference_mode()
+    def __call__(self, embeds: torch.Tensor, slot: int) -> torch.Tensor | None:
+        t = embeds.shape[1]
+        if embeds.shape[0] != 1 or not self.buckets or t > self.buckets[-1]:
+            return None
+        tb = _pick(self.buckets, t)
+        g, bufs, out = self._graphs.get(tb) or self._capture(tb)
+        bufs["emb"][:, :t].copy_(embeds)
+        if t < tb:
+            bufs["emb"][:, t:].zero_()
+        bufs["slot"].fill_(int(slot))
+        g.replay()
+        return out[:, :t]
+
+
 class GraphedFlowSolver:
     """The flow's Euler/CFG solve (``CausalFlowMatching.solve``) as CUDA graphs.
 
@@ -129,7 +193,7 @@ class GraphedFlowSolver:
     and returns ``[B, n_mels, T]`` float32 (a fresh tensor).
     """
 
-    def __init__(self, decoder, max_batch: int, frame_bucket: int = 64, max_graphs: int = 96):
+    def __init__(self, decoder, max_batch: int, frame_bucket: int = 64, max_graphs: int = 512):
         self.decoder = decoder
         self.batch_buckets = _pow2_buckets(max_batch)
         self.frame_bucket = frame_bucket
