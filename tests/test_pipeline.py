@@ -231,6 +231,11 @@ def test_token2wav_batches_earliest_deadline_first(syn, voice):
     picked = [st for st, _, _ in engine2._pick_t2w_batch([c for c in cands if c[4] != "j2"], now)]
     assert picked == ["first-chunk-old", "first-chunk-new", "later-short"]  # 256 frames > 128 and not due
     assert EngineConfig(max_active=5).max_t2w_batch == 5
+    # while the LM is busy, later chunks with time to spare wait to form a larger batch
+    later = [c for c in cands if c[0] > now + 1.0]
+    assert not engine2._launch_now(later, now, lm_busy=True)
+    assert engine2._launch_now(later, now, lm_busy=False)  # GPU idle otherwise: go
+    assert engine2._launch_now(cands, now, lm_busy=True)  # a first chunk is due now
 
 
 def test_admission_abort_and_timeout(syn, voice):

@@ -79,7 +79,8 @@ class EngineConfig:
     ``t2w_slack_s``: seconds before its deadline a job longer than the batch's most urgent
     one is added anyway (see the module doc); ``cuda_graphs``: LM decode and flow solve
     as CUDA graphs on CUDA devices; ``t2w_thread``: run token2wav on its own thread
-    (:class:`~cosyserve.engine.token2wav.Token2WavWorker`; default: on CUDA only).
+    (:class:`~cosyserve.engine.token2wav.Token2WavWorker`; off by default: measured slower on
+    an H100 because both threads contend for the GIL, docs/perf.md run 6).
     """
 
     max_active: int = 16
@@ -89,7 +90,7 @@ class EngineConfig:
     max_t2w_batch: int | None = None
     t2w_slack_s: float = 1.0
     cuda_graphs: bool = True
-    t2w_thread: bool | None = None
+    t2w_thread: bool = False
 
     def __post_init__(self):
         if self.max_t2w_batch is None:
@@ -185,7 +186,7 @@ class EngineCore:
         # on CUDA, token2wav batches run on their own thread and CUDA stream, overlapping LM
         # decoding (see Token2WavWorker); on CPU they run inline, in the step
         self._worker = None
-        if config.t2w_thread or (config.t2w_thread is None and self.cache.k.is_cuda):
+        if config.t2w_thread:
             stream = torch.cuda.Stream(device=self.cache.k.device) if self.cache.k.is_cuda else None
             self._worker = Token2WavWorker(self.t2w, stream, self._marks)
             weakref.finalize(self, self._worker.stop)  # an engine dropped without close() frees its thread
@@ -269,7 +270,7 @@ class EngineCore:
             lm_rows = self._lm_step(events)
             if not lm_rows and self._inflight is not None:
                 self._collect(events, wait=True)  # nothing else to do: block (GIL released)
-            self._t2w_step(events)
+            self._t2w_step(events, lm_busy=lm_rows > 0)
         elif self._inflight is not None:
             self._collect(events, wait=True)
         self.stats.steps += 1
@@ -501,7 +502,7 @@ class EngineCore:
         seg = st.segments[st.out_segment]
         return seg.lm_done or (seg.stream and seg.schedule.ready(len(seg.tokens)))
 
-    def _t2w_step(self, events: list) -> None:
+    def _t2w_step(self, events: list, lm_busy: bool = False) -> None:
         idle = self._collect(events, wait=False)  # one token2wav batch in flight at a time
         now = time.monotonic()
         cands = []
@@ -523,7 +524,7 @@ class EngineCore:
                 cands.append((self._deadline(st), frames, st, seg, job))
             elif st.out_segment >= len(st.segments):
                 self._finish(st, events, Outcome.OK)
-        if not cands:
+        if not cands or not self._launch_now(cands, now, lm_busy):
             return
         picked = self._pick_t2w_batch(cands, now)
         t0 = time.perf_counter()
@@ -546,6 +547,18 @@ class EngineCore:
                 except Exception as exc:  # noqa: BLE001
                     results.append(exc)
         self._emit(picked, results, events, t0, marks)
+
+    def _launch_now(self, cands: list, now: float, lm_busy: bool) -> bool:
+        """Launch a token2wav batch now, or let ready jobs accumulate into a larger batch?
+
+        Launching costs host time that LM decoding then waits for, so while the LM is busy a
+        batch is launched only when a job is due within ``t2w_slack_s`` (first chunks and
+        offline requests are due at once) or a full batch is ready. With the LM idle the GPU
+        would idle too: launch at once.
+        """
+        if not lm_busy or len(cands) >= self.cfg.max_t2w_batch:
+            return True
+        return min(c[0] for c in cands) <= now + self.cfg.t2w_slack_s
 
     def _pick_t2w_batch(self, cands: list, now: float) -> list:
         """Earliest deadline first; the most urgent job sets the batch's frame length (rounded

@@ -53,6 +53,7 @@ class ServerConfig:
     voices_dir: str | None = None
     default_voice: str | None = None
     max_active_streams: int = 16
+    token2wav_thread: bool = False
     max_queue: int = 64
     api_key: str | None = None
     device: str = "cpu"
@@ -121,7 +122,8 @@ class ServerState:
             await asyncio.to_thread(self._load_sync)
             c = self.config
             core = self.synth.new_engine(
-                EngineConfig(max_active=c.max_active_streams, max_queue=c.max_queue, kv_max_len=c.kv_max_len),
+                EngineConfig(max_active=c.max_active_streams, max_queue=c.max_queue, kv_max_len=c.kv_max_len,
+                             t2w_thread=c.token2wav_thread),
                 observer=self.metrics)
             self.metrics.attach(core)
             self.engine = AsyncEngine(core)
