@@ -25,7 +25,9 @@ One step:
    batch runs on a side stream while LM decoding continues; one batch is in flight at a
    time. Jobs are picked earliest-deadline-first: a stream's deadline is when its client
    runs out of audio (first chunks: the request's arrival, i.e. now), an offline request's
-   its arrival. The batch's frame length (and so its cost) is set by the most urgent job;
+   ``t2w_slack_s`` after its audio became ready. While the LM is busy, a batch is launched
+   only once a job is due within ``t2w_slack_s`` or a full batch is ready (launching costs
+   host time the LM then waits for). The batch's frame length (and so its cost) is set by the most urgent job;
    longer jobs join only when they are due within ``EngineConfig.t2w_slack_s``, so a
    whole-utterance recompute does not delay a batch of first chunks.
    LM-only requests (``SynthesisParams.lm_only``) skip this stage: they finish as soon as
@@ -174,7 +176,7 @@ class EngineCore:
         self.cache = KVCache.allocate(self.lm, config.max_active + int(use_graphs), config.kv_max_len)
         self.decoder = self.prefill_graphs = None
         if use_graphs:
-            from ..models.graphs import GraphedDecoder, GraphedFlowSolver, GraphedPrefill
+            from ..models.graphs import GraphedDecoder, GraphedFlowSolver, GraphedHiFTDecoder, GraphedPrefill
 
             self.decoder = GraphedDecoder(self.lm, self.cache, config.max_active)
             self.decoder.warmup()  # capture every (batch, KV length) bucket now, not mid-request
@@ -182,6 +184,8 @@ class EngineCore:
             self.prefill_graphs.warmup()
             if models.flow.graph_solver is None:
                 models.flow.graph_solver = GraphedFlowSolver(models.flow.decoder, config.max_t2w_batch)
+            if models.hift.graph_decode is None and next(models.hift.parameters()).is_cuda:
+                models.hift.graph_decode = GraphedHiFTDecoder(models.hift, config.max_t2w_batch)
         self._free_slots = list(range(config.max_active))
         # on CUDA, token2wav batches run on their own thread and CUDA stream, overlapping LM
         # decoding (see Token2WavWorker); on CPU they run inline, in the step
@@ -302,10 +306,14 @@ class EngineCore:
                     if st.aborted is Outcome.TIMEOUT else None
                 self._finish(st, events, st.aborted, err)
 
-    def _deadline(self, st: RequestState) -> float:
-        """When this request's next audio is due (monotonic seconds): a started stream's
-        playback end, otherwise (first chunk, offline) its arrival."""
-        if st.first_chunk_at is None or not st.req.params.stream:
+    def _deadline(self, st: RequestState, now: float) -> float:
+        """When this request's next audio is due (monotonic seconds): a stream's first chunk at
+        its arrival (at once), later chunks at its playback end; an offline request (whose
+        client waits for the whole utterance anyway) ``t2w_slack_s`` after its audio became
+        ready, so that while the LM is busy finished utterances gather into larger batches."""
+        if not st.req.params.stream:
+            return (st.t_ready or now) + self.cfg.t2w_slack_s
+        if st.first_chunk_at is None:
             return st.req.arrival
         return st.first_chunk_at + st.audio_samples / self.sample_rate
 
@@ -521,7 +529,7 @@ class EngineCore:
                     st.t_ready = now
                 seg, job = nxt
                 frames = (job.voice.flow_speech_token.numel() + job.tokens.numel()) * self.t2w.ratio
-                cands.append((self._deadline(st), frames, st, seg, job))
+                cands.append((self._deadline(st, now), frames, st, seg, job))
             elif st.out_segment >= len(st.segments):
                 self._finish(st, events, Outcome.OK)
         if not cands or not self._launch_now(cands, now, lm_busy):

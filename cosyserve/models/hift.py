@@ -297,6 +297,9 @@ class HiFTGenerator(nn.Module):
         self.hop = cfg.istft_hop_len
         self.num_kernels = len(cfg.resblock_kernel_sizes)
         self.num_upsamples = len(cfg.upsample_rates)
+        #: optional CUDA-graph replacement of :meth:`decode` for padded batches on CUDA
+        #: (:class:`cosyserve.models.graphs.GraphedHiFTDecoder`), used by :meth:`inference_batch`
+        self.graph_decode = None
         n_src = self.n_fft + 2  # real + imaginary STFT bins of the excitation
         base = cfg.base_channels
 
@@ -667,7 +670,8 @@ class HiFTGenerator(nn.Module):
                     raise ValueError(f"cache_sources[{b}] must be [1, 1, n] with n <= {lengths[b] * spf}, "
                                      f"got {tuple(c.shape)}")
                 source[b, :, :n] = c[0]
-        speech = self.decode(mel, source, len_t)
+        decode = self.graph_decode if (self.graph_decode is not None and mel.is_cuda) else self.decode
+        speech = decode(mel, source, len_t)
         return ([speech[b:b + 1, : n * spf] for b, n in enumerate(lengths)],
                 [source[b:b + 1, :, : n * spf] for b, n in enumerate(lengths)])
 
