@@ -218,5 +218,5 @@ def build_random(
     if hift is not None:
         if fold_weight_norm:
             hift.remove_weight_norm()
-        hift.eval()
+        hift.to(device).eval()  # also its CPU-created buffers (the STFT window)
     return CosyVoice2Models(cfg=cfg, llm=llm, flow=flow, hift=hift)
