@@ -119,3 +119,31 @@ def test_full_size_llm_matches_manifest(tmp_path):
     assert got == manifest_shapes("llm")
     unique = {id(p): p.numel() for p in lm.parameters()}
     assert sum(unique.values()) == manifest("llm")["n_parameters_unique_storage"]
+
+
+def test_batched_sampling_equals_per_row_sampling():
+    """UpstreamSampler.sample_batch draws exactly what per-row sample() draws (tokens and
+    generator states), including ties across the top-k boundary, EOS masking and the
+    repetition-aware resampling."""
+    from cosyserve.models.config import SamplingConfig
+    from cosyserve.models.sampling import UpstreamSampler
+
+    s = UpstreamSampler(SamplingConfig(top_p=0.8, top_k=25, win_size=10, tau_r=0.1), eos_id=6561)
+    bsz, vocab = 16, 6564
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        logits = torch.randn(bsz, vocab, generator=gen) * [0.5, 2, 5, 10, 30][trial % 5]
+        if trial % 3 == 0:  # many probabilities equal to the 25th largest: ties inside and across top-k
+            logits[:, 100:140] = torch.topk(logits, 30, dim=1).values[:, 24:25]
+        if trial % 4 == 0:  # peaked on token 5, which half the rows just repeated: RAS resampling
+            logits[:, 5] = 50.0
+        logp = logits.log_softmax(-1)
+        decoded = [[5] * 10 if (trial % 4 == 0 and b % 2) else list(range(b, b + 10)) for b in range(bsz)]
+        ignore = [(b + trial) % 3 == 0 for b in range(bsz)]
+        g1 = [torch.Generator().manual_seed(1000 * trial + b) for b in range(bsz)]
+        g2 = [torch.Generator().manual_seed(1000 * trial + b) for b in range(bsz)]
+        one = [s.sample(logp[b], decoded[b], g1[b], ignore[b]) for b in range(bsz)]
+        assert s.sample_batch(logp, decoded, g2, ignore) == one
+        assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(g1, g2))
+    with pytest.raises(ValueError):
+        s.sample_batch(logp, decoded[:2], g2, ignore)

@@ -196,6 +196,7 @@ class EngineCore:
             weakref.finalize(self, self._worker.stop)  # an engine dropped without close() frees its thread
         self._inflight = None
         self._stop_ids = frozenset(models.cfg.llm.stop_token_ids)
+        self._sampler = self._new_sampler()  # batched sampling for rows with the default sampler
         self._waiting: OrderedDict[str, RequestState] = OrderedDict()
         self._active: OrderedDict[str, RequestState] = OrderedDict()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -445,11 +446,18 @@ class EngineCore:
         for name, n, a, b in spans:
             self.observer.stage(name, n, self._marks.seconds(a, b))
         t_tok = time.monotonic()
-        # 3. per-request sampling (upstream RAS, each with its own generator)
-        for i, (st, seg) in enumerate(rows):
-            if st.request_id not in self._active:
-                continue
-            tok = seg.sampler.sample(logp[i], seg.tokens, seg.lm_gen, ignore_eos=len(seg.tokens) < seg.min_len)
+        # 3. sampling: upstream RAS, each request with its own generator; rows with the default
+        #    sampler in one batched call (same tokens as per row, see UpstreamSampler.sample_batch)
+        live = [(i, st, seg) for i, (st, seg) in enumerate(rows) if st.request_id in self._active]
+        default = [(i, seg) for i, _, seg in live if type(seg.sampler) is UpstreamSampler
+                   and seg.sampler.cfg == self._sampler.cfg and seg.sampler.eos_id == self._sampler.eos_id]
+        batched = dict(zip([i for i, _ in default], self._sampler.sample_batch(
+            logp[[i for i, _ in default]], [seg.tokens for _, seg in default], [seg.lm_gen for _, seg in default],
+            [len(seg.tokens) < seg.min_len for _, seg in default]))) if default else {}
+        for i, st, seg in live:
+            tok = batched.get(i)
+            if tok is None:
+                tok = seg.sampler.sample(logp[i], seg.tokens, seg.lm_gen, ignore_eos=len(seg.tokens) < seg.min_len)
             if tok in self._stop_ids:
                 self._lm_finish_segment(st, seg, "stop")
                 continue

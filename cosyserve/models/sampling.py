@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .config import SamplingConfig
@@ -45,8 +46,6 @@ class UpstreamSampler:
         sorted_p, sorted_idx = probs.sort(descending=True, stable=True)
         head = sorted_p[: self.cfg.top_k].double().cpu().tolist()
         # Sequential float32 running sum, compared in float32 (upstream's Python loop).
-        import numpy as np
-
         cum = np.float32(0.0)
         n = 0
         thr = np.float32(self._top_p32)
@@ -77,3 +76,63 @@ class UpstreamSampler:
             scores[tok] = -float("inf")
             tok = int(scores.softmax(dim=0).multinomial(1, replacement=True, generator=generator).item())
         return tok
+
+    def sample_batch(
+        self,
+        logp: torch.Tensor,
+        decoded: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        ignore_eos: Sequence[bool],
+    ) -> list[int]:
+        """:meth:`sample` for ``B`` requests at once: the same tokens and the same random-number
+        consumption as ``B`` calls of :meth:`sample` (row ``b`` with ``decoded[b]``,
+        ``generators[b]``, ``ignore_eos[b]``), at a fraction of the host time.
+
+        ``logp``: float ``[B, S+3]`` log-probabilities (CPU). The softmax is taken over the
+        whole batch (bitwise equal to per-row softmax on the CPU) and the nucleus is found with
+        ``topk`` instead of a full sort: the ``top_k`` largest probabilities, ordered by value
+        descending then index ascending, are exactly the head of the stable descending sort
+        unless probabilities equal to the ``top_k``-th one also exist outside the ``topk``
+        result; such rows fall back to the full stable sort. The running float32 sum is a
+        ``numpy`` cumulative sum (sequential, as the loop). The multinomial draws and the
+        repetition check stay per row, each with its request's generator.
+        Raises ValueError if the argument lengths differ from ``B``.
+        """
+        bsz = logp.shape[0]
+        if not (len(decoded) == len(generators) == len(ignore_eos) == bsz):
+            raise ValueError("decoded, generators and ignore_eos need one entry per row of logp")
+        if bsz == 0:
+            return []
+        k = min(self.cfg.top_k, logp.shape[1])
+        scores = logp.detach().float().clone()
+        masked = [b for b, f in enumerate(ignore_eos) if f]
+        if masked:
+            scores[masked, self.eos_id] = -float("inf")
+        probs = scores.softmax(dim=1)
+        vals, idx = probs.topk(k, dim=1, largest=True, sorted=True)
+        # order ties by index (the stable sort's order): by index, then stably by value
+        by_index = idx.argsort(dim=1, stable=True)
+        vals, idx = vals.gather(1, by_index), idx.gather(1, by_index)
+        by_value = vals.argsort(dim=1, descending=True, stable=True)
+        vals, idx = vals.gather(1, by_value), idx.gather(1, by_value)
+        boundary = vals[:, k - 1: k]
+        spill = (probs == boundary).sum(dim=1) > (vals == boundary).sum(dim=1)
+        for b in spill.nonzero().flatten().tolist():  # a tie crosses the top-k boundary: sort fully
+            sp, si = probs[b].sort(descending=True, stable=True)
+            vals[b], idx[b] = sp[:k], si[:k]
+        head = vals.numpy()
+        cum = np.cumsum(head, axis=1, dtype=np.float32)
+        before = np.concatenate([np.zeros((bsz, 1), np.float32), cum[:, :-1]], axis=1)
+        n_keep = (before < np.float32(self._top_p32)).sum(axis=1)
+        out = []
+        for b in range(bsz):
+            n = int(n_keep[b])
+            pick = vals[b, :n].clone().multinomial(1, replacement=True, generator=generators[b])
+            tok = int(idx[b, int(pick)])
+            window = decoded[b][-self.cfg.win_size:] if self.cfg.win_size > 0 else []
+            if sum(1 for t in window if t == tok) >= self.cfg.win_size * self.cfg.tau_r:
+                row = scores[b].clone()
+                row[tok] = -float("inf")
+                tok = int(row.softmax(dim=0).multinomial(1, replacement=True, generator=generators[b]).item())
+            out.append(tok)
+        return out
