@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU benchmark of docs/perf.md in one command (about 6 minutes on one H100):
+# The whole GPU benchmark of docs/perf.md in one command (about 8.5 minutes on one H100):
 #
 #   1. install the wheels carried in .whl/ (the GPU machine lacks fastapi, uvicorn, tritonclient, ...)
 #   2. start `cosyserve serve --random-weights` (full-size CosyVoice2-0.5B architecture from
@@ -71,7 +71,7 @@ echo "== server ready in $(( $(date +%s) - t0 )) s"
 
 URL=(--url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics)
 echo "== warm-up (not counted)"
-$CS bench "${URL[@]}" "${BENCH[@]}" --concurrency 1,4,16,32 --requests-per-level 32 --warmup 0 \
+$CS bench "${URL[@]}" "${BENCH[@]}" --concurrency 1,4,16,32 --requests-per-level 24 --warmup 0 \
   --out "$OUTDIR/warmup" >/dev/null || exit 1
 $CS bench "${URL[@]}" "${BENCH[@]}" --mode offline --concurrency 64 --requests-per-level 64 --warmup 0 \
   --out "$OUTDIR/warmup-offline" >/dev/null || exit 1

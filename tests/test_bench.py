@@ -255,6 +255,12 @@ def test_random_weights_server_and_in_process(tmp_path, capsys, monkeypatch):
     assert code == 2 and "missing.yaml" in err and "Traceback" not in err
     code, _, err = run(capsys, "bench", "--in-process", "--demo", *rw)
     assert code == 2 and "one of --model-dir, --demo or --random-weights" in err
+    (tmp_path / "lonely").mkdir()
+    (tmp_path / "lonely" / "cosyvoice2.yaml").write_text(demo_yaml())
+    code, _, err = run(capsys, "bench", "--in-process", "--random-weights", str(tmp_path / "lonely" / "cosyvoice2.yaml"))
+    assert code == 2 and "pass --qwen-config" in err and "Traceback" not in err
+    code, _, err = run(capsys, "bench", "--url", srv.grpc_url, "--random-weights", str(yaml_path))
+    assert code == 2 and "applies to --in-process" in err
 
 
 def test_bench_rejects_http_streaming_and_reports_unreachable_server(tts, tmp_path, capsys):
