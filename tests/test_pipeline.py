@@ -238,6 +238,55 @@ def test_token2wav_batches_earliest_deadline_first(syn, voice):
     assert engine2._launch_now(cands, now, lm_busy=True)  # a first chunk is due now
 
 
+class _SlowEvent:
+    """Stands in for the CUDA event of a token2wav batch on the side stream: done after n polls."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def query(self):
+        self.n -= 1
+        return self.n <= 0
+
+    def synchronize(self):
+        self.n = 0
+
+
+def test_token2wav_in_flight_while_lm_decodes(syn, voice, monkeypatch):
+    """As on CUDA, a launched token2wav batch stays in flight (side stream) while LM steps go on;
+    it is collected when its event fires, and results equal those of each request alone."""
+    texts = ["你好，世界。", "Hello there, my friend.", "今天天气很好。"]
+    params = [SynthesisParams(seed=7 + i, stream=True, min_token_text_ratio=3, max_token_text_ratio=4)
+              for i in range(3)]
+    alone = [syn.synthesize(t, voice, p) for t, p in zip(texts, params)]
+    engine = syn.new_engine(EngineConfig(max_active=3, max_queue=0))
+    engine._t2w_stream = "side-stream"  # what the engine holds on CUDA
+    real_launch = engine.t2w.launch
+
+    def launch(jobs, stream=None, marks=None):
+        assert stream == "side-stream"
+        pending = real_launch(jobs, stream=None, marks=marks)
+        pending.event = _SlowEvent(3)
+        return pending
+
+    monkeypatch.setattr(engine.t2w, "launch", launch)
+    for i, (t, p) in enumerate(zip(texts, params)):
+        engine.add_request(syn.build_request(t, voice, p, request_id=f"f{i}"))
+    chunks = {f"f{i}": [] for i in range(3)}
+    overlapped = 0
+    while engine.has_work():
+        before = engine.stats.lm_batches.copy()
+        in_flight = engine._inflight is not None
+        for ev in engine.step():
+            if isinstance(ev, AudioChunk):
+                chunks[ev.request_id].append(ev.samples)
+        overlapped += in_flight and engine.stats.lm_batches != before
+    assert overlapped > 0, "no LM step ran while a token2wav batch was in flight"
+    for i in range(3):
+        got = torch.from_numpy(np.concatenate(chunks[f"f{i}"]))
+        assert got.shape == alone[i].audio.shape and rel_l2(got, alone[i].audio) <= WAVE_TOL
+
+
 def test_admission_abort_and_timeout(syn, voice):
     engine = syn.new_engine(EngineConfig(max_active=1, max_queue=1))
     long = SynthesisParams(seed=1, min_token_text_ratio=20, max_token_text_ratio=20)

@@ -187,12 +187,12 @@ class EngineCore:
             if models.hift.graph_decode is None and next(models.hift.parameters()).is_cuda:
                 models.hift.graph_decode = GraphedHiFTDecoder(models.hift, config.max_t2w_batch)
         self._free_slots = list(range(config.max_active))
-        # on CUDA, token2wav batches run on their own thread and CUDA stream, overlapping LM
-        # decoding (see Token2WavWorker); on CPU they run inline, in the step
+        # on CUDA, token2wav batches run on their own CUDA stream while LM decoding continues;
+        # launched from this thread (default) or from a worker thread (EngineConfig.t2w_thread)
+        self._t2w_stream = torch.cuda.Stream(device=self.cache.k.device) if self.cache.k.is_cuda else None
         self._worker = None
         if config.t2w_thread:
-            stream = torch.cuda.Stream(device=self.cache.k.device) if self.cache.k.is_cuda else None
-            self._worker = Token2WavWorker(self.t2w, stream, self._marks)
+            self._worker = Token2WavWorker(self.t2w, self._t2w_stream, self._marks)
             weakref.finalize(self, self._worker.stop)  # an engine dropped without close() frees its thread
         self._inflight = None
         self._stop_ids = frozenset(models.cfg.llm.stop_token_ids)
@@ -550,19 +550,23 @@ class EngineCore:
         jobs = [j for _, _, j in picked]
         if self._worker is not None:
             self._worker.submit(jobs)
-            self._inflight = (picked, t0)  # the LM keeps decoding while the worker runs it
+            self._inflight = (picked, t0, None)  # the LM keeps decoding while the worker runs it
             return
         try:
-            pending = self.t2w.launch(jobs, marks=self._marks)
-            results, marks = self.t2w.finish(pending), pending.marks
+            pending = self.t2w.launch(jobs, stream=self._t2w_stream, marks=self._marks)
         except Exception:  # noqa: BLE001 - find the culprit, keep the others
-            results, marks = [], ()
+            results = []
             for job in jobs:
                 try:
                     results.append(self.t2w.run([job])[0])
                 except Exception as exc:  # noqa: BLE001
                     results.append(exc)
-        self._emit(picked, results, events, t0, marks)
+            self._emit(picked, results, events, t0)
+            return
+        if self._t2w_stream is None:  # CPU: the work is already done
+            self._emit(picked, self.t2w.finish(pending), events, t0, pending.marks)
+        else:
+            self._inflight = (picked, t0, pending)  # the LM keeps decoding while the GPU runs it
 
     def _launch_now(self, cands: list, now: float, lm_busy: bool) -> bool:
         """Launch a token2wav batch now, or let ready jobs accumulate into a larger batch?
@@ -598,12 +602,20 @@ class EngineCore:
         Returns True if nothing is in flight any more."""
         if self._inflight is None:
             return True
-        out = self._worker.poll(wait)
-        if out is None:
-            return False
-        picked, t0 = self._inflight
+        picked, t0, pending = self._inflight
+        if pending is None:  # on the worker thread
+            out = self._worker.poll(wait)
+            if out is None:
+                return False
+            results, marks = out
+        else:  # on the side CUDA stream
+            if not wait and not pending.done():
+                return False
+            try:
+                results, marks = self.t2w.finish(pending), pending.marks
+            except Exception as exc:  # noqa: BLE001 - an asynchronous failure fails the batch
+                results, marks = [exc] * len(picked), ()
         self._inflight = None
-        results, marks = out
         self._emit(picked, results, events, t0, marks)
         return True
 
