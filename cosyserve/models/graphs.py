@@ -38,6 +38,22 @@ def _pow2_buckets(max_value: int) -> list[int]:
     return out
 
 
+def _capture_graph(run, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm ``run`` up twice on a side stream (lazy initialisation, cuFFT/cuBLAS plans), then
+    capture it into a CUDA graph in ``pool``; returns ``(graph, run's output)``. Only the
+    capturing thread is checked (``capture_error_mode="thread_local"``)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+        out = run()
+    return g, out
+
+
 def _pick(buckets: list[int], n: int) -> int:
     for b in buckets:
         if b >= n:
@@ -85,15 +101,7 @@ class GraphedDecoder:
         buf = self._buffers(bb)
         buf["slots"].fill_(self.scratch)
         buf["start"].zero_()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._step(buf, kvb)
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            out = self._step(buf, kvb)
+        g, out = _capture_graph(lambda: self._step(buf, kvb), self.pool)
         self._graphs[(bb, kvb)] = (g, out)
         return g, out
 
@@ -153,15 +161,7 @@ class GraphedPrefill:
         def run():
             return lm.forward_cached(bufs["emb"], self.cache, bufs["slot"], bufs["start"], kv_len=tb)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            out = run()
+        g, out = _capture_graph(run, self.pool)
         self._graphs[tb] = (g, bufs, out)
         return self._graphs[tb]
 
@@ -215,15 +215,7 @@ class GraphedHiFTDecoder:
         def run():
             return self.hift.decode(bufs["mel"], bufs["source"], bufs["lengths"])
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            out = run()
+        g, out = _capture_graph(run, self.pool)
         if len(self._graphs) >= self.max_graphs:  # bound memory: drop the oldest graph
             self._graphs.pop(next(iter(self._graphs)))
         self._graphs[(bb, tb)] = (g, bufs, out)
@@ -278,15 +270,7 @@ class GraphedFlowSolver:
         def run():
             return self.decoder.solve(bufs["mu"], bufs["mask"], bufs["spks"], bufs["cond"], bufs["streaming"])
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            out = run()
+        g, out = _capture_graph(run, self.pool)
         if len(self._graphs) >= self.max_graphs:  # bound memory: drop the oldest graph
             self._graphs.pop(next(iter(self._graphs)))
         self._graphs[(bb, tb)] = (g, bufs, out)
