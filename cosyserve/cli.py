@@ -258,24 +258,20 @@ DEMO_TEXTS = (
 
 
 def cmd_demo(args) -> int:
-    import json
-    from importlib import resources
-
     from .engine.pipeline import Synthesizer
     from .engine.request import SynthesisParams
     from .engine.chunking import ChunkPolicy
-    from .models.demo import write_demo_model
+    from .models.demo import shipped_prompt, write_demo_model
 
     out = Path(args.out)
     model_dir = write_demo_model(out / "model")
-    prompts = Path(str(resources.files("cosyserve").joinpath("assets", "prompts")))
-    meta = json.loads((prompts / "transcripts.json").read_text(encoding="utf-8"))["zero_shot_prompt.wav"]
+    prompt_wav, transcript = shipped_prompt()
     print("cosyserve demo — the DEMO model has the real CosyVoice2 architecture at a small size with RANDOM")
     print("weights, so the audio is noise: this shows the pipeline, streaming and latency, not voice quality.")
     syn = Synthesizer(model_dir, device=_device(args.device))
     syn.frontend.warmup()
-    voice = syn.make_voice("demo", prompts / "zero_shot_prompt.wav", meta["transcript"])
-    print(f"prompt: {prompts / 'zero_shot_prompt.wav'} ({voice.duration_s:.2f} s) \"{meta['transcript']}\"")
+    voice = syn.make_voice("demo", prompt_wav, transcript)
+    print(f"prompt: {prompt_wav} ({voice.duration_s:.2f} s) \"{transcript}\"")
     # Random weights almost never sample end-of-speech: pin the length to ~25 tokens/s of speech.
     params = SynthesisParams(seed=args.seed, stream=True, chunk_policy=ChunkPolicy(),
                              min_token_text_ratio=5.0, max_token_text_ratio=5.0)
@@ -318,18 +314,13 @@ def _resolve_random_weights(args) -> bool:
 
 def _builtin_default_voice(model_dir: str, voices_dir: str) -> None:
     """Register the shipped prompt as voice ``default`` (demo / random-weight models)."""
-    import json
-    from importlib import resources
-
     from .frontend.frontend import Frontend
     from .frontend.voice import VoiceStore
+    from .models.demo import shipped_prompt
 
     store = VoiceStore(voices_dir)
     if "default" not in store:
-        prompts = Path(str(resources.files("cosyserve").joinpath("assets", "prompts")))
-        meta = json.loads((prompts / "transcripts.json").read_text(encoding="utf-8"))["zero_shot_prompt.wav"]
-        fe = Frontend(model_dir)
-        store.add(fe.make_voice("default", prompts / "zero_shot_prompt.wav", meta["transcript"]))
+        store.add(Frontend(model_dir).make_voice("default", *shipped_prompt()))
 
 
 def cmd_serve(args) -> int:

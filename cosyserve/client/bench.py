@@ -400,12 +400,9 @@ class _Setup:
         synth = Synthesizer(model_dir, device=o.device, dtype=dtype)
         synth.frontend.warmup()
         if synth.is_demo and o.voice == "default":  # demo / random-weight models: the shipped prompt
-            import json as _json
-            from importlib import resources
+            from ..models.demo import shipped_prompt
 
-            prompts = Path(str(resources.files("cosyserve").joinpath("assets", "prompts")))
-            meta = _json.loads((prompts / "transcripts.json").read_text(encoding="utf-8"))["zero_shot_prompt.wav"]
-            builtin["default"] = synth.make_voice("default", prompts / "zero_shot_prompt.wav", meta["transcript"])
+            builtin["default"] = synth.make_voice("default", *shipped_prompt())
         lo = 2.0 if o.min_token_text_ratio is None else o.min_token_text_ratio
         hi = 20.0 if o.max_token_text_ratio is None else o.max_token_text_ratio
         try:

@@ -305,6 +305,14 @@ def _asset(*parts: str) -> Path:
     return Path(str(resources.files("cosyserve").joinpath("assets", *parts)))
 
 
+def shipped_prompt() -> tuple[Path, str]:
+    """The prompt recording shipped with cosyserve (the demo and random-weight models' voice
+    ``default``): ``(path of zero_shot_prompt.wav, its transcript)``."""
+    wav = _asset("prompts", "zero_shot_prompt.wav")
+    meta = json.loads(_asset("prompts", "transcripts.json").read_text(encoding="utf-8"))[wav.name]
+    return wav, meta["transcript"]
+
+
 def write_demo_model(out_dir: str | Path, seed: int = 0, size: DemoSize = DemoSize(), force: bool = False) -> Path:
     """Write the demo model directory (see module docstring); returns its path.
 
