@@ -492,31 +492,31 @@ class EngineCore:
         return h[torch.arange(len(slots), device=h.device), idx]
 
     # ------------------------------------------------------------------ token2wav
-    def _next_job(self, st: RequestState) -> tuple[SegmentState, Token2WavJob] | None:
+    def _next_chunk(self, st: RequestState) -> tuple[SegmentState, int, bool] | None:
+        """The request's next token2wav job if it is ready, as ``(segment, tokens the flow
+        takes, final)``, without building it; skips segments that generated nothing."""
         while st.out_segment < len(st.segments):
             seg = st.segments[st.out_segment]
             if seg.lm_done and not seg.tokens:  # nothing was generated: the segment is silent
                 seg.t2w_done = True
                 st.out_segment += 1
                 continue
-            v = st.req.voice
             if seg.stream and seg.schedule.ready(len(seg.tokens)):
-                end = seg.schedule.chunk_end()
-                return seg, Token2WavJob(v, torch.tensor(seg.tokens[:end]), seg.schedule.token_offset, False, True,
-                                         seg.hift_state, st.hift_generator(seg))
+                return seg, seg.schedule.chunk_end(), False
             if seg.lm_done:
-                offset = seg.schedule.token_offset if seg.stream else 0
-                return seg, Token2WavJob(v, torch.tensor(seg.tokens), offset, True, False, seg.hift_state,
-                                         st.hift_generator(seg), speed=st.req.params.speed)
+                return seg, len(seg.tokens), True
             return None
         return None
 
-    def _first_chunk_ready(self, st: RequestState) -> bool:
-        """Cheap check (no job built): is the request's first chunk ready for token2wav?"""
-        if st.out_segment >= len(st.segments):
-            return False
-        seg = st.segments[st.out_segment]
-        return seg.lm_done or (seg.stream and seg.schedule.ready(len(seg.tokens)))
+    def _make_job(self, st: RequestState, seg: SegmentState, n_tokens: int, final: bool) -> Token2WavJob:
+        """The :class:`Token2WavJob` of a chunk found by :meth:`_next_chunk`."""
+        tokens = torch.tensor(seg.tokens[:n_tokens])
+        if not final:
+            return Token2WavJob(st.req.voice, tokens, seg.schedule.token_offset, False, True, seg.hift_state,
+                                st.hift_generator(seg))
+        offset = seg.schedule.token_offset if seg.stream else 0
+        return Token2WavJob(st.req.voice, tokens, offset, True, False, seg.hift_state, st.hift_generator(seg),
+                            speed=st.req.params.speed)
 
     def _t2w_step(self, events: list, lm_busy: bool = False) -> None:
         idle = self._collect(events, wait=False)  # one token2wav batch in flight at a time
@@ -527,22 +527,19 @@ class EngineCore:
                 if st.lm_segment >= len(st.segments):
                     self._finish(st, events, Outcome.OK)
                 continue
-            if not idle:
-                if st.t_ready is None and st.first_chunk_at is None and self._first_chunk_ready(st):
-                    st.t_ready = now
-                continue
-            nxt = self._next_job(st)
+            nxt = self._next_chunk(st)
             if nxt is not None:
                 if st.t_ready is None and st.first_chunk_at is None:
                     st.t_ready = now
-                seg, job = nxt
-                frames = (job.voice.flow_speech_token.numel() + job.tokens.numel()) * self.t2w.ratio
-                cands.append((self._deadline(st, now), frames, st, seg, job))
-            elif st.out_segment >= len(st.segments):
+                if idle:
+                    frames = (st.req.voice.flow_speech_token.numel() + nxt[1]) * self.t2w.ratio
+                    cands.append((self._deadline(st, now), frames, st, nxt[0], nxt))
+            elif idle and st.out_segment >= len(st.segments):
                 self._finish(st, events, Outcome.OK)
         if not cands or not self._launch_now(cands, now, lm_busy):
             return
-        picked = self._pick_t2w_batch(cands, now)
+        # jobs (token tensors, generators) are built only for the chunks that run now
+        picked = [(st, seg, self._make_job(st, *spec)) for st, seg, spec in self._pick_t2w_batch(cands, now)]
         t0 = time.perf_counter()
         for st, _, _ in picked:
             if st.t_launch is None and st.first_chunk_at is None:
@@ -555,13 +552,7 @@ class EngineCore:
         try:
             pending = self.t2w.launch(jobs, stream=self._t2w_stream, marks=self._marks)
         except Exception:  # noqa: BLE001 - find the culprit, keep the others
-            results = []
-            for job in jobs:
-                try:
-                    results.append(self.t2w.run([job])[0])
-                except Exception as exc:  # noqa: BLE001
-                    results.append(exc)
-            self._emit(picked, results, events, t0)
+            self._emit(picked, self.t2w.run_each(jobs), events, t0)
             return
         if self._t2w_stream is None:  # CPU: the work is already done
             self._emit(picked, self.t2w.finish(pending), events, t0, pending.marks)

@@ -76,6 +76,17 @@ class Token2Wav:
         """Run ``jobs`` as one flow batch and one HiFT batch; results in job order (blocking)."""
         return self.finish(self.launch(jobs, stream=None))
 
+    def run_each(self, jobs: list[Token2WavJob], stream=None) -> list:
+        """Run every job alone (after a batch failed): per job its :class:`Token2WavResult` or
+        the exception it raised, so one bad request fails alone (blocking)."""
+        out = []
+        for job in jobs:
+            try:
+                out.append(self.finish(self.launch([job], stream=stream))[0])
+            except Exception as exc:  # noqa: BLE001 - isolate the failing job
+                out.append(exc)
+        return out
+
     @torch.inference_mode()
     def launch(self, jobs: list[Token2WavJob], stream=None, marks=None) -> "PendingToken2Wav":
         """Enqueue ``jobs`` without waiting for the GPU.
@@ -231,13 +242,7 @@ class Token2WavWorker:
                     pending = self.t2w.launch(jobs, stream=self.stream, marks=self.marks)
                     out = (self.t2w.finish(pending), pending.marks)
                 except Exception:  # noqa: BLE001 - find the culprit, keep the others
-                    results = []
-                    for job in jobs:
-                        try:
-                            results.append(self.t2w.finish(self.t2w.launch([job], stream=self.stream))[0])
-                        except Exception as exc:  # noqa: BLE001
-                            results.append(exc)
-                    out = (results, ())
+                    out = (self.t2w.run_each(jobs, stream=self.stream), ())
                 except BaseException as exc:  # noqa: BLE001 - never leave the scheduler waiting
                     out = ([exc] * len(jobs), ())
                 self._out.put(out)
