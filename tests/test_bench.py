@@ -175,6 +175,10 @@ def check_breakdown(rep: dict) -> None:
         assert set(b["phases"]) == {"queue", "prefill", "decode", "t2w_wait", "token2wav"}
         # the engine's phases add up to at most what the client saw (+ network, encoding)
         assert 0 < sum(b["phases"].values()) <= lv["first_chunk_s"]["avg"] * 1000 + 1
+        # the scheduler thread's time by phase, as shares of the level's wall time
+        host = b["host"]
+        assert {"prefill", "decode", "lm_sync", "sampling", "t2w_launch"} <= set(host)
+        assert all(v >= 0 for v in host.values()) and 0 < sum(host.values()) <= 1.05
 
 
 BENCH_CASES = [("grpc", "streaming"), ("grpc", "offline"), ("http", "offline"), ("openai", "streaming"),

@@ -167,6 +167,10 @@ def test_batching_does_not_change_results(syn, voice, t2w_thread):
 class _StageLog:
     def __init__(self):
         self.stages = []
+        self.host_s = {}
+
+    def host(self, phase, seconds):
+        self.host_s[phase] = self.host_s.get(phase, 0.0) + seconds
 
     def lm_step(self, *a): ...
 
@@ -207,6 +211,10 @@ def test_stage_times_and_first_chunk_breakdown(syn, voice):
     assert all(sec > 0 and batch >= 1 for _, batch, sec in obs.stages)
     assert max(batch for n, batch, _ in obs.stages if n == "prefill") == 4  # newcomers prefilled together
     assert max(batch for n, batch, _ in obs.stages if n == "decode") == 4
+    # the scheduler thread's time by phase (CPU: token2wav runs inside its launch)
+    assert {"prefill", "decode", "lm_sync", "sampling", "t2w_launch"} <= set(obs.host_s)
+    assert all(v >= 0 for v in obs.host_s.values()) and obs.host_s["t2w_launch"] > 0
+    assert obs.host_s == pytest.approx(engine.stats.host_s)
 
 
 def test_token2wav_batches_earliest_deadline_first(syn, voice):

@@ -275,6 +275,7 @@ def run_batch(opts: BatchOptions, echo=print) -> dict:
     # 3. token2wav
     t0 = time.perf_counter()
     t2w = Token2Wav(synth.models.flow, synth.models.hift, synth.cfg.token_mel_ratio)
+    hift_device = next(synth.models.hift.parameters()).device  # excitation noise drawn where HiFT runs
     jobs: list[tuple[dict, int, Token2WavJob]] = []
     for r in rows:
         if r.get("error"):
@@ -284,7 +285,7 @@ def run_batch(opts: BatchOptions, echo=print) -> dict:
             if not toks:
                 r["audio"][k] = np.zeros(0, np.float32)
                 continue
-            g = torch.Generator().manual_seed((r["seed"] ^ HIFT_SEED_SALT) + k)
+            g = torch.Generator(device=hift_device).manual_seed((r["seed"] ^ HIFT_SEED_SALT) + k)
             jobs.append((r, k, Token2WavJob(r["voice"], torch.tensor(toks), 0, True, False, HiFTStreamState(), g)))
     prog = Progress(len(jobs), "token2wav", o.progress)
     for b in range(0, len(jobs), o.token2wav_batch_size):

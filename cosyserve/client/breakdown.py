@@ -11,20 +11,26 @@ ways, as :class:`EngineCounters` snapshots:
   ``cosyserve_first_chunk_phase_seconds``), scraped before and after each level.
 
 The difference of two snapshots gives, per level, the mean device time per stage call, the
-mean batch size and the mean time per phase of the first chunk.
+mean batch size, the mean time per phase of the first chunk, and the share of wall time the
+engine's scheduler thread spent in each of its phases (``cosyserve_scheduler_host_seconds``:
+issuing prefill/decode, waiting for the LM's log-probs, sampling, issuing/waiting for/handing
+out token2wav batches; the rest is idle or bookkeeping).
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+import time
 
 STAGES = ("prefill", "decode", "flow", "hift")
 PHASES = ("queue", "prefill", "decode", "t2w_wait", "token2wav")
+HOST = ("prefill", "decode", "lm_sync", "sampling", "t2w_launch", "t2w_sync", "emit")
 
 
 class EngineCounters:
-    """Cumulative counts: ``stages[name] = [calls, seconds, items]``, ``phases[name] = [n, seconds]``.
+    """Cumulative counts: ``stages[name] = [calls, seconds, items]``, ``phases[name] = [n, seconds]``,
+    ``host[phase] = seconds`` of the scheduler thread; ``t``: when the snapshot was taken (monotonic s).
 
     Has the :class:`~cosyserve.engine.core.EngineObserver` hooks, so it can observe an
     engine directly (thread-safe: the engine thread writes, the benchmark reads snapshots).
@@ -33,6 +39,8 @@ class EngineCounters:
     def __init__(self):
         self.stages: dict[str, list[float]] = {}
         self.phases: dict[str, list[float]] = {}
+        self.host_s: dict[str, float] = {}
+        self.t = time.monotonic()
         self._lock = threading.Lock()
 
     # EngineObserver hooks
@@ -49,6 +57,10 @@ class EngineCounters:
             c[1] += seconds
             c[2] += batch_size
 
+    def host(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self.host_s[phase] = self.host_s.get(phase, 0.0) + seconds
+
     def finished(self, event) -> None:
         with self._lock:
             for name, sec in (event.first_chunk_breakdown or {}).items():
@@ -61,6 +73,7 @@ class EngineCounters:
         with self._lock:
             out = EngineCounters()
             out.stages, out.phases = copy.deepcopy(self.stages), copy.deepcopy(self.phases)
+            out.host_s = dict(self.host_s)
         return out
 
     @classmethod
@@ -81,13 +94,15 @@ class EngineCounters:
                     out.phases.setdefault(s.labels["phase"], [0, 0.0])[0] = s.value
                 elif s.name == "cosyserve_first_chunk_phase_seconds_sum":
                     out.phases.setdefault(s.labels["phase"], [0, 0.0])[1] = s.value
+                elif s.name == "cosyserve_scheduler_host_seconds_total":
+                    out.host_s[s.labels["phase"]] = s.value
         return out
 
 
 def level_breakdown(before: EngineCounters | None, after: EngineCounters | None) -> dict | None:
     """Per-level means from two snapshots (None if either is missing or nothing ran):
     ``{"stages": {name: {"calls", "mean_ms", "mean_batch"}}, "phases": {name: mean_ms},
-    "first_chunks": n}``."""
+    "first_chunks": n, "host": {phase: share of the wall time between the snapshots}}``."""
     if before is None or after is None:
         return None
     stages = {}
@@ -104,7 +119,9 @@ def level_breakdown(before: EngineCounters | None, after: EngineCounters | None)
             n_first = max(n_first, int(n1 - n0))
     if not stages and not phases:
         return None
-    return {"stages": stages, "phases": phases, "first_chunks": n_first}
+    wall = after.t - before.t
+    host = {name: (sec - before.host_s.get(name, 0.0)) / wall for name, sec in after.host_s.items()} if wall > 0 else {}
+    return {"stages": stages, "phases": phases, "first_chunks": n_first, "host": host}
 
 
 def breakdown_markdown(levels: list[dict]) -> list[str]:
@@ -130,4 +147,12 @@ def breakdown_markdown(levels: list[dict]) -> list[str]:
               "| clients | queue | prefill | decode | t2w wait | token2wav | sum |", "|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {c} | " + " | ".join(ph(b, n) for n in PHASES) + f" | {sum(b['phases'].values()):.0f} |"
               for c, b in rows]
+    host_rows = [(c, b["host"]) for c, b in rows if b.get("host")]
+    if host_rows:
+        lines += ["", "Scheduler thread — % of wall time by phase (issuing prefill / decode, waiting for the "
+                      "log-probs, sampling, issuing / waiting for / handing out token2wav batches; other = idle "
+                      "and bookkeeping):", "",
+                  "| clients | " + " | ".join(HOST) + " | other |", "|---:|" + "---:|" * (len(HOST) + 1)]
+        lines += [f"| {c} | " + " | ".join(f"{100 * h.get(n, 0.0):.0f}" for n in HOST)
+                  + f" | {100 * max(0.0, 1 - sum(h.values())):.0f} |" for c, h in host_rows]
     return lines

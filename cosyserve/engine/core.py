@@ -118,6 +118,9 @@ class EngineObserver:
 
     def token2wav_step(self, batch_size: int, seconds: float) -> None: ...
 
+    def host(self, phase: str, seconds: float) -> None:
+        """Scheduler-thread time spent in ``phase`` (see :attr:`EngineStats.host_s`)."""
+
     def chunk(self, chunk: AudioChunk, latency_s: float | None) -> None: ...
 
     def finished(self, event: RequestFinished) -> None: ...
@@ -133,6 +136,14 @@ class EngineStats:
     last_t2w_batch: int = 0
     lm_batches: dict = field(default_factory=dict)
     t2w_batches: dict = field(default_factory=dict)
+    #: host (scheduler-thread) seconds per phase, cumulative: ``prefill`` / ``decode`` (issuing
+    #: the LM work), ``lm_sync`` (waiting for the step's log-probs), ``sampling``, ``t2w_launch``
+    #: (issuing a token2wav batch), ``t2w_sync`` (blocked on a token2wav batch), ``emit``
+    #: (handing out its chunks). Where the scheduler's time goes when the GPU is not the limit.
+    host_s: dict = field(default_factory=dict)
+
+    def add_host(self, phase: str, seconds: float) -> None:
+        self.host_s[phase] = self.host_s.get(phase, 0.0) + seconds
 
 
 class _Marks:
@@ -168,6 +179,7 @@ class EngineCore:
         self.lm = models.llm
         self.sample_rate = models.cfg.sample_rate
         self.t2w = Token2Wav(models.flow, models.hift, models.cfg.token_mel_ratio)
+        self._hift_device = next(models.hift.parameters()).device  # where excitation noise is drawn
         self._marks = _Marks(self.lm.llm_decoder.weight.is_cuda)
         if self.lm.max_positions < config.kv_max_len:
             self.lm.setup_rope(config.kv_max_len)
@@ -282,6 +294,10 @@ class EngineCore:
         return events
 
     # ------------------------------------------------------------------ bookkeeping
+    def _host(self, phase: str, seconds: float) -> None:
+        self.stats.add_host(phase, seconds)
+        self.observer.host(phase, seconds)
+
     def _drain_inbox(self, events: list) -> None:
         while True:
             try:
@@ -359,7 +375,7 @@ class EngineCore:
         seg.lm_done = True
         seg.stop_reason = reason
         if not st.req.params.lm_only:
-            st.hift_generator(seg)  # offline: fork HiFT's generator now, before the next segment samples
+            st.hift_generator(seg, self._hift_device)  # offline: fork HiFT's generator now, before the next segment samples
         self._release_slot(seg)
         st.lm_segment += 1
 
@@ -390,6 +406,7 @@ class EngineCore:
             prefill_tokens += n
             new.append((st, seg, prefix))
         spans = []
+        host = self._host
         if new:
             t_pre = time.monotonic()
             for st, _, _ in new:
@@ -415,6 +432,8 @@ class EngineCore:
             if new:
                 hidden.append(lm.logprobs(h))
                 spans.append(("prefill", len(new), m0, self._marks.mark()))
+        t1 = time.perf_counter()
+        host("prefill", t1 - t0)
         # 2. one batched decode step for running segments
         running = [(st, st.segments[st.lm_segment]) for st in self._active.values()
                    if st.next_lm_segment() is not None]
@@ -440,9 +459,13 @@ class EngineCore:
                     seg.length += 1
                 rows.extend(running)
                 hidden.append(h)
+        t2 = time.perf_counter()
+        host("decode", t2 - t1)
         if not rows:
             return 0
         logp = torch.cat(hidden).cpu()  # log-probs of every row (waits for the GPU)
+        t3 = time.perf_counter()
+        host("lm_sync", t3 - t2)
         for name, n, a, b in spans:
             self.observer.stage(name, n, self._marks.seconds(a, b))
         t_tok = time.monotonic()
@@ -466,7 +489,9 @@ class EngineCore:
                 st.t_first_token = t_tok
             if len(seg.tokens) >= seg.max_len:
                 self._lm_finish_segment(st, seg, "length")
-        dt = time.perf_counter() - t0
+        t4 = time.perf_counter()
+        host("sampling", t4 - t3)
+        dt = t4 - t0
         self.stats.last_lm_batch = len(rows)
         self.stats.lm_batches[len(rows)] = self.stats.lm_batches.get(len(rows), 0) + 1
         self.observer.lm_step(len(rows), prefill_tokens, dt)
@@ -513,10 +538,10 @@ class EngineCore:
         tokens = torch.tensor(seg.tokens[:n_tokens])
         if not final:
             return Token2WavJob(st.req.voice, tokens, seg.schedule.token_offset, False, True, seg.hift_state,
-                                st.hift_generator(seg))
+                                st.hift_generator(seg, self._hift_device))
         offset = seg.schedule.token_offset if seg.stream else 0
-        return Token2WavJob(st.req.voice, tokens, offset, True, False, seg.hift_state, st.hift_generator(seg),
-                            speed=st.req.params.speed)
+        return Token2WavJob(st.req.voice, tokens, offset, True, False, seg.hift_state,
+                            st.hift_generator(seg, self._hift_device), speed=st.req.params.speed)
 
     def _t2w_step(self, events: list, lm_busy: bool = False) -> None:
         idle = self._collect(events, wait=False)  # one token2wav batch in flight at a time
@@ -545,6 +570,14 @@ class EngineCore:
             if st.t_launch is None and st.first_chunk_at is None:
                 st.t_launch = now
         jobs = [j for _, _, j in picked]
+        try:
+            self._launch(picked, jobs, events, t0)
+        finally:
+            self._host("t2w_launch", time.perf_counter() - t0)
+
+    def _launch(self, picked: list, jobs: list, events: list, t0: float) -> None:
+        """Issue the picked batch: hand it to the worker thread, or enqueue it on the side
+        CUDA stream (in flight until :meth:`_collect`); on CPU run it and emit at once."""
         if self._worker is not None:
             self._worker.submit(jobs)
             self._inflight = (picked, t0, None)  # the LM keeps decoding while the worker runs it
@@ -594,6 +627,7 @@ class EngineCore:
         if self._inflight is None:
             return True
         picked, t0, pending = self._inflight
+        t_wait = time.perf_counter()
         if pending is None:  # on the worker thread
             out = self._worker.poll(wait)
             if out is None:
@@ -607,7 +641,10 @@ class EngineCore:
             except Exception as exc:  # noqa: BLE001 - an asynchronous failure fails the batch
                 results, marks = [exc] * len(picked), ()
         self._inflight = None
+        t_emit = time.perf_counter()
+        self._host("t2w_sync", t_emit - t_wait)
         self._emit(picked, results, events, t0, marks)
+        self._host("emit", time.perf_counter() - t_emit)
         return True
 
     def _emit(self, picked, results, events: list, t0: float, marks: tuple = ()) -> None:

@@ -243,20 +243,30 @@ class RequestState:
             return None
         return self.segments[self.lm_segment]
 
-    def hift_generator(self, seg: SegmentState) -> torch.Generator:
-        """HiFT's random source for a segment.
+    def hift_generator(self, seg: SegmentState, device: torch.device | str = "cpu") -> torch.Generator:
+        """HiFT's random source for a segment, on ``device`` (where HiFT runs).
 
         Offline: a copy of the LM generator taken when the segment's LM finished, so the
         random draws follow upstream's single global generator (LM first, then HiFT) and a
         seeded single-segment request reproduces upstream exactly. Streaming: a generator
         derived from the seed, independent of LM timing, so streaming and offline runs of
         one seed sample the same tokens.
+
+        On a CUDA ``device`` the generator is a CUDA (Philox) generator, so the excitation
+        noise (hundreds of thousands of normals per chunk) is drawn on the GPU without host
+        work or synchronisation: seeded like the streaming CPU generator, or, offline, with a
+        seed drawn from the copy of the LM generator. Seeded runs stay reproducible on one
+        device; the audio of a seed differs between CPU and GPU (as upstream's does, whose
+        GPU draws come from the CUDA generator).
         """
         if seg.hift_gen is None:
-            g = torch.Generator()
+            device = torch.device(device)
             if seg.stream:
-                g.manual_seed((self.seed ^ HIFT_SEED_SALT) + seg.index)
+                g = torch.Generator(device=device).manual_seed((self.seed ^ HIFT_SEED_SALT) + seg.index)
             else:
+                g = torch.Generator()
                 g.set_state(seg.lm_gen.get_state())
+                if device.type != "cpu":
+                    g = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=g)))
             seg.hift_gen = g
         return seg.hift_gen

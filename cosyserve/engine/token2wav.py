@@ -104,12 +104,11 @@ class Token2Wav:
         with ctx:
             if marks is not None:
                 stamps.append(marks.mark(stream))
-            dev = self.device
-            mels = self.flow.inference_batch(
-                [j.tokens.to(dev, non_blocking=True)[None] for j in jobs],
-                [j.voice.flow_speech_token.to(dev, non_blocking=True)[None] for j in jobs],
-                [j.voice.speech_feat.to(dev, non_blocking=True)[None] for j in jobs],
-                torch.stack([j.voice.flow_embedding for j in jobs]).to(dev, non_blocking=True),
+            mels = self.flow.inference_batch(  # CPU inputs: copied without host synchronisation
+                [j.tokens[None] for j in jobs],
+                [j.voice.flow_speech_token[None] for j in jobs],
+                [j.voice.speech_feat[None] for j in jobs],
+                torch.stack([j.voice.flow_embedding for j in jobs]),
                 streaming=[j.streaming for j in jobs],
                 finalize=[j.finalize for j in jobs],
             )

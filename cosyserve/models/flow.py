@@ -32,6 +32,10 @@ Batching (:meth:`FlowModel.inference_batch`) pads items on the right and gives e
 its own masks, streaming/finalize behaviour and noise prefix; results equal single-item
 results up to float summation order (relative L2 ~1e-7 in float32).
 
+Host synchronisation: none on CUDA (inputs on the CPU are copied through pinned memory,
+:mod:`~cosyserve.models.transfer`), so a batch can be issued on a side stream while other
+work keeps the GPU busy.
+
 Numerics: float32 by default; the model may be cast to bfloat16/float16 (``.to(dtype)``),
 in which case every computation, including the Euler time grid, runs in that dtype as
 upstream does under autocast, and the returned mel is cast to float32.
@@ -51,6 +55,7 @@ from ..errors import ConfigError
 from .config import CFMConfig, EstimatorConfig, FlowConfig
 from .flow_encoder import UpsampleConformerEncoder
 from .flow_estimator import FlowEstimator
+from .transfer import to_device
 
 __all__ = ["FlowModel", "FlowConditioning", "CausalFlowMatching"]
 
@@ -126,13 +131,15 @@ class CausalFlowMatching(nn.Module):
         return self.rand_noise[:, :, :frames].to(dtype=dtype)
 
     def solve(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, streaming: Tensor,
-              n_timesteps: int | None = None) -> Tensor:
+              n_timesteps: int | None = None, velocity=None) -> Tensor:
         """Integrate the flow ODE from the fixed noise to a mel batch.
 
         Args:
             mu, cond: ``[B, n_mels, T]``; mask: ``[B, 1, T]``; spks: ``[B, n_mels]``; all in
                 the model dtype. streaming: ``[B]`` bool.
             n_timesteps: Euler steps (default ``CFMConfig.n_timesteps``).
+            velocity: the estimator call to use (default ``estimator.forward_planned``; e.g. a
+                ``torch.compile``d version of it, same signature).
 
         Returns:
             ``[B, n_mels, T]`` float32 (padded frames are not meaningful). The loop performs
@@ -149,8 +156,9 @@ class CausalFlowMatching(nn.Module):
         rate = self.cfm.inference_cfg_rate
         t_span = self.time_span(n, device, dtype)
         t, dt = t_span[0], t_span[1] - t_span[0]
+        velocity = velocity or self.estimator.forward_planned
         for step in range(1, n + 1):
-            v = self.estimator.forward_planned(torch.cat([x, x]), plan, mu_in, t.expand(2 * b), spks_in, cond_in)
+            v = velocity(torch.cat([x, x]), plan, mu_in, t.expand(2 * b), spks_in, cond_in)
             v_cond, v_uncond = v[:b], v[b:]
             x = x + dt * ((1.0 + rate) * v_cond - rate * v_uncond)
             t = t + dt
@@ -258,8 +266,8 @@ class FlowModel(nn.Module):
         seqs, feats = [], []
         token_lengths, enc_lengths, mel_lengths, prompt_frames = [], [], [], []
         for i in range(b):
-            tok = _as_1d(tokens[i], "token", i).to(device=device, dtype=torch.long)
-            ptok = _as_1d(prompt_tokens[i], "prompt_token", i).to(device=device, dtype=torch.long)
+            tok = to_device(_as_1d(tokens[i], "token", i), device).long()
+            ptok = to_device(_as_1d(prompt_tokens[i], "prompt_token", i), device).long()
             feat = prompt_feats[i]
             if not isinstance(feat, Tensor):
                 raise ValueError(f"flow: prompt_feat[{i}] must be a tensor")
@@ -281,7 +289,7 @@ class FlowModel(nn.Module):
             if feat.size(0) > frames:
                 raise ValueError(f"flow: item {i} has {feat.size(0)} prompt mel frames but only {frames} frames in all")
             seqs.append(torch.cat([ptok, tok]))
-            feats.append(feat.to(device=device, dtype=dtype))
+            feats.append(to_device(feat, device).to(dtype))
             token_lengths.append(total)
             enc_lengths.append(enc_len)
             mel_lengths.append(frames)
@@ -293,8 +301,8 @@ class FlowModel(nn.Module):
             )
 
         lengths_cpu = torch.tensor([token_lengths, enc_lengths, mel_lengths], dtype=torch.long)
-        token_len_t, enc_len_t, mel_len_t = lengths_cpu.to(device).unbind(0)
-        streaming_t = torch.tensor(streaming_f, dtype=torch.bool).to(device)
+        token_len_t, enc_len_t, mel_len_t = to_device(lengths_cpu, device).unbind(0)
+        streaming_t = to_device(torch.tensor(streaming_f, dtype=torch.bool), device)
 
         ids = pad_sequence(seqs, batch_first=True, padding_value=0)
         token_mask = torch.arange(ids.size(1), device=device).unsqueeze(0) < token_len_t.unsqueeze(1)
@@ -303,7 +311,7 @@ class FlowModel(nn.Module):
 
         mask = (torch.arange(t_max, device=device).unsqueeze(0) < mel_len_t.unsqueeze(1)).unsqueeze(1).to(dtype)
         mu = self.encoder_proj(h).transpose(1, 2) * mask
-        spks = self.spk_embed_affine_layer(F.normalize(emb.to(device=device, dtype=dtype), dim=1))
+        spks = self.spk_embed_affine_layer(F.normalize(to_device(emb, device).to(dtype), dim=1))
         cond = pad_sequence(feats, batch_first=True)  # [B, F_max, n_mels]
         cond = F.pad(cond, (0, 0, 0, t_max - cond.size(1))).transpose(1, 2)
         return FlowConditioning(

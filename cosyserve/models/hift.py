@@ -105,6 +105,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 from .config import HiFTConfig
+from .transfer import to_device
 
 __all__ = [
     "HiFTGenerator",
@@ -142,19 +143,9 @@ def _time_mask(valid: torch.Tensor, size: int) -> torch.Tensor:
     return (torch.arange(size, device=valid.device)[None, :] < valid[:, None])[:, None, :]
 
 
-def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Move ``x`` to ``device``; CPU -> CUDA goes through pinned memory without blocking the host."""
-    device = torch.device(device)
-    if x.device == device:
-        return x
-    if x.device.type == "cpu" and device.type == "cuda":
-        return x.pin_memory().to(device, non_blocking=True)
-    return x.to(device)
-
-
 def _int_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
     """int64 tensor of host ints on ``device`` (no host synchronisation on CUDA)."""
-    return _to_device(torch.tensor(list(values), dtype=torch.int64), device)
+    return to_device(torch.tensor(list(values), dtype=torch.int64), device)
 
 
 def _hann_periodic(n: int) -> np.ndarray:
@@ -458,7 +449,7 @@ class HiFTGenerator(nn.Module):
             raise ValueError(f"f0 must be [B, T] (Hz), got {tuple(f0.shape)}")
         f0_up = self.upsample_f0(f0)
         rand_ini, std_noise = self.draw_excitation_noise(f0.shape[0], f0_up.shape[1], generator, f0.device)
-        rand_ini, std_noise = _to_device(rand_ini, f0.device), _to_device(std_noise, f0.device)
+        rand_ini, std_noise = to_device(rand_ini, f0.device), to_device(std_noise, f0.device)
         return self.source_from_draws(f0_up, rand_ini, std_noise)[2]
 
     def excitation_padded(
@@ -486,8 +477,8 @@ class HiFTGenerator(nn.Module):
         std_noise = torch.zeros(bsz, h, n_max, device=f0.device).transpose(1, 2)
         for b, (n, g) in enumerate(zip(lengths, gens)):
             r, z = self.draw_excitation_noise(1, n * spf, g, f0.device)
-            rand_ini[b] = _to_device(r[0], f0.device)
-            std_noise[b, : n * spf] = _to_device(z[0], f0.device)
+            rand_ini[b] = to_device(r[0], f0.device)
+            std_noise[b, : n * spf] = to_device(z[0], f0.device)
         len_t = _int_tensor(lengths, f0.device)
         src = self.source_from_draws(self.upsample_f0(f0), rand_ini, std_noise, frame_lengths=len_t)[2]
         return _zero_outside(src, _time_mask(len_t * spf, n_max))
@@ -714,7 +705,7 @@ def fade_in_with_cache(speech: torch.Tensor, cached: torch.Tensor, overlap: int)
     """
     if speech.shape[-1] < overlap or cached.shape[-1] < overlap:
         raise ValueError(f"fade needs {overlap} samples; got speech {tuple(speech.shape)}, cache {tuple(cached.shape)}")
-    w = _to_device(torch.from_numpy(_hamming_f64(2 * overlap).copy()), speech.device)
+    w = to_device(torch.from_numpy(_hamming_f64(2 * overlap).copy()), speech.device)
     head = speech[..., :overlap].double() * w[:overlap] + cached[..., -overlap:].double() * w[overlap:]
     return torch.cat([head.to(speech.dtype), speech[..., overlap:]], dim=-1)
 

@@ -252,8 +252,16 @@ class SpeechLM(nn.Module):
                 keys, vals = kc[slots, :, :kv_len], vc[slots, :, :kv_len]
             else:
                 keys, vals = kc[slot_idx, :, :kv_len], vc[slot_idx, :, :kv_len]
-            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
-            o = o.transpose(1, 2).reshape(bsz, t_new, -1)
+            if t_new == 1:
+                # one query per row: fold each KV head's query group into the query axis, so the
+                # fused (memory-efficient) kernel serves the masked grouped-query attention
+                n_kv = keys.shape[1]
+                qg = q.reshape(bsz, n_kv, n_heads // n_kv, q.shape[-1])
+                o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask)
+                o = o.reshape(bsz, 1, -1)
+            else:
+                o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
+                o = o.transpose(1, 2).reshape(bsz, t_new, -1)
             h = h + attn.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.backbone.norm(h)

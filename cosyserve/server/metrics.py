@@ -61,6 +61,9 @@ class Metrics(EngineObserver):
         self.first_chunk_phase = Histogram(
             "cosyserve_first_chunk_phase_seconds", "First-chunk latency by scheduler phase", ["phase"],
             buckets=(0.001, 0.005, 0.01, 0.025) + LATENCY_BUCKETS, registry=r)
+        self.host_seconds = Counter(
+            "cosyserve_scheduler_host_seconds", "Scheduler-thread time by phase (prefill, decode, lm_sync, sampling, "
+            "t2w_launch, t2w_sync, emit)", ["phase"], registry=r)
         self.ready = Gauge("cosyserve_ready", "1 when models are loaded and warmed up", registry=r)
         self._core = None
 
@@ -90,6 +93,9 @@ class Metrics(EngineObserver):
     def stage(self, name: str, batch_size: int, seconds: float) -> None:
         self.stage_seconds.labels(name).observe(seconds)
         self.stage_items.labels(name).inc(batch_size)
+
+    def host(self, phase: str, seconds: float) -> None:
+        self.host_seconds.labels(phase).inc(seconds)
 
     def finished(self, event) -> None:
         for phase, sec in (event.first_chunk_breakdown or {}).items():
