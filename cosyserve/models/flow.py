@@ -131,15 +131,13 @@ class CausalFlowMatching(nn.Module):
         return self.rand_noise[:, :, :frames].to(dtype=dtype)
 
     def solve(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, streaming: Tensor,
-              n_timesteps: int | None = None, velocity=None) -> Tensor:
+              n_timesteps: int | None = None) -> Tensor:
         """Integrate the flow ODE from the fixed noise to a mel batch.
 
         Args:
             mu, cond: ``[B, n_mels, T]``; mask: ``[B, 1, T]``; spks: ``[B, n_mels]``; all in
                 the model dtype. streaming: ``[B]`` bool.
             n_timesteps: Euler steps (default ``CFMConfig.n_timesteps``).
-            velocity: the estimator call to use (default ``estimator.forward_planned``; e.g. a
-                ``torch.compile``d version of it, same signature).
 
         Returns:
             ``[B, n_mels, T]`` float32 (padded frames are not meaningful). The loop performs
@@ -156,9 +154,8 @@ class CausalFlowMatching(nn.Module):
         rate = self.cfm.inference_cfg_rate
         t_span = self.time_span(n, device, dtype)
         t, dt = t_span[0], t_span[1] - t_span[0]
-        velocity = velocity or self.estimator.forward_planned
         for step in range(1, n + 1):
-            v = velocity(torch.cat([x, x]), plan, mu_in, t.expand(2 * b), spks_in, cond_in)
+            v = self.estimator.forward_planned(torch.cat([x, x]), plan, mu_in, t.expand(2 * b), spks_in, cond_in)
             v_cond, v_uncond = v[:b], v[b:]
             x = x + dt * ((1.0 + rate) * v_cond - rate * v_uncond)
             t = t + dt

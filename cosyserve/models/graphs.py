@@ -38,20 +38,6 @@ def _pow2_buckets(max_value: int) -> list[int]:
     return out
 
 
-def compile_fn(fn, enabled: bool):
-    """``torch.compile(fn)`` with dynamic shapes when ``enabled`` (else ``fn`` itself).
-
-    Inductor fuses the many small pointwise kernels (norms, activations, rotary, masks,
-    residual adds) between the GEMMs; at serving batch sizes those kernels, not arithmetic,
-    set the time of a replayed graph. Dynamic shapes: one compilation serves every batch and
-    length bucket (the bucket's shapes are fixed again by the CUDA graph captured around the
-    compiled call). Compilation happens on the first (warm-up) call, before capture.
-    """
-    if not enabled:
-        return fn
-    return torch.compile(fn, dynamic=True)
-
-
 def _capture_graph(run, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     """Warm ``run`` up twice on a side stream (lazy initialisation, cuFFT/cuBLAS plans), then
     capture it into a CUDA graph in ``pool``; returns ``(graph, run's output)``. Only the
@@ -84,10 +70,8 @@ class GraphedDecoder:
     ``[B, S+3]`` on the device (a view into a static buffer: copy before the next call).
     """
 
-    def __init__(self, lm: SpeechLM, cache: KVCache, max_batch: int, kv_buckets: list[int] | None = None,
-                 compile: bool = False):
+    def __init__(self, lm: SpeechLM, cache: KVCache, max_batch: int, kv_buckets: list[int] | None = None):
         self.lm = lm
-        self._step_fn = compile_fn(self._step_impl, compile)
         self.cache = cache
         self.scratch = cache.n_slots - 1
         self.device = cache.k.device
@@ -107,13 +91,10 @@ class GraphedDecoder:
                               "start": torch.zeros(bb, dtype=torch.long, device=d)}
         return self._bufs[bb]
 
-    def _step_impl(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, kv_len: int) -> torch.Tensor:
-        emb = self.lm.embed_speech(tokens[:, None])
-        h = self.lm.forward_cached(emb, self.cache, slots, start, kv_len=kv_len)[:, -1]
-        return self.lm.logprobs(h)
-
     def _step(self, buf: dict[str, torch.Tensor], kv_len: int) -> torch.Tensor:
-        return self._step_fn(buf["tokens"], buf["slots"], buf["start"], kv_len)
+        emb = self.lm.embed_speech(buf["tokens"][:, None])
+        h = self.lm.forward_cached(emb, self.cache, buf["slots"], buf["start"], kv_len=kv_len)[:, -1]
+        return self.lm.logprobs(h)
 
     @torch.inference_mode()
     def _capture(self, bb: int, kvb: int):
@@ -161,10 +142,8 @@ class GraphedPrefill:
     engine's padded batched prefill.
     """
 
-    def __init__(self, lm: SpeechLM, cache: KVCache, bucket: int = 64, max_len: int = 1024, pool=None,
-                 compile: bool = False):
+    def __init__(self, lm: SpeechLM, cache: KVCache, bucket: int = 64, max_len: int = 1024, pool=None):
         self.lm, self.cache = lm, cache
-        self._forward = compile_fn(self._forward_impl, compile)
         self.buckets = list(range(bucket, min(max_len, cache.max_len) + 1, bucket))
         self.scratch = cache.n_slots - 1
         self.device = cache.k.device
@@ -180,14 +159,11 @@ class GraphedPrefill:
                 "start": torch.zeros(1, dtype=torch.long, device=self.device)}
 
         def run():
-            return self._forward(bufs["emb"], bufs["slot"], bufs["start"], tb)
+            return lm.forward_cached(bufs["emb"], self.cache, bufs["slot"], bufs["start"], kv_len=tb)
 
         g, out = _capture_graph(run, self.pool)
         self._graphs[tb] = (g, bufs, out)
         return self._graphs[tb]
-
-    def _forward_impl(self, emb: torch.Tensor, slot: torch.Tensor, start: torch.Tensor, kv_len: int) -> torch.Tensor:
-        return self.lm.forward_cached(emb, self.cache, slot, start, kv_len=kv_len)
 
     def warmup(self) -> None:
         for tb in self.buckets:
@@ -272,11 +248,8 @@ class GraphedFlowSolver:
     and returns ``[B, n_mels, T]`` float32 (a fresh tensor).
     """
 
-    def __init__(self, decoder, max_batch: int, frame_bucket: int = 64, max_graphs: int = 512,
-                 compile: bool = False):
+    def __init__(self, decoder, max_batch: int, frame_bucket: int = 64, max_graphs: int = 512):
         self.decoder = decoder
-        #: the estimator's forward (compiled when asked), called ``n_timesteps`` times per solve
-        self.velocity = compile_fn(decoder.estimator.forward_planned, compile)
         self.batch_buckets = _pow2_buckets(max_batch)
         self.frame_bucket = frame_bucket
         self.max_graphs = max_graphs
@@ -295,8 +268,7 @@ class GraphedFlowSolver:
         bufs["mask"][:, :, :1] = 1  # a valid frame per row during warm-up/capture
 
         def run():
-            return self.decoder.solve(bufs["mu"], bufs["mask"], bufs["spks"], bufs["cond"], bufs["streaming"],
-                                      velocity=self.velocity)
+            return self.decoder.solve(bufs["mu"], bufs["mask"], bufs["spks"], bufs["cond"], bufs["streaming"])
 
         g, out = _capture_graph(run, self.pool)
         if len(self._graphs) >= self.max_graphs:  # bound memory: drop the oldest graph

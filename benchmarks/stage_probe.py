@@ -1,0 +1,141 @@
+"""Stage micro-benchmark on one GPU: the CUDA-graphed stages one at a time.
+
+Full-size CosyVoice2 architecture, random weights. Prints, per stage and shape, the time of
+one replayed graph (median of CUDA-event timings) and the time to build (capture) its graphs.
+Stages: LM decode step (batch 1/8/32, 512 KV positions), single-sequence prefill (128
+positions), flow solve (10 Euler steps with CFG) at batch x frames, the flow encoder
+(``FlowModel.condition``, eager, host wall time).
+
+    python benchmarks/stage_probe.py --device cuda --dtype bfloat16
+
+(docs/perf.md run 8 used it with a since-removed ``torch.compile`` variant of each stage.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from cosyserve.models.graphs import GraphedDecoder, GraphedFlowSolver, GraphedPrefill
+from cosyserve.models.llm import KVCache
+from cosyserve.models.loader import build_random
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def gpu_ms(fn, n=30, warm=3) -> float:
+    for _ in range(warm):
+        fn()
+    ts = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def wall_ms(fn, n=20, warm=3) -> float:
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ts)
+
+
+class _Rows(list):
+    """Result rows, each also printed as soon as it is measured (a run cut short keeps them)."""
+
+    HEAD = "| stage | shape | ms per call | build s |\n|---|---|---:|---:|"
+
+    @staticmethod
+    def fmt(row) -> str:
+        stage, shape, ms, build = row
+        return f"| {stage} | {shape} | {ms:.2f} | {build:.1f} |"
+
+    def append(self, row):
+        super().append(row)
+        print(self.fmt(row), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--yaml", default=str(ROOT / "benchmarks/configs/cosyvoice2-0.5b.yaml"))
+    ap.add_argument("--qwen-config", default=str(ROOT / "benchmarks/configs/CosyVoice-BlankEN-config.json"))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--flow-shapes", default="1x256,4x256,16x512")
+    ap.add_argument("--decode-batches", default="1,8,32")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    models = build_random(args.yaml, device=args.device, dtype=dtype, qwen_config_path=args.qwen_config)
+    lm, flow = models.llm, models.flow
+    dev = torch.device(args.device)
+    batches = [int(b) for b in args.decode_batches.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.flow_shapes.split(",")]
+    rows = _Rows()
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    # encoder (eager; not part of the graphs)
+    for n_tok in (100, 300):
+        tok = torch.randint(0, 6561, (1, n_tok), generator=g)
+        ptok = torch.randint(0, 6561, (1, 87), generator=g)
+        feat = torch.randn(1, 174, 80, generator=g)
+        emb = torch.randn(1, 192, generator=g)
+        ms = wall_ms(lambda: flow.condition([tok], [ptok], [feat], emb, True, False))
+        rows.append(("flow encoder (eager, wall)", f"1 x {n_tok + 87} tokens", ms, float("nan")))
+
+    torch.manual_seed(0)
+    cache = KVCache.allocate(lm, max(batches) + 1, 1024)
+    cache.k.normal_()
+    cache.v.normal_()
+    t0 = time.perf_counter()
+    dec = GraphedDecoder(lm, cache, max(batches), kv_buckets=[512])
+    dec.warmup()
+    build = time.perf_counter() - t0
+    for b in batches:
+        tokens = torch.randint(0, 6561, (b,), generator=g).to(dev)
+        slots = torch.arange(b, device=dev)
+        start = torch.full((b,), 300, dtype=torch.long, device=dev)
+        rows.append(("LM decode step", f"batch {b}, 512 KV", gpu_ms(lambda: dec(tokens, slots, start)), build))
+        build = float("nan")
+    t0 = time.perf_counter()
+    pre = GraphedPrefill(lm, cache, bucket=128, max_len=128)
+    pre.warmup()
+    build = time.perf_counter() - t0
+    emb = torch.randn(1, 120, lm.qwen_config.hidden_size, generator=g).to(dev, dtype)
+    rows.append(("LM prefill", "1 x 120 (bucket 128)", gpu_ms(lambda: pre(emb, 0)), build))
+
+    solver = GraphedFlowSolver(flow.decoder, max(b for b, _ in shapes))
+    for b, t in shapes:
+        mu = torch.randn(b, 80, t, generator=g).to(dev, dtype)
+        cond = torch.randn(b, 80, t, generator=g).to(dev, dtype)
+        spks = torch.randn(b, 80, generator=g).to(dev, dtype)
+        mask = torch.ones(b, 1, t, device=dev, dtype=dtype)
+        streaming = torch.ones(b, dtype=torch.bool, device=dev)
+        t0 = time.perf_counter()
+        solver(mu, mask, spks, cond, streaming)
+        torch.cuda.synchronize()
+        build = time.perf_counter() - t0
+        ms = gpu_ms(lambda: solver(mu, mask, spks, cond, streaming), n=10)
+        rows.append(("flow solve (10 steps, CFG)", f"batch {b} x {t} frames", ms, build))
+
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}")
+    print(_Rows.HEAD)
+    for row in sorted(rows, key=lambda r: (r[0], r[1])):
+        print(_Rows.fmt(row))
+
+
+if __name__ == "__main__":
+    main()
