@@ -137,14 +137,14 @@ def main():
                          timed(lambda: t2w.run(jobs), n=5, warm=2)))
         # the same stages as CUDA graphs (what the engine uses on CUDA)
         if args.device == "cuda":
-            from cosyserve.models.graphs import GraphedDecoder, GraphedFlowSolver
+            from cosyserve.models.graphs import GraphedDecoder, GraphedFlow
 
             gcache = KVCache.allocate(lm, 65, 1024)
             dec = GraphedDecoder(lm, gcache, 64)
             for b in (1, 8, 32, 64):
                 toks, slots, start = torch.randint(0, 6561, (b,)), torch.arange(b), torch.full((b,), 300)
                 rows.append(("LM decode step, CUDA graph", f"batch {b}", timed(lambda: dec(toks, slots, start).cpu())))
-            models.flow.graph_solver = GraphedFlowSolver(models.flow.decoder, 64)
+            models.flow.graph = GraphedFlow(models.flow, 64)
             for b, n in ((1, 18), (1, 28), (8, 28), (32, 28), (64, 28)):
                 jobs = [Token2WavJob(voice, torch.randint(0, 6561, (n,)), 0, False, True, HiFTStreamState(), None)
                         for _ in range(b)]

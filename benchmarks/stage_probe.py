@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from cosyserve.models.graphs import GraphedDecoder, GraphedFlowSolver, GraphedPrefill
+from cosyserve.models.graphs import GraphedDecoder, GraphedFlow, GraphedPrefill
 from cosyserve.models.llm import KVCache
 from cosyserve.models.loader import build_random
 
@@ -69,13 +69,27 @@ class _Rows(list):
         print(self.fmt(row), flush=True)
 
 
+def host_ms(fn, n=10, warm=2) -> float:
+    """Host time to issue ``fn`` (no waiting for the GPU inside the timing)."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(ts)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--yaml", default=str(ROOT / "benchmarks/configs/cosyvoice2-0.5b.yaml"))
     ap.add_argument("--qwen-config", default=str(ROOT / "benchmarks/configs/CosyVoice-BlankEN-config.json"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--flow-shapes", default="1x256,4x256,16x512")
+    ap.add_argument("--flow-shapes", default="1x120,4x120,16x250", help="batch x tokens (87 prompt tokens included)")
     ap.add_argument("--decode-batches", default="1,8,32")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -95,6 +109,8 @@ def main():
         emb = torch.randn(1, 192, generator=g)
         ms = wall_ms(lambda: flow.condition([tok], [ptok], [feat], emb, True, False))
         rows.append(("flow encoder (eager, wall)", f"1 x {n_tok + 87} tokens", ms, float("nan")))
+        ms = host_ms(lambda: flow.condition([tok], [ptok], [feat], emb, True, False))
+        rows.append(("flow encoder (eager, host issue time)", f"1 x {n_tok + 87} tokens", ms, float("nan")))
 
     torch.manual_seed(0)
     cache = KVCache.allocate(lm, max(batches) + 1, 1024)
@@ -117,19 +133,19 @@ def main():
     emb = torch.randn(1, 120, lm.qwen_config.hidden_size, generator=g).to(dev, dtype)
     rows.append(("LM prefill", "1 x 120 (bucket 128)", gpu_ms(lambda: pre(emb, 0)), build))
 
-    solver = GraphedFlowSolver(flow.decoder, max(b for b, _ in shapes))
-    for b, t in shapes:
-        mu = torch.randn(b, 80, t, generator=g).to(dev, dtype)
-        cond = torch.randn(b, 80, t, generator=g).to(dev, dtype)
-        spks = torch.randn(b, 80, generator=g).to(dev, dtype)
-        mask = torch.ones(b, 1, t, device=dev, dtype=dtype)
-        streaming = torch.ones(b, dtype=torch.bool, device=dev)
+    graph = GraphedFlow(flow, max(b for b, _ in shapes))
+    for b, n_tok in shapes:
+        inp = flow.prepare([torch.randint(0, 6561, (1, n_tok - 87), generator=g) for _ in range(b)],
+                           [torch.randint(0, 6561, (1, 87), generator=g) for _ in range(b)],
+                           [torch.randn(1, 174, 80, generator=g) for _ in range(b)],
+                           torch.randn(b, 192, generator=g), True, False)
         t0 = time.perf_counter()
-        solver(mu, mask, spks, cond, streaming)
+        graph(inp)
         torch.cuda.synchronize()
         build = time.perf_counter() - t0
-        ms = gpu_ms(lambda: solver(mu, mask, spks, cond, streaming), n=10)
-        rows.append(("flow solve (10 steps, CFG)", f"batch {b} x {t} frames", ms, build))
+        rows.append(("flow graph (encoder + 10 steps, CFG)", f"batch {b} x {n_tok} tokens",
+                     gpu_ms(lambda: graph(inp), n=10), build))
+        rows.append(("flow launch (host)", f"batch {b} x {n_tok} tokens", host_ms(lambda: graph(inp)), build))
 
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}")
     print(_Rows.HEAD)

@@ -188,6 +188,29 @@ def test_batch_equals_single(flow):
     assert all(e <= BATCH_TOL for e in errors.values()), errors
 
 
+def test_bucket_padded_flow_equals_batch(flow):
+    """What a GraphedFlow graph computes (CPU here): the batch copied into larger bucket buffers
+    (extra padding rows, tokens padded to a 32-token bucket, prompt mel padded to the bucket's
+    frames) gives the eager batch's frames."""
+    from cosyserve.models.graphs import fill_flow_buffers, flow_buffers, flow_from_buffers
+
+    items = _batch_items()
+    if not items:
+        pytest.skip("no reference cases")
+    labels, toks, ptoks, pfeats, embs, streams, finals, refs = zip(*items)
+    ref = flow.inference_batch(toks, ptoks, pfeats, embs, streams, finals)
+    inp = flow.prepare(toks, ptoks, pfeats, embs, streams, finals)
+    bb, lb = len(items) + 2, -(-inp.ids.shape[1] // 32) * 32 + 32
+    bufs = flow_buffers(flow, bb, lb, "cpu")
+    fill_flow_buffers(bufs, inp, flow.token_mel_ratio)
+    with torch.inference_mode():
+        mel = flow_from_buffers(flow, bufs)
+    assert mel.shape == (bb, flow.n_mels, flow.token_mel_ratio * lb)
+    assert torch.isfinite(mel).all()  # padding rows too
+    for i, (p, n) in enumerate(zip(inp.prompt_frames, inp.mel_lengths)):
+        assert rel_l2(mel[i:i + 1, :, p:n], ref[i]) <= BATCH_TOL, labels[i]
+
+
 # ---------------------------------------------------------------------------------------
 # 6. strict checkpoint loading
 

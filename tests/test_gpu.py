@@ -124,23 +124,25 @@ def test_graphed_hift_decode_equals_eager(yaml_dir):
 
 @torch.inference_mode()
 def test_graphed_flow_equals_eager(yaml_dir):
-    from cosyserve.models.graphs import GraphedFlowSolver
+    from cosyserve.models.graphs import GraphedFlow
 
     m = build(yaml_dir, torch.float32)
     flow = m.flow
-    args = dict(tokens=[torch.randint(0, 6561, (1, n)).cuda() for n in (20, 33)],
-                prompt_tokens=[torch.randint(0, 6561, (1, p)).cuda() for p in (30, 0)],
-                prompt_feats=[torch.randn(1, 60, 80).cuda(), torch.zeros(1, 0, 80).cuda()],
-                embeddings=torch.randn(2, 192).cuda(), streaming=[True, False], finalize=[False, True])
-    ref = flow.inference_batch(**args)
-    flow.graph_solver = GraphedFlowSolver(flow.decoder, max_batch=4)
-    try:
-        got = flow.inference_batch(**args)
-        got2 = flow.inference_batch(**args)  # replay
-    finally:
-        flow.graph_solver = None
-    for a, b, c in zip(got, got2, ref):
-        assert rel(a, c) < 1e-5 and torch.equal(a, b)
+    for on_gpu in (True, False):  # inputs on the GPU (tests) or the CPU (the engine's voices)
+        put = (lambda x: x.cuda()) if on_gpu else (lambda x: x)
+        args = dict(tokens=[put(torch.randint(0, 6561, (1, n))) for n in (20, 33, 7)],
+                    prompt_tokens=[put(torch.randint(0, 6561, (1, p))) for p in (30, 0, 40)],
+                    prompt_feats=[put(torch.randn(1, 60, 80)), put(torch.zeros(1, 0, 80)), put(torch.randn(1, 80, 80))],
+                    embeddings=put(torch.randn(3, 192)), streaming=[True, False, True], finalize=[False, True, True])
+        ref = flow.inference_batch(**args)
+        flow.graph = GraphedFlow(flow, max_batch=4)
+        try:
+            got = flow.inference_batch(**args)
+            got2 = flow.inference_batch(**args)  # replay
+        finally:
+            flow.graph = None
+        for a, b, c in zip(got, got2, ref):
+            assert a.shape == c.shape and rel(a, c) < 1e-5 and torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -186,7 +188,7 @@ def test_engine_with_graphs_samples_same_tokens(yaml_dir, tmp_path):
                 if isinstance(ev, RequestFinished):
                     done[ev.request_id] = ev.tokens
         results.append(done)
-        m.flow.graph_solver = m.hift.graph_decode = None
+        m.flow.graph = m.hift.graph_decode = None
         # HiFT's excitation noise is drawn on the GPU (no host work per chunk)
         assert all(seg.hift_gen.device.type == "cuda" for st in states for seg in st.segments)
     assert results[0] == results[1]
@@ -200,11 +202,11 @@ def test_token2wav_launch_does_not_wait_for_the_gpu(yaml_dir):
     those of an idle stream."""
     from cosyserve.engine.token2wav import Token2Wav, Token2WavJob
     from cosyserve.frontend.voice import Voice
-    from cosyserve.models.graphs import GraphedFlowSolver, GraphedHiFTDecoder
+    from cosyserve.models.graphs import GraphedFlow, GraphedHiFTDecoder
     from cosyserve.models.hift import HiFTStreamState
 
     m = build(yaml_dir, torch.float32)
-    m.flow.graph_solver = GraphedFlowSolver(m.flow.decoder, 4)
+    m.flow.graph = GraphedFlow(m.flow, 4)
     m.hift.graph_decode = GraphedHiFTDecoder(m.hift, 4)
     t2w = Token2Wav(m.flow, m.hift, m.cfg.token_mel_ratio)
     voice = Voice.from_features("v", "x", torch.randint(0, 1000, (8,)), torch.randint(0, 6561, (60,)),
@@ -234,7 +236,7 @@ def test_token2wav_launch_does_not_wait_for_the_gpu(yaml_dir):
         assert not pending.done()
         got = t2w.finish(pending)
     finally:
-        m.flow.graph_solver = m.hift.graph_decode = None
+        m.flow.graph = m.hift.graph_decode = None
     assert issued < 0.5, f"launch blocked the host for {issued:.3f} s"
     for a, b in zip(got, ref):  # same draws; kernels may round differently between runs
         assert a.speech.shape == b.speech.shape and rel(a.speech, b.speech) < 1e-4

@@ -188,14 +188,14 @@ class EngineCore:
         self.cache = KVCache.allocate(self.lm, config.max_active + int(use_graphs), config.kv_max_len)
         self.decoder = self.prefill_graphs = None
         if use_graphs:
-            from ..models.graphs import GraphedDecoder, GraphedFlowSolver, GraphedHiFTDecoder, GraphedPrefill
+            from ..models.graphs import GraphedDecoder, GraphedFlow, GraphedHiFTDecoder, GraphedPrefill
 
             self.decoder = GraphedDecoder(self.lm, self.cache, config.max_active)
             self.decoder.warmup()  # capture every (batch, KV length) bucket now, not mid-request
             self.prefill_graphs = GraphedPrefill(self.lm, self.cache, pool=self.decoder.pool)
             self.prefill_graphs.warmup()
-            if models.flow.graph_solver is None:
-                models.flow.graph_solver = GraphedFlowSolver(models.flow.decoder, config.max_t2w_batch)
+            if models.flow.graph is None:
+                models.flow.graph = GraphedFlow(models.flow, config.max_t2w_batch)
             if models.hift.graph_decode is None and next(models.hift.parameters()).is_cuda:
                 models.hift.graph_decode = GraphedHiFTDecoder(models.hift, config.max_t2w_batch)
         self._free_slots = list(range(config.max_active))

@@ -57,7 +57,7 @@ from .flow_encoder import UpsampleConformerEncoder
 from .flow_estimator import FlowEstimator
 from .transfer import to_device
 
-__all__ = ["FlowModel", "FlowConditioning", "CausalFlowMatching"]
+__all__ = ["FlowModel", "FlowConditioning", "FlowInputs", "CausalFlowMatching"]
 
 
 @dataclass
@@ -84,6 +84,31 @@ class FlowConditioning:
     streaming: Tensor
     mel_lengths: tuple[int, ...]
     prompt_frames: tuple[int, ...]
+
+
+@dataclass
+class FlowInputs:
+    """A validated flow batch, right-padded, before anything runs on the device
+    (:meth:`FlowModel.prepare`); tensors are on the device the caller's inputs were on.
+
+    Attributes:
+        ids: ``[B, L]`` int64: prompt speech tokens then tokens (look-ahead included), 0-padded.
+        lengths: ``[3, B]`` int64: tokens, encoder positions (tokens minus look-ahead for a
+            non-final chunk) and mel frames (prompt included) per item.
+        streaming: ``[B]`` bool; embeddings: ``[B, spk_embed_dim]`` float32 speaker x-vectors;
+        feats: ``[B, F, n_mels]`` float32 prompt log-mel, zero-padded to the longest prompt.
+        mel_lengths, prompt_frames: host copies of the frame counts; max_encoder_len: the
+            largest encoder length (the eager encoder's sequence length).
+    """
+
+    ids: Tensor
+    lengths: Tensor
+    streaming: Tensor
+    embeddings: Tensor
+    feats: Tensor
+    mel_lengths: tuple[int, ...]
+    prompt_frames: tuple[int, ...]
+    max_encoder_len: int
 
 
 class CausalFlowMatching(nn.Module):
@@ -218,8 +243,9 @@ class FlowModel(nn.Module):
         self.encoder = UpsampleConformerEncoder(cfg.encoder)
         self.encoder_proj = nn.Linear(cfg.encoder.output_size, n_mels)
         self.decoder = CausalFlowMatching(cfg.cfm, cfg.estimator, n_mels)
-        #: optional :class:`~cosyserve.models.graphs.GraphedFlowSolver` used for CUDA inputs
-        self.graph_solver = None
+        #: optional :class:`~cosyserve.models.graphs.GraphedFlow` (encoder + solve as CUDA graphs),
+        #: used by :meth:`inference_batch` on CUDA with the default number of steps
+        self.graph = None
 
     @property
     def rand_noise(self) -> Tensor:
@@ -241,11 +267,11 @@ class FlowModel(nn.Module):
                              f"got {[tuple(r.shape) for r in rows]}")
         return emb
 
-    @torch.inference_mode()
-    def condition(self, tokens: Sequence[Tensor], prompt_tokens: Sequence[Tensor],
-                  prompt_feats: Sequence[Tensor], embeddings: Tensor | Sequence[Tensor],
-                  streaming: bool | Sequence[bool], finalize: bool | Sequence[bool]) -> FlowConditioning:
-        """Run everything before the ODE solver for a batch; see :meth:`inference_batch` for arguments."""
+    def prepare(self, tokens: Sequence[Tensor], prompt_tokens: Sequence[Tensor],
+                prompt_feats: Sequence[Tensor], embeddings: Tensor | Sequence[Tensor],
+                streaming: bool | Sequence[bool], finalize: bool | Sequence[bool]) -> FlowInputs:
+        """Validate a batch and pad it into :class:`FlowInputs` (host work only: tensors stay on
+        the device they came on); see :meth:`inference_batch` for arguments and errors."""
         b = len(tokens)
         if b == 0:
             raise ValueError("flow: empty batch")
@@ -255,16 +281,14 @@ class FlowModel(nn.Module):
             )
         streaming_f = _flags(streaming, b, "streaming")
         finalize_f = _flags(finalize, b, "finalize")
-        device, dtype = self.encoder_proj.weight.device, self._model_dtype()
         ratio, la = self.token_mel_ratio, self.pre_lookahead_len
-
         emb = self._speaker_rows(embeddings, b)
 
         seqs, feats = [], []
         token_lengths, enc_lengths, mel_lengths, prompt_frames = [], [], [], []
         for i in range(b):
-            tok = to_device(_as_1d(tokens[i], "token", i), device).long()
-            ptok = to_device(_as_1d(prompt_tokens[i], "prompt_token", i), device).long()
+            tok = _as_1d(tokens[i], "token", i)
+            ptok = _as_1d(prompt_tokens[i], "prompt_token", i).to(tok.device)
             feat = prompt_feats[i]
             if not isinstance(feat, Tensor):
                 raise ValueError(f"flow: prompt_feat[{i}] must be a tensor")
@@ -285,43 +309,75 @@ class FlowModel(nn.Module):
             frames = ratio * enc_len
             if feat.size(0) > frames:
                 raise ValueError(f"flow: item {i} has {feat.size(0)} prompt mel frames but only {frames} frames in all")
-            seqs.append(torch.cat([ptok, tok]))
-            feats.append(to_device(feat, device).to(dtype))
+            seqs.append(torch.cat([ptok.long(), tok.long()]))
+            feats.append(feat.float())
             token_lengths.append(total)
             enc_lengths.append(enc_len)
             mel_lengths.append(frames)
             prompt_frames.append(feat.size(0))
-        t_max = max(mel_lengths)
-        if t_max > self.rand_noise.size(-1):
+        if max(mel_lengths) > self.rand_noise.size(-1):
             raise ValueError(
-                f"flow: {t_max} mel frames exceed the fixed noise buffer of {self.rand_noise.size(-1)} frames"
+                f"flow: {max(mel_lengths)} mel frames exceed the fixed noise buffer of {self.rand_noise.size(-1)} frames"
             )
-
-        lengths_cpu = torch.tensor([token_lengths, enc_lengths, mel_lengths], dtype=torch.long)
-        token_len_t, enc_len_t, mel_len_t = to_device(lengths_cpu, device).unbind(0)
-        streaming_t = to_device(torch.tensor(streaming_f, dtype=torch.bool), device)
-
-        ids = pad_sequence(seqs, batch_first=True, padding_value=0)
-        token_mask = torch.arange(ids.size(1), device=device).unsqueeze(0) < token_len_t.unsqueeze(1)
-        x = self.input_embedding(ids.clamp(min=0)) * token_mask.unsqueeze(-1).to(dtype)
-        h = self.encoder(x, token_len_t, enc_len_t, streaming_t, max(enc_lengths))
-
-        mask = (torch.arange(t_max, device=device).unsqueeze(0) < mel_len_t.unsqueeze(1)).unsqueeze(1).to(dtype)
-        mu = self.encoder_proj(h).transpose(1, 2) * mask
-        spks = self.spk_embed_affine_layer(F.normalize(to_device(emb, device).to(dtype), dim=1))
-        cond = pad_sequence(feats, batch_first=True)  # [B, F_max, n_mels]
-        cond = F.pad(cond, (0, 0, 0, t_max - cond.size(1))).transpose(1, 2)
-        return FlowConditioning(
-            encoder_out=h, mu=mu, spks=spks, cond=cond, mask=mask, streaming=streaming_t,
+        return FlowInputs(
+            ids=pad_sequence(seqs, batch_first=True, padding_value=0),
+            lengths=torch.tensor([token_lengths, enc_lengths, mel_lengths], dtype=torch.long),
+            streaming=torch.tensor(streaming_f, dtype=torch.bool),
+            embeddings=emb.float(),
+            feats=pad_sequence([f.to(feats[0].device) for f in feats], batch_first=True),
             mel_lengths=tuple(mel_lengths), prompt_frames=tuple(prompt_frames),
+            max_encoder_len=max(enc_lengths),
+        )
+
+    def encode(self, ids: Tensor, lengths: Tensor, streaming: Tensor, embeddings: Tensor, feats: Tensor,
+               max_encoder_len: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Device part of conditioning, free of host synchronisation (CUDA-graph capturable).
+
+        Args (on the model's device): ``ids [B, L]`` int64, ``lengths [3, B]`` int64 (tokens,
+        encoder positions, mel frames per item), ``streaming [B]`` bool, ``embeddings
+        [B, spk_embed_dim]`` float, ``feats [B, F, n_mels]`` float prompt log-mel (zero-padded,
+        ``F <= T``); ``max_encoder_len`` >= every item's encoder positions (larger values only
+        add masked padding). ``T = token_mel_ratio * max_encoder_len``.
+
+        Returns ``(encoder_out [B, T, D], mu [B, n_mels, T], spks [B, n_mels], cond [B, n_mels, T],
+        mask [B, 1, T])`` in the model dtype.
+        """
+        device, dtype = ids.device, self._model_dtype()
+        token_len, enc_len, mel_len = lengths.unbind(0)
+        t = self.token_mel_ratio * max_encoder_len
+        token_mask = torch.arange(ids.size(1), device=device).unsqueeze(0) < token_len.unsqueeze(1)
+        x = self.input_embedding(ids.clamp(min=0)) * token_mask.unsqueeze(-1).to(dtype)
+        if x.size(1) < max_encoder_len:  # the encoder reads max_encoder_len positions
+            x = F.pad(x, (0, 0, 0, max_encoder_len - x.size(1)))
+        h = self.encoder(x, token_len, enc_len, streaming, max_encoder_len)
+        mask = (torch.arange(t, device=device).unsqueeze(0) < mel_len.unsqueeze(1)).unsqueeze(1).to(dtype)
+        mu = self.encoder_proj(h).transpose(1, 2) * mask
+        spks = self.spk_embed_affine_layer(F.normalize(embeddings.to(dtype), dim=1))
+        cond = F.pad(feats.to(dtype), (0, 0, 0, t - feats.size(1))).transpose(1, 2)
+        return h, mu, spks, cond, mask
+
+    @torch.inference_mode()
+    def condition(self, tokens: Sequence[Tensor], prompt_tokens: Sequence[Tensor],
+                  prompt_feats: Sequence[Tensor], embeddings: Tensor | Sequence[Tensor],
+                  streaming: bool | Sequence[bool], finalize: bool | Sequence[bool]) -> FlowConditioning:
+        """Run everything before the ODE solver for a batch; see :meth:`inference_batch` for arguments."""
+        return self.condition_inputs(self.prepare(tokens, prompt_tokens, prompt_feats, embeddings, streaming, finalize))
+
+    @torch.inference_mode()
+    def condition_inputs(self, inp: FlowInputs) -> FlowConditioning:
+        """:meth:`encode` of a prepared batch (moved to the model's device without host waits)."""
+        device = self.encoder_proj.weight.device
+        dev = [to_device(x, device) for x in (inp.ids, inp.lengths, inp.streaming, inp.embeddings, inp.feats)]
+        h, mu, spks, cond, mask = self.encode(*dev, inp.max_encoder_len)
+        return FlowConditioning(
+            encoder_out=h, mu=mu, spks=spks, cond=cond, mask=mask, streaming=dev[2],
+            mel_lengths=inp.mel_lengths, prompt_frames=inp.prompt_frames,
         )
 
     @torch.inference_mode()
     def solve(self, c: FlowConditioning, n_timesteps: int | None = None) -> Tensor:
         """Flow-matching ODE for a :class:`FlowConditioning`: ``[B, n_mels, T]`` float32 log-mel
         including prompt and padded frames."""
-        if self.graph_solver is not None and c.mu.is_cuda and n_timesteps in (None, self.cfg.cfm.n_timesteps):
-            return self.graph_solver(c.mu, c.mask, c.spks, c.cond, c.streaming)
         return self.decoder.solve(c.mu, c.mask, c.spks, c.cond, c.streaming, n_timesteps)
 
     @torch.inference_mode()
@@ -357,9 +413,14 @@ class FlowModel(nn.Module):
                 frames than frames in all, or more frames than the fixed noise buffer
                 (``CFMConfig.noise_frames``, 300 s).
         """
-        c = self.condition(tokens, prompt_tokens, prompt_feats, embeddings, streaming, finalize)
-        mel = self.solve(c, n_timesteps)
-        return [mel[i:i + 1, :, p:n] for i, (p, n) in enumerate(zip(c.prompt_frames, c.mel_lengths))]
+        default_steps = n_timesteps in (None, self.cfg.cfm.n_timesteps)
+        if self.graph is not None and self.encoder_proj.weight.is_cuda and default_steps:
+            inp = self.prepare(tokens, prompt_tokens, prompt_feats, embeddings, streaming, finalize)
+            mel, frames = self.graph(inp), zip(inp.prompt_frames, inp.mel_lengths)
+        else:
+            c = self.condition(tokens, prompt_tokens, prompt_feats, embeddings, streaming, finalize)
+            mel, frames = self.solve(c, n_timesteps), zip(c.prompt_frames, c.mel_lengths)
+        return [mel[i:i + 1, :, p:n] for i, (p, n) in enumerate(frames)]
 
     @torch.inference_mode()
     def inference(self, token: Tensor, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor,

@@ -1,5 +1,5 @@
 """CUDA graphs for the launch-bound hot paths: the LM decode step, single-sequence prefill,
-the flow solve and the HiFT decoder.
+the flow (encoder + solve) and the HiFT decoder.
 
 At serving batch sizes both are bound by kernel launches, not arithmetic (measured on an
 H100: one eager Qwen2-0.5B decode step takes ~18 ms at batch 1 and at batch 64; one
@@ -10,9 +10,10 @@ the launch cost. Graphs need static shapes, so inputs are padded to buckets:
   1024, ..., cache length). Padding rows read/write a reserved *scratch* KV slot and are
   discarded. Attention covers the bucket's KV length with a mask (positions <= each row's
   position), so results equal :meth:`SpeechLM.forward_cached`'s.
-* :class:`GraphedFlowSolver` — batch buckets x frame buckets (multiples of 64 frames).
-  Padded frames have mask 0, exactly like shorter items in an eager batch, so valid frames
-  are unchanged (the flow's batched path is padding-safe and tested to be).
+* :class:`GraphedFlow` — encoder + solve, batch buckets x token buckets (multiples of 32
+  tokens = 64 frames). Padded tokens and frames are masked, exactly like shorter items in an
+  eager batch, so valid frames are unchanged (the flow's batched path is padding-safe and
+  tested to be).
 
 Graphs are captured lazily on first use of a bucket (a few hundred ms each) into one shared
 memory pool; ``warmup()`` captures them ahead of time. Capture checks only the capturing
@@ -27,6 +28,7 @@ import math
 import torch
 
 from .llm import KVCache, SpeechLM
+from .transfer import to_device
 
 
 def _pow2_buckets(max_value: int) -> list[int]:
@@ -240,57 +242,99 @@ class GraphedHiFTDecoder:
         return out[:b, : t * spf].clone()
 
 
-class GraphedFlowSolver:
-    """The flow's Euler/CFG solve (``CausalFlowMatching.solve``) as CUDA graphs.
+class GraphedFlow:
+    """The whole flow of a token2wav batch — token embedding, conformer encoder, projections and
+    the 10-step CFG Euler solve (:meth:`FlowModel.encode` + ``CausalFlowMatching.solve``) — as
+    CUDA graphs per batch bucket x token bucket (multiples of ``token_bucket`` tokens; mel
+    frames = ``token_mel_ratio`` x tokens).
 
-    ``__call__(mu, mask, spks, cond, streaming)`` takes the eager solver's arguments
-    (``[B, n_mels, T]``, ``[B, 1, T]``, ``[B, n_mels]``, ``[B, n_mels, T]``, ``[B]`` bool)
-    and returns ``[B, n_mels, T]`` float32 (a fresh tensor).
+    ``__call__(inputs)`` takes a :class:`~cosyserve.models.flow.FlowInputs` (host tensors) and
+    returns ``[B, n_mels, T]`` float32 (a fresh tensor, ``T = ratio * tokens bucket``; item
+    ``b``'s valid frames are ``< inputs.mel_lengths[b]``). Padding is exactly the eager batch's:
+    padded tokens, positions and frames are masked per item (the encoder and estimator are
+    padding-safe, tested), so valid frames equal the eager result up to float rounding of
+    differently shaped kernels; padding rows hold one token. Inputs are copied into the
+    graph's buffers through pinned memory, so a call never waits for the GPU.
     """
 
-    def __init__(self, decoder, max_batch: int, frame_bucket: int = 64, max_graphs: int = 512):
-        self.decoder = decoder
+    def __init__(self, flow, max_batch: int, token_bucket: int = 32, max_graphs: int = 512, pool=None):
+        self.flow = flow
         self.batch_buckets = _pow2_buckets(max_batch)
-        self.frame_bucket = frame_bucket
+        self.token_bucket = token_bucket
         self.max_graphs = max_graphs
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int], tuple] = {}
 
     @torch.inference_mode()
-    def _capture(self, bb: int, tb: int, like: torch.Tensor):
-        n_mels = like.shape[1]
-        d, dt = like.device, like.dtype
-        bufs = {"mu": torch.zeros(bb, n_mels, tb, device=d, dtype=dt),
-                "mask": torch.zeros(bb, 1, tb, device=d, dtype=dt),
-                "spks": torch.zeros(bb, n_mels, device=d, dtype=dt),
-                "cond": torch.zeros(bb, n_mels, tb, device=d, dtype=dt),
-                "streaming": torch.zeros(bb, dtype=torch.bool, device=d)}
-        bufs["mask"][:, :, :1] = 1  # a valid frame per row during warm-up/capture
+    def _capture(self, bb: int, lb: int):
+        flow = self.flow
+        bufs = flow_buffers(flow, bb, lb, flow.encoder_proj.weight.device)
 
         def run():
-            return self.decoder.solve(bufs["mu"], bufs["mask"], bufs["spks"], bufs["cond"], bufs["streaming"])
+            return flow_from_buffers(flow, bufs)
 
         g, out = _capture_graph(run, self.pool)
         if len(self._graphs) >= self.max_graphs:  # bound memory: drop the oldest graph
             self._graphs.pop(next(iter(self._graphs)))
-        self._graphs[(bb, tb)] = (g, bufs, out)
-        return self._graphs[(bb, tb)]
+        self._graphs[(bb, lb)] = (g, bufs, out)
+        return self._graphs[(bb, lb)]
+
+    def buckets(self, n_items: int, n_tokens: int) -> tuple[int, int] | None:
+        """The (batch, tokens) bucket of a batch, or None if it is larger than any bucket
+        (or than the fixed noise buffer): such batches run eagerly."""
+        if n_items > self.batch_buckets[-1]:
+            return None
+        lb = int(math.ceil(n_tokens / self.token_bucket) * self.token_bucket)
+        if self.flow.token_mel_ratio * lb > self.flow.rand_noise.size(-1):
+            return None
+        return _pick(self.batch_buckets, n_items), lb
 
     @torch.inference_mode()
-    def __call__(self, mu, mask, spks, cond, streaming) -> torch.Tensor:
-        b, _, t = mu.shape
-        bb = _pick(self.batch_buckets, b)
-        tb = int(math.ceil(t / self.frame_bucket) * self.frame_bucket)
-        if tb > self.decoder.rand_noise.size(-1):
-            return self.decoder.solve(mu, mask, spks, cond, streaming)
-        g, bufs, out = self._graphs.get((bb, tb)) or self._capture(bb, tb, mu)
-        for k, v in (("mu", mu), ("mask", mask), ("cond", cond)):
-            bufs[k].zero_()
-            bufs[k][:b, :, :t].copy_(v)
-        bufs["mask"][b:, :, :1] = 1
-        bufs["spks"].zero_()
-        bufs["spks"][:b].copy_(spks)
-        bufs["streaming"].zero_()
-        bufs["streaming"][:b].copy_(streaming)
+    def __call__(self, inputs) -> torch.Tensor:
+        b, n_tok = inputs.ids.shape
+        key = self.buckets(b, n_tok)
+        if key is None:
+            return self.flow.solve(self.flow.condition_inputs(inputs))
+        g, bufs, out = self._graphs.get(key) or self._capture(*key)
+        fill_flow_buffers(bufs, inputs, self.flow.token_mel_ratio)
         g.replay()
-        return out[:b, :, :t].clone()
+        return out[:b].clone()
+
+
+def flow_buffers(flow, bb: int, lb: int, device) -> dict[str, torch.Tensor]:
+    """Static inputs of a :class:`GraphedFlow` bucket: ``bb`` rows of ``lb`` tokens
+    (``token_mel_ratio * lb`` frames), on ``device``."""
+    t = flow.token_mel_ratio * lb
+    lengths = torch.ones(3, bb, dtype=torch.long, device=device)
+    lengths[2] = flow.token_mel_ratio
+    return {"ids": torch.zeros(bb, lb, dtype=torch.long, device=device), "lengths": lengths,
+            "streaming": torch.zeros(bb, dtype=torch.bool, device=device),
+            "embeddings": torch.zeros(bb, flow.cfg.spk_embed_dim, device=device),
+            "feats": torch.zeros(bb, t, flow.n_mels, device=device)}
+
+
+def fill_flow_buffers(bufs: dict[str, torch.Tensor], inputs, ratio: int) -> None:
+    """Copy a :class:`~cosyserve.models.flow.FlowInputs` batch into bucket buffers (pinned,
+    asynchronous); rows past the batch become one-token padding items (1 token, 1 encoder
+    position, ``ratio`` frames), positions past each item are zero and masked."""
+    b, n_tok = inputs.ids.shape
+    d = bufs["ids"].device
+    bufs["ids"].zero_()
+    bufs["ids"][:b, :n_tok].copy_(to_device(inputs.ids, d))
+    bufs["lengths"].fill_(1)
+    bufs["lengths"][2].fill_(ratio)
+    bufs["lengths"][:, :b].copy_(to_device(inputs.lengths, d))
+    bufs["streaming"].zero_()
+    bufs["streaming"][:b].copy_(to_device(inputs.streaming, d))
+    bufs["embeddings"].zero_()
+    bufs["embeddings"][:b].copy_(to_device(inputs.embeddings, d))
+    bufs["feats"].zero_()
+    bufs["feats"][:b, : inputs.feats.shape[1]].copy_(to_device(inputs.feats, d))
+
+
+def flow_from_buffers(flow, bufs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """What a :class:`GraphedFlow` graph computes: :meth:`FlowModel.encode` over the whole bucket
+    (``max_encoder_len`` = the bucket's tokens) and the CFG Euler solve -> ``[bb, n_mels, T]`` float32."""
+    _, mu, spks, cond, mask = flow.encode(bufs["ids"], bufs["lengths"], bufs["streaming"], bufs["embeddings"],
+                                          bufs["feats"], bufs["ids"].shape[1])
+    return flow.decoder.solve(mu, mask, spks, cond, bufs["streaming"])
