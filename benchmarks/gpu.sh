@@ -14,7 +14,8 @@
 #
 # Usage:  benchmarks/gpu.sh [OUT_DIR]
 #   env: RATIO (6), LEVELS (1,2,4,8,16,32), DTYPE (bfloat16), DEVICE (cuda), YAML, QWEN_CONFIG,
-#        SKIP_IN_PROCESS=1, NO_WHEELS=1 (use the installed packages), COSYSERVE_COMMIT (default: git)
+#        SKIP_IN_PROCESS=1, NO_WHEELS=1 (use the installed packages), COSYSERVE_COMMIT (default: git),
+#        SERVE_ARGS (extra `cosyserve serve` options, e.g. --token2wav-thread)
 # Tables go to stdout and OUT_DIR/*/report.md; server log in OUT_DIR/server.log.
 set -u
 cd "$(dirname "$0")/.."
@@ -42,11 +43,12 @@ MODEL=(--random-weights "$YAML" --qwen-config "$QWEN_CONFIG" --device "$DEVICE" 
 PIN=(--min-token-text-ratio "$RATIO" --max-token-text-ratio "$RATIO")
 BENCH=(--voice default --no-progress)
 
+echo "== serve options: ${SERVE_ARGS:-(defaults)}"
 echo "== machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null)," \
      "$(python3 -c 'import torch; print("torch", torch.__version__)'), commit ${COSYSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 $CS serve "${MODEL[@]}" "${PIN[@]}" --max-active-streams 64 --max-queue 256 --chunk-policy exponential \
-  --voices-dir /tmp/cosyserve-voices --port 8000 --grpc-port 8001 >"$OUTDIR/server.log" 2>&1 &
+  --voices-dir /tmp/cosyserve-voices --port 8000 --grpc-port 8001 ${SERVE_ARGS:-} >"$OUTDIR/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null' EXIT
 t0=$(date +%s)
