@@ -231,9 +231,11 @@ def test_token2wav_launch_does_not_wait_for_the_gpu(yaml_dir):
         import time
 
         t0 = time.perf_counter()
-        pending = t2w.launch(jobs(), stream=side)
+        pending = t2w.launch(jobs(), stream=side, queue_steps=2)  # as the engine issues it
+        for _ in range(5):  # the GPU is busy: advancing issues nothing more, and never waits
+            assert not pending.advance(2)
         issued = time.perf_counter() - t0
-        assert not pending.done()
+        assert not pending.done() and pending.run.steps_left == pending.run.state.n - 2
         got = t2w.finish(pending)
     finally:
         m.flow.graph = m.hift.graph_decode = None

@@ -271,8 +271,8 @@ def test_token2wav_in_flight_while_lm_decodes(syn, voice, monkeypatch):
     engine._t2w_stream = "side-stream"  # what the engine holds on CUDA
     real_launch = engine.t2w.launch
 
-    def launch(jobs, stream=None, marks=None):
-        assert stream == "side-stream"
+    def launch(jobs, stream=None, marks=None, queue_steps=None):
+        assert stream == "side-stream" and queue_steps == engine.cfg.t2w_queue_steps
         pending = real_launch(jobs, stream=None, marks=marks)
         pending.event = _SlowEvent(3)
         return pending
@@ -293,6 +293,62 @@ def test_token2wav_in_flight_while_lm_decodes(syn, voice, monkeypatch):
     for i in range(3):
         got = torch.from_numpy(np.concatenate(chunks[f"f{i}"]))
         assert got.shape == alone[i].audio.shape and rel_l2(got, alone[i].audio) <= WAVE_TOL
+
+
+class _FakeCudaEvent:
+    """A CUDA event stand-in for CPU tests: complete once its stream's clock passes it."""
+
+    clock = 0
+
+    def record(self, stream=None):
+        self.at = _FakeCudaEvent.clock
+
+    def query(self):
+        return _FakeCudaEvent.clock > self.at
+
+
+def test_token2wav_issued_a_few_flow_steps_at_a_time(syn, voice, monkeypatch):
+    """With ``queue_steps``, a batch on a side stream issues Euler steps only while fewer than
+    that many are unfinished; ``advance`` issues more as the GPU catches up, then HiFT; the
+    result equals the batch issued at once."""
+    import contextlib
+
+    from cosyserve.engine.token2wav import PendingToken2Wav, Token2WavJob
+    from cosyserve.models.hift import HiFTStreamState
+
+    t2w = syn.new_engine(EngineConfig(max_active=2)).t2w
+    tokens = torch.randint(0, 100, (30,), generator=torch.Generator().manual_seed(0))
+
+    def jobs():
+        return [Token2WavJob(voice, tokens, 0, True, False, HiFTStreamState(), torch.Generator().manual_seed(1))]
+
+    ref = t2w.finish(t2w.launch(jobs()))
+    issued_hift = []
+    monkeypatch.setattr(torch.cuda, "Event", _FakeCudaEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    real_issue = type(t2w)._issue_hift
+
+    def issue_hift(self, p):  # on the CPU: no pinned copies; the speech stays as computed
+        issued_hift.append(p.run.steps_left)
+        stream, p.stream = p.stream, None
+        try:
+            real_issue(self, p)
+        finally:
+            p.stream = stream
+
+    monkeypatch.setattr(type(t2w), "_issue_hift", issue_hift)
+    pending = t2w.launch(jobs(), stream="side-stream", queue_steps=2)
+    assert isinstance(pending, PendingToken2Wav) and not pending.issued
+    n = pending.run.state.n
+    assert pending.run.steps_left == n - 2  # two steps queued, none finished yet
+    assert not pending.advance(2) and pending.run.steps_left == n - 2  # the GPU has not moved
+    _FakeCudaEvent.clock += 1  # both queued steps finished
+    assert not pending.advance(2) and pending.run.steps_left == n - 4
+    while not pending.advance(2):
+        _FakeCudaEvent.clock += 1
+    assert pending.issued and issued_hift == [0]
+    got = t2w.finish(pending)
+    assert torch.equal(got[0].speech, ref[0].speech)
 
 
 def test_admission_abort_and_timeout(syn, voice):

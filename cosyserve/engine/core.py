@@ -82,7 +82,11 @@ class EngineConfig:
     one is added anyway (see the module doc); ``cuda_graphs``: LM decode and flow solve
     as CUDA graphs on CUDA devices; ``t2w_thread``: run token2wav on its own thread
     (:class:`~cosyserve.engine.token2wav.Token2WavWorker`; off by default: measured slower on
-    an H100 because both threads contend for the GIL, docs/perf.md run 6).
+    an H100 because both threads contend for the GIL, docs/perf.md runs 5 and 11);
+    ``t2w_queue_steps``: a token2wav batch on the side stream is issued a few flow steps at a
+    time, between LM steps, keeping at most this many unfinished on the GPU (``None``: the
+    whole batch at once, which can hold the scheduler in the driver until the GPU has worked
+    through most of it, docs/perf.md run 10).
     """
 
     max_active: int = 16
@@ -93,12 +97,13 @@ class EngineConfig:
     t2w_slack_s: float = 1.0
     cuda_graphs: bool = True
     t2w_thread: bool = False
+    t2w_queue_steps: int | None = 2
 
     def __post_init__(self):
         if self.max_t2w_batch is None:
             object.__setattr__(self, "max_t2w_batch", self.max_active)
         if self.max_active < 1 or self.max_queue < 0 or self.kv_max_len < 64 or self.max_t2w_batch < 1 \
-                or self.t2w_slack_s < 0:
+                or self.t2w_slack_s < 0 or (self.t2w_queue_steps is not None and self.t2w_queue_steps < 1):
             raise ValueError("invalid engine limits")
 
 
@@ -583,7 +588,8 @@ class EngineCore:
             self._inflight = (picked, t0, None)  # the LM keeps decoding while the worker runs it
             return
         try:
-            pending = self.t2w.launch(jobs, stream=self._t2w_stream, marks=self._marks)
+            pending = self.t2w.launch(jobs, stream=self._t2w_stream, marks=self._marks,
+                                      queue_steps=self.cfg.t2w_queue_steps)
         except Exception:  # noqa: BLE001 - find the culprit, keep the others
             self._emit(picked, self.t2w.run_each(jobs), events, t0)
             return
@@ -634,6 +640,17 @@ class EngineCore:
                 return False
             results, marks = out
         else:  # on the side CUDA stream
+            if not pending.issued:  # issue the next flow steps (then HiFT) that fit the queue
+                t_issue = time.perf_counter()
+                try:
+                    pending.advance(None if wait else self.cfg.t2w_queue_steps)
+                except Exception:  # noqa: BLE001 - find the culprit, keep the others
+                    self._inflight = None
+                    self._emit(picked, self.t2w.run_each(pending.jobs), events, t0)
+                    return True
+                finally:
+                    t_wait = time.perf_counter()
+                    self._host("t2w_launch", t_wait - t_issue)
             if not wait and not pending.done():
                 return False
             try:

@@ -88,7 +88,8 @@ class Token2Wav:
         return out
 
     @torch.inference_mode()
-    def launch(self, jobs: list[Token2WavJob], stream=None, marks=None) -> "PendingToken2Wav":
+    def launch(self, jobs: list[Token2WavJob], stream=None, marks=None,
+               queue_steps: int | None = None) -> "PendingToken2Wav":
         """Enqueue ``jobs`` without waiting for the GPU.
 
         With a CUDA ``stream``, all work is issued on it (inputs are created there too, so
@@ -96,15 +97,21 @@ class Token2Wav:
         event marks completion; :meth:`PendingToken2Wav.done` polls it. On CPU (or without
         a stream) the work is simply done here. ``marks`` (the engine's timestamp source, with
         ``mark(stream)``) records start / flow done / HiFT done in ``PendingToken2Wav.marks``.
+
+        ``queue_steps``: issue the flow's Euler steps only while fewer than this many issued
+        steps are unfinished on the GPU; :meth:`PendingToken2Wav.advance` issues the rest
+        (then HiFT), called by the engine between LM steps. A whole batch at once can hold the
+        calling thread in the driver until the GPU has worked through most of it (the stream's
+        launch queue is shorter than a 10-step solve). ``None``: issue everything now.
         """
+        pending = PendingToken2Wav(self, jobs, stream, marks)
         if not jobs:
-            return PendingToken2Wav([], [], None)
-        ctx = torch.cuda.stream(stream) if stream is not None else _null()
-        stamps = []
-        with ctx:
+            pending.speech, pending.states, pending.issued = [], [], True
+            return pending
+        with pending.on_stream():
             if marks is not None:
-                stamps.append(marks.mark(stream))
-            mels = self.flow.inference_batch(  # CPU inputs: copied without host synchronisation
+                pending.stamps.append(marks.mark(stream))
+            inputs = self.flow.prepare(  # CPU inputs: copied without host synchronisation
                 [j.tokens[None] for j in jobs],
                 [j.voice.flow_speech_token[None] for j in jobs],
                 [j.voice.speech_feat[None] for j in jobs],
@@ -112,34 +119,45 @@ class Token2Wav:
                 streaming=[j.streaming for j in jobs],
                 finalize=[j.finalize for j in jobs],
             )
-            if marks is not None:
-                stamps.append(marks.mark(stream))
-            hift_dev = next(self.hift.parameters()).device
-            chunks = []
-            for j, mel in zip(jobs, mels):
-                m = mel[:, :, j.token_offset * self.ratio:].to(hift_dev, torch.float32)
-                if j.finalize and j.speed != 1.0 and j.hift_state.empty:
-                    m = F.interpolate(m, size=max(1, int(m.shape[2] / j.speed)), mode="linear")
-                chunks.append(m)
-            out = hift_stream_step_batch(
-                self.hift, [j.hift_state for j in jobs], chunks, [j.finalize for j in jobs],
-                [j.generator for j in jobs],
-            )
-            speech = [s[0].float() for s, _ in out]
-            if marks is not None:
-                stamps.append(marks.mark(stream))
-            event = None
-            if stream is not None:
-                host = [torch.empty(s.shape, dtype=torch.float32, pin_memory=True) for s in speech]
-                for h, s in zip(host, speech):
-                    h.copy_(s, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-                speech = host
-        return PendingToken2Wav(speech, [st for _, st in out], event, keep=(jobs, mels, chunks), marks=tuple(stamps))
+            pending.run = self.flow.start(inputs)
+        pending.advance(queue_steps)
+        return pending
+
+    def _issue_hift(self, p: "PendingToken2Wav") -> None:
+        """After the flow's last step: HiFT on the new frames, copies to pinned host buffers,
+        the completion event (on ``p``'s stream)."""
+        jobs, marks, stream = p.jobs, p.marks_src, p.stream
+        mels = p.run.mels()
+        if marks is not None:
+            p.stamps.append(marks.mark(stream))
+        hift_dev = next(self.hift.parameters()).device
+        chunks = []
+        for j, mel in zip(jobs, mels):
+            m = mel[:, :, j.token_offset * self.ratio:].to(hift_dev, torch.float32)
+            if j.finalize and j.speed != 1.0 and j.hift_state.empty:
+                m = F.interpolate(m, size=max(1, int(m.shape[2] / j.speed)), mode="linear")
+            chunks.append(m)
+        out = hift_stream_step_batch(
+            self.hift, [j.hift_state for j in jobs], chunks, [j.finalize for j in jobs],
+            [j.generator for j in jobs],
+        )
+        speech = [s[0].float() for s, _ in out]
+        if marks is not None:
+            p.stamps.append(marks.mark(stream))
+        if stream is not None:
+            host = [torch.empty(s.shape, dtype=torch.float32, pin_memory=True) for s in speech]
+            for h, s in zip(host, speech):
+                h.copy_(s, non_blocking=True)
+            p.event = torch.cuda.Event()
+            p.event.record(stream)
+            speech = host
+        p.speech, p.states = speech, [st for _, st in out]
+        p.keep = (mels, chunks)
 
     def finish(self, pending: "PendingToken2Wav") -> list[Token2WavResult]:
-        """Wait for ``pending`` and return its results (speech on the CPU)."""
+        """Issue whatever is left of ``pending``, wait for it and return its results (speech on
+        the CPU)."""
+        pending.advance(None)
         if pending.event is not None:
             pending.event.synchronize()
         return [Token2WavResult(s.cpu() if s.device.type != "cpu" else s, st)
@@ -154,19 +172,64 @@ class _null:
         return False
 
 
-@dataclass
 class PendingToken2Wav:
-    """A token2wav batch in flight: per-job speech (pinned host buffers being filled, or
-    CPU/device tensors), next HiFT states, and the CUDA event that marks completion."""
+    """A token2wav batch in flight (:meth:`Token2Wav.launch`).
 
-    speech: list
-    states: list
-    event: "torch.cuda.Event | None"
-    keep: tuple = ()
-    marks: tuple = ()  # (start, flow done, HiFT done) timestamps when the engine asked for them
+    Until :attr:`issued`, part of it (flow steps, then HiFT) is still to be enqueued by
+    :meth:`advance`. Then ``speech`` holds per job the speech (pinned host buffers being
+    filled, or CPU/device tensors), ``states`` the next HiFT states, ``event`` the CUDA event
+    that marks completion, ``marks`` the (start, flow done, HiFT done) timestamps when asked.
+    """
+
+    def __init__(self, t2w: Token2Wav, jobs: list, stream=None, marks_src=None):
+        self.t2w, self.jobs, self.stream, self.marks_src = t2w, jobs, stream, marks_src
+        self.run = None
+        self.issued = False
+        self.speech: list = []
+        self.states: list = []
+        self.event = None
+        self.keep: tuple = ()
+        self.stamps: list = []
+        self._step_events: list = []
+
+    @property
+    def marks(self) -> tuple:
+        return tuple(self.stamps)
+
+    def on_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else _null()
+
+    def _queued(self) -> int:
+        while self._step_events and self._step_events[0].query():
+            self._step_events.pop(0)
+        return len(self._step_events)
+
+    @torch.inference_mode()
+    def advance(self, queue_steps: int | None = None) -> bool:
+        """Issue more of the batch: Euler steps while fewer than ``queue_steps`` issued steps
+        are unfinished on the GPU (``None``, or no CUDA stream: all of them), then HiFT and the
+        copies. Never waits for the GPU. Returns :attr:`issued`."""
+        if self.issued:
+            return True
+        if self.stream is None:
+            queue_steps = None
+        with self.on_stream():
+            while self.run.steps_left and (queue_steps is None or self._queued() < queue_steps):
+                self.run.step()
+                if queue_steps is not None:
+                    ev = torch.cuda.Event()
+                    ev.record(self.stream)
+                    self._step_events.append(ev)
+            if self.run.steps_left:
+                return False
+            self.t2w._issue_hift(self)
+        self.issued = True
+        self._step_events.clear()
+        return True
 
     def done(self) -> bool:
-        return self.event is None or self.event.query()
+        """Everything issued and finished on the GPU (never blocks)."""
+        return self.issued and (self.event is None or self.event.query())
 
 
 class Token2WavWorker:

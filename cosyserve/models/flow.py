@@ -57,7 +57,7 @@ from .flow_encoder import UpsampleConformerEncoder
 from .flow_estimator import FlowEstimator
 from .transfer import to_device
 
-__all__ = ["FlowModel", "FlowConditioning", "FlowInputs", "CausalFlowMatching"]
+__all__ = ["FlowModel", "FlowConditioning", "FlowInputs", "FlowRun", "CausalFlowMatching", "SolverState"]
 
 
 @dataclass
@@ -166,27 +166,67 @@ class CausalFlowMatching(nn.Module):
 
         Returns:
             ``[B, n_mels, T]`` float32 (padded frames are not meaningful). The loop performs
-            no host synchronisation.
+            no host synchronisation. Equals :meth:`begin`, ``n`` x :meth:`step`, ``state.x.float()``.
         """
+        state = self.begin(mu, mask, spks, cond, streaming, n_timesteps)
+        for _ in range(state.n):
+            self.step(state)
+        return state.x.float()
+
+    def begin(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, streaming: Tensor,
+              n_timesteps: int | None = None) -> "SolverState":
+        """The solver's state before the first Euler step (arguments as :meth:`solve`); the
+        CFG inputs (conditional rows, then unconditional rows with ``mu``, ``spks``, ``cond``
+        zeroed) and the attention masks are built once here."""
         n = self.cfm.n_timesteps if n_timesteps is None else int(n_timesteps)
         b, _, frames = mu.shape
         dtype, device = mu.dtype, mu.device
-        x = self.noise(frames, device, dtype).expand(b, -1, -1)
-        mu_in = torch.cat([mu, torch.zeros_like(mu)])
-        spks_in = torch.cat([spks, torch.zeros_like(spks)])
-        cond_in = torch.cat([cond, torch.zeros_like(cond)])
-        plan = self.estimator.attention_plan(torch.cat([mask, mask]), torch.cat([streaming, streaming]))
-        rate = self.cfm.inference_cfg_rate
         t_span = self.time_span(n, device, dtype)
-        t, dt = t_span[0], t_span[1] - t_span[0]
-        for step in range(1, n + 1):
-            v = self.estimator.forward_planned(torch.cat([x, x]), plan, mu_in, t.expand(2 * b), spks_in, cond_in)
-            v_cond, v_uncond = v[:b], v[b:]
-            x = x + dt * ((1.0 + rate) * v_cond - rate * v_uncond)
-            t = t + dt
-            if step < n:
-                dt = t_span[step + 1] - t
-        return x.float()
+        return SolverState(
+            x=self.noise(frames, device, dtype).expand(b, -1, -1).clone(),
+            t=t_span[0].clone(), dt=t_span[1] - t_span[0], k=torch.zeros((), dtype=torch.long, device=device),
+            t_span=t_span, n=n,
+            mu_in=torch.cat([mu, torch.zeros_like(mu)]), spks_in=torch.cat([spks, torch.zeros_like(spks)]),
+            cond_in=torch.cat([cond, torch.zeros_like(cond)]),
+            plan=self.estimator.attention_plan(torch.cat([mask, mask]), torch.cat([streaming, streaming])),
+        )
+
+    def step(self, s: "SolverState") -> None:
+        """One Euler step with CFG, in place on ``s.x``, ``s.t``, ``s.dt``, ``s.k`` (fixed
+        addresses, so a captured step can be replayed ``n`` times). Upstream's arithmetic:
+        ``x += dt * ((1 + r) v_cond - r v_uncond)``, ``t += dt``, then ``dt = t_span[k + 1] - t``
+        from the accumulated ``t``. No host synchronisation."""
+        b = s.x.shape[0]
+        rate = self.cfm.inference_cfg_rate
+        v = self.estimator.forward_planned(torch.cat([s.x, s.x]), s.plan, s.mu_in, s.t.expand(2 * b), s.spks_in,
+                                           s.cond_in)
+        v_cond, v_uncond = v[:b], v[b:]
+        s.x.copy_(s.x + s.dt * ((1.0 + rate) * v_cond - rate * v_uncond))
+        s.t.copy_(s.t + s.dt)
+        s.k.add_(1)
+        nxt = torch.clamp(s.k + 1, max=s.n).view(1)  # the last step's dt is never used
+        s.dt.copy_(s.t_span.index_select(0, nxt).view(()) - s.t)
+
+
+@dataclass
+class SolverState:
+    """The flow ODE solver between Euler steps (:meth:`CausalFlowMatching.begin` / ``step``).
+
+    ``x`` ``[B, n_mels, T]``, ``t`` / ``dt`` 0-dim (model dtype), ``k`` 0-dim int64 (steps done),
+    ``t_span`` ``[n + 1]``; ``mu_in`` / ``cond_in`` ``[2B, n_mels, T]``, ``spks_in`` ``[2B, n_mels]``
+    (CFG rows) and the estimator's :class:`~cosyserve.models.flow_estimator.AttentionPlan`.
+    """
+
+    x: Tensor
+    t: Tensor
+    dt: Tensor
+    k: Tensor
+    t_span: Tensor
+    n: int
+    mu_in: Tensor
+    spks_in: Tensor
+    cond_in: Tensor
+    plan: object
 
 
 def _as_1d(x: Tensor, what: str, index: int) -> Tensor:
@@ -208,6 +248,37 @@ def _flags(value: bool | Sequence[bool], n: int, what: str) -> list[bool]:
     if len(flags) != n:
         raise ValueError(f"flow: {what} has {len(flags)} entries for {n} items")
     return flags
+
+
+class FlowRun:
+    """A flow batch being issued step by step (:meth:`FlowModel.start`).
+
+    ``steps_left``: Euler steps not yet issued; :meth:`step` issues the next one (no host
+    synchronisation); :meth:`mels` (after the last step) returns per item the float32 log-mel
+    ``[1, n_mels, T_b]`` of its non-prompt frames, as :meth:`FlowModel.inference_batch`.
+    """
+
+    def __init__(self, step, state: SolverState, inputs: FlowInputs):
+        self._step = step
+        self.state = state
+        self.inputs = inputs
+        self.steps_left = state.n
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        if self.steps_left <= 0:
+            raise RuntimeError("all Euler steps were already issued")
+        self._step()
+        self.steps_left -= 1
+
+    @torch.inference_mode()
+    def mels(self) -> list[Tensor]:
+        if self.steps_left:
+            raise RuntimeError(f"{self.steps_left} Euler steps not issued yet")
+        b = self.inputs.ids.shape[0]
+        mel = self.state.x[:b].float()
+        return [mel[i:i + 1, :, p:n] for i, (p, n) in enumerate(zip(self.inputs.prompt_frames,
+                                                                   self.inputs.mel_lengths))]
 
 
 class FlowModel(nn.Module):
@@ -413,14 +484,26 @@ class FlowModel(nn.Module):
                 frames than frames in all, or more frames than the fixed noise buffer
                 (``CFMConfig.noise_frames``, 300 s).
         """
+        run = self.start(self.prepare(tokens, prompt_tokens, prompt_feats, embeddings, streaming, finalize),
+                         n_timesteps)
+        while run.steps_left:
+            run.step()
+        return run.mels()
+
+    @torch.inference_mode()
+    def start(self, inputs: FlowInputs, n_timesteps: int | None = None) -> "FlowRun":
+        """Issue the encoder and the solver's set-up for a prepared batch; the Euler steps are
+        then issued one at a time with :meth:`FlowRun.step` (so a caller can keep the GPU's
+        queue short and stay responsive: see :class:`~cosyserve.engine.token2wav.Token2Wav`).
+        Uses the CUDA graphs of :attr:`graph` when set (CUDA, default number of steps)."""
         default_steps = n_timesteps in (None, self.cfg.cfm.n_timesteps)
         if self.graph is not None and self.encoder_proj.weight.is_cuda and default_steps:
-            inp = self.prepare(tokens, prompt_tokens, prompt_feats, embeddings, streaming, finalize)
-            mel, frames = self.graph(inp), zip(inp.prompt_frames, inp.mel_lengths)
-        else:
-            c = self.condition(tokens, prompt_tokens, prompt_feats, embeddings, streaming, finalize)
-            mel, frames = self.solve(c, n_timesteps), zip(c.prompt_frames, c.mel_lengths)
-        return [mel[i:i + 1, :, p:n] for i, (p, n) in enumerate(frames)]
+            run = self.graph.start(inputs)
+            if run is not None:
+                return run
+        c = self.condition_inputs(inputs)
+        state = self.decoder.begin(c.mu, c.mask, c.spks, c.cond, c.streaming, n_timesteps)
+        return FlowRun(lambda: self.decoder.step(state), state, inputs)
 
     @torch.inference_mode()
     def inference(self, token: Tensor, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor,

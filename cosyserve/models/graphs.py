@@ -244,20 +244,26 @@ class GraphedHiFTDecoder:
 
 class GraphedFlow:
     """The whole flow of a token2wav batch — token embedding, conformer encoder, projections and
-    the 10-step CFG Euler solve (:meth:`FlowModel.encode` + ``CausalFlowMatching.solve``) — as
-    CUDA graphs per batch bucket x token bucket (multiples of ``token_bucket`` tokens; mel
-    frames = ``token_mel_ratio`` x tokens).
+    the 10-step CFG Euler solve — as CUDA graphs per batch bucket x token bucket (multiples of
+    ``token_bucket`` tokens; mel frames = ``token_mel_ratio`` x tokens): one *begin* graph
+    (:meth:`FlowModel.encode` + ``CausalFlowMatching.begin``) and one *step* graph (one Euler
+    step, in place) replayed ``n_timesteps`` times.
 
-    ``__call__(inputs)`` takes a :class:`~cosyserve.models.flow.FlowInputs` (host tensors) and
-    returns ``[B, n_mels, T]`` float32 (a fresh tensor, ``T = ratio * tokens bucket``; item
-    ``b``'s valid frames are ``< inputs.mel_lengths[b]``). Padding is exactly the eager batch's:
-    padded tokens, positions and frames are masked per item (the encoder and estimator are
-    padding-safe, tested), so valid frames equal the eager result up to float rounding of
-    differently shaped kernels; padding rows hold one token. Inputs are copied into the
-    graph's buffers through pinned memory, so a call never waits for the GPU.
+    Why a graph per step rather than one for the whole solve: a graph of ~11 000 kernels does not
+    fit the stream's launch queue, so ``cudaGraphLaunch`` would hold the calling thread until
+    the GPU had worked through most of it (measured: 85 ms of host time for a 16-item batch,
+    docs/perf.md run 10); issued step by step, the caller never waits.
+
+    :meth:`start` takes a :class:`~cosyserve.models.flow.FlowInputs` (host tensors) and returns
+    a :class:`~cosyserve.models.flow.FlowRun` (or None when the batch exceeds every bucket: run
+    it eagerly). Padding is exactly the eager batch's: padded tokens, positions and frames are
+    masked per item (the encoder and estimator are padding-safe, tested), so valid frames equal
+    the eager result up to float rounding of differently shaped kernels; padding rows hold one
+    token. Inputs reach the graph's buffers through pinned memory (no host waits). One batch per
+    bucket may be in flight at a time (the buffers are the bucket's).
     """
 
-    def __init__(self, flow, max_batch: int, token_bucket: int = 32, max_graphs: int = 512, pool=None):
+    def __init__(self, flow, max_batch: int, token_bucket: int = 32, max_graphs: int = 256, pool=None):
         self.flow = flow
         self.batch_buckets = _pow2_buckets(max_batch)
         self.token_bucket = token_bucket
@@ -269,14 +275,12 @@ class GraphedFlow:
     def _capture(self, bb: int, lb: int):
         flow = self.flow
         bufs = flow_buffers(flow, bb, lb, flow.encoder_proj.weight.device)
-
-        def run():
-            return flow_from_buffers(flow, bufs)
-
-        g, out = _capture_graph(run, self.pool)
-        if len(self._graphs) >= self.max_graphs:  # bound memory: drop the oldest graph
+        g_begin, state = _capture_graph(lambda: flow_begin_from_buffers(flow, bufs), self.pool)
+        g_begin.replay()  # real values in the state before the step is warmed up and captured
+        g_step, _ = _capture_graph(lambda: flow.decoder.step(state), self.pool)
+        if len(self._graphs) >= self.max_graphs:  # bound memory: drop the oldest bucket
             self._graphs.pop(next(iter(self._graphs)))
-        self._graphs[(bb, lb)] = (g, bufs, out)
+        self._graphs[(bb, lb)] = (g_begin, g_step, bufs, state)
         return self._graphs[(bb, lb)]
 
     def buckets(self, n_items: int, n_tokens: int) -> tuple[int, int] | None:
@@ -290,15 +294,28 @@ class GraphedFlow:
         return _pick(self.batch_buckets, n_items), lb
 
     @torch.inference_mode()
-    def __call__(self, inputs) -> torch.Tensor:
-        b, n_tok = inputs.ids.shape
-        key = self.buckets(b, n_tok)
+    def start(self, inputs):
+        """Fill the bucket's buffers and replay its begin graph; None if no bucket fits."""
+        from .flow import FlowRun
+
+        key = self.buckets(*inputs.ids.shape)
         if key is None:
-            return self.flow.solve(self.flow.condition_inputs(inputs))
-        g, bufs, out = self._graphs.get(key) or self._capture(*key)
+            return None
+        g_begin, g_step, bufs, state = self._graphs.get(key) or self._capture(*key)
         fill_flow_buffers(bufs, inputs, self.flow.token_mel_ratio)
-        g.replay()
-        return out[:b].clone()
+        g_begin.replay()
+        return FlowRun(g_step.replay, state, inputs)
+
+    @torch.inference_mode()
+    def __call__(self, inputs) -> torch.Tensor:
+        """All steps at once: ``[B, n_mels, T]`` float32 (``T`` = the bucket's frames; eager
+        beyond the buckets)."""
+        run = self.start(inputs)
+        if run is None:
+            return self.flow.solve(self.flow.condition_inputs(inputs))
+        while run.steps_left:
+            run.step()
+        return run.state.x[: inputs.ids.shape[0]].float()
 
 
 def flow_buffers(flow, bb: int, lb: int, device) -> dict[str, torch.Tensor]:
@@ -332,9 +349,19 @@ def fill_flow_buffers(bufs: dict[str, torch.Tensor], inputs, ratio: int) -> None
     bufs["feats"][:b, : inputs.feats.shape[1]].copy_(to_device(inputs.feats, d))
 
 
-def flow_from_buffers(flow, bufs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """What a :class:`GraphedFlow` graph computes: :meth:`FlowModel.encode` over the whole bucket
-    (``max_encoder_len`` = the bucket's tokens) and the CFG Euler solve -> ``[bb, n_mels, T]`` float32."""
+def flow_begin_from_buffers(flow, bufs: dict[str, torch.Tensor]):
+    """What a :class:`GraphedFlow` begin graph computes: :meth:`FlowModel.encode` over the whole
+    bucket (``max_encoder_len`` = the bucket's tokens) and the solver's set-up -> its
+    :class:`~cosyserve.models.flow.SolverState`."""
     _, mu, spks, cond, mask = flow.encode(bufs["ids"], bufs["lengths"], bufs["streaming"], bufs["embeddings"],
                                           bufs["feats"], bufs["ids"].shape[1])
-    return flow.decoder.solve(mu, mask, spks, cond, bufs["streaming"])
+    return flow.decoder.begin(mu, mask, spks, cond, bufs["streaming"])
+
+
+def flow_from_buffers(flow, bufs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Begin + all Euler steps over bucket buffers (eagerly) -> ``[bb, n_mels, T]`` float32: what
+    the graphs of a :class:`GraphedFlow` bucket compute together."""
+    state = flow_begin_from_buffers(flow, bufs)
+    for _ in range(state.n):
+        flow.decoder.step(state)
+    return state.x.float()
