@@ -323,6 +323,13 @@ def _builtin_default_voice(model_dir: str, voices_dir: str) -> None:
         store.add(Frontend(model_dir).make_voice("default", *shipped_prompt()))
 
 
+def _queue_steps(n: int) -> int | None:
+    """``--t2w-queue-steps``: N >= 1 steps ahead, 0 = whole batches (None); CLIError otherwise."""
+    if n < 0:
+        raise CLIError(f"--t2w-queue-steps must be >= 0, got {n}")
+    return n or None
+
+
 def cmd_serve(args) -> int:
     import asyncio
 
@@ -353,7 +360,7 @@ def cmd_serve(args) -> int:
     cfg = ServerConfig(
         model_dir=args.model_dir, host=args.host, port=args.port, grpc_port=args.grpc_port, voices_dir=voices_dir,
         default_voice=default_voice, max_active_streams=args.max_active_streams, max_queue=args.max_queue,
-        token2wav_thread=args.token2wav_thread,
+        token2wav_thread=args.token2wav_thread, t2w_queue_steps=_queue_steps(args.t2w_queue_steps),
         api_key=args.api_key or os.environ.get("COSYSERVE_API_KEY") or None, device=device,
         dtype=str(_dtype(args.dtype, device)).replace("torch.", ""), request_timeout_s=args.request_timeout or None,
         max_text_chars=args.max_text_chars, max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
@@ -406,7 +413,7 @@ def cmd_bench(args) -> int:
         max_token_text_ratio=args.max_token_text_ratio, in_process=args.in_process, model_dir=args.model_dir,
         demo=args.demo, device=device, dtype=str(_dtype(args.dtype, device)).replace("torch.", ""),
         voices_dir=args.voices_dir or DEFAULT_VOICES_DIR, max_active_streams=args.max_active_streams,
-        token2wav_thread=args.token2wav_thread,
+        token2wav_thread=args.token2wav_thread, t2w_queue_steps=_queue_steps(args.t2w_queue_steps),
         chunk_policy=args.chunk_policy, metrics_url=args.metrics_url)
     report = run_bench(opts)
     failed = sum(lv["failed"] for lv in report["levels"])
@@ -521,6 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get HTTP 429")
     sv.add_argument("--token2wav-thread", action="store_true",
                     help="run token2wav on its own thread (experimental; slower on the H100 measured, docs/perf.md)")
+    sv.add_argument("--t2w-queue-steps", type=int, default=2, metavar="N",
+                    help="token2wav batches on the GPU are issued N flow steps ahead of the device, between LM steps (default 2; 0 = whole batches at once)")
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also $COSYSERVE_API_KEY)")
     sv.add_argument("--request-timeout", type=float, default=300.0, help="seconds; 0 = none")
     sv.add_argument("--max-text-chars", type=int, default=4096)
@@ -574,6 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--voices-dir", default=None, help="voice store for --voice (--in-process)")
     b.add_argument("--max-active-streams", type=int, default=16, help="engine KV slots (--in-process)")
     b.add_argument("--token2wav-thread", action="store_true", help="token2wav on its own thread (--in-process)")
+    b.add_argument("--t2w-queue-steps", type=int, default=2, metavar="N", help="as for serve (--in-process)")
     b.add_argument("--chunk-policy", default=None,
                    help="streaming chunk schedule: in-process (default upstream), or sent to a server as the KServe "
                         "gRPC request parameter chunk_policy (default: the server's)")

@@ -161,3 +161,8 @@ def test_convert_llm(tmp_path, capsys):
 
     out_sd = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert torch.equal(out_sd["model.norm.weight"], sd["llm.model.model.norm.weight"])
+
+
+def test_t2w_queue_steps_must_not_be_negative(capsys):
+    code, out, err = run(capsys, "serve", "--model-dir", model_dir(), "--t2w-queue-steps", "-1")
+    assert code == 2 and "--t2w-queue-steps must be >= 0, got -1" in err and "Traceback" not in err

@@ -54,6 +54,7 @@ class ServerConfig:
     default_voice: str | None = None
     max_active_streams: int = 16
     token2wav_thread: bool = False
+    t2w_queue_steps: int | None = 2
     max_queue: int = 64
     api_key: str | None = None
     device: str = "cpu"
@@ -123,7 +124,7 @@ class ServerState:
             c = self.config
             core = self.synth.new_engine(
                 EngineConfig(max_active=c.max_active_streams, max_queue=c.max_queue, kv_max_len=c.kv_max_len,
-                             t2w_thread=c.token2wav_thread),
+                             t2w_thread=c.token2wav_thread, t2w_queue_steps=c.t2w_queue_steps),
                 observer=self.metrics)
             self.metrics.attach(core)
             self.engine = AsyncEngine(core)
