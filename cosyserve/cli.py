@@ -528,8 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get HTTP 429")
     sv.add_argument("--token2wav-thread", action="store_true",
                     help="run token2wav on its own thread (experimental; slower on the H100 measured, docs/perf.md)")
-    sv.add_argument("--t2w-queue-steps", type=int, default=2, metavar="N",
-                    help="token2wav batches on the GPU are issued N flow steps ahead of the device, between LM steps (default 2; 0 = whole batches at once)")
+    sv.add_argument("--t2w-queue-steps", type=int, default=4, metavar="N",
+                    help="token2wav batches on the GPU are issued N flow steps ahead of the device, between LM "
+                         "steps (default 4; 0 = whole batches at once)")
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also $COSYSERVE_API_KEY)")
     sv.add_argument("--request-timeout", type=float, default=300.0, help="seconds; 0 = none")
     sv.add_argument("--max-text-chars", type=int, default=4096)
@@ -583,7 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--voices-dir", default=None, help="voice store for --voice (--in-process)")
     b.add_argument("--max-active-streams", type=int, default=16, help="engine KV slots (--in-process)")
     b.add_argument("--token2wav-thread", action="store_true", help="token2wav on its own thread (--in-process)")
-    b.add_argument("--t2w-queue-steps", type=int, default=2, metavar="N", help="as for serve (--in-process)")
+    b.add_argument("--t2w-queue-steps", type=int, default=4, metavar="N", help="as for serve (--in-process)")
     b.add_argument("--chunk-policy", default=None,
                    help="streaming chunk schedule: in-process (default upstream), or sent to a server as the KServe "
                         "gRPC request parameter chunk_policy (default: the server's)")

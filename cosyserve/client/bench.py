@@ -113,7 +113,7 @@ class BenchOptions:
     voices_dir: str | None = None
     max_active_streams: int = 16
     token2wav_thread: bool = False
-    t2w_queue_steps: int | None = 2
+    t2w_queue_steps: int | None = 4
     chunk_policy: str | None = None  # in-process: default upstream; a server: gRPC request parameter
     # server: its Prometheus page, scraped around each level for the stage breakdown
     # (default: URL/metrics for http/openai; none for grpc unless given)

@@ -97,7 +97,7 @@ class EngineConfig:
     t2w_slack_s: float = 1.0
     cuda_graphs: bool = True
     t2w_thread: bool = False
-    t2w_queue_steps: int | None = 2
+    t2w_queue_steps: int | None = 4
 
     def __post_init__(self):
         if self.max_t2w_batch is None:

@@ -54,7 +54,7 @@ class ServerConfig:
     default_voice: str | None = None
     max_active_streams: int = 16
     token2wav_thread: bool = False
-    t2w_queue_steps: int | None = 2
+    t2w_queue_steps: int | None = 4
     max_queue: int = 64
     api_key: str | None = None
     device: str = "cpu"
