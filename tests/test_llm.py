@@ -147,3 +147,47 @@ def test_batched_sampling_equals_per_row_sampling():
         assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(g1, g2))
     with pytest.raises(ValueError):
         s.sample_batch(logp, decoded[:2], g2, ignore)
+
+
+def test_device_sampling_follows_the_ras_rule():
+    """ras_sample_device: nucleus frequencies match the nucleus probabilities, a token repeated
+    in the window is replaced by a draw from the rest of the distribution, EOS is masked on
+    request, and draws depend only on (seed, step), not on the batch."""
+    import collections
+
+    from cosyserve.models.config import SamplingConfig
+    from cosyserve.models.sampling import counter_uniform, ras_sample_device
+
+    cfg, v, eos = SamplingConfig(), 30, 29
+    logp = (torch.randn(v, generator=torch.Generator().manual_seed(3)) * 2).log_softmax(0)
+    n = 20000
+    none = torch.full((n, cfg.win_size), -1)
+    toks = ras_sample_device(logp.expand(n, v), none, torch.arange(n), torch.zeros(n, dtype=torch.long),
+                             torch.zeros(n, dtype=torch.bool), cfg, eos)
+    p, order = logp.softmax(0).sort(descending=True)
+    keep = int(((p.cumsum(0) - p) < cfg.top_p).sum().clamp(max=cfg.top_k))
+    nucleus = p[:keep] / p[:keep].sum()
+    freq = collections.Counter(toks.tolist())
+    assert set(freq) <= set(order[:keep].tolist())
+    for i in range(keep):
+        assert abs(freq[int(order[i])] / n - float(nucleus[i])) < 0.015
+    # the top token, repeated in the window, is never the answer; the draw spans the rest
+    top = int(order[0])
+    rep = ras_sample_device(logp.expand(n, v), torch.full((n, cfg.win_size), top), torch.arange(n),
+                            torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.bool), cfg, eos)
+    assert top not in rep.tolist() and len(set(rep.tolist())) > keep
+    # EOS masked
+    peaked = torch.full((v,), -20.0)
+    peaked[eos] = 0.0
+    masked = ras_sample_device(peaked.log_softmax(0).expand(64, v), none[:64], torch.arange(64),
+                               torch.zeros(64, dtype=torch.long), torch.ones(64, dtype=torch.bool), cfg, eos)
+    assert eos not in masked.tolist()
+    # batch independence: row 5 alone gives what it gives among others
+    seeds, steps = torch.tensor([11, 12, 13, 14, 15, 16]), torch.tensor([0, 3, 7, 1, 9, 4])
+    logps = torch.randn(6, v, generator=torch.Generator().manual_seed(4)).log_softmax(1)
+    together = ras_sample_device(logps, none[:6], seeds, steps, torch.zeros(6, dtype=torch.bool), cfg, eos)
+    alone = ras_sample_device(logps[5:], none[:1], seeds[5:], steps[5:], torch.zeros(1, dtype=torch.bool), cfg, eos)
+    assert int(together[5]) == int(alone[0])
+    u = counter_uniform(torch.tensor([1, 1]), torch.tensor([0, 1]), 0, torch.arange(50000))
+    assert 0 < float(u.min()) and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.01
+    assert float((u[0] - u[1]).abs().mean()) > 0.3  # another step, other numbers

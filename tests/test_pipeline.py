@@ -397,3 +397,38 @@ def test_speed_changes_duration_offline(syn, voice):
     fast = syn.synthesize("你好，世界。", voice, SynthesisParams(speed=2.0, **p))
     assert fast.finished.tokens == normal.finished.tokens
     assert abs(fast.audio.numel() - normal.audio.numel() / 2) <= syn.cfg.hift.samples_per_frame
+
+
+def test_device_sampling_is_per_request_and_batch_independent(syn, voice):
+    """EngineConfig.device_sampling: the decode step's tokens come from ras_sample_device (keyed by
+    seed and token index), so a seeded request samples the same tokens alone and among others,
+    and every request still finishes with audio."""
+    texts = ["你好，世界。", "Hello there, my friend.", "今天天气很好。"]
+    params = [SynthesisParams(seed=21 + i, stream=i != 1, min_token_text_ratio=3, max_token_text_ratio=4)
+              for i in range(3)]
+
+    def run(indices):
+        engine = syn.new_engine(EngineConfig(max_active=3, max_queue=0, device_sampling=True))
+        for i in indices:
+            engine.add_request(syn.build_request(texts[i], voice, params[i], request_id=f"d{i}"))
+        done = {}
+        while engine.has_work():
+            for ev in engine.step():
+                if isinstance(ev, RequestFinished):
+                    done[ev.request_id] = ev
+        return done
+
+    together = run([0, 1, 2])
+    for i in range(3):
+        alone = run([i])[f"d{i}"]
+        assert together[f"d{i}"].outcome == Outcome.OK and together[f"d{i}"].audio_s > 0
+        assert together[f"d{i}"].tokens == alone.tokens
+    host = syn.new_engine(EngineConfig(max_active=1, max_queue=0))
+    host.add_request(syn.build_request(texts[0], voice, params[0], request_id="h"))
+    tokens = None
+    while host.has_work():
+        for ev in host.step():
+            if isinstance(ev, RequestFinished):
+                tokens = ev.tokens
+    assert tokens[0][0] == together["d0"].tokens[0][0]  # the first token is sampled on the host
+    assert tokens != together["d0"].tokens  # later ones from the device sampler's own stream

@@ -114,6 +114,7 @@ class BenchOptions:
     max_active_streams: int = 16
     token2wav_thread: bool = False
     t2w_queue_steps: int | None = 4
+    device_sampling: bool = False
     chunk_policy: str | None = None  # in-process: default upstream; a server: gRPC request parameter
     # server: its Prometheus page, scraped around each level for the stage breakdown
     # (default: URL/metrics for http/openai; none for grpc unless given)
@@ -420,6 +421,7 @@ class _Setup:
         voices = VoiceStore(o.voices_dir) if (o.voice and o.voices_dir) else None
         self.shared = InProcessEngine(synth, EngineConfig(max_active=o.max_active_streams, t2w_thread=o.token2wav_thread,
                                                           t2w_queue_steps=o.t2w_queue_steps,
+                                                          device_sampling=o.device_sampling,
                                                           max_queue=max(64, max(o.concurrency) * 2)),
                                       params, voices, builtin)
 

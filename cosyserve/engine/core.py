@@ -52,7 +52,7 @@ import torch
 from ..errors import CosyServeError, InvalidInputError
 from ..models.llm import KVCache
 from ..models.loader import CosyVoice2Models
-from ..models.sampling import UpstreamSampler
+from ..models.sampling import UpstreamSampler, ras_sample_device
 from .request import (
     AudioChunk,
     EngineRequest,
@@ -86,7 +86,12 @@ class EngineConfig:
     ``t2w_queue_steps``: a token2wav batch on the side stream is issued a few flow steps at a
     time, between LM steps, keeping at most this many unfinished on the GPU (``None``: the
     whole batch at once, which can hold the scheduler in the driver until the GPU has worked
-    through most of it, docs/perf.md run 10).
+    through most of it, docs/perf.md run 10); ``device_sampling``: rows with the default
+    sampler draw their next token on the device, inside the decode step
+    (:func:`~cosyserve.models.sampling.ras_sample_device`: the same RAS rule with counter-based
+    randomness keyed by the request's seed and token index — reproducible per seed and
+    independent of batching, but not upstream's random stream; the first token of each segment,
+    sampled from the prefill, and rows with their own sampler stay on the host).
     """
 
     max_active: int = 16
@@ -98,6 +103,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     t2w_thread: bool = False
     t2w_queue_steps: int | None = 4
+    device_sampling: bool = False
 
     def __post_init__(self):
         if self.max_t2w_batch is None:
@@ -195,7 +201,9 @@ class EngineCore:
         if use_graphs:
             from ..models.graphs import GraphedDecoder, GraphedFlow, GraphedHiFTDecoder, GraphedPrefill
 
-            self.decoder = GraphedDecoder(self.lm, self.cache, config.max_active)
+            sampling = models.cfg.llm.sampling if config.device_sampling else None
+            self.decoder = GraphedDecoder(self.lm, self.cache, config.max_active, sampling=sampling,
+                                          eos_id=models.cfg.llm.eos_token)
             self.decoder.warmup()  # capture every (batch, KV length) bucket now, not mid-request
             self.prefill_graphs = GraphedPrefill(self.lm, self.cache, pool=self.decoder.pool)
             self.prefill_graphs.warmup()
@@ -444,16 +452,23 @@ class EngineCore:
                    if st.next_lm_segment() is not None]
         running = [(st, seg) for st, seg in running if seg.prefilled and seg.tokens and not seg.lm_done
                    and all(seg is not s for _, s in rows)]
+        dev_tokens = None  # tokens sampled on the device for the running rows (device_sampling)
         if running:
             toks = torch.tensor([[seg.tokens[-1]] for _, seg in running])
             slots = torch.tensor([seg.slot for _, seg in running])
             start = torch.tensor([seg.length for _, seg in running])
             m0 = self._marks.mark()
             try:
-                if self.decoder is not None:
+                keys = self._sampling_keys(running) if self.cfg.device_sampling else None
+                if self.decoder is not None and keys is not None:
+                    h, dev_tokens = self.decoder.sample(toks.reshape(-1), slots, start, *keys)  # CUDA graph
+                elif self.decoder is not None:
                     h = self.decoder(toks.reshape(-1), slots, start)  # log-probs, CUDA graph
                 else:
                     h = lm.logprobs(lm.forward_cached(lm.embed_speech(toks), self.cache, slots, start)[:, -1])
+                    if keys is not None:
+                        dev_tokens = ras_sample_device(h, *(k.to(h.device) for k in keys), self._sampler.cfg,
+                                                       self._sampler.eos_id)
             except Exception as exc:  # noqa: BLE001
                 for st, _ in running:
                     self._fail(st, events, exc)
@@ -468,7 +483,20 @@ class EngineCore:
         host("decode", t2 - t1)
         if not rows:
             return 0
-        logp = torch.cat(hidden).cpu()  # log-probs of every row (waits for the GPU)
+        n_pre = len(rows) - (len(running) if running else 0)
+        sampled: dict[int, int] = {}  # row -> token sampled on the device
+        if dev_tokens is not None:
+            sampled = {n_pre + j: t for j, t in enumerate(dev_tokens.cpu().tolist())
+                       if self._default_sampler(running[j][1])}
+        need = [i for i in range(len(rows)) if i not in sampled]  # rows sampled here, from log-probs
+        logp_dev = torch.cat(hidden)
+        if len(need) == len(rows):
+            logp = logp_dev.cpu()  # log-probs of every row (waits for the GPU)
+        else:
+            logp = torch.zeros(len(rows), 0)
+            if need:
+                logp = torch.zeros(len(rows), logp_dev.shape[1])
+                logp[need] = logp_dev[torch.tensor(need, device=logp_dev.device)].cpu()
         t3 = time.perf_counter()
         host("lm_sync", t3 - t2)
         for name, n, a, b in spans:
@@ -477,11 +505,11 @@ class EngineCore:
         # 3. sampling: upstream RAS, each request with its own generator; rows with the default
         #    sampler in one batched call (same tokens as per row, see UpstreamSampler.sample_batch)
         live = [(i, st, seg) for i, (st, seg) in enumerate(rows) if st.request_id in self._active]
-        default = [(i, seg) for i, _, seg in live if type(seg.sampler) is UpstreamSampler
-                   and seg.sampler.cfg == self._sampler.cfg and seg.sampler.eos_id == self._sampler.eos_id]
-        batched = dict(zip([i for i, _ in default], self._sampler.sample_batch(
+        default = [(i, seg) for i, _, seg in live if i not in sampled and self._default_sampler(seg)]
+        batched = dict(sampled)
+        batched.update(zip([i for i, _ in default], self._sampler.sample_batch(
             logp[[i for i, _ in default]], [seg.tokens for _, seg in default], [seg.lm_gen for _, seg in default],
-            [len(seg.tokens) < seg.min_len for _, seg in default]))) if default else {}
+            [len(seg.tokens) < seg.min_len for _, seg in default])) if default else {})
         for i, st, seg in live:
             tok = batched.get(i)
             if tok is None:
@@ -501,6 +529,26 @@ class EngineCore:
         self.stats.lm_batches[len(rows)] = self.stats.lm_batches.get(len(rows), 0) + 1
         self.observer.lm_step(len(rows), prefill_tokens, dt)
         return len(rows)
+
+    def _default_sampler(self, seg: SegmentState) -> bool:
+        """The segment samples with the engine's default RAS settings (batched / on the device)."""
+        s = seg.sampler
+        return type(s) is UpstreamSampler and s.cfg == self._sampler.cfg and s.eos_id == self._sampler.eos_id
+
+    def _sampling_keys(self, running: list) -> tuple[torch.Tensor, ...]:
+        """Inputs of :func:`~cosyserve.models.sampling.ras_sample_device` for the running rows:
+        recent tokens ``[B, win]`` (-1 padded), seed keys (request seed and segment), token
+        indices and EOS masks (CPU tensors)."""
+        w = max(1, self._sampler.cfg.win_size)
+        recent = torch.full((len(running), w), -1, dtype=torch.long)
+        for j, (_, seg) in enumerate(running):
+            tail = seg.tokens[-w:]
+            if tail:
+                recent[j, w - len(tail):] = torch.tensor(tail)
+        seed = torch.tensor([(st.seed & 0xFFFFFFFF) | (seg.index << 32) for st, seg in running], dtype=torch.long)
+        step = torch.tensor([len(seg.tokens) for _, seg in running], dtype=torch.long)
+        ignore_eos = torch.tensor([len(seg.tokens) < seg.min_len for _, seg in running])
+        return recent, seed, step, ignore_eos
 
     def _prefill(self, slots: list[int], prefixes: list[torch.Tensor]) -> torch.Tensor:
         """Prefill several prefixes (right-padded into one forward); last hidden per row.

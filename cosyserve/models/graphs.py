@@ -28,6 +28,7 @@ import math
 import torch
 
 from .llm import KVCache, SpeechLM
+from .sampling import ras_sample_device
 from .transfer import to_device
 
 
@@ -70,10 +71,17 @@ class GraphedDecoder:
     slot for padding rows. Call with CPU or device tensors ``tokens [B]``, ``slots [B]``,
     ``start [B]`` (the position each row writes); returns float32 log-probabilities
     ``[B, S+3]`` on the device (a view into a static buffer: copy before the next call).
+
+    With ``sampling`` (a :class:`~cosyserve.models.config.SamplingConfig`) the graph also
+    samples the next token of every row (:func:`~cosyserve.models.sampling.ras_sample_device`);
+    call :meth:`sample` with the rows' recent tokens, seeds, steps and EOS masks to get
+    ``(log-probs, tokens [B] int64)``.
     """
 
-    def __init__(self, lm: SpeechLM, cache: KVCache, max_batch: int, kv_buckets: list[int] | None = None):
+    def __init__(self, lm: SpeechLM, cache: KVCache, max_batch: int, kv_buckets: list[int] | None = None,
+                 sampling=None, eos_id: int | None = None):
         self.lm = lm
+        self.sampling, self.eos_id = sampling, eos_id
         self.cache = cache
         self.scratch = cache.n_slots - 1
         self.device = cache.k.device
@@ -91,12 +99,22 @@ class GraphedDecoder:
             self._bufs[bb] = {"tokens": torch.zeros(bb, dtype=torch.long, device=d),
                               "slots": torch.full((bb,), self.scratch, dtype=torch.long, device=d),
                               "start": torch.zeros(bb, dtype=torch.long, device=d)}
+            if self.sampling is not None:
+                w = max(1, self.sampling.win_size)
+                self._bufs[bb].update(recent=torch.full((bb, w), -1, dtype=torch.long, device=d),
+                                      seed=torch.zeros(bb, dtype=torch.long, device=d),
+                                      step=torch.zeros(bb, dtype=torch.long, device=d),
+                                      ignore_eos=torch.zeros(bb, dtype=torch.bool, device=d))
         return self._bufs[bb]
 
-    def _step(self, buf: dict[str, torch.Tensor], kv_len: int) -> torch.Tensor:
+    def _step(self, buf: dict[str, torch.Tensor], kv_len: int):
         emb = self.lm.embed_speech(buf["tokens"][:, None])
         h = self.lm.forward_cached(emb, self.cache, buf["slots"], buf["start"], kv_len=kv_len)[:, -1]
-        return self.lm.logprobs(h)
+        logp = self.lm.logprobs(h)
+        if self.sampling is None:
+            return logp
+        return logp, ras_sample_device(logp, buf["recent"], buf["seed"], buf["step"], buf["ignore_eos"],
+                                       self.sampling, self.eos_id)
 
     @torch.inference_mode()
     def _capture(self, bb: int, kvb: int):
@@ -114,7 +132,26 @@ class GraphedDecoder:
                     self._capture(bb, kvb)
 
     @torch.inference_mode()
+    def sample(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, recent: torch.Tensor,
+               seed: torch.Tensor, step: torch.Tensor, ignore_eos: torch.Tensor):
+        """One step that also samples: ``recent [B, win_size]`` int64 (-1 padded), ``seed``,
+        ``step`` int64 ``[B]``, ``ignore_eos`` bool ``[B]`` (CPU or device) -> ``(log-probs
+        [B, S+3], tokens [B])``, views into static buffers."""
+        if self.sampling is None:
+            raise RuntimeError("this GraphedDecoder was built without sampling")
+        n = int(tokens.numel())
+        buf = self._buffers(_pick(self.batch_buckets, n))
+        for name, val in (("recent", recent), ("seed", seed), ("step", step), ("ignore_eos", ignore_eos)):
+            buf[name][:n].copy_(val, non_blocking=True)
+        logp, toks = self._run(tokens, slots, start)
+        return logp[:n], toks[:n]
+
+    @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        out = self._run(tokens, slots, start)
+        return (out[0] if self.sampling is not None else out)[: int(tokens.numel())]
+
+    def _run(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor):
         n = int(tokens.numel())
         kv_need = int(start.max()) + 1
         bb = _pick(self.batch_buckets, n)
@@ -129,7 +166,7 @@ class GraphedDecoder:
             buf["start"][n:].zero_()
         g, out = g_out
         g.replay()
-        return out[:n]
+        return out
 
 
 class GraphedPrefill:

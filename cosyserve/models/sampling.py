@@ -136,3 +136,78 @@ class UpstreamSampler:
                 tok = int(row.softmax(dim=0).multinomial(1, replacement=True, generator=generators[b]).item())
             out.append(tok)
         return out
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(v: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    v &= _MASK64
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+_GOLDEN = _i64(0x9E3779B97F4A7C15)
+_MIX1 = _i64(0xBF58476D1CE4E5B9)
+_MIX2 = _i64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's ``>>`` is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def counter_uniform(seed: torch.Tensor, step: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
+    """Counter-based uniform random numbers in (0, 1), float32, from integer keys.
+
+    ``seed``, ``step``: int64 ``[B]``; ``index``: int64 ``[N]``; ``stream`` a small int (which
+    draw). Returns ``[B, N]``: a pure function of (seed, step, stream, index) — SplitMix64's
+    finaliser (Steele et al., 2014) over the combined key, 24 bits per number — so a request's
+    draws do not depend on what else is in its batch, and no generator state exists. int64
+    arithmetic wraps (two's complement), as the algorithm needs.
+    """
+    key = seed[:, None] * _GOLDEN + (step[:, None] * 1_000_003 + stream) * _MIX2 + index[None, :] * _MIX1
+    z = key + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    return (_shr(z, 40).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def ras_sample_device(logp: torch.Tensor, recent: torch.Tensor, seed: torch.Tensor, step: torch.Tensor,
+                      ignore_eos: torch.Tensor, cfg: SamplingConfig, eos_id: int) -> torch.Tensor:
+    """Repetition-aware sampling for a batch on the device, without host synchronisation.
+
+    The rule of :class:`UpstreamSampler` (nucleus of at most ``top_k`` tokens whose running
+    probability before each token is below ``top_p``; if the pick occurs ``>= win_size * tau_r``
+    times among the last ``win_size`` tokens, a draw from the full distribution without it;
+    ``ignore_eos`` masks ``eos_id``), with counter-based randomness (:func:`counter_uniform`)
+    instead of a generator: categorical draws are exponential races (``argmax p_i / E_i``,
+    ``E_i = -log U_i``), keyed by the request's seed and its token index, so seeded requests
+    are reproducible and independent of batching. It does not reproduce upstream's random
+    stream (:class:`UpstreamSampler` does, on the host).
+
+    Args: ``logp`` float ``[B, V]`` log-probabilities; ``recent`` int64 ``[B, win_size]`` the
+    last decoded tokens (``-1`` where fewer exist); ``seed``, ``step`` int64 ``[B]`` (step =
+    tokens decoded so far); ``ignore_eos`` bool ``[B]``. Returns int64 ``[B]`` token ids.
+    """
+    v = logp.shape[1]
+    scores = logp.float().masked_fill(
+        ignore_eos[:, None] & (torch.arange(v, device=logp.device) == eos_id)[None, :], float("-inf"))
+    probs = scores.softmax(dim=1)
+    k = min(cfg.top_k, v)
+    vals, idx = probs.topk(k, dim=1, largest=True, sorted=True)
+    before = vals.cumsum(dim=1) - vals
+    keep = before < cfg.top_p  # compared in float32, as upstream's loop
+    keep[:, 0] = True
+    ar_k = torch.arange(k, device=logp.device)
+    race = vals / -torch.log(counter_uniform(seed, step, 0, ar_k))
+    pick = race.masked_fill(~keep, -1.0).argmax(dim=1, keepdim=True)
+    tok = idx.gather(1, pick)[:, 0]
+    if cfg.win_size > 0:
+        reps = (recent[:, -cfg.win_size:] == tok[:, None]).sum(dim=1)
+        repeat = reps >= cfg.win_size * cfg.tau_r
+        full = probs.scatter(1, tok[:, None], 0.0)
+        race2 = full / -torch.log(counter_uniform(seed, step, 1, torch.arange(v, device=logp.device)))
+        tok = torch.where(repeat, race2.argmax(dim=1), tok)
+    return tok

@@ -55,6 +55,7 @@ class ServerConfig:
     max_active_streams: int = 16
     token2wav_thread: bool = False
     t2w_queue_steps: int | None = 4
+    device_sampling: bool = False
     max_queue: int = 64
     api_key: str | None = None
     device: str = "cpu"
@@ -124,7 +125,7 @@ class ServerState:
             c = self.config
             core = self.synth.new_engine(
                 EngineConfig(max_active=c.max_active_streams, max_queue=c.max_queue, kv_max_len=c.kv_max_len,
-                             t2w_thread=c.token2wav_thread, t2w_queue_steps=c.t2w_queue_steps),
+                             t2w_thread=c.token2wav_thread, t2w_queue_steps=c.t2w_queue_steps, device_sampling=c.device_sampling),
                 observer=self.metrics)
             self.metrics.attach(core)
             self.engine = AsyncEngine(core)
