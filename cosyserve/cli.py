@@ -323,6 +323,9 @@ def _builtin_default_voice(model_dir: str, voices_dir: str) -> None:
         store.add(Frontend(model_dir).make_voice("default", *shipped_prompt()))
 
 
+_SAMPLING = {"auto": None, "host": False, "device": True}  # --sampling -> EngineConfig.device_sampling
+
+
 def _queue_steps(n: int) -> int | None:
     """``--t2w-queue-steps``: N >= 1 steps ahead, 0 = whole batches (None); CLIError otherwise."""
     if n < 0:
@@ -361,7 +364,8 @@ def cmd_serve(args) -> int:
         model_dir=args.model_dir, host=args.host, port=args.port, grpc_port=args.grpc_port, voices_dir=voices_dir,
         default_voice=default_voice, max_active_streams=args.max_active_streams, max_queue=args.max_queue,
         token2wav_thread=args.token2wav_thread, t2w_queue_steps=_queue_steps(args.t2w_queue_steps),
-        device_sampling=args.device_sampling, api_key=args.api_key or os.environ.get("COSYSERVE_API_KEY") or None, device=device,
+        device_sampling=_SAMPLING[args.sampling],
+        api_key=args.api_key or os.environ.get("COSYSERVE_API_KEY") or None, device=device,
         dtype=str(_dtype(args.dtype, device)).replace("torch.", ""), request_timeout_s=args.request_timeout or None,
         max_text_chars=args.max_text_chars, max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
         normalizer=args.normalizer, chunk_policy=args.chunk_policy,
@@ -414,7 +418,7 @@ def cmd_bench(args) -> int:
         demo=args.demo, device=device, dtype=str(_dtype(args.dtype, device)).replace("torch.", ""),
         voices_dir=args.voices_dir or DEFAULT_VOICES_DIR, max_active_streams=args.max_active_streams,
         token2wav_thread=args.token2wav_thread, t2w_queue_steps=_queue_steps(args.t2w_queue_steps),
-        device_sampling=args.device_sampling, chunk_policy=args.chunk_policy, metrics_url=args.metrics_url)
+        device_sampling=_SAMPLING[args.sampling], chunk_policy=args.chunk_policy, metrics_url=args.metrics_url)
     report = run_bench(opts)
     failed = sum(lv["failed"] for lv in report["levels"])
     return 1 if failed and not any(lv["ok"] for lv in report["levels"]) else 0
@@ -531,9 +535,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--t2w-queue-steps", type=int, default=4, metavar="N",
                     help="token2wav batches on the GPU are issued N flow steps ahead of the device, between LM "
                          "steps (default 4; 0 = whole batches at once)")
-    sv.add_argument("--device-sampling", action="store_true",
-                    help="sample speech tokens inside the GPU decode step (reproducible per seed, batch-independent; "
-                         "not upstream's random stream: docs/perf.md)")
+    sv.add_argument("--sampling", choices=sorted(_SAMPLING), default="auto",
+                    help="where speech tokens are sampled: 'device' = inside the GPU decode step (reproducible per "
+                         "seed and batch-independent, not upstream's random stream), 'host' = on the CPU with "
+                         "upstream's generator semantics; 'auto' (default) = device on CUDA, host on CPU")
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also $COSYSERVE_API_KEY)")
     sv.add_argument("--request-timeout", type=float, default=300.0, help="seconds; 0 = none")
     sv.add_argument("--max-text-chars", type=int, default=4096)
@@ -588,7 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-active-streams", type=int, default=16, help="engine KV slots (--in-process)")
     b.add_argument("--token2wav-thread", action="store_true", help="token2wav on its own thread (--in-process)")
     b.add_argument("--t2w-queue-steps", type=int, default=4, metavar="N", help="as for serve (--in-process)")
-    b.add_argument("--device-sampling", action="store_true", help="as for serve (--in-process)")
+    b.add_argument("--sampling", choices=sorted(_SAMPLING), default="auto", help="as for serve (--in-process)")
     b.add_argument("--chunk-policy", default=None,
                    help="streaming chunk schedule: in-process (default upstream), or sent to a server as the KServe "
                         "gRPC request parameter chunk_policy (default: the server's)")

@@ -114,7 +114,7 @@ class BenchOptions:
     max_active_streams: int = 16
     token2wav_thread: bool = False
     t2w_queue_steps: int | None = 4
-    device_sampling: bool = False
+    device_sampling: bool | None = None
     chunk_policy: str | None = None  # in-process: default upstream; a server: gRPC request parameter
     # server: its Prometheus page, scraped around each level for the stage breakdown
     # (default: URL/metrics for http/openai; none for grpc unless given)

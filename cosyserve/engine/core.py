@@ -86,8 +86,9 @@ class EngineConfig:
     ``t2w_queue_steps``: a token2wav batch on the side stream is issued a few flow steps at a
     time, between LM steps, keeping at most this many unfinished on the GPU (``None``: the
     whole batch at once, which can hold the scheduler in the driver until the GPU has worked
-    through most of it, docs/perf.md run 10); ``device_sampling``: rows with the default
-    sampler draw their next token on the device, inside the decode step
+    through most of it, docs/perf.md run 10); ``device_sampling`` (``None``: on when the LM
+    is on CUDA): rows with the default sampler draw their next token on the device, inside
+    the decode step
     (:func:`~cosyserve.models.sampling.ras_sample_device`: the same RAS rule with counter-based
     randomness keyed by the request's seed and token index — reproducible per seed and
     independent of batching, but not upstream's random stream; the first token of each segment,
@@ -103,7 +104,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     t2w_thread: bool = False
     t2w_queue_steps: int | None = 4
-    device_sampling: bool = False
+    device_sampling: bool | None = None
 
     def __post_init__(self):
         if self.max_t2w_batch is None:
@@ -195,13 +196,15 @@ class EngineCore:
         if self.lm.max_positions < config.kv_max_len:
             self.lm.setup_rope(config.kv_max_len)
         use_graphs = config.cuda_graphs and self.lm.llm_decoder.weight.is_cuda
+        self._device_sampling = self.lm.llm_decoder.weight.is_cuda if config.device_sampling is None \
+            else config.device_sampling
         # with CUDA graphs, one extra (scratch) slot absorbs the padding rows of a bucket
         self.cache = KVCache.allocate(self.lm, config.max_active + int(use_graphs), config.kv_max_len)
         self.decoder = self.prefill_graphs = None
         if use_graphs:
             from ..models.graphs import GraphedDecoder, GraphedFlow, GraphedHiFTDecoder, GraphedPrefill
 
-            sampling = models.cfg.llm.sampling if config.device_sampling else None
+            sampling = models.cfg.llm.sampling if self._device_sampling else None
             self.decoder = GraphedDecoder(self.lm, self.cache, config.max_active, sampling=sampling,
                                           eos_id=models.cfg.llm.eos_token)
             self.decoder.warmup()  # capture every (batch, KV length) bucket now, not mid-request
@@ -459,7 +462,7 @@ class EngineCore:
             start = torch.tensor([seg.length for _, seg in running])
             m0 = self._marks.mark()
             try:
-                keys = self._sampling_keys(running) if self.cfg.device_sampling else None
+                keys = self._sampling_keys(running) if self._device_sampling else None
                 if self.decoder is not None and keys is not None:
                     h, dev_tokens = self.decoder.sample(toks.reshape(-1), slots, start, *keys)  # CUDA graph
                 elif self.decoder is not None:

@@ -55,7 +55,7 @@ class ServerConfig:
     max_active_streams: int = 16
     token2wav_thread: bool = False
     t2w_queue_steps: int | None = 4
-    device_sampling: bool = False
+    device_sampling: bool | None = None
     max_queue: int = 64
     api_key: str | None = None
     device: str = "cpu"
