@@ -366,3 +366,19 @@ def test_reference_dir_is_discoverable():
     if reference_dir() is None:
         pytest.skip("reference data not found")
     assert OFFLINE_CASES and STREAM_CASES and NOISE_CASES
+
+
+def test_flow_run_mels_do_not_alias_the_solver_state(flow):
+    """FlowRun.mels copies: with CUDA graphs the state is a static buffer the next batch reuses."""
+    items = _batch_items()
+    if not items:
+        pytest.skip("no reference cases")
+    _, toks, ptoks, pfeats, embs, streams, finals, _ = items[0]
+    run = flow.start(flow.prepare([toks], [ptoks], [pfeats], embs, [streams], [finals]))
+    while run.steps_left:
+        run.step()
+    mel = run.mels()[0]
+    before = mel.clone()
+    with torch.inference_mode():
+        run.state.x.fill_(123.0)
+    assert torch.equal(mel, before)

@@ -255,7 +255,8 @@ class FlowRun:
 
     ``steps_left``: Euler steps not yet issued; :meth:`step` issues the next one (no host
     synchronisation); :meth:`mels` (after the last step) returns per item the float32 log-mel
-    ``[1, n_mels, T_b]`` of its non-prompt frames, as :meth:`FlowModel.inference_batch`.
+    ``[1, n_mels, T_b]`` of its non-prompt frames, as :meth:`FlowModel.inference_batch` (views
+    of one fresh tensor, never of the solver's buffers).
     """
 
     def __init__(self, step, state: SolverState, inputs: FlowInputs):
@@ -276,7 +277,9 @@ class FlowRun:
         if self.steps_left:
             raise RuntimeError(f"{self.steps_left} Euler steps not issued yet")
         b = self.inputs.ids.shape[0]
-        mel = self.state.x[:b].float()
+        # a copy even in float32: with CUDA graphs ``state.x`` is the bucket's static buffer, which
+        # the next batch overwrites while callers (HiFT's stream cache) may still hold these frames
+        mel = self.state.x[:b].to(torch.float32, copy=True)
         return [mel[i:i + 1, :, p:n] for i, (p, n) in enumerate(zip(self.inputs.prompt_frames,
                                                                    self.inputs.mel_lengths))]
 

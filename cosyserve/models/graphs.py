@@ -352,7 +352,7 @@ class GraphedFlow:
             return self.flow.solve(self.flow.condition_inputs(inputs))
         while run.steps_left:
             run.step()
-        return run.state.x[: inputs.ids.shape[0]].float()
+        return run.state.x[: inputs.ids.shape[0]].to(torch.float32, copy=True)
 
 
 def flow_buffers(flow, bb: int, lb: int, device) -> dict[str, torch.Tensor]:
