@@ -487,36 +487,17 @@ class EngineCore:
         if not rows:
             return 0
         n_pre = len(rows) - (len(running) if running else 0)
-        sampled: dict[int, int] = {}  # row -> token sampled on the device
-        if dev_tokens is not None:
-            sampled = {n_pre + j: t for j, t in enumerate(dev_tokens.cpu().tolist())
-                       if self._default_sampler(running[j][1])}
-        need = [i for i in range(len(rows)) if i not in sampled]  # rows sampled here, from log-probs
-        logp_dev = torch.cat(hidden)
-        if len(need) == len(rows):
-            logp = logp_dev.cpu()  # log-probs of every row (waits for the GPU)
-        else:
-            logp = torch.zeros(len(rows), 0)
-            if need:
-                logp = torch.zeros(len(rows), logp_dev.shape[1])
-                logp[need] = logp_dev[torch.tensor(need, device=logp_dev.device)].cpu()
+        logp, sampled = self._fetch(rows, hidden, n_pre, running, dev_tokens)  # waits for the GPU
         t3 = time.perf_counter()
         host("lm_sync", t3 - t2)
         for name, n, a, b in spans:
             self.observer.stage(name, n, self._marks.seconds(a, b))
         t_tok = time.monotonic()
-        # 3. sampling: upstream RAS, each request with its own generator; rows with the default
-        #    sampler in one batched call (same tokens as per row, see UpstreamSampler.sample_batch)
+        # 3. the next token of every row still running, then stop / length checks
         live = [(i, st, seg) for i, (st, seg) in enumerate(rows) if st.request_id in self._active]
-        default = [(i, seg) for i, _, seg in live if i not in sampled and self._default_sampler(seg)]
-        batched = dict(sampled)
-        batched.update(zip([i for i, _ in default], self._sampler.sample_batch(
-            logp[[i for i, _ in default]], [seg.tokens for _, seg in default], [seg.lm_gen for _, seg in default],
-            [len(seg.tokens) < seg.min_len for _, seg in default])) if default else {})
+        tokens = self._sample_host(live, logp, sampled)
         for i, st, seg in live:
-            tok = batched.get(i)
-            if tok is None:
-                tok = seg.sampler.sample(logp[i], seg.tokens, seg.lm_gen, ignore_eos=len(seg.tokens) < seg.min_len)
+            tok = tokens[i]
             if tok in self._stop_ids:
                 self._lm_finish_segment(st, seg, "stop")
                 continue
@@ -532,6 +513,39 @@ class EngineCore:
         self.stats.lm_batches[len(rows)] = self.stats.lm_batches.get(len(rows), 0) + 1
         self.observer.lm_step(len(rows), prefill_tokens, dt)
         return len(rows)
+
+    def _fetch(self, rows: list, hidden: list, n_pre: int, running: list, dev_tokens) -> tuple:
+        """Bring this step's results to the host: ``(logp, sampled)``, the log-probs of the rows
+        to sample on the host (a ``[rows, V]`` CPU tensor, filled at those rows only) and
+        ``{row: token}`` for the running rows sampled on the device (default sampler)."""
+        sampled: dict[int, int] = {}
+        if dev_tokens is not None:
+            sampled = {n_pre + j: t for j, t in enumerate(dev_tokens.cpu().tolist())
+                       if self._default_sampler(running[j][1])}
+        need = [i for i in range(len(rows)) if i not in sampled]
+        logp_dev = torch.cat(hidden)
+        if len(need) == len(rows):
+            return logp_dev.cpu(), sampled
+        logp = torch.zeros(len(rows), logp_dev.shape[1] if need else 0)
+        if need:
+            logp[need] = logp_dev[torch.tensor(need, device=logp_dev.device)].cpu()
+        return logp, sampled
+
+    def _sample_host(self, live: list, logp: torch.Tensor, sampled: dict[int, int]) -> dict[int, int]:
+        """Tokens for the live rows: those sampled on the device as given; the others with
+        upstream RAS and each request's generator — rows with the default sampler in one batched
+        call (same tokens as per row, see :meth:`UpstreamSampler.sample_batch`), others one by one."""
+        tokens = dict(sampled)
+        default = [(i, seg) for i, _, seg in live if i not in sampled and self._default_sampler(seg)]
+        if default:
+            tokens.update(zip([i for i, _ in default], self._sampler.sample_batch(
+                logp[[i for i, _ in default]], [seg.tokens for _, seg in default],
+                [seg.lm_gen for _, seg in default], [len(seg.tokens) < seg.min_len for _, seg in default])))
+        for i, _, seg in live:
+            if i not in tokens:
+                tokens[i] = seg.sampler.sample(logp[i], seg.tokens, seg.lm_gen,
+                                               ignore_eos=len(seg.tokens) < seg.min_len)
+        return tokens
 
     def _default_sampler(self, seg: SegmentState) -> bool:
         """The segment samples with the engine's default RAS settings (batched / on the device)."""
