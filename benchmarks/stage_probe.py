@@ -41,7 +41,9 @@ def gpu_ms(fn, n=30, warm=3) -> float:
     return statistics.median(ts)
 
 
-def wall_ms(fn, n=20, warm=3) -> float:
+def wall_ms(fn, n=20, warm=3, until_done=True) -> float:
+    """Median ms of ``fn`` from a GPU at rest: until its work is done, or (``until_done=False``)
+    only the host time to issue it."""
     for _ in range(warm):
         fn()
     torch.cuda.synchronize()
@@ -49,8 +51,10 @@ def wall_ms(fn, n=20, warm=3) -> float:
     for _ in range(n):
         t = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        if until_done:
+            torch.cuda.synchronize()
         ts.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
     return statistics.median(ts)
 
 
@@ -67,20 +71,6 @@ class _Rows(list):
     def append(self, row):
         super().append(row)
         print(self.fmt(row), flush=True)
-
-
-def host_ms(fn, n=10, warm=2) -> float:
-    """Host time to issue ``fn`` (no waiting for the GPU inside the timing)."""
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t) * 1e3)
-        torch.cuda.synchronize()
-    return statistics.median(ts)
 
 
 def main():
@@ -109,7 +99,7 @@ def main():
         emb = torch.randn(1, 192, generator=g)
         ms = wall_ms(lambda: flow.condition([tok], [ptok], [feat], emb, True, False))
         rows.append(("flow encoder (eager, wall)", f"1 x {n_tok + 87} tokens", ms, float("nan")))
-        ms = host_ms(lambda: flow.condition([tok], [ptok], [feat], emb, True, False))
+        ms = wall_ms(lambda: flow.condition([tok], [ptok], [feat], emb, True, False), n=10, warm=2, until_done=False)
         rows.append(("flow encoder (eager, host issue time)", f"1 x {n_tok + 87} tokens", ms, float("nan")))
 
     torch.manual_seed(0)
@@ -145,7 +135,8 @@ def main():
         build = time.perf_counter() - t0
         rows.append(("flow graph (encoder + 10 steps, CFG)", f"batch {b} x {n_tok} tokens",
                      gpu_ms(lambda: graph(inp), n=10), build))
-        rows.append(("flow launch (host)", f"batch {b} x {n_tok} tokens", host_ms(lambda: graph(inp)), build))
+        rows.append(("flow launch (host)", f"batch {b} x {n_tok} tokens",
+                     wall_ms(lambda: graph(inp), n=10, warm=2, until_done=False), build))
 
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}")
     print(_Rows.HEAD)

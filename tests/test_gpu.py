@@ -168,30 +168,40 @@ def test_half_precision_within_documented_error(yaml_dir, dtype):
 
 def test_engine_with_graphs_samples_same_tokens(yaml_dir, tmp_path):
     """The engine on CUDA with graphs gives the tokens it gives without them (float32)."""
+    m = build(yaml_dir, torch.float32)
+    results = []
+    for graphs in (False, True):
+        done, states = _engine_tokens(m, cuda_graphs=graphs)
+        results.append(done)
+        # HiFT's excitation noise is drawn on the GPU (no host work per chunk)
+        assert all(seg.hift_gen.device.type == "cuda" for st in states for seg in st.segments)
+    assert results[0] == results[1]
+
+
+def _engine_tokens(m, **config) -> tuple[dict, list]:
+    """Three seeded requests through an EngineCore on ``m`` with ``EngineConfig(**config)``:
+    ``({request_id: tokens}, request states)``; the flow/HiFT graphs it installed are removed."""
     from cosyserve.engine.core import EngineConfig, EngineCore
     from cosyserve.engine.request import EngineRequest, RequestFinished, SynthesisParams
     from cosyserve.frontend.voice import Voice
 
-    m = build(yaml_dir, torch.float32)
-    voice = Voice.from_features("v", "x", torch.randint(0, 1000, (8,)), torch.randint(0, 6561, (60,)),
-                                torch.randn(120, 80), torch.randn(192))
-    results = []
-    for graphs in (False, True):
-        eng = EngineCore(m, EngineConfig(max_active=4, kv_max_len=512, cuda_graphs=graphs))
-        states = []
-        for i in range(3):
-            states.append(eng.add_request(EngineRequest(f"r{i}", [torch.randint(0, 1000, (10 + i,), generator=torch.Generator().manual_seed(i))],
-                                          voice, SynthesisParams(seed=i, min_token_text_ratio=3, max_token_text_ratio=3))))
-        done = {}
-        while eng.has_work():
-            for ev in eng.step():
-                if isinstance(ev, RequestFinished):
-                    done[ev.request_id] = ev.tokens
-        results.append(done)
-        m.flow.graph = m.hift.graph_decode = None
-        # HiFT's excitation noise is drawn on the GPU (no host work per chunk)
-        assert all(seg.hift_gen.device.type == "cuda" for st in states for seg in st.segments)
-    assert results[0] == results[1]
+    g = torch.Generator().manual_seed(0)  # the same voice on every call
+    voice = Voice.from_features("v", "x", torch.randint(0, 1000, (8,), generator=g),
+                                torch.randint(0, 6561, (60,), generator=g), torch.randn(120, 80, generator=g),
+                                torch.randn(192, generator=g))
+    eng = EngineCore(m, EngineConfig(max_active=4, kv_max_len=512, **config))
+    states = []
+    for i in range(3):
+        ids = torch.randint(0, 1000, (10 + i,), generator=torch.Generator().manual_seed(i))
+        states.append(eng.add_request(EngineRequest(
+            f"r{i}", [ids], voice, SynthesisParams(seed=i, min_token_text_ratio=3, max_token_text_ratio=3))))
+    done = {}
+    while eng.has_work():
+        for ev in eng.step():
+            if isinstance(ev, RequestFinished):
+                done[ev.request_id] = ev.tokens
+    m.flow.graph = m.hift.graph_decode = None
+    return done, states
 
 
 @torch.inference_mode()
@@ -248,9 +258,6 @@ def test_token2wav_launch_does_not_wait_for_the_gpu(yaml_dir):
 def test_graphed_decode_samples_as_eager(yaml_dir):
     """The decode graph with device sampling draws what ras_sample_device draws from its
     log-probs, and an engine with device sampling gives the same tokens with and without graphs."""
-    from cosyserve.engine.core import EngineConfig, EngineCore
-    from cosyserve.engine.request import EngineRequest, RequestFinished, SynthesisParams
-    from cosyserve.frontend.voice import Voice
     from cosyserve.models.graphs import GraphedDecoder
     from cosyserve.models.llm import KVCache
     from cosyserve.models.sampling import ras_sample_device
@@ -267,20 +274,5 @@ def test_graphed_decode_samples_as_eager(yaml_dir):
     ref = ras_sample_device(logp, *(k.cuda() for k in keys), cfg.sampling, cfg.eos_token)
     assert torch.equal(toks, ref)
 
-    voice = Voice.from_features("v", "x", torch.randint(0, 1000, (8,)), torch.randint(0, 6561, (60,)),
-                                torch.randn(120, 80), torch.randn(192))
-    results = []
-    for graphs in (False, True):
-        eng = EngineCore(m, EngineConfig(max_active=4, kv_max_len=512, cuda_graphs=graphs, device_sampling=True))
-        for i in range(3):
-            ids = torch.randint(0, 1000, (10 + i,), generator=torch.Generator().manual_seed(i))
-            eng.add_request(EngineRequest(f"r{i}", [ids], voice,
-                                          SynthesisParams(seed=i, min_token_text_ratio=3, max_token_text_ratio=3)))
-        done = {}
-        while eng.has_work():
-            for ev in eng.step():
-                if isinstance(ev, RequestFinished):
-                    done[ev.request_id] = ev.tokens
-        results.append(done)
-        m.flow.graph = m.hift.graph_decode = None
+    results = [_engine_tokens(m, cuda_graphs=graphs, device_sampling=True)[0] for graphs in (False, True)]
     assert results[0] == results[1]

@@ -275,7 +275,7 @@ def run_batch(opts: BatchOptions, echo=print) -> dict:
     # 3. token2wav
     t0 = time.perf_counter()
     t2w = Token2Wav(synth.models.flow, synth.models.hift, synth.cfg.token_mel_ratio)
-    hift_device = next(synth.models.hift.parameters()).device  # excitation noise drawn where HiFT runs
+    hift_device = t2w.hift_device  # excitation noise is drawn where HiFT runs
     jobs: list[tuple[dict, int, Token2WavJob]] = []
     for r in rows:
         if r.get("error"):

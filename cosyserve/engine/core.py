@@ -191,7 +191,6 @@ class EngineCore:
         self.lm = models.llm
         self.sample_rate = models.cfg.sample_rate
         self.t2w = Token2Wav(models.flow, models.hift, models.cfg.token_mel_ratio)
-        self._hift_device = next(models.hift.parameters()).device  # where excitation noise is drawn
         self._marks = _Marks(self.lm.llm_decoder.weight.is_cuda)
         if self.lm.max_positions < config.kv_max_len:
             self.lm.setup_rope(config.kv_max_len)
@@ -391,7 +390,8 @@ class EngineCore:
         seg.lm_done = True
         seg.stop_reason = reason
         if not st.req.params.lm_only:
-            st.hift_generator(seg, self._hift_device)  # offline: fork HiFT's generator now, before the next segment samples
+            # offline: fork HiFT's generator now, before the next segment samples
+            st.hift_generator(seg, self.t2w.hift_device)
         self._release_slot(seg)
         st.lm_segment += 1
 
@@ -608,10 +608,10 @@ class EngineCore:
         tokens = torch.tensor(seg.tokens[:n_tokens])
         if not final:
             return Token2WavJob(st.req.voice, tokens, seg.schedule.token_offset, False, True, seg.hift_state,
-                                st.hift_generator(seg, self._hift_device))
+                                st.hift_generator(seg, self.t2w.hift_device))
         offset = seg.schedule.token_offset if seg.stream else 0
         return Token2WavJob(st.req.voice, tokens, offset, True, False, seg.hift_state,
-                            st.hift_generator(seg, self._hift_device), speed=st.req.params.speed)
+                            st.hift_generator(seg, self.t2w.hift_device), speed=st.req.params.speed)
 
     def _t2w_step(self, events: list, lm_busy: bool = False) -> None:
         idle = self._collect(events, wait=False)  # one token2wav batch in flight at a time

@@ -68,8 +68,9 @@ class Token2Wav:
         self.ratio = token_mel_ratio
 
     @property
-    def device(self) -> torch.device:
-        return next(self.flow.parameters()).device
+    def hift_device(self) -> torch.device:
+        """Where HiFT runs (and its excitation noise is drawn)."""
+        return next(self.hift.parameters()).device
 
     @torch.inference_mode()
     def run(self, jobs: list[Token2WavJob]) -> list[Token2WavResult]:
@@ -130,7 +131,7 @@ class Token2Wav:
         mels = p.run.mels()
         if marks is not None:
             p.stamps.append(marks.mark(stream))
-        hift_dev = next(self.hift.parameters()).device
+        hift_dev = self.hift_device
         chunks = []
         for j, mel in zip(jobs, mels):
             m = mel[:, :, j.token_offset * self.ratio:].to(hift_dev, torch.float32)

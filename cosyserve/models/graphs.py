@@ -57,6 +57,15 @@ def _capture_graph(run, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     return g, out
 
 
+def _remember(graphs: dict, key, entry, max_graphs: int):
+    """Store a captured bucket's ``entry`` under ``key``, first dropping the oldest bucket when
+    ``max_graphs`` are held (bounds graph memory); returns ``entry``."""
+    if len(graphs) >= max_graphs:
+        graphs.pop(next(iter(graphs)))
+    graphs[key] = entry
+    return entry
+
+
 def _pick(buckets: list[int], n: int) -> int:
     for b in buckets:
         if b >= n:
@@ -255,10 +264,7 @@ class GraphedHiFTDecoder:
             return self.hift.decode(bufs["mel"], bufs["source"], bufs["lengths"])
 
         g, out = _capture_graph(run, self.pool)
-        if len(self._graphs) >= self.max_graphs:  # bound memory: drop the oldest graph
-            self._graphs.pop(next(iter(self._graphs)))
-        self._graphs[(bb, tb)] = (g, bufs, out)
-        return self._graphs[(bb, tb)]
+        return _remember(self._graphs, (bb, tb), (g, bufs, out), self.max_graphs)
 
     @torch.inference_mode()
     def __call__(self, mel: torch.Tensor, source: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -315,10 +321,7 @@ class GraphedFlow:
         g_begin, state = _capture_graph(lambda: flow_begin_from_buffers(flow, bufs), self.pool)
         g_begin.replay()  # real values in the state before the step is warmed up and captured
         g_step, _ = _capture_graph(lambda: flow.decoder.step(state), self.pool)
-        if len(self._graphs) >= self.max_graphs:  # bound memory: drop the oldest bucket
-            self._graphs.pop(next(iter(self._graphs)))
-        self._graphs[(bb, lb)] = (g_begin, g_step, bufs, state)
-        return self._graphs[(bb, lb)]
+        return _remember(self._graphs, (bb, lb), (g_begin, g_step, bufs, state), self.max_graphs)
 
     def buckets(self, n_items: int, n_tokens: int) -> tuple[int, int] | None:
         """The (batch, tokens) bucket of a batch, or None if it is larger than any bucket
