@@ -22,7 +22,7 @@ import torch
 from cosyserve.engine.chunking import ChunkPolicy
 from cosyserve.engine.core import EngineConfig
 from cosyserve.engine.pipeline import Synthesizer
-from cosyserve.engine.request import AudioChunk, RequestFinished, SynthesisParams
+from cosyserve.engine.request import AudioChunk, SynthesisParams
 from cosyserve.models.demo import write_frontend_dir
 from cosyserve.models.llm import KVCache
 from cosyserve.models.loader import build_random

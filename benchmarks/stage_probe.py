@@ -58,15 +58,30 @@ def wall_ms(fn, n=20, warm=3, until_done=True) -> float:
     return statistics.median(ts)
 
 
+def kernels(fn) -> int:
+    """GPU kernels (and memory copies/sets) one call of ``fn`` runs, graph nodes included
+    (torch.profiler / CUPTI); -1 if the profiler is unavailable."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    except Exception:  # noqa: BLE001 - a count is a nicety, timings are the point
+        return -1
+
+
 class _Rows(list):
     """Result rows, each also printed as soon as it is measured (a run cut short keeps them)."""
 
-    HEAD = "| stage | shape | ms per call | build s |\n|---|---|---:|---:|"
+    HEAD = "| stage | shape | ms per call | build s | GPU kernels |\n|---|---|---:|---:|---:|"
 
     @staticmethod
     def fmt(row) -> str:
-        stage, shape, ms, build = row
-        return f"| {stage} | {shape} | {ms:.2f} | {build:.1f} |"
+        stage, shape, ms, build, *n = row
+        return f"| {stage} | {shape} | {ms:.2f} | {build:.1f} | {n[0] if n else ''} |"
 
     def append(self, row):
         super().append(row)
@@ -114,14 +129,15 @@ def main():
         tokens = torch.randint(0, 6561, (b,), generator=g).to(dev)
         slots = torch.arange(b, device=dev)
         start = torch.full((b,), 300, dtype=torch.long, device=dev)
-        rows.append(("LM decode step", f"batch {b}, 512 KV", gpu_ms(lambda: dec(tokens, slots, start)), build))
+        rows.append(("LM decode step", f"batch {b}, 512 KV", gpu_ms(lambda: dec(tokens, slots, start)), build,
+                     kernels(lambda: dec(tokens, slots, start))))
         build = float("nan")
     t0 = time.perf_counter()
     pre = GraphedPrefill(lm, cache, bucket=128, max_len=128)
     pre.warmup()
     build = time.perf_counter() - t0
     emb = torch.randn(1, 120, lm.qwen_config.hidden_size, generator=g).to(dev, dtype)
-    rows.append(("LM prefill", "1 x 120 (bucket 128)", gpu_ms(lambda: pre(emb, 0)), build))
+    rows.append(("LM prefill", "1 x 120 (bucket 128)", gpu_ms(lambda: pre(emb, 0)), build, kernels(lambda: pre(emb, 0))))
 
     graph = GraphedFlow(flow, max(b for b, _ in shapes))
     for b, n_tok in shapes:
@@ -134,7 +150,7 @@ def main():
         torch.cuda.synchronize()
         build = time.perf_counter() - t0
         rows.append(("flow graph (encoder + 10 steps, CFG)", f"batch {b} x {n_tok} tokens",
-                     gpu_ms(lambda: graph(inp), n=10), build))
+                     gpu_ms(lambda: graph(inp), n=10), build, kernels(lambda: graph(inp))))
         rows.append(("flow launch (host)", f"batch {b} x {n_tok} tokens",
                      wall_ms(lambda: graph(inp), n=10, warm=2, until_done=False), build))
 

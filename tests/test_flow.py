@@ -382,3 +382,34 @@ def test_flow_run_mels_do_not_alias_the_solver_state(flow):
     with torch.inference_mode():
         run.state.x.fill_(123.0)
     assert torch.equal(mel, before)
+
+
+def test_models_built_in_inference_mode_run(tmp_path):
+    """Fused/derived weights (estimator q/k/v and conv matrices, LM q/k/v and gate/up) are built
+    from parameters that may be inference tensors (a model built under
+    ``torch.inference_mode()``, as the GPU tests and benchmarks do) and used outside it."""
+    import json
+
+    from cosyserve.models.demo import DemoSize, demo_qwen_config, demo_yaml
+    from cosyserve.models.llm import KVCache
+    from cosyserve.models.loader import build_random
+
+    (tmp_path / "CosyVoice-BlankEN").mkdir()
+    (tmp_path / "cosyvoice2.yaml").write_text(demo_yaml(DemoSize()))
+    (tmp_path / "CosyVoice-BlankEN" / "config.json").write_text(json.dumps(demo_qwen_config(DemoSize())))
+    with torch.inference_mode():
+        m = build_random(tmp_path / "cosyvoice2.yaml", components=("llm", "flow"))
+    g = torch.Generator().manual_seed(0)
+    inputs = ([torch.randint(0, 100, (1, 12), generator=g)], [torch.randint(0, 100, (1, 7), generator=g)],
+              [torch.randn(1, 14, m.flow.n_mels, generator=g)], torch.randn(1, m.flow.cfg.spk_embed_dim, generator=g),
+              True, False)
+    with torch.no_grad():
+        outside = m.flow.inference_batch(*inputs)[0]
+        lm = m.llm
+        emb = torch.randn(1, 5, lm.cfg.llm_input_size, generator=g)
+        h1 = lm.forward_cached(emb, KVCache.allocate(lm, 1, 64), torch.tensor([0]), torch.tensor([0]))
+    with torch.inference_mode():
+        inside = m.flow.inference_batch(*inputs)[0]
+        h2 = lm.forward_cached(emb, KVCache.allocate(lm, 1, 64), torch.tensor([0]), torch.tensor([0]))
+    assert torch.equal(outside, inside) and torch.isfinite(outside).all()
+    assert torch.equal(h1, h2)

@@ -191,3 +191,36 @@ def test_device_sampling_follows_the_ras_rule():
     u = counter_uniform(torch.tensor([1, 1]), torch.tensor([0, 1]), 0, torch.arange(50000))
     assert 0 < float(u.min()) and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.01
     assert float((u[0] - u[1]).abs().mean()) > 0.3  # another step, other numbers
+
+
+@torch.inference_mode()
+def test_fused_projections_share_the_weights_and_follow_reloads(lm):
+    """The decode path reads q/k/v and gate/up as single fused GEMMs; the original parameters
+    are views of those tensors (no second copy), ``state_dict`` is unchanged, an in-place
+    reload reaches the fused weights, and replacing a parameter rebuilds them."""
+    layer = lm.backbone.layers[0]
+    fused = lm._fused_layers()[0]
+    a, m = layer.self_attn, layer.mlp
+    assert a.q_proj.weight.data_ptr() == fused.qkv_w.data_ptr()
+    assert a.v_proj.weight.data_ptr() == fused.qkv_w[-a.v_proj.weight.shape[0]:].data_ptr()
+    assert m.up_proj.weight.data_ptr() == fused.gate_up_w[m.gate_proj.weight.shape[0]:].data_ptr()
+    sd = {k: v.clone() for k, v in lm.state_dict().items()}
+    prefix = torch.randn(1, 9, lm.cfg.llm_input_size)
+
+    def run():
+        cache = KVCache.allocate(lm, 1, 64)
+        return lm.forward_cached(prefix, cache, torch.tensor([0]), torch.tensor([0]))
+
+    before = run()
+    try:
+        with torch.no_grad():
+            a.k_proj.weight.mul_(2.0)  # in place: the fused tensor sees it
+        assert not torch.equal(run(), before)
+        with torch.inference_mode(False), torch.no_grad():
+            a.v_proj.weight = torch.nn.Parameter(a.v_proj.weight.detach().clone())  # replaced
+        assert lm._fused_layers()[0].qkv_w.data_ptr() != fused.qkv_w.data_ptr()
+    finally:
+        with torch.inference_mode(False):
+            lm.load_state_dict(sd)
+    assert torch.equal(run(), before)
+    assert set(lm.state_dict()) == set(sd)

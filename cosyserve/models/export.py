@@ -126,7 +126,7 @@ def build_export(lm: SpeechLM, text_vocab_size: int, dtype: torch.dtype = torch.
     h = lm.cfg.llm_input_size
 
     def cpu(t):
-        return t.detach().to("cpu", torch.float32)
+        return t.detach().to("cpu", torch.float32, copy=True)  # own storage: the LM fuses projections into shared tensors
 
     embed = torch.zeros(vocab, h)
     embed[:text_vocab_size] = cpu(lm.backbone.embed_tokens.weight[:text_vocab_size])

@@ -171,7 +171,7 @@ class CausalFlowMatching(nn.Module):
         state = self.begin(mu, mask, spks, cond, streaming, n_timesteps)
         for _ in range(state.n):
             self.step(state)
-        return state.x.float()
+        return state.x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
     def begin(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, streaming: Tensor,
               n_timesteps: int | None = None) -> "SolverState":
@@ -179,30 +179,33 @@ class CausalFlowMatching(nn.Module):
         CFG inputs (conditional rows, then unconditional rows with ``mu``, ``spks``, ``cond``
         zeroed) and the attention masks are built once here."""
         n = self.cfm.n_timesteps if n_timesteps is None else int(n_timesteps)
-        b, _, frames = mu.shape
+        b, n_mels, frames = mu.shape
         dtype, device = mu.dtype, mu.device
         t_span = self.time_span(n, device, dtype)
+        # the estimator's packed input, frame-major: [x | mu | spks | cond] for the conditional
+        # rows, [x | 0 | 0 | 0] for the unconditional ones; each step rewrites only the x columns
+        inp = torch.zeros(2 * b, frames, 4 * n_mels, device=device, dtype=dtype)
+        inp[:b, :, n_mels:2 * n_mels] = mu.transpose(1, 2)
+        inp[:b, :, 2 * n_mels:3 * n_mels] = spks.unsqueeze(1)
+        inp[:b, :, 3 * n_mels:] = cond.transpose(1, 2)
         return SolverState(
-            x=self.noise(frames, device, dtype).expand(b, -1, -1).clone(),
+            xt=self.noise(frames, device, dtype).transpose(1, 2).expand(b, -1, -1).contiguous(),
             t=t_span[0].clone(), dt=t_span[1] - t_span[0], k=torch.zeros((), dtype=torch.long, device=device),
-            t_span=t_span, n=n,
-            mu_in=torch.cat([mu, torch.zeros_like(mu)]), spks_in=torch.cat([spks, torch.zeros_like(spks)]),
-            cond_in=torch.cat([cond, torch.zeros_like(cond)]),
+            t_span=t_span, n=n, inp=inp,
             plan=self.estimator.attention_plan(torch.cat([mask, mask]), torch.cat([streaming, streaming])),
         )
 
     def step(self, s: "SolverState") -> None:
         """One Euler step with CFG, in place on ``s.x``, ``s.t``, ``s.dt``, ``s.k`` (fixed
         addresses, so a captured step can be replayed ``n`` times). Upstream's arithmetic:
-        ``x += dt * ((1 + r) v_cond - r v_uncond)``, ``t += dt``, then ``dt = t_span[k + 1] - t``
-        from the accumulated ``t``. No host synchronisation."""
-        b = s.x.shape[0]
-        rate = self.cfm.inference_cfg_rate
-        v = self.estimator.forward_planned(torch.cat([s.x, s.x]), s.plan, s.mu_in, s.t.expand(2 * b), s.spks_in,
-                                           s.cond_in)
-        v_cond, v_uncond = v[:b], v[b:]
-        s.x.copy_(s.x + s.dt * ((1.0 + rate) * v_cond - rate * v_uncond))
-        s.t.copy_(s.t + s.dt)
+        ``x += dt * ((1 + r) v_cond - r v_uncond)`` (here ``lerp(v_uncond, v_cond, 1 + r)``),
+        ``t += dt``, then ``dt = t_span[k + 1] - t`` from the accumulated ``t``. No host
+        synchronisation."""
+        b, frames, n_mels = s.xt.shape
+        s.inp.view(2, b, frames, -1)[..., :n_mels].copy_(s.xt.unsqueeze(0).expand(2, -1, -1, -1))
+        v = self.estimator.forward_btc(s.inp, s.plan, s.t.view(1))  # [2B, T, n_mels]
+        s.xt.addcmul_(torch.lerp(v[b:], v[:b], 1.0 + self.cfm.inference_cfg_rate), s.dt)
+        s.t.add_(s.dt)
         s.k.add_(1)
         nxt = torch.clamp(s.k + 1, max=s.n).view(1)  # the last step's dt is never used
         s.dt.copy_(s.t_span.index_select(0, nxt).view(()) - s.t)
@@ -212,21 +215,26 @@ class CausalFlowMatching(nn.Module):
 class SolverState:
     """The flow ODE solver between Euler steps (:meth:`CausalFlowMatching.begin` / ``step``).
 
-    ``x`` ``[B, n_mels, T]``, ``t`` / ``dt`` 0-dim (model dtype), ``k`` 0-dim int64 (steps done),
-    ``t_span`` ``[n + 1]``; ``mu_in`` / ``cond_in`` ``[2B, n_mels, T]``, ``spks_in`` ``[2B, n_mels]``
-    (CFG rows) and the estimator's :class:`~cosyserve.models.flow_estimator.AttentionPlan`.
+    ``xt`` ``[B, T, n_mels]`` the state frame-major (:attr:`x` is its ``[B, n_mels, T]`` view),
+    ``t`` / ``dt`` 0-dim (model dtype), ``k`` 0-dim int64 (steps done), ``t_span`` ``[n + 1]``;
+    ``inp`` ``[2B, T, 4 n_mels]`` the estimator's packed CFG input (conditional rows
+    ``[x | mu | spks | cond]``, then unconditional rows ``[x | 0 | 0 | 0]``) and the estimator's
+    :class:`~cosyserve.models.flow_estimator.AttentionPlan`.
     """
 
-    x: Tensor
+    xt: Tensor
     t: Tensor
     dt: Tensor
     k: Tensor
     t_span: Tensor
     n: int
-    mu_in: Tensor
-    spks_in: Tensor
-    cond_in: Tensor
+    inp: Tensor
     plan: object
+
+    @property
+    def x(self) -> Tensor:
+        """``[B, n_mels, T]`` (a transposed view of :attr:`xt`)."""
+        return self.xt.transpose(1, 2)
 
 
 def _as_1d(x: Tensor, what: str, index: int) -> Tensor:
@@ -279,7 +287,7 @@ class FlowRun:
         b = self.inputs.ids.shape[0]
         # a copy even in float32: with CUDA graphs ``state.x`` is the bucket's static buffer, which
         # the next batch overwrites while callers (HiFT's stream cache) may still hold these frames
-        mel = self.state.x[:b].to(torch.float32, copy=True)
+        mel = self.state.x[:b].to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         return [mel[i:i + 1, :, p:n] for i, (p, n) in enumerate(zip(self.inputs.prompt_frames,
                                                                    self.inputs.mel_lengths))]
 

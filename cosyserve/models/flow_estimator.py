@@ -69,35 +69,84 @@ class TimestepEmbedding(nn.Module):
         return self.linear_2(F.silu(self.linear_1(x)))
 
 
+class DerivedWeights:
+    """Tensors derived from parameters (fused or re-laid-out weights), built on first use and
+    rebuilt when a source parameter was replaced, moved or modified in place (its storage
+    pointer or version counter changed; parameters created in inference mode have no version
+    counter, so only replacing or moving those is noticed). Built outside inference mode, so
+    they are plain tensors."""
+
+    def __init__(self):
+        self._store: dict = {}
+
+    def get(self, name: str, sources: tuple, build):
+        key = tuple((p.data_ptr(), 0 if p.is_inference() else p._version, p.dtype, p.device) for p in sources)
+        hit = self._store.get(name)
+        if hit is None or hit[0] != key:
+            with torch.inference_mode(False), torch.no_grad():
+                hit = (key, build())
+            self._store[name] = hit
+        return hit[1]
+
+
+def causal_im2col(x: Tensor, kernel: int) -> Tensor:
+    """``x [B, T, C]`` -> ``[B*T, kernel*C]`` whose row ``(b, t)`` is the frames
+    ``x[b, t-kernel+1 .. t]`` (zeros before frame 0), oldest first: a causal convolution
+    becomes one GEMM with :meth:`CausalConv1d.matrix`."""
+    b, t, c = x.shape
+    xp = F.pad(x, (0, 0, kernel - 1, 0))
+    return xp.as_strided((b, t, kernel, c), ((t + kernel - 1) * c, c, c, 1)).reshape(b * t, kernel * c)
+
+
 class CausalConv1d(nn.Conv1d):
-    """Stride-1 convolution padded with ``kernel_size - 1`` zeros on the left only."""
+    """Stride-1 convolution padded with ``kernel_size - 1`` zeros on the left only.
+
+    :meth:`forward` takes upstream's channel-first ``[B, C, T]``; :meth:`forward_btc` the
+    estimator's frame-major ``[B, T, C]`` (one GEMM over :func:`causal_im2col`)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int):
         super().__init__(in_channels, out_channels, kernel_size)
+        self._derived = DerivedWeights()
 
     def forward(self, x: Tensor) -> Tensor:
         return super().forward(F.pad(x, (self.kernel_size[0] - 1, 0)))
 
+    def matrix(self) -> Tensor:
+        """The weight as ``[C_out, kernel*C_in]`` in :func:`causal_im2col`'s column order."""
+        w = self.weight
+        return self._derived.get("matrix", (w,), lambda: w.detach().permute(0, 2, 1).reshape(w.shape[0], -1))
+
+    def forward_btc(self, x: Tensor) -> Tensor:
+        """``[B, T, C_in] -> [B, T, C_out]``."""
+        b, t, _ = x.shape
+        return F.linear(causal_im2col(x, self.kernel_size[0]), self.matrix(), self.bias).view(b, t, -1)
+
 
 class CausalBlock(nn.Module):
-    """``mish(LayerNorm_channels(causal_conv3(x * mask))) * mask``; ``[B, Cin, T] -> [B, Cout, T]``.
+    """``mish(LayerNorm_channels(causal_conv3(x)))`` on ``[B, T, C_in] -> [B, T, C_out]``.
 
     Parameters live at ``block.0`` (conv) and ``block.2`` (LayerNorm, eps 1e-5) as upstream's
-    ``Sequential(conv, transpose, LayerNorm, transpose, Mish)``.
+    ``Sequential(conv, transpose, LayerNorm, transpose, Mish)``. Upstream also multiplies the
+    input and the output by the padding mask; neither changes a valid frame (the conv is
+    causal and the batch right-padded, LayerNorm and Mish are per frame), so the mask is
+    applied only where it matters (see :class:`FlowEstimator`).
     """
 
     def __init__(self, dim: int, dim_out: int):
         super().__init__()
         self.block = nn.Sequential(CausalConv1d(dim, dim_out, 3), nn.Identity(), nn.LayerNorm(dim_out), nn.Identity())
 
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        h = self.block[0](x * mask)
-        h = self.block[2](h.transpose(1, 2)).transpose(1, 2)
-        return F.mish(h) * mask
+    def forward(self, x: Tensor) -> Tensor:
+        ln = self.block[2]
+        return F.mish(F.layer_norm(self.block[0].forward_btc(x), ln.normalized_shape, ln.weight, ln.bias, ln.eps))
 
 
 class CausalResnetBlock(nn.Module):
-    """``block2(block1(x) + mlp(t_emb)) + res_conv(x * mask)``; ``[B, Cin, T] -> [B, Cout, T]``."""
+    """``block2(block1(x) + mlp(t_emb)) + res_conv(x)`` on ``[B, T, C_in] -> [B, T, C_out]``.
+
+    ``mlp`` (Mish, Linear) is evaluated for all ResNet blocks at once by
+    :meth:`FlowEstimator.time_terms`; ``forward`` takes its result ``t_term [B or 1, C_out]``.
+    """
 
     def __init__(self, dim: int, dim_out: int, time_emb_dim: int):
         super().__init__()
@@ -106,36 +155,39 @@ class CausalResnetBlock(nn.Module):
         self.block2 = CausalBlock(dim_out, dim_out)
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
-    def forward(self, x: Tensor, mask: Tensor, t_emb: Tensor) -> Tensor:
-        h = self.block1(x, mask) + self.mlp(t_emb).unsqueeze(-1)
-        h = self.block2(h, mask)
-        return h + self.res_conv(x * mask)
+    def forward(self, x: Tensor, t_term: Tensor) -> Tensor:
+        h = self.block2(self.block1(x) + t_term.unsqueeze(1))
+        w = self.res_conv.weight
+        return h + F.linear(x, w.view(w.shape[0], w.shape[1]), self.res_conv.bias)
 
 
 class Downsample(nn.Module):
-    """Matcha ``Downsample1D``: conv kernel 3, stride 2, padding 1 (``T -> ceil(T/2)``)."""
+    """Matcha ``Downsample1D``: conv kernel 3, stride 2, padding 1 (``T -> ceil(T/2)``);
+    ``[B, T, C]`` in and out (not causal: the caller masks padded frames first)."""
 
     def __init__(self, dim: int):
         super().__init__()
         self.conv = nn.Conv1d(dim, dim, 3, 2, 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.conv(x)
+        return self.conv(x.transpose(1, 2)).transpose(1, 2)
 
 
 class Upsample(nn.Module):
-    """Matcha ``Upsample1D`` (transposed conv kernel 4, stride 2, padding 1: ``T -> 2T``)."""
+    """Matcha ``Upsample1D`` (transposed conv kernel 4, stride 2, padding 1: ``T -> 2T``);
+    ``[B, T, C]`` in and out (not causal: the caller masks padded frames first)."""
 
     def __init__(self, dim: int):
         super().__init__()
         self.conv = nn.ConvTranspose1d(dim, dim, 4, 2, 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.conv(x)
+        return self.conv(x.transpose(1, 2)).transpose(1, 2)
 
 
 class SelfAttention(nn.Module):
-    """diffusers ``Attention`` (self-attention only) on ``[B, T, dim]`` with an additive bias."""
+    """diffusers ``Attention`` (self-attention only) on ``[B, T, dim]`` with an additive bias;
+    q/k/v run as one GEMM over their concatenated weights."""
 
     def __init__(self, dim: int, heads: int, head_dim: int):
         super().__init__()
@@ -146,14 +198,21 @@ class SelfAttention(nn.Module):
         self.to_k = nn.Linear(dim, inner, bias=False)
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+        self._derived = DerivedWeights()
+
+    def qkv_weight(self) -> Tensor:
+        """``[3 * inner, dim]``: ``to_q``, ``to_k``, ``to_v`` weights stacked."""
+        ws = (self.to_q.weight, self.to_k.weight, self.to_v.weight)
+        return self._derived.get("qkv", ws, lambda: torch.cat([w.detach() for w in ws]))
 
     def forward(self, x: Tensor, bias: Tensor) -> Tensor:
         """``x [B, T, dim]``, ``bias [B, 1, T, T]`` (0 or -1e10) -> ``[B, T, dim]``."""
         b, t, _ = x.shape
-        q = self.to_q(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.to_k(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        v = self.to_v(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        q, k, v = F.linear(x, self.qkv_weight()).view(b, t, 3, self.heads, self.head_dim).unbind(2)
+        # q/k/v are strided views of the one GEMM's output; the fused attention kernels read them
+        # in place and return [B, H, T, D] laid out as [B, T, H, D], so the reshape below is a view
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=bias)
         return self.to_out[0](out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
@@ -198,7 +257,7 @@ class TransformerBlock(nn.Module):
 class AttentionPlan:
     """Per-U-Net-level masks, computed once per solve and reused by every Euler step.
 
-    ``masks[d]``: ``[B, 1, T_d]`` padding mask (model dtype, 1 valid / 0 padded) at level
+    ``masks[d]``: ``[B, T_d, 1]`` padding mask (model dtype, 1 valid / 0 padded) at level
     ``d`` (``T_0 = T``, ``T_{d+1} = ceil(T_d / 2)``); ``biases[d]``: ``[B, 1, T_d, T_d]``
     additive attention bias (0 allowed, -1e10 masked).
     """
@@ -257,6 +316,7 @@ class FlowEstimator(nn.Module):
             )
         self.final_block = CausalBlock(up_channels[-1], up_channels[-1])
         self.final_proj = nn.Conv1d(up_channels[-1], cfg.out_channels, 1)
+        self._derived = DerivedWeights()
 
     @property
     def depth(self) -> int:
@@ -277,50 +337,78 @@ class FlowEstimator(nn.Module):
         for _ in range(self.depth):
             allowed = chunk_attention_mask(m[:, 0].bool(), streaming, self.cfg.static_chunk_size)
             bias = torch.zeros(allowed.shape, dtype=m.dtype, device=m.device).masked_fill_(~allowed, masked_value)
-            masks.append(m)
+            masks.append(m.transpose(1, 2).contiguous())
             biases.append(bias.unsqueeze(1))
             m = m[:, :, ::2]
         return AttentionPlan(masks, biases)
 
-    def _transformers(self, blocks: nn.ModuleList, x: Tensor, bias: Tensor) -> Tensor:
-        if len(blocks) == 0:
-            return x
-        h = x.transpose(1, 2)
+    def _resnets(self) -> list[CausalResnetBlock]:
+        """Every ResNet block in forward order (down, mid, up)."""
+        return [blk[0] for blk in self.down_blocks] + [blk[0] for blk in self.mid_blocks] + \
+            [blk[0] for blk in self.up_blocks]
+
+    def time_terms(self, t: Tensor) -> list[Tensor]:
+        """Each ResNet block's ``mlp(time_mlp(sinusoidal(t)))`` ``[B, C_out]`` for flow time
+        ``t [B]`` (or ``[1]``, broadcast over the batch), as one GEMM over the blocks' stacked
+        ``mlp`` weights (their Mish input is the same)."""
+        resnets = self._resnets()
+        lins = [r.mlp[1] for r in resnets]
+        srcs = tuple(p for lin in lins for p in (lin.weight, lin.bias))
+        w, bias = self._derived.get("time_terms", srcs, lambda: (torch.cat([lin.weight.detach() for lin in lins]),
+                                                                  torch.cat([lin.bias.detach() for lin in lins])))
+        t_emb = self.time_mlp(sinusoidal_time_embedding(t, self.cfg.in_channels))
+        return list(F.linear(F.mish(t_emb), w, bias).split([lin.out_features for lin in lins], dim=-1))
+
+    def _transformers(self, blocks: nn.ModuleList, h: Tensor, bias: Tensor) -> Tensor:
         for block in blocks:
             h = block(h, bias)
-        return h.transpose(1, 2)
+        return h
+
+    def forward_btc(self, h: Tensor, plan: AttentionPlan, t: Tensor) -> Tensor:
+        """Velocity ``[B, T, out_channels]`` (zero at padded frames) from the packed input
+        ``h [B, T, in_channels]`` = ``cat(x, mu, spks broadcast over T, cond)`` along channels,
+        frame-major, a precomputed :class:`AttentionPlan`, and flow time ``t [B]`` or ``[1]``.
+        All in the model dtype; no host synchronisation.
+
+        Padded frames are masked only before the non-causal resampling convolutions and at
+        the output: everywhere else a valid frame never reads a padded one (causal convs,
+        masked attention keys, per-frame norms), which is what upstream's extra masking
+        guarantees too.
+        """
+        terms = iter(self.time_terms(t))
+        skips = []
+        for level, (resnet, blocks, down) in enumerate(self.down_blocks):
+            h = resnet(h, next(terms))
+            h = self._transformers(blocks, h, plan.biases[level])
+            skips.append(h)
+            h = down.forward_btc(h) if isinstance(down, CausalConv1d) else down(h * plan.masks[level])
+        bottom = self.depth - 1
+        for resnet, blocks in self.mid_blocks:
+            h = resnet(h, next(terms))
+            h = self._transformers(blocks, h, plan.biases[bottom])
+        for k, (resnet, blocks, up) in enumerate(self.up_blocks):
+            level = bottom - k
+            skip = skips.pop()
+            h = torch.cat([h[:, : skip.size(1)], skip], dim=-1)
+            h = resnet(h, next(terms))
+            h = self._transformers(blocks, h, plan.biases[level])
+            h = up.forward_btc(h) if isinstance(up, CausalConv1d) else up(h * plan.masks[level])
+        h = self.final_block(h)
+        w = self.final_proj.weight
+        return F.linear(h, w.view(w.shape[0], w.shape[1]), self.final_proj.bias) * plan.masks[0]
 
     def forward_planned(self, x: Tensor, plan: AttentionPlan, mu: Tensor, t: Tensor, spks: Tensor,
                         cond: Tensor) -> Tensor:
-        """Velocity ``[B, out_channels, T]`` (masked) from a precomputed :class:`AttentionPlan`.
+        """Velocity ``[B, out_channels, T]`` (zero at padded frames; a transposed view of
+        frame-major memory) from a precomputed :class:`AttentionPlan`.
 
         ``x``, ``mu``, ``cond``: ``[B, n_mels, T]``; ``spks``: ``[B, n_mels]``; ``t``: ``[B]``
         flow time in [0, 1]; all in the model dtype. No host synchronisation.
         """
-        t_emb = self.time_mlp(sinusoidal_time_embedding(t, self.cfg.in_channels))
-        h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(-1)), cond], dim=1)
-        skips = []
-        for level, (resnet, blocks, down) in enumerate(self.down_blocks):
-            m = plan.masks[level]
-            h = resnet(h, m, t_emb)
-            h = self._transformers(blocks, h, plan.biases[level])
-            skips.append(h)
-            h = down(h * m)
-        bottom = self.depth - 1
-        for resnet, blocks in self.mid_blocks:
-            h = resnet(h, plan.masks[bottom], t_emb)
-            h = self._transformers(blocks, h, plan.biases[bottom])
-        for k, (resnet, blocks, up) in enumerate(self.up_blocks):
-            level = bottom - k
-            m = plan.masks[level]
-            skip = skips.pop()
-            h = torch.cat([h[:, :, : skip.size(-1)], skip], dim=1)
-            h = resnet(h, m, t_emb)
-            h = self._transformers(blocks, h, plan.biases[level])
-            h = up(h * m)
-        m0 = plan.masks[0]
-        h = self.final_block(h, m0)
-        return self.final_proj(h * m0) * m0
+        frames = x.size(-1)
+        h = torch.cat([x.transpose(1, 2), mu.transpose(1, 2), spks.unsqueeze(1).expand(-1, frames, -1),
+                       cond.transpose(1, 2)], dim=-1)
+        return self.forward_btc(h, plan, t).transpose(1, 2)
 
     def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                 streaming: Tensor | bool = False) -> Tensor:

@@ -355,7 +355,8 @@ class GraphedFlow:
             return self.flow.solve(self.flow.condition_inputs(inputs))
         while run.steps_left:
             run.step()
-        return run.state.x[: inputs.ids.shape[0]].to(torch.float32, copy=True)
+        return run.state.x[: inputs.ids.shape[0]].to(torch.float32, memory_format=torch.contiguous_format,
+                                                     copy=True)
 
 
 def flow_buffers(flow, bb: int, lb: int, device) -> dict[str, torch.Tensor]:
@@ -404,4 +405,4 @@ def flow_from_buffers(flow, bufs: dict[str, torch.Tensor]) -> torch.Tensor:
     state = flow_begin_from_buffers(flow, bufs)
     for _ in range(state.n):
         flow.decoder.step(state)
-    return state.x.float()
+    return state.x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)

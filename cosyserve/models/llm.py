@@ -98,6 +98,83 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _rms_eps(norm: nn.Module) -> float:
+    """The epsilon of a transformers ``Qwen2RMSNorm`` (attribute name differs across versions)."""
+    for name in ("variance_epsilon", "eps"):
+        if hasattr(norm, name):
+            return float(getattr(norm, name))
+    raise AttributeError("RMSNorm without an epsilon attribute")
+
+
+def _add_linear(h: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``h + linear(x, weight, bias)`` for ``h [B, T, H]`` and ``x2d [B*T, K]``; without a bias
+    the residual add is the GEMM's accumulator (one ``addmm`` kernel instead of two)."""
+    if bias is not None:
+        return h + F.linear(x2d, weight, bias).view(h.shape)
+    return torch.addmm(h.reshape(-1, h.shape[-1]), x2d, weight.t()).view(h.shape)
+
+
+def _alias_cat(mods: list[nn.Module], name: str) -> torch.Tensor | None:
+    """Concatenate parameter ``name`` of ``mods`` along dim 0 into one tensor and make each
+    module's parameter a view of its rows (no extra memory; in-place loads still reach the
+    fused tensor). Returns the fused tensor, or None if the parameter is missing anywhere."""
+    parts = [getattr(m, name) for m in mods]
+    if any(p is None for p in parts):
+        if not all(p is None for p in parts):
+            raise ValueError(f"fusing {name}: present on some projections only")
+        return None
+    fused = torch.cat([p.detach() for p in parts], dim=0)
+    row = 0
+    for m, p in zip(mods, parts):
+        n = p.shape[0]
+        setattr(m, name, nn.Parameter(fused[row:row + n], requires_grad=p.requires_grad))
+        row += n
+    return fused
+
+
+@dataclass
+class _FusedLayer:
+    """One Qwen2 decoder layer's weights as the fused decode path reads them: q/k/v and
+    gate/up projections concatenated (``qkv_w [(n_heads + 2 n_kv) D, H]``, ``gate_up_w
+    [2 I, H]``), whose rows the original ``nn.Linear`` parameters are views of."""
+
+    ln1_w: torch.Tensor
+    ln1_eps: float
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    ln2_w: torch.Tensor
+    ln2_eps: float
+    gate_up_w: torch.Tensor
+    gate_up_b: torch.Tensor | None
+    down_w: torch.Tensor
+    down_b: torch.Tensor | None
+    act: nn.Module
+    #: the modules' parameters this was built from (data pointers): rebuilt when they change
+    key: tuple
+
+    @staticmethod
+    def key_of(layer: nn.Module) -> tuple:
+        a, m = layer.self_attn, layer.mlp
+        return tuple(p.data_ptr() for p in (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
+                                            m.gate_proj.weight, m.up_proj.weight, a.o_proj.weight,
+                                            m.down_proj.weight, layer.input_layernorm.weight))
+
+    @classmethod
+    def build(cls, layer: nn.Module) -> "_FusedLayer":
+        a, m = layer.self_attn, layer.mlp
+        qkv = [a.q_proj, a.k_proj, a.v_proj]
+        gate_up = [m.gate_proj, m.up_proj]
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors, even if called in inference mode
+            qkv_w, qkv_b = _alias_cat(qkv, "weight"), _alias_cat(qkv, "bias")
+            gate_up_w, gate_up_b = _alias_cat(gate_up, "weight"), _alias_cat(gate_up, "bias")
+        return cls(layer.input_layernorm.weight, _rms_eps(layer.input_layernorm), qkv_w, qkv_b,
+                   a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm.weight,
+                   _rms_eps(layer.post_attention_layernorm), gate_up_w, gate_up_b,
+                   m.down_proj.weight, m.down_proj.bias, m.act_fn, cls.key_of(layer))
+
+
 class SpeechLM(nn.Module):
     """CosyVoice2 speech LM (upstream ``Qwen2LM``); ``state_dict()`` keys equal ``llm.pt``'s.
 
@@ -117,6 +194,8 @@ class SpeechLM(nn.Module):
         self.speech_embedding = nn.Embedding(cfg.num_speech_rows, h)
         self._rope_cos: torch.Tensor | None = None
         self._rope_sin: torch.Tensor | None = None
+        self._rope_sin_signed: torch.Tensor | None = None
+        self._fused: list[_FusedLayer] | None = None
 
     # ------------------------------------------------------------------ structure
     @property
@@ -157,6 +236,21 @@ class SpeechLM(nn.Module):
         dummy = torch.zeros(1, device=dev, dtype=torch.float32)
         cos, sin = rot(dummy, pos)
         self._rope_cos, self._rope_sin = cos[0].float(), sin[0].float()
+        half = self._rope_sin.shape[-1] // 2
+        self._rope_sin_signed = torch.cat((-self._rope_sin[:, :half], self._rope_sin[:, half:]), dim=-1)
+        self._fused_layers()  # the weights are in place: fuse the projections now, not in a capture
+
+    def _fused_layers(self) -> list[_FusedLayer]:
+        """The decoder layers' fused weights (:class:`_FusedLayer`), built on first use and
+        again whenever a layer's parameters were replaced or moved (e.g. by ``.to()`` or a
+        loader assigning new tensors). Building makes the original projections views of the
+        fused tensors, so the model holds each weight once."""
+        layers = self.backbone.layers
+        fused = self._fused
+        if fused is None or len(fused) != len(layers) or any(
+                f.key != _FusedLayer.key_of(layer) for f, layer in zip(fused, layers)):
+            self._fused = fused = [_FusedLayer.build(layer) for layer in layers]
+        return fused
 
     @property
     def max_positions(self) -> int:
@@ -230,24 +324,28 @@ class SpeechLM(nn.Module):
             kv_len = int(pos.max().item()) + 1
         if kv_len > cache.max_len or kv_len > self.max_positions:
             raise ValueError(f"sequence length {kv_len} exceeds the KV cache ({cache.max_len}) or rope table")
-        cos = self._rope_cos[pos].to(embeds.dtype)[:, None]  # [B, 1, T, D]
-        sin = self._rope_sin[pos].to(embeds.dtype)[:, None]
+        n_kv = qc.num_key_value_heads
+        head_dim = self._rope_cos.shape[-1]
+        half = head_dim // 2
+        cos = self._rope_cos[pos].to(embeds.dtype)[:, :, None]  # [B, T, 1, D]
+        sin_signed = self._rope_sin_signed[pos].to(embeds.dtype)[:, :, None]
         key_pos = torch.arange(kv_len, device=dev)
         mask = (key_pos[None, None, None, :] <= pos[:, None, :, None])  # [B, 1, T, Lk]
         write_slots = slot_idx[:, None].expand(bsz, t_new)
 
         h = embeds
-        for li, layer in enumerate(self.backbone.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(bsz, t_new, n_heads, -1).transpose(1, 2)
-            k = attn.k_proj(x).view(bsz, t_new, -1, q.shape[-1]).transpose(1, 2)
-            v = attn.v_proj(x).view(bsz, t_new, -1, q.shape[-1]).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+        hdim = h.shape[-1]
+        for li, fl in enumerate(self._fused_layers()):
+            x = F.rms_norm(h, (hdim,), fl.ln1_w, fl.ln1_eps)
+            qkv = F.linear(x, fl.qkv_w, fl.qkv_b).view(bsz, t_new, n_heads + 2 * n_kv, head_dim)
+            # rotary embedding of queries and keys together: x cos + rotate_half(x) sin, with
+            # rotate_half(x) sin = cat(x2, x1) * cat(-sin1, sin2)
+            qk = qkv[:, :, : n_heads + n_kv]
+            qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin_signed)
+            k, v = qk[:, :, n_heads:], qkv[:, :, n_heads + n_kv:]  # [B, T, n_kv, D]
             kc, vc = cache.k[li], cache.v[li]
-            kc[write_slots, :, pos] = k.transpose(1, 2)
-            vc[write_slots, :, pos] = v.transpose(1, 2)
+            kc[write_slots, :, pos] = k
+            vc[write_slots, :, pos] = v
             if isinstance(slots, slice):
                 keys, vals = kc[slots, :, :kv_len], vc[slots, :, :kv_len]
             else:
@@ -255,16 +353,18 @@ class SpeechLM(nn.Module):
             if t_new == 1:
                 # one query per row: fold each KV head's query group into the query axis, so the
                 # fused (memory-efficient) kernel serves the masked grouped-query attention
-                n_kv = keys.shape[1]
-                qg = q.reshape(bsz, n_kv, n_heads // n_kv, q.shape[-1])
+                qg = qk[:, 0, :n_heads].reshape(bsz, n_kv, n_heads // n_kv, head_dim)
                 o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask)
-                o = o.reshape(bsz, 1, -1)
             else:
+                q = qk[:, :, :n_heads].transpose(1, 2)
                 o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
-                o = o.transpose(1, 2).reshape(bsz, t_new, -1)
-            h = h + attn.o_proj(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.backbone.norm(h)
+                o = o.transpose(1, 2)
+            h = _add_linear(h, o.reshape(bsz * t_new, n_heads * head_dim), fl.o_w, fl.o_b)
+            x = F.rms_norm(h, (hdim,), fl.ln2_w, fl.ln2_eps)
+            gate, up = F.linear(x, fl.gate_up_w, fl.gate_up_b).chunk(2, dim=-1)
+            h = _add_linear(h, (fl.act(gate) * up).reshape(bsz * t_new, -1), fl.down_w, fl.down_b)
+        norm = self.backbone.norm
+        return F.rms_norm(h, (hdim,), norm.weight, _rms_eps(norm))
 
     def forward_full(self, embeds: torch.Tensor) -> torch.Tensor:
         """Plain causal forward of one full sequence through transformers' own ``Qwen2Model``.
