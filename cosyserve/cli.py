@@ -333,6 +333,28 @@ def _queue_steps(n: int) -> int | None:
     return n or None
 
 
+def _slack(value: str) -> float | None:
+    """``--t2w-slack``: 'auto' (adaptive) or seconds >= 0; CLIError otherwise."""
+    if value == "auto":
+        return None
+    try:
+        s = float(value)
+    except ValueError:
+        raise CLIError(f"--t2w-slack must be 'auto' or seconds, got {value!r}") from None
+    if not s >= 0:
+        raise CLIError(f"--t2w-slack must be >= 0, got {value}")
+    return s
+
+
+def _engine_args(p) -> None:
+    """Engine scheduling options shared by ``serve`` and ``bench --in-process``."""
+    p.add_argument("--t2w-slack", default="auto", metavar="SECONDS",
+                   help="a token2wav job is launched this long before its client runs out of audio, and longer "
+                        "jobs join a batch only then; 'auto' (default) = 3x the recent batch duration, 0.15-1 s")
+    p.add_argument("--lm-stream-priority", choices=["high", "normal"], default="high",
+                   help="CUDA stream priority of the LM against token2wav batches (default high)")
+
+
 def cmd_serve(args) -> int:
     import asyncio
 
@@ -364,7 +386,8 @@ def cmd_serve(args) -> int:
         model_dir=args.model_dir, host=args.host, port=args.port, grpc_port=args.grpc_port, voices_dir=voices_dir,
         default_voice=default_voice, max_active_streams=args.max_active_streams, max_queue=args.max_queue,
         token2wav_thread=args.token2wav_thread, t2w_queue_steps=_queue_steps(args.t2w_queue_steps),
-        device_sampling=_SAMPLING[args.sampling],
+        device_sampling=_SAMPLING[args.sampling], t2w_slack_s=_slack(args.t2w_slack),
+        lm_stream_priority=args.lm_stream_priority == "high",
         api_key=args.api_key or os.environ.get("COSYSERVE_API_KEY") or None, device=device,
         dtype=str(_dtype(args.dtype, device)).replace("torch.", ""), request_timeout_s=args.request_timeout or None,
         max_text_chars=args.max_text_chars, max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
@@ -418,7 +441,9 @@ def cmd_bench(args) -> int:
         demo=args.demo, device=device, dtype=str(_dtype(args.dtype, device)).replace("torch.", ""),
         voices_dir=args.voices_dir or DEFAULT_VOICES_DIR, max_active_streams=args.max_active_streams,
         token2wav_thread=args.token2wav_thread, t2w_queue_steps=_queue_steps(args.t2w_queue_steps),
-        device_sampling=_SAMPLING[args.sampling], chunk_policy=args.chunk_policy, metrics_url=args.metrics_url)
+        device_sampling=_SAMPLING[args.sampling], t2w_slack_s=_slack(args.t2w_slack),
+        lm_stream_priority=args.lm_stream_priority == "high", chunk_policy=args.chunk_policy,
+        metrics_url=args.metrics_url)
     report = run_bench(opts)
     failed = sum(lv["failed"] for lv in report["levels"])
     return 1 if failed and not any(lv["ok"] for lv in report["levels"]) else 0
@@ -539,6 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where speech tokens are sampled: 'device' = inside the GPU decode step (reproducible per "
                          "seed and batch-independent, not upstream's random stream), 'host' = on the CPU with "
                          "upstream's generator semantics; 'auto' (default) = device on CUDA, host on CPU")
+    _engine_args(sv)
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also $COSYSERVE_API_KEY)")
     sv.add_argument("--request-timeout", type=float, default=300.0, help="seconds; 0 = none")
     sv.add_argument("--max-text-chars", type=int, default=4096)
@@ -594,6 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--token2wav-thread", action="store_true", help="token2wav on its own thread (--in-process)")
     b.add_argument("--t2w-queue-steps", type=int, default=4, metavar="N", help="as for serve (--in-process)")
     b.add_argument("--sampling", choices=sorted(_SAMPLING), default="auto", help="as for serve (--in-process)")
+    _engine_args(b)
     b.add_argument("--chunk-policy", default=None,
                    help="streaming chunk schedule: in-process (default upstream), or sent to a server as the KServe "
                         "gRPC request parameter chunk_policy (default: the server's)")

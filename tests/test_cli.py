@@ -163,6 +163,12 @@ def test_convert_llm(tmp_path, capsys):
     assert torch.equal(out_sd["model.norm.weight"], sd["llm.model.model.norm.weight"])
 
 
+@pytest.mark.parametrize("value", ["-1", "soon"])
+def test_t2w_slack_is_auto_or_seconds(capsys, value):
+    code, out, err = run(capsys, "serve", "--model-dir", model_dir(), "--t2w-slack", value)
+    assert code == 2 and "--t2w-slack must be" in err and "Traceback" not in err
+
+
 def test_t2w_queue_steps_must_not_be_negative(capsys):
     code, out, err = run(capsys, "serve", "--model-dir", model_dir(), "--t2w-queue-steps", "-1")
     assert code == 2 and "--t2w-queue-steps must be >= 0, got -1" in err and "Traceback" not in err

@@ -80,7 +80,7 @@ def test_graphed_prefill_equals_eager(yaml_dir):
     lm = m.llm
     cache = KVCache.allocate(lm, 4, 600)
     eager = KVCache(cache.k.clone(), cache.v.clone())
-    pre = GraphedPrefill(lm, cache, bucket=64, max_len=256)
+    pre = GraphedPrefill(lm, cache, bucket=64, max_len=256, max_batch=4)
     for slot, n in ((0, 5), (1, 64), (2, 150)):
         p = lm.embed_prefix(torch.randint(0, 1000, (n,)), torch.zeros(0, dtype=torch.long),
                             torch.randint(0, 6561, (30,))).cuda()
@@ -90,6 +90,19 @@ def test_graphed_prefill_equals_eager(yaml_dir):
         t = p.shape[0]
         assert rel(cache.k[:, slot, :, :t], eager.k[:, slot, :, :t]) < 1e-5  # [layers, slots, kv, len, hd]
     assert pre(torch.zeros(1, 300, lm.qwen_config.hidden_size, device="cuda"), 0) is None  # too long: eager
+    # a right-padded batch of three (bucket of four rows: one reads/writes the scratch slot)
+    ps = [lm.embed_prefix(torch.randint(0, 1000, (n,)), torch.zeros(0, dtype=torch.long),
+                          torch.randint(0, 6561, (30,))).cuda() for n in (7, 90, 40)]
+    emb = torch.zeros(3, max(p.shape[0] for p in ps), ps[0].shape[-1], device="cuda")
+    for i, p in enumerate(ps):
+        emb[i, : p.shape[0]] = p
+    got = pre(emb, [2, 0, 1]).clone()
+    ref = lm.forward_cached(emb, eager, torch.tensor([2, 0, 1]), torch.zeros(3, dtype=torch.long))
+    for i, (slot, p) in enumerate(zip((2, 0, 1), ps)):
+        t = p.shape[0]
+        assert rel(got[i, :t], ref[i, :t]) < 1e-5
+        assert rel(cache.k[:, slot, :, :t], eager.k[:, slot, :, :t]) < 1e-5
+    assert pre(torch.zeros(5, 10, lm.qwen_config.hidden_size, device="cuda"), list(range(5))) is None  # > max_batch
 
 
 @torch.inference_mode()
@@ -167,7 +180,8 @@ def test_half_precision_within_documented_error(yaml_dir, dtype):
 
 
 def test_engine_with_graphs_samples_same_tokens(yaml_dir, tmp_path):
-    """The engine on CUDA with graphs gives the tokens it gives without them (float32)."""
+    """The engine on CUDA with graphs gives the tokens it gives without them (float32), and
+    the LM on its high-priority stream gives the tokens and audio it gives on a normal one."""
     m = build(yaml_dir, torch.float32)
     results = []
     for graphs in (False, True):
@@ -176,13 +190,21 @@ def test_engine_with_graphs_samples_same_tokens(yaml_dir, tmp_path):
         # HiFT's excitation noise is drawn on the GPU (no host work per chunk)
         assert all(seg.hift_gen.device.type == "cuda" for st in states for seg in st.segments)
     assert results[0] == results[1]
+    audio = [_engine_tokens(m, lm_stream_priority=prio, audio=True)[0] for prio in (True, False)]
+    assert audio[0].keys() == audio[1].keys()
+    for rid, (tokens, wav) in audio[0].items():
+        assert tokens == audio[1][rid][0] and wav.size > 0
+        assert wav.shape == audio[1][rid][1].shape and float(abs(wav - audio[1][rid][1]).max()) < 1e-4
 
 
-def _engine_tokens(m, **config) -> tuple[dict, list]:
+def _engine_tokens(m, audio: bool = False, **config) -> tuple[dict, list]:
     """Three seeded requests through an EngineCore on ``m`` with ``EngineConfig(**config)``:
-    ``({request_id: tokens}, request states)``; the flow/HiFT graphs it installed are removed."""
+    ``({request_id: tokens}, request states)`` (with ``audio``: ``{request_id: (tokens, float32
+    waveform)}``); the flow/HiFT graphs it installed are removed."""
+    import numpy as np
+
     from cosyserve.engine.core import EngineConfig, EngineCore
-    from cosyserve.engine.request import EngineRequest, RequestFinished, SynthesisParams
+    from cosyserve.engine.request import AudioChunk, EngineRequest, RequestFinished, SynthesisParams
     from cosyserve.frontend.voice import Voice
 
     g = torch.Generator().manual_seed(0)  # the same voice on every call
@@ -195,12 +217,16 @@ def _engine_tokens(m, **config) -> tuple[dict, list]:
         ids = torch.randint(0, 1000, (10 + i,), generator=torch.Generator().manual_seed(i))
         states.append(eng.add_request(EngineRequest(
             f"r{i}", [ids], voice, SynthesisParams(seed=i, min_token_text_ratio=3, max_token_text_ratio=3))))
-    done = {}
+    done, wavs = {}, {}
     while eng.has_work():
         for ev in eng.step():
             if isinstance(ev, RequestFinished):
                 done[ev.request_id] = ev.tokens
+            elif isinstance(ev, AudioChunk):
+                wavs.setdefault(ev.request_id, []).append(ev.samples)
     m.flow.graph = m.hift.graph_decode = None
+    if audio:
+        done = {rid: (tokens, np.concatenate(wavs.get(rid, [np.zeros(0, np.float32)]))) for rid, tokens in done.items()}
     return done, states
 
 

@@ -246,6 +246,31 @@ def test_token2wav_batches_earliest_deadline_first(syn, voice):
     assert engine2._launch_now(cands, now, lm_busy=True)  # a first chunk is due now
 
 
+def test_token2wav_slack_adapts_to_the_batch_duration(syn, voice):
+    """By default the slack is 3x the moving average of recent token2wav batch durations
+    (clamped): short batches let later chunks wait closer to their deadline, so they no longer
+    ride along with (and slow down) first chunks; a configured slack is used as given."""
+    from cosyserve.engine.core import T2W_SLACK_MAX_S, T2W_SLACK_MIN_S
+
+    engine = syn.new_engine(EngineConfig(max_active=4))
+    assert engine.slack_s() == T2W_SLACK_MAX_S  # no batch measured yet: the widest
+    engine.add_request(syn.build_request("Hello there, general Kenobi.", voice,
+                                              SynthesisParams(seed=1, min_token_text_ratio=2, max_token_text_ratio=2),
+                                              request_id="r"))
+    finished = []
+    while engine.has_work():
+        finished += [ev for ev in engine.step() if isinstance(ev, RequestFinished)]
+    assert [ev.outcome for ev in finished] == [Outcome.OK] and engine.stats.t2w_batches
+    avg = engine._batch_s
+    assert avg is not None and avg > 0
+    assert engine.slack_s() == pytest.approx(min(T2W_SLACK_MAX_S, max(T2W_SLACK_MIN_S, 3 * avg)))
+    engine._batch_s = 0.01  # fast batches: down to the floor
+    assert engine.slack_s() == T2W_SLACK_MIN_S
+    assert syn.new_engine(EngineConfig(max_active=4, t2w_slack_s=0.4)).slack_s() == 0.4
+    with pytest.raises(ValueError):
+        EngineConfig(t2w_slack_s=-1.0)
+
+
 class _SlowEvent:
     """Stands in for the CUDA event of a token2wav batch on the side stream: done after n polls."""
 

@@ -115,6 +115,8 @@ class BenchOptions:
     token2wav_thread: bool = False
     t2w_queue_steps: int | None = 4
     device_sampling: bool | None = None
+    t2w_slack_s: float | None = None
+    lm_stream_priority: bool = True
     chunk_policy: str | None = None  # in-process: default upstream; a server: gRPC request parameter
     # server: its Prometheus page, scraped around each level for the stage breakdown
     # (default: URL/metrics for http/openai; none for grpc unless given)
@@ -422,6 +424,8 @@ class _Setup:
         self.shared = InProcessEngine(synth, EngineConfig(max_active=o.max_active_streams, t2w_thread=o.token2wav_thread,
                                                           t2w_queue_steps=o.t2w_queue_steps,
                                                           device_sampling=o.device_sampling,
+                                                          t2w_slack_s=o.t2w_slack_s,
+                                                          lm_stream_priority=o.lm_stream_priority,
                                                           max_queue=max(64, max(o.concurrency) * 2)),
                                       params, voices, builtin)
 

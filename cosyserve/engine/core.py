@@ -25,7 +25,8 @@ One step:
    batch runs on a side stream while LM decoding continues; one batch is in flight at a
    time. Jobs are picked earliest-deadline-first: a stream's deadline is when its client
    runs out of audio (first chunks: the request's arrival, i.e. now), an offline request's
-   ``t2w_slack_s`` after its audio became ready. While the LM is busy, a batch is launched
+   ``t2w_slack_s`` after its audio became ready (the slack adapts to the recent batch
+   duration unless configured). While the LM is busy, a batch is launched
    only once a job is due within ``t2w_slack_s`` or a full batch is ready (launching costs
    host time the LM then waits for). The batch's frame length (and so its cost) is set by the most urgent job;
    longer jobs join only when they are due within ``EngineConfig.t2w_slack_s``, so a
@@ -79,7 +80,9 @@ class EngineConfig:
     prefix + generated tokens of one segment); ``max_prefill_tokens``: prefill budget per
     step; ``max_t2w_batch``: token2wav jobs per batch (default: ``max_active``);
     ``t2w_slack_s``: seconds before its deadline a job longer than the batch's most urgent
-    one is added anyway (see the module doc); ``cuda_graphs``: LM decode and flow solve
+    one is added anyway (see the module doc); ``None`` (default): adaptive, three times the
+    recent token2wav batch duration (a job left out now runs after the batch in flight and
+    the next one), between ``T2W_SLACK_MIN_S`` and ``T2W_SLACK_MAX_S``; ``cuda_graphs``: LM decode and flow solve
     as CUDA graphs on CUDA devices; ``t2w_thread``: run token2wav on its own thread
     (:class:`~cosyserve.engine.token2wav.Token2WavWorker`; off by default: measured slower on
     an H100 because both threads contend for the GIL, docs/perf.md runs 5 and 11);
@@ -92,7 +95,10 @@ class EngineConfig:
     (:func:`~cosyserve.models.sampling.ras_sample_device`: the same RAS rule with counter-based
     randomness keyed by the request's seed and token index — reproducible per seed and
     independent of batching, but not upstream's random stream; the first token of each segment,
-    sampled from the prefill, and rows with their own sampler stay on the host).
+    sampled from the prefill, and rows with their own sampler stay on the host);
+    ``lm_stream_priority``: on CUDA the LM runs on a high-priority stream, so its short
+    step-by-step kernels are scheduled ahead of a token2wav batch's when both wait for the GPU
+    (the LM is the serial chain every stream's next token waits for).
     """
 
     max_active: int = 16
@@ -100,18 +106,24 @@ class EngineConfig:
     kv_max_len: int = 4096
     max_prefill_tokens: int = 4096
     max_t2w_batch: int | None = None
-    t2w_slack_s: float = 1.0
+    t2w_slack_s: float | None = None
     cuda_graphs: bool = True
     t2w_thread: bool = False
     t2w_queue_steps: int | None = 4
     device_sampling: bool | None = None
+    lm_stream_priority: bool = True
 
     def __post_init__(self):
         if self.max_t2w_batch is None:
             object.__setattr__(self, "max_t2w_batch", self.max_active)
         if self.max_active < 1 or self.max_queue < 0 or self.kv_max_len < 64 or self.max_t2w_batch < 1 \
-                or self.t2w_slack_s < 0 or (self.t2w_queue_steps is not None and self.t2w_queue_steps < 1):
+                or (self.t2w_slack_s is not None and self.t2w_slack_s < 0) \
+                or (self.t2w_queue_steps is not None and self.t2w_queue_steps < 1):
             raise ValueError("invalid engine limits")
+
+
+T2W_SLACK_MIN_S = 0.15  #: adaptive ``t2w_slack_s``: lower bound (seconds)
+T2W_SLACK_MAX_S = 1.0  #: adaptive ``t2w_slack_s``: upper bound (seconds)
 
 
 class EngineObserver:
@@ -207,7 +219,8 @@ class EngineCore:
             self.decoder = GraphedDecoder(self.lm, self.cache, config.max_active, sampling=sampling,
                                           eos_id=models.cfg.llm.eos_token)
             self.decoder.warmup()  # capture every (batch, KV length) bucket now, not mid-request
-            self.prefill_graphs = GraphedPrefill(self.lm, self.cache, pool=self.decoder.pool)
+            self.prefill_graphs = GraphedPrefill(self.lm, self.cache, pool=self.decoder.pool,
+                                                 max_batch=config.max_active)
             self.prefill_graphs.warmup()
             if models.flow.graph is None:
                 models.flow.graph = GraphedFlow(models.flow, config.max_t2w_batch)
@@ -217,6 +230,12 @@ class EngineCore:
         # on CUDA, token2wav batches run on their own CUDA stream while LM decoding continues;
         # launched from this thread (default) or from a worker thread (EngineConfig.t2w_thread)
         self._t2w_stream = torch.cuda.Stream(device=self.cache.k.device) if self.cache.k.is_cuda else None
+        self._lm_stream = None
+        if self.cache.k.is_cuda and config.lm_stream_priority:
+            # the lowest number is the highest priority; out-of-range values are clamped to it
+            self._lm_stream = torch.cuda.Stream(device=self.cache.k.device, priority=-100)
+            self._lm_stream.wait_stream(torch.cuda.current_stream(self.cache.k.device))  # set-up work above
+        self._batch_s = None  # moving average of a token2wav batch's duration (adaptive slack)
         self._worker = None
         if config.t2w_thread:
             self._worker = Token2WavWorker(self.t2w, self._t2w_stream, self._marks)
@@ -294,6 +313,21 @@ class EngineCore:
     # ------------------------------------------------------------------ step
     def step(self) -> list:
         """Advance every request by at most one LM token and one audio chunk; return events."""
+        if self._lm_stream is None:
+            return self._step()
+        with torch.cuda.stream(self._lm_stream):
+            return self._step()
+
+    def slack_s(self) -> float:
+        """Seconds before its deadline a token2wav job must be launched (``EngineConfig.t2w_slack_s``,
+        or adaptive: 3x the moving average of recent batch durations, clamped)."""
+        if self.cfg.t2w_slack_s is not None:
+            return self.cfg.t2w_slack_s
+        if self._batch_s is None:
+            return T2W_SLACK_MAX_S
+        return min(T2W_SLACK_MAX_S, max(T2W_SLACK_MIN_S, 3.0 * self._batch_s))
+
+    def _step(self) -> list:
         events: list = []
         self._drain_inbox(events)
         self._expire(events)
@@ -344,7 +378,7 @@ class EngineCore:
         client waits for the whole utterance anyway) ``t2w_slack_s`` after its audio became
         ready, so that while the LM is busy finished utterances gather into larger batches."""
         if not st.req.params.stream:
-            return (st.t_ready or now) + self.cfg.t2w_slack_s
+            return (st.t_ready or now) + self.slack_s()
         if st.first_chunk_at is None:
             return st.req.arrival
         return st.first_chunk_at + st.audio_samples / self.sample_rate
@@ -575,14 +609,17 @@ class EngineCore:
         """
         lm = self.lm
         lengths = [p.shape[0] for p in prefixes]
-        if len(prefixes) == 1 and self.prefill_graphs is not None:
-            h = self.prefill_graphs(prefixes[0][None].to(self.cache.k.device, non_blocking=True), slots[0])
-            if h is not None:
-                return h[:, -1]
-        emb = prefixes[0].new_zeros(len(prefixes), max(lengths), prefixes[0].shape[-1])
-        for i, p in enumerate(prefixes):
-            emb[i, : p.shape[0]] = p
-        h = lm.forward_cached(emb, self.cache, torch.tensor(slots), torch.zeros(len(slots), dtype=torch.long))
+        if len(prefixes) == 1:
+            emb = prefixes[0][None]
+        else:
+            emb = prefixes[0].new_zeros(len(prefixes), max(lengths), prefixes[0].shape[-1])
+            for i, p in enumerate(prefixes):
+                emb[i, : p.shape[0]] = p
+        h = None
+        if self.prefill_graphs is not None:
+            h = self.prefill_graphs(emb, slots)
+        if h is None:
+            h = lm.forward_cached(emb, self.cache, torch.tensor(slots), torch.zeros(len(slots), dtype=torch.long))
         idx = torch.tensor(lengths, device=h.device) - 1
         return h[torch.arange(len(slots), device=h.device), idx]
 
@@ -673,14 +710,14 @@ class EngineCore:
         """
         if not lm_busy or len(cands) >= self.cfg.max_t2w_batch:
             return True
-        return min(c[0] for c in cands) <= now + self.cfg.t2w_slack_s
+        return min(c[0] for c in cands) <= now + self.slack_s()
 
     def _pick_t2w_batch(self, cands: list, now: float) -> list:
         """Earliest deadline first; the most urgent job sets the batch's frame length (rounded
         up to 64 frames, the flow graph bucket), longer jobs join only when due within
         ``t2w_slack_s`` (they would make every job in the batch pay for their length)."""
         cands.sort(key=lambda c: c[0])
-        horizon = now + self.cfg.t2w_slack_s
+        horizon = now + self.slack_s()
         limit = None
         picked = []
         for deadline, frames, st, seg, job in cands:
@@ -733,6 +770,7 @@ class EngineCore:
         """Hand out one finished batch: ``results`` per job (a Token2WavResult or the exception
         that job raised)."""
         dt = time.perf_counter() - t0
+        self._batch_s = dt if self._batch_s is None else 0.8 * self._batch_s + 0.2 * dt
         if marks:
             a, b, c = marks
             self.observer.stage("flow", len(picked), self._marks.seconds(a, b))

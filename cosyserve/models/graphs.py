@@ -179,58 +179,64 @@ class GraphedDecoder:
 
 
 class GraphedPrefill:
-    """Prefill of a single sequence (a newcomer admitted alone, the one-stream case) as CUDA
-    graphs, one per length bucket (multiples of ``bucket`` positions up to ``max_len``).
+    """Prefill of newcomers as CUDA graphs, one per (batch bucket, length bucket): batches of
+    ``1, 2, 4, ... max_batch`` sequences x multiples of ``bucket`` positions up to ``max_len``.
 
-    ``__call__(embeds [1, T, H], slot)`` writes positions ``0 .. T-1`` of ``slot`` in ``cache``
-    and returns the final hidden states ``[1, T, H]`` (a view into a static buffer: use it
-    before the next call), or None when ``T`` exceeds the largest bucket (prefill eagerly).
-    The padded positions ``T .. bucket-1`` are written with junk K/V past the sequence, which
-    decoding overwrites before any query can attend to them (causal attention), as in the
-    engine's padded batched prefill.
+    ``__call__(embeds [B, T, H], slots [B])`` writes positions ``0 .. T-1`` of each row's slot
+    in ``cache`` and returns the final hidden states ``[B, T, H]`` (a view into a static
+    buffer: use it before the next call), or None when the batch or ``T`` exceeds the largest
+    bucket (prefill eagerly). Rows are right-padded as in the engine's eager batched prefill:
+    positions past a row's length get junk K/V past the sequence, which decoding overwrites
+    before any query can attend to them (causal attention); padding rows of a batch bucket
+    read and write the scratch slot. Single-sequence graphs are captured by :meth:`warmup`,
+    batched ones on first use (at most ``max_graphs`` kept).
     """
 
-    def __init__(self, lm: SpeechLM, cache: KVCache, bucket: int = 64, max_len: int = 1024, pool=None):
+    def __init__(self, lm: SpeechLM, cache: KVCache, bucket: int = 64, max_len: int = 1024, pool=None,
+                 max_batch: int = 1, max_graphs: int = 64):
         self.lm, self.cache = lm, cache
         self.buckets = list(range(bucket, min(max_len, cache.max_len) + 1, bucket))
+        self.batch_buckets = _pow2_buckets(max(1, max_batch))
+        self.max_graphs = max(max_graphs, len(self.buckets))
         self.scratch = cache.n_slots - 1
         self.device = cache.k.device
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        self._graphs: dict[int, tuple] = {}
+        self._graphs: dict[tuple[int, int], tuple] = {}
 
     @torch.inference_mode()
-    def _capture(self, tb: int):
+    def _capture(self, bb: int, tb: int):
         lm = self.lm
         dtype = lm.llm_decoder.weight.dtype
-        bufs = {"emb": torch.zeros(1, tb, lm.qwen_config.hidden_size, device=self.device, dtype=dtype),
-                "slot": torch.full((1,), self.scratch, dtype=torch.long, device=self.device),
-                "start": torch.zeros(1, dtype=torch.long, device=self.device)}
+        bufs = {"emb": torch.zeros(bb, tb, lm.qwen_config.hidden_size, device=self.device, dtype=dtype),
+                "slot": torch.full((bb,), self.scratch, dtype=torch.long, device=self.device),
+                "start": torch.zeros(bb, dtype=torch.long, device=self.device)}
 
         def run():
             return lm.forward_cached(bufs["emb"], self.cache, bufs["slot"], bufs["start"], kv_len=tb)
 
         g, out = _capture_graph(run, self.pool)
-        self._graphs[tb] = (g, bufs, out)
-        return self._graphs[tb]
+        return _remember(self._graphs, (bb, tb), (g, bufs, out), self.max_graphs)
 
     def warmup(self) -> None:
         for tb in self.buckets:
-            if tb not in self._graphs:
-                self._capture(tb)
+            if (1, tb) not in self._graphs:
+                self._capture(1, tb)
 
     @torch.inference_mode()
-    def __call__(self, embeds: torch.Tensor, slot: int) -> torch.Tensor | None:
-        t = embeds.shape[1]
-        if embeds.shape[0] != 1 or not self.buckets or t > self.buckets[-1]:
+    def __call__(self, embeds: torch.Tensor, slots) -> torch.Tensor | None:
+        n, t = embeds.shape[:2]
+        if not self.buckets or t > self.buckets[-1] or n > self.batch_buckets[-1]:
             return None
-        tb = _pick(self.buckets, t)
-        g, bufs, out = self._graphs.get(tb) or self._capture(tb)
-        bufs["emb"][:, :t].copy_(embeds)
+        bb, tb = _pick(self.batch_buckets, n), _pick(self.buckets, t)
+        g, bufs, out = self._graphs.get((bb, tb)) or self._capture(bb, tb)
+        bufs["emb"][:n, :t].copy_(embeds)
         if t < tb:
-            bufs["emb"][:, t:].zero_()
-        bufs["slot"].fill_(int(slot))
+            bufs["emb"][:n, t:].zero_()
+        bufs["slot"][:n].copy_(to_device(torch.as_tensor(slots, dtype=torch.long).reshape(-1), self.device))
+        if n < bb:
+            bufs["slot"][n:].fill_(self.scratch)
         g.replay()
-        return out[:, :t]
+        return out[:n, :t]
 
 
 class GraphedHiFTDecoder:

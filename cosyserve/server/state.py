@@ -56,6 +56,8 @@ class ServerConfig:
     token2wav_thread: bool = False
     t2w_queue_steps: int | None = 4
     device_sampling: bool | None = None
+    t2w_slack_s: float | None = None
+    lm_stream_priority: bool = True
     max_queue: int = 64
     api_key: str | None = None
     device: str = "cpu"
@@ -125,7 +127,9 @@ class ServerState:
             c = self.config
             core = self.synth.new_engine(
                 EngineConfig(max_active=c.max_active_streams, max_queue=c.max_queue, kv_max_len=c.kv_max_len,
-                             t2w_thread=c.token2wav_thread, t2w_queue_steps=c.t2w_queue_steps, device_sampling=c.device_sampling),
+                             t2w_thread=c.token2wav_thread, t2w_queue_steps=c.t2w_queue_steps,
+                             device_sampling=c.device_sampling, t2w_slack_s=c.t2w_slack_s,
+                             lm_stream_priority=c.lm_stream_priority),
                 observer=self.metrics)
             self.metrics.attach(core)
             self.engine = AsyncEngine(core)
