@@ -348,9 +348,10 @@ def _slack(value: str) -> float | None:
 
 def _engine_args(p) -> None:
     """Engine scheduling options shared by ``serve`` and ``bench --in-process``."""
-    p.add_argument("--t2w-slack", default="auto", metavar="SECONDS",
+    p.add_argument("--t2w-slack", default="1.0", metavar="SECONDS",
                    help="a token2wav job is launched this long before its client runs out of audio, and longer "
-                        "jobs join a batch only then; 'auto' (default) = 3x the recent batch duration, 0.15-1 s")
+                        "jobs join a batch only then (default 1.0); 'auto' = 3x the recent batch duration, "
+                        "0.15-1 s (experimental: stalls measured at 32 streams)")
     p.add_argument("--lm-stream-priority", choices=["high", "normal"], default="high",
                    help="CUDA stream priority of the LM against token2wav batches (default high)")
 

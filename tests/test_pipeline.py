@@ -247,12 +247,14 @@ def test_token2wav_batches_earliest_deadline_first(syn, voice):
 
 
 def test_token2wav_slack_adapts_to_the_batch_duration(syn, voice):
-    """By default the slack is 3x the moving average of recent token2wav batch durations
-    (clamped): short batches let later chunks wait closer to their deadline, so they no longer
-    ride along with (and slow down) first chunks; a configured slack is used as given."""
+    """The adaptive slack (``t2w_slack_s=None``) is 3x the moving average of recent token2wav
+    batch durations (clamped): short batches let later chunks wait closer to their deadline, so
+    they no longer ride along with (and slow down) first chunks; a configured slack (default
+    1 s) is used as given."""
     from cosyserve.engine.core import T2W_SLACK_MAX_S, T2W_SLACK_MIN_S
 
-    engine = syn.new_engine(EngineConfig(max_active=4))
+    assert EngineConfig().t2w_slack_s == 1.0
+    engine = syn.new_engine(EngineConfig(max_active=4, t2w_slack_s=None))
     assert engine.slack_s() == T2W_SLACK_MAX_S  # no batch measured yet: the widest
     engine.add_request(syn.build_request("Hello there, general Kenobi.", voice,
                                               SynthesisParams(seed=1, min_token_text_ratio=2, max_token_text_ratio=2),

@@ -115,7 +115,7 @@ class BenchOptions:
     token2wav_thread: bool = False
     t2w_queue_steps: int | None = 4
     device_sampling: bool | None = None
-    t2w_slack_s: float | None = None
+    t2w_slack_s: float | None = 1.0
     lm_stream_priority: bool = True
     chunk_policy: str | None = None  # in-process: default upstream; a server: gRPC request parameter
     # server: its Prometheus page, scraped around each level for the stage breakdown

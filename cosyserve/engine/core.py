@@ -25,8 +25,7 @@ One step:
    batch runs on a side stream while LM decoding continues; one batch is in flight at a
    time. Jobs are picked earliest-deadline-first: a stream's deadline is when its client
    runs out of audio (first chunks: the request's arrival, i.e. now), an offline request's
-   ``t2w_slack_s`` after its audio became ready (the slack adapts to the recent batch
-   duration unless configured). While the LM is busy, a batch is launched
+   ``t2w_slack_s`` after its audio became ready. While the LM is busy, a batch is launched
    only once a job is due within ``t2w_slack_s`` or a full batch is ready (launching costs
    host time the LM then waits for). The batch's frame length (and so its cost) is set by the most urgent job;
    longer jobs join only when they are due within ``EngineConfig.t2w_slack_s``, so a
@@ -80,9 +79,10 @@ class EngineConfig:
     prefix + generated tokens of one segment); ``max_prefill_tokens``: prefill budget per
     step; ``max_t2w_batch``: token2wav jobs per batch (default: ``max_active``);
     ``t2w_slack_s``: seconds before its deadline a job longer than the batch's most urgent
-    one is added anyway (see the module doc); ``None`` (default): adaptive, three times the
-    recent token2wav batch duration (a job left out now runs after the batch in flight and
-    the next one), between ``T2W_SLACK_MIN_S`` and ``T2W_SLACK_MAX_S``; ``cuda_graphs``: LM decode and flow solve
+    one is added anyway (see the module doc); ``None``: adaptive, three times the recent
+    token2wav batch duration (a job left out now runs after the batch in flight and the next
+    one), between ``T2W_SLACK_MIN_S`` and ``T2W_SLACK_MAX_S`` (measured: lower first-chunk
+    latency at 32 streams but stalled streams, docs/perf.md run 18; not the default); ``cuda_graphs``: LM decode and flow solve
     as CUDA graphs on CUDA devices; ``t2w_thread``: run token2wav on its own thread
     (:class:`~cosyserve.engine.token2wav.Token2WavWorker`; off by default: measured slower on
     an H100 because both threads contend for the GIL, docs/perf.md runs 5 and 11);
@@ -106,7 +106,7 @@ class EngineConfig:
     kv_max_len: int = 4096
     max_prefill_tokens: int = 4096
     max_t2w_batch: int | None = None
-    t2w_slack_s: float | None = None
+    t2w_slack_s: float | None = 1.0
     cuda_graphs: bool = True
     t2w_thread: bool = False
     t2w_queue_steps: int | None = 4

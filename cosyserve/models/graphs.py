@@ -23,7 +23,9 @@ graphs while the scheduler thread keeps decoding (and synchronising) on its own 
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 
 import torch
 
@@ -41,10 +43,22 @@ def _pow2_buckets(max_value: int) -> list[int]:
     return out
 
 
-def _capture_graph(run, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+log = logging.getLogger(__name__)
+
+
+def _capture_graph(run, pool, what: str = "graph", level: int = logging.DEBUG) -> tuple[torch.cuda.CUDAGraph, object]:
     """Warm ``run`` up twice on a side stream (lazy initialisation, cuFFT/cuBLAS plans), then
     capture it into a CUDA graph in ``pool``; returns ``(graph, run's output)``. Only the
-    capturing thread is checked (``capture_error_mode="thread_local"``)."""
+    capturing thread is checked (``capture_error_mode="thread_local"``). Logs ``what`` and the
+    time taken at ``level`` (buckets captured on first use: a capture while serving delays every
+    stream by that much)."""
+    t0 = time.perf_counter()
+    g, out = _capture_graph_timed(run, pool)
+    log.log(level, "captured %s in %.0f ms", what, (time.perf_counter() - t0) * 1e3)
+    return g, out
+
+
+def _capture_graph_timed(run, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -130,7 +144,7 @@ class GraphedDecoder:
         buf = self._buffers(bb)
         buf["slots"].fill_(self.scratch)
         buf["start"].zero_()
-        g, out = _capture_graph(lambda: self._step(buf, kvb), self.pool)
+        g, out = _capture_graph(lambda: self._step(buf, kvb), self.pool, f"LM decode graph batch {bb} x {kvb} KV")
         self._graphs[(bb, kvb)] = (g, out)
         return g, out
 
@@ -214,7 +228,8 @@ class GraphedPrefill:
         def run():
             return lm.forward_cached(bufs["emb"], self.cache, bufs["slot"], bufs["start"], kv_len=tb)
 
-        g, out = _capture_graph(run, self.pool)
+        g, out = _capture_graph(run, self.pool, f"LM prefill graph batch {bb} x {tb} positions",
+                                logging.INFO if bb > 1 else logging.DEBUG)
         return _remember(self._graphs, (bb, tb), (g, bufs, out), self.max_graphs)
 
     def warmup(self) -> None:
@@ -269,7 +284,7 @@ class GraphedHiFTDecoder:
         def run():
             return self.hift.decode(bufs["mel"], bufs["source"], bufs["lengths"])
 
-        g, out = _capture_graph(run, self.pool)
+        g, out = _capture_graph(run, self.pool, f"HiFT decoder graph batch {bb} x {tb} frames", logging.INFO)
         return _remember(self._graphs, (bb, tb), (g, bufs, out), self.max_graphs)
 
     @torch.inference_mode()
@@ -324,9 +339,11 @@ class GraphedFlow:
     def _capture(self, bb: int, lb: int):
         flow = self.flow
         bufs = flow_buffers(flow, bb, lb, flow.encoder_proj.weight.device)
-        g_begin, state = _capture_graph(lambda: flow_begin_from_buffers(flow, bufs), self.pool)
+        g_begin, state = _capture_graph(lambda: flow_begin_from_buffers(flow, bufs), self.pool,
+                                        f"flow begin graph batch {bb} x {lb} tokens", logging.INFO)
         g_begin.replay()  # real values in the state before the step is warmed up and captured
-        g_step, _ = _capture_graph(lambda: flow.decoder.step(state), self.pool)
+        g_step, _ = _capture_graph(lambda: flow.decoder.step(state), self.pool,
+                                   f"flow step graph batch {bb} x {lb} tokens", logging.INFO)
         return _remember(self._graphs, (bb, lb), (g_begin, g_step, bufs, state), self.max_graphs)
 
     def buckets(self, n_items: int, n_tokens: int) -> tuple[int, int] | None:

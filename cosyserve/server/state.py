@@ -56,7 +56,7 @@ class ServerConfig:
     token2wav_thread: bool = False
     t2w_queue_steps: int | None = 4
     device_sampling: bool | None = None
-    t2w_slack_s: float | None = None
+    t2w_slack_s: float | None = 1.0
     lm_stream_priority: bool = True
     max_queue: int = 64
     api_key: str | None = None
