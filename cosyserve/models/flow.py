@@ -166,12 +166,12 @@ class CausalFlowMatching(nn.Module):
 
         Returns:
             ``[B, n_mels, T]`` float32 (padded frames are not meaningful). The loop performs
-            no host synchronisation. Equals :meth:`begin`, ``n`` x :meth:`step`, ``state.x.float()``.
+            no host synchronisation. Equals :meth:`begin`, ``n`` x :meth:`step`, ``state.mels()``.
         """
         state = self.begin(mu, mask, spks, cond, streaming, n_timesteps)
         for _ in range(state.n):
             self.step(state)
-        return state.x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        return state.mels()
 
     def begin(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, streaming: Tensor,
               n_timesteps: int | None = None) -> "SolverState":
@@ -196,7 +196,7 @@ class CausalFlowMatching(nn.Module):
         )
 
     def step(self, s: "SolverState") -> None:
-        """One Euler step with CFG, in place on ``s.x``, ``s.t``, ``s.dt``, ``s.k`` (fixed
+        """One Euler step with CFG, in place on ``s.xt``, ``s.t``, ``s.dt``, ``s.k`` (fixed
         addresses, so a captured step can be replayed ``n`` times). Upstream's arithmetic:
         ``x += dt * ((1 + r) v_cond - r v_uncond)`` (here ``lerp(v_uncond, v_cond, 1 + r)``),
         ``t += dt``, then ``dt = t_span[k + 1] - t`` from the accumulated ``t``. No host
@@ -235,6 +235,12 @@ class SolverState:
     def x(self) -> Tensor:
         """``[B, n_mels, T]`` (a transposed view of :attr:`xt`)."""
         return self.xt.transpose(1, 2)
+
+    def mels(self, rows: int | None = None) -> Tensor:
+        """The first ``rows`` (default all) rows of :attr:`x` as a new contiguous float32 tensor
+        ``[rows, n_mels, T]`` — never a view of the solver's buffers, which a graph bucket's next
+        batch overwrites."""
+        return self.x[:rows].to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
 
 def _as_1d(x: Tensor, what: str, index: int) -> Tensor:
@@ -287,7 +293,7 @@ class FlowRun:
         b = self.inputs.ids.shape[0]
         # a copy even in float32: with CUDA graphs ``state.x`` is the bucket's static buffer, which
         # the next batch overwrites while callers (HiFT's stream cache) may still hold these frames
-        mel = self.state.x[:b].to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        mel = self.state.mels(b)
         return [mel[i:i + 1, :, p:n] for i, (p, n) in enumerate(zip(self.inputs.prompt_frames,
                                                                    self.inputs.mel_lengths))]
 

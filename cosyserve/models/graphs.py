@@ -53,12 +53,6 @@ def _capture_graph(run, pool, what: str = "graph", level: int = logging.DEBUG) -
     time taken at ``level`` (buckets captured on first use: a capture while serving delays every
     stream by that much)."""
     t0 = time.perf_counter()
-    g, out = _capture_graph_timed(run, pool)
-    log.log(level, "captured %s in %.0f ms", what, (time.perf_counter() - t0) * 1e3)
-    return g, out
-
-
-def _capture_graph_timed(run, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -68,6 +62,7 @@ def _capture_graph_timed(run, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
         out = run()
+    log.log(level, "captured %s in %.0f ms", what, (time.perf_counter() - t0) * 1e3)
     return g, out
 
 
@@ -378,8 +373,7 @@ class GraphedFlow:
             return self.flow.solve(self.flow.condition_inputs(inputs))
         while run.steps_left:
             run.step()
-        return run.state.x[: inputs.ids.shape[0]].to(torch.float32, memory_format=torch.contiguous_format,
-                                                     copy=True)
+        return run.state.mels(inputs.ids.shape[0])
 
 
 def flow_buffers(flow, bb: int, lb: int, device) -> dict[str, torch.Tensor]:
@@ -428,4 +422,4 @@ def flow_from_buffers(flow, bufs: dict[str, torch.Tensor]) -> torch.Tensor:
     state = flow_begin_from_buffers(flow, bufs)
     for _ in range(state.n):
         flow.decoder.step(state)
-    return state.x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    return state.mels()

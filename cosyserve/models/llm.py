@@ -93,11 +93,6 @@ class KVCache:
         return self.k.numel() * self.k.element_size() * 2
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def _rms_eps(norm: nn.Module) -> float:
     """The epsilon of a transformers ``Qwen2RMSNorm`` (attribute name differs across versions)."""
     for name in ("variance_epsilon", "eps"):
@@ -151,15 +146,12 @@ class _FusedLayer:
     down_w: torch.Tensor
     down_b: torch.Tensor | None
     act: nn.Module
-    #: the modules' parameters this was built from (data pointers): rebuilt when they change
+    #: the data pointers of every parameter of the layer it was built from: rebuilt when any changes
     key: tuple
 
     @staticmethod
     def key_of(layer: nn.Module) -> tuple:
-        a, m = layer.self_attn, layer.mlp
-        return tuple(p.data_ptr() for p in (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
-                                            m.gate_proj.weight, m.up_proj.weight, a.o_proj.weight,
-                                            m.down_proj.weight, layer.input_layernorm.weight))
+        return tuple(p.data_ptr() for p in layer.parameters())
 
     @classmethod
     def build(cls, layer: nn.Module) -> "_FusedLayer":
@@ -193,7 +185,6 @@ class SpeechLM(nn.Module):
         self.llm_decoder = nn.Linear(cfg.llm_output_size, cfg.num_speech_rows)
         self.speech_embedding = nn.Embedding(cfg.num_speech_rows, h)
         self._rope_cos: torch.Tensor | None = None
-        self._rope_sin: torch.Tensor | None = None
         self._rope_sin_signed: torch.Tensor | None = None
         self._fused: list[_FusedLayer] | None = None
 
@@ -235,9 +226,9 @@ class SpeechLM(nn.Module):
         pos = torch.arange(max_positions, device=dev)[None]
         dummy = torch.zeros(1, device=dev, dtype=torch.float32)
         cos, sin = rot(dummy, pos)
-        self._rope_cos, self._rope_sin = cos[0].float(), sin[0].float()
-        half = self._rope_sin.shape[-1] // 2
-        self._rope_sin_signed = torch.cat((-self._rope_sin[:, :half], self._rope_sin[:, half:]), dim=-1)
+        self._rope_cos, sin = cos[0].float(), sin[0].float()
+        half = sin.shape[-1] // 2
+        self._rope_sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self._fused_layers()  # the weights are in place: fuse the projections now, not in a capture
 
     def _fused_layers(self) -> list[_FusedLayer]:
