@@ -346,6 +346,17 @@ def _slack(value: str) -> float | None:
     return s
 
 
+def _positive_int(value: str) -> int:
+    """argparse type: an integer >= 1 (argparse reports anything else as a usage error)."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
 def _engine_args(p) -> None:
     """Engine scheduling options shared by ``serve`` and ``bench --in-process``."""
     p.add_argument("--t2w-slack", default="1.0", metavar="SECONDS",
@@ -354,6 +365,12 @@ def _engine_args(p) -> None:
                         "0.15-1 s (experimental: stalls measured at 32 streams)")
     p.add_argument("--lm-stream-priority", choices=["high", "normal"], default="high",
                    help="CUDA stream priority of the LM against token2wav batches (default high)")
+    p.add_argument("--max-t2w-tokens", type=_positive_int, default=16384, metavar="N",
+                   help="flow input tokens per token2wav batch, padded: jobs x the longest job's prompt + speech "
+                        "tokens (default 16384); bounds a batch's time and memory and the CUDA graphs captured")
+    p.add_argument("--lazy-graphs", action="store_true",
+                   help="capture CUDA graphs on first use instead of at start-up (starts faster; each capture "
+                        "while serving stalls every stream for 0.1-0.4 s)")
 
 
 def cmd_serve(args) -> int:
@@ -388,7 +405,8 @@ def cmd_serve(args) -> int:
         default_voice=default_voice, max_active_streams=args.max_active_streams, max_queue=args.max_queue,
         token2wav_thread=args.token2wav_thread, t2w_queue_steps=_queue_steps(args.t2w_queue_steps),
         device_sampling=_SAMPLING[args.sampling], t2w_slack_s=_slack(args.t2w_slack),
-        lm_stream_priority=args.lm_stream_priority == "high",
+        lm_stream_priority=args.lm_stream_priority == "high", max_t2w_tokens=args.max_t2w_tokens,
+        graph_warmup=not args.lazy_graphs,
         api_key=args.api_key or os.environ.get("COSYSERVE_API_KEY") or None, device=device,
         dtype=str(_dtype(args.dtype, device)).replace("torch.", ""), request_timeout_s=args.request_timeout or None,
         max_text_chars=args.max_text_chars, max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
@@ -444,7 +462,7 @@ def cmd_bench(args) -> int:
         token2wav_thread=args.token2wav_thread, t2w_queue_steps=_queue_steps(args.t2w_queue_steps),
         device_sampling=_SAMPLING[args.sampling], t2w_slack_s=_slack(args.t2w_slack),
         lm_stream_priority=args.lm_stream_priority == "high", chunk_policy=args.chunk_policy,
-        metrics_url=args.metrics_url)
+        max_t2w_tokens=args.max_t2w_tokens, graph_warmup=not args.lazy_graphs, metrics_url=args.metrics_url)
     report = run_bench(opts)
     failed = sum(lv["failed"] for lv in report["levels"])
     return 1 if failed and not any(lv["ok"] for lv in report["levels"]) else 0

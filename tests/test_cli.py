@@ -172,3 +172,26 @@ def test_t2w_slack_is_auto_or_seconds(capsys, value):
 def test_t2w_queue_steps_must_not_be_negative(capsys):
     code, out, err = run(capsys, "serve", "--model-dir", model_dir(), "--t2w-queue-steps", "-1")
     assert code == 2 and "--t2w-queue-steps must be >= 0, got -1" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", ["0", "many"])
+def test_max_t2w_tokens_is_a_positive_integer(capsys, value):
+    with pytest.raises(SystemExit) as exc:  # an argparse usage error
+        run(capsys, "serve", "--model-dir", model_dir(), "--max-t2w-tokens", value)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--max-t2w-tokens" in err and "positive integer" in err and "Traceback" not in err
+
+
+def test_engine_options_reach_the_server_config(capsys, monkeypatch):
+    """--max-t2w-tokens and --lazy-graphs end up in the engine configuration of `serve`."""
+    seen = {}
+
+    async def fake_serve(cfg, log_format="text"):
+        seen["cfg"] = cfg
+
+    import cosyserve.server.app as app
+
+    monkeypatch.setattr(app, "serve", fake_serve)
+    code, out, err = run(capsys, "serve", "--model-dir", model_dir(), "--max-t2w-tokens", "4096", "--lazy-graphs")
+    assert code == 0, err
+    assert seen["cfg"].max_t2w_tokens == 4096 and seen["cfg"].graph_warmup is False

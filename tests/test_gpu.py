@@ -148,14 +148,19 @@ def test_graphed_flow_equals_eager(yaml_dir):
                     prompt_feats=[put(torch.randn(1, 60, 80)), put(torch.zeros(1, 0, 80)), put(torch.randn(1, 80, 80))],
                     embeddings=put(torch.randn(3, 192)), streaming=[True, False, True], finalize=[False, True, True])
         ref = flow.inference_batch(**args)
+        one = {k: v[:1] for k, v in args.items()}  # a batch of one: another bucket
+        ref_one = flow.inference_batch(**one)
         flow.graph = GraphedFlow(flow, max_batch=4)
         try:
             got = flow.inference_batch(**args)
             got2 = flow.inference_batch(**args)  # replay
+            got_one = flow.inference_batch(**one)  # its buffers are views of the same memory
+            got3 = flow.inference_batch(**args)
         finally:
             flow.graph = None
-        for a, b, c in zip(got, got2, ref):
-            assert a.shape == c.shape and rel(a, c) < 1e-5 and torch.equal(a, b)
+        for a, b, c, d in zip(got, got2, ref, got3):
+            assert a.shape == c.shape and rel(a, c) < 1e-5 and torch.equal(a, b) and torch.equal(a, d)
+        assert got_one[0].shape == ref_one[0].shape and rel(got_one[0], ref_one[0]) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -197,10 +202,34 @@ def test_engine_with_graphs_samples_same_tokens(yaml_dir, tmp_path):
         assert wav.shape == audio[1][rid][1].shape and float(abs(wav - audio[1][rid][1]).max()) < 1e-4
 
 
-def _engine_tokens(m, audio: bool = False, **config) -> tuple[dict, list]:
+def test_engine_captures_every_graph_at_start(yaml_dir):
+    """With ``graph_warmup`` (the default) the engine captures every reachable prefill, flow and
+    HiFT bucket when it starts and none while serving, and gives the tokens and audio of an
+    engine that captures buckets on first use (all buckets share their static buffers)."""
+    m = build(yaml_dir, torch.float32)
+    counts = []
+
+    def count(eng):
+        graphs = (eng.prefill_graphs, m.flow.graph, m.hift.graph_decode)
+        counts.append(tuple(g.n_graphs for g in graphs))
+        reachable.append(tuple(len(g.grid.reachable()) for g in graphs))
+
+    reachable = []
+    warm = _engine_tokens(m, audio=True, on_start=count, on_done=count)[0]
+    assert counts[0] == counts[1] == reachable[0] and min(counts[0]) > 1, (counts, reachable)
+    lazy = _engine_tokens(m, audio=True, graph_warmup=False, on_start=count, on_done=count)[0]
+    assert counts[2] == (0, 0, 0) and min(counts[3]) >= 1 and all(b <= a for a, b in zip(counts[0], counts[3]))
+    assert warm.keys() == lazy.keys()
+    for rid, (tokens, wav) in warm.items():
+        assert tokens == lazy[rid][0] and wav.shape == lazy[rid][1].shape
+        assert float(abs(wav - lazy[rid][1]).max()) < 1e-4
+
+
+def _engine_tokens(m, audio: bool = False, on_start=None, on_done=None, **config) -> tuple[dict, list]:
     """Three seeded requests through an EngineCore on ``m`` with ``EngineConfig(**config)``:
     ``({request_id: tokens}, request states)`` (with ``audio``: ``{request_id: (tokens, float32
-    waveform)}``); the flow/HiFT graphs it installed are removed."""
+    waveform)}``); the flow/HiFT graphs it installed are removed. ``on_start(engine)`` /
+    ``on_done(engine)`` run before the first request / after the last."""
     import numpy as np
 
     from cosyserve.engine.core import EngineConfig, EngineCore
@@ -212,6 +241,8 @@ def _engine_tokens(m, audio: bool = False, **config) -> tuple[dict, list]:
                                 torch.randint(0, 6561, (60,), generator=g), torch.randn(120, 80, generator=g),
                                 torch.randn(192, generator=g))
     eng = EngineCore(m, EngineConfig(max_active=4, kv_max_len=512, **config))
+    if on_start is not None:
+        on_start(eng)
     states = []
     for i in range(3):
         ids = torch.randint(0, 1000, (10 + i,), generator=torch.Generator().manual_seed(i))
@@ -224,6 +255,8 @@ def _engine_tokens(m, audio: bool = False, **config) -> tuple[dict, list]:
                 done[ev.request_id] = ev.tokens
             elif isinstance(ev, AudioChunk):
                 wavs.setdefault(ev.request_id, []).append(ev.samples)
+    if on_done is not None:
+        on_done(eng)
     m.flow.graph = m.hift.graph_decode = None
     if audio:
         done = {rid: (tokens, np.concatenate(wavs.get(rid, [np.zeros(0, np.float32)]))) for rid, tokens in done.items()}

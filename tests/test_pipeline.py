@@ -234,16 +234,50 @@ def test_token2wav_batches_earliest_deadline_first(syn, voice):
     assert picked == ["first-chunk-old", "first-chunk-new", "later-long-due"]
     engine2 = syn.new_engine(EngineConfig(max_active=8, max_queue=0, t2w_slack_s=0.5))
     picked = [st for st, _, _ in engine2._pick_t2w_batch(list(cands), now)]
-    # the due long job raised the batch length to 512 frames: the others fit and ride along
+    # the due long job raised the batch length to 512 tokens: the others fit and ride along
     assert picked == ["first-chunk-old", "first-chunk-new", "later-long-due", "later-long-not-due", "later-short"]
     picked = [st for st, _, _ in engine2._pick_t2w_batch([c for c in cands if c[4] != "j2"], now)]
-    assert picked == ["first-chunk-old", "first-chunk-new", "later-short"]  # 256 frames > 128 and not due
+    assert picked == ["first-chunk-old", "first-chunk-new", "later-short"]  # 256 tokens > 128 and not due
     assert EngineConfig(max_active=5).max_t2w_batch == 5
     # while the LM is busy, later chunks with time to spare wait to form a larger batch
     later = [c for c in cands if c[0] > now + 1.0]
     assert not engine2._launch_now(later, now, lm_busy=True)
     assert engine2._launch_now(later, now, lm_busy=False)  # GPU idle otherwise: go
     assert engine2._launch_now(cands, now, lm_busy=True)  # a first chunk is due now
+    # the padded batch (jobs x longest flow input) stays within max_t2w_tokens; a longer job alone
+    engine3 = syn.new_engine(EngineConfig(max_active=8, max_queue=0, t2w_slack_s=0.5, max_t2w_tokens=600))
+    picked = [st for st, _, _ in engine3._pick_t2w_batch(list(cands), now)]
+    assert picked == ["first-chunk-old", "first-chunk-new", "later-short"]  # 3 x 512 > 600: the long one waits
+    assert [st for st, _, _ in engine3._pick_t2w_batch([cands[2]], now)] == ["later-long-due"]
+
+
+def test_prefill_budget_counts_padded_positions(syn, voice):
+    """Newcomers are prefilled together while rows x the longest prefix stays within
+    ``max_prefill_tokens`` (the padded forward's size, and the bound of the prefill graph grid);
+    one longer prefix still goes alone."""
+    obs = _StageLog()
+    texts = ["你好，世界。", "Hello there, this is a much longer sentence than the others.", "谢谢你。"]
+    reqs = [syn.build_request(t, voice, SynthesisParams(seed=i, min_token_text_ratio=2, max_token_text_ratio=2),
+                              request_id=f"p{i}") for i, t in enumerate(texts)]
+    engine = syn.new_engine(EngineConfig(max_active=4, max_queue=0), observer=obs)
+    lens = [engine.prefix_len(r, r.segments[0]) for r in reqs]
+    # room for two rows of the first two prefixes, not for three rows of the longest
+    budget = 2 * max(lens[:2])
+    assert 3 * max(lens) > budget >= max(lens)
+    engine = syn.new_engine(EngineConfig(max_active=4, max_queue=0, max_prefill_tokens=budget), observer=obs)
+    for r in reqs:
+        engine.add_request(r)
+    done = []
+    while engine.has_work():
+        done += [ev for ev in engine.step() if isinstance(ev, RequestFinished)]
+    assert len(done) == 3 and all(ev.error is None for ev in done)
+    assert [b for n, b, _ in obs.stages if n == "prefill"][:2] == [2, 1]
+    tiny = syn.new_engine(EngineConfig(max_active=4, max_queue=0, max_prefill_tokens=1))
+    tiny.add_request(reqs[1])
+    done = []
+    while tiny.has_work():
+        done += [ev for ev in tiny.step() if isinstance(ev, RequestFinished)]
+    assert len(done) == 1 and done[0].error is None
 
 
 def test_token2wav_slack_adapts_to_the_batch_duration(syn, voice):

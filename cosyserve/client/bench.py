@@ -117,6 +117,8 @@ class BenchOptions:
     device_sampling: bool | None = None
     t2w_slack_s: float | None = 1.0
     lm_stream_priority: bool = True
+    max_t2w_tokens: int = 16384
+    graph_warmup: bool = True
     chunk_policy: str | None = None  # in-process: default upstream; a server: gRPC request parameter
     # server: its Prometheus page, scraped around each level for the stage breakdown
     # (default: URL/metrics for http/openai; none for grpc unless given)
@@ -426,6 +428,8 @@ class _Setup:
                                                           device_sampling=o.device_sampling,
                                                           t2w_slack_s=o.t2w_slack_s,
                                                           lm_stream_priority=o.lm_stream_priority,
+                                                          max_t2w_tokens=o.max_t2w_tokens,
+                                                          graph_warmup=o.graph_warmup,
                                                           max_queue=max(64, max(o.concurrency) * 2)),
                                       params, voices, builtin)
 

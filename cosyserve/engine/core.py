@@ -14,7 +14,7 @@ One step:
    Beyond ``max_active + max_queue`` requests, :meth:`add_request` refuses at once
    (:class:`QueueFullError`): the queue is bounded.
 3. **LM** (continuous batching) — text segments whose turn has come get a KV-cache slot
-   and are prefilled (at most ``max_prefill_tokens`` per step, at least one segment, so
+   and are prefilled (at most ``max_prefill_tokens`` padded positions per step, at least one segment, so
    newcomers never stall running streams for long); then every running segment advances
    one token in ONE batched decode step over the slots; requests join and leave between
    steps. Sampling is per request (upstream repetition-aware sampling with the request's
@@ -27,9 +27,10 @@ One step:
    runs out of audio (first chunks: the request's arrival, i.e. now), an offline request's
    ``t2w_slack_s`` after its audio became ready. While the LM is busy, a batch is launched
    only once a job is due within ``t2w_slack_s`` or a full batch is ready (launching costs
-   host time the LM then waits for). The batch's frame length (and so its cost) is set by the most urgent job;
-   longer jobs join only when they are due within ``EngineConfig.t2w_slack_s``, so a
-   whole-utterance recompute does not delay a batch of first chunks.
+   host time the LM then waits for). The batch's length (and so its cost) is set by the
+   most urgent job; longer jobs join only when they are due within
+   ``EngineConfig.t2w_slack_s``, so a whole-utterance recompute does not delay a batch of
+   first chunks, and only while the padded batch stays within ``max_t2w_tokens``.
    LM-only requests (``SynthesisParams.lm_only``) skip this stage: they finish as soon as
    their last segment's LM stops, and their ``RequestFinished`` carries the tokens.
 
@@ -50,6 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CosyServeError, InvalidInputError
+from ..models.hift import DEFAULT_MEL_CACHE_LEN
 from ..models.llm import KVCache
 from ..models.loader import CosyVoice2Models
 from ..models.sampling import UpstreamSampler, ras_sample_device
@@ -77,13 +79,19 @@ class EngineConfig:
     ``max_active``: requests processed concurrently (= KV-cache slots); ``max_queue``:
     requests that may wait beyond those; ``kv_max_len``: positions per KV slot (prompt
     prefix + generated tokens of one segment); ``max_prefill_tokens``: prefill budget per
-    step; ``max_t2w_batch``: token2wav jobs per batch (default: ``max_active``);
+    step (padded: newcomers x the longest prefix); ``max_t2w_batch``: token2wav jobs per batch
+    (default: ``max_active``); ``max_t2w_tokens``: flow input tokens per token2wav batch, padded
+    (jobs x the longest job's prompt + speech tokens; a longer job runs alone) — bounds the
+    flow batch's device time and memory and the CUDA-graph buckets captured at start-up;
     ``t2w_slack_s``: seconds before its deadline a job longer than the batch's most urgent
     one is added anyway (see the module doc); ``None``: adaptive, three times the recent
     token2wav batch duration (a job left out now runs after the batch in flight and the next
     one), between ``T2W_SLACK_MIN_S`` and ``T2W_SLACK_MAX_S`` (measured: lower first-chunk
-    latency at 32 streams but stalled streams, docs/perf.md run 18; not the default); ``cuda_graphs``: LM decode and flow solve
-    as CUDA graphs on CUDA devices; ``t2w_thread``: run token2wav on its own thread
+    latency at 32 streams but stalled streams, docs/perf.md run 18; not the default);
+    ``cuda_graphs``: LM decode and prefill, flow and HiFT as CUDA graphs on CUDA devices;
+    ``graph_warmup``: capture every graph bucket the limits above can reach when the engine
+    starts (tens of seconds; a capture while serving stalls every stream for 0.1-0.4 s,
+    docs/perf.md run 20), otherwise on first use; ``t2w_thread``: run token2wav on its own thread
     (:class:`~cosyserve.engine.token2wav.Token2WavWorker`; off by default: measured slower on
     an H100 because both threads contend for the GIL, docs/perf.md runs 5 and 11);
     ``t2w_queue_steps``: a token2wav batch on the side stream is issued a few flow steps at a
@@ -106,8 +114,10 @@ class EngineConfig:
     kv_max_len: int = 4096
     max_prefill_tokens: int = 4096
     max_t2w_batch: int | None = None
+    max_t2w_tokens: int = 16384
     t2w_slack_s: float | None = 1.0
     cuda_graphs: bool = True
+    graph_warmup: bool = True
     t2w_thread: bool = False
     t2w_queue_steps: int | None = 4
     device_sampling: bool | None = None
@@ -117,6 +127,7 @@ class EngineConfig:
         if self.max_t2w_batch is None:
             object.__setattr__(self, "max_t2w_batch", self.max_active)
         if self.max_active < 1 or self.max_queue < 0 or self.kv_max_len < 64 or self.max_t2w_batch < 1 \
+                or self.max_t2w_tokens < 1 \
                 or (self.t2w_slack_s is not None and self.t2w_slack_s < 0) \
                 or (self.t2w_queue_steps is not None and self.t2w_queue_steps < 1):
             raise ValueError("invalid engine limits")
@@ -220,12 +231,21 @@ class EngineCore:
                                           eos_id=models.cfg.llm.eos_token)
             self.decoder.warmup()  # capture every (batch, KV length) bucket now, not mid-request
             self.prefill_graphs = GraphedPrefill(self.lm, self.cache, pool=self.decoder.pool,
-                                                 max_batch=config.max_active)
-            self.prefill_graphs.warmup()
+                                                 max_batch=config.max_active, max_tokens=config.max_prefill_tokens)
+            ratio = models.cfg.token_mel_ratio
             if models.flow.graph is None:
-                models.flow.graph = GraphedFlow(models.flow, config.max_t2w_batch)
+                models.flow.graph = GraphedFlow(models.flow, config.max_t2w_batch, max_tokens=config.kv_max_len,
+                                                max_area=config.max_t2w_tokens)
             if models.hift.graph_decode is None and next(models.hift.parameters()).is_cuda:
-                models.hift.graph_decode = GraphedHiFTDecoder(models.hift, config.max_t2w_batch)
+                # HiFT input per job: the chunk's new frames plus the stream's mel overlap
+                extra = DEFAULT_MEL_CACHE_LEN
+                models.hift.graph_decode = GraphedHiFTDecoder(
+                    models.hift, config.max_t2w_batch, max_frames=ratio * config.kv_max_len + extra,
+                    max_area=ratio * config.max_t2w_tokens + extra * config.max_t2w_batch)
+            if config.graph_warmup:  # every reachable bucket now, none while serving
+                for graphs in (self.prefill_graphs, models.flow.graph, models.hift.graph_decode):
+                    if graphs is not None:
+                        graphs.warmup()
         self._free_slots = list(range(config.max_active))
         # on CUDA, token2wav batches run on their own CUDA stream while LM decoding continues;
         # launched from this thread (default) or from a worker thread (EngineConfig.t2w_thread)
@@ -436,15 +456,15 @@ class EngineCore:
         rows: list[tuple[RequestState, SegmentState]] = []
         hidden: list[torch.Tensor] = []
         # 1. prefill newcomers (bounded), all in one padded forward
-        budget = self.cfg.max_prefill_tokens
-        prefill_tokens = 0
+        budget = self.cfg.max_prefill_tokens  # padded: rows x the longest prefix
+        prefill_tokens = longest = 0
         new: list[tuple[RequestState, SegmentState, torch.Tensor]] = []
         for st in list(self._active.values()):
             seg = st.next_lm_segment()
             if seg is None or seg.prefilled or not self._free_slots:
                 continue
             n = self.prefix_len(st.req, seg.text_ids)
-            if prefill_tokens and prefill_tokens + n > budget:
+            if new and (len(new) + 1) * max(longest, n) > budget:
                 break
             try:
                 v = st.req.voice
@@ -454,6 +474,7 @@ class EngineCore:
                 continue
             seg.slot = self._free_slots.pop(0)
             prefill_tokens += n
+            longest = max(longest, n)
             new.append((st, seg, prefix))
         spans = []
         host = self._host
@@ -664,8 +685,8 @@ class EngineCore:
                 if st.t_ready is None and st.first_chunk_at is None:
                     st.t_ready = now
                 if idle:
-                    frames = (st.req.voice.flow_speech_token.numel() + nxt[1]) * self.t2w.ratio
-                    cands.append((self._deadline(st, now), frames, st, nxt[0], nxt))
+                    n_tok = st.req.voice.flow_speech_token.numel() + nxt[1]  # the flow's input
+                    cands.append((self._deadline(st, now), n_tok, st, nxt[0], nxt))
             elif idle and st.out_segment >= len(st.segments):
                 self._finish(st, events, Outcome.OK)
         if not cands or not self._launch_now(cands, now, lm_busy):
@@ -713,19 +734,24 @@ class EngineCore:
         return min(c[0] for c in cands) <= now + self.slack_s()
 
     def _pick_t2w_batch(self, cands: list, now: float) -> list:
-        """Earliest deadline first; the most urgent job sets the batch's frame length (rounded
-        up to 64 frames, the flow graph bucket), longer jobs join only when due within
-        ``t2w_slack_s`` (they would make every job in the batch pay for their length)."""
+        """Earliest deadline first; the most urgent job sets the batch's flow length (its
+        bucket, :meth:`Token2Wav.length_bucket`), longer jobs join only when due within
+        ``t2w_slack_s`` (they would make every job in the batch pay for their length); jobs
+        join while the padded batch (jobs x longest) stays within ``max_t2w_tokens``."""
         cands.sort(key=lambda c: c[0])
         horizon = now + self.slack_s()
         limit = None
+        longest = 0
         picked = []
-        for deadline, frames, st, seg, job in cands:
+        for deadline, n_tok, st, seg, job in cands:
             if len(picked) >= self.cfg.max_t2w_batch:
                 break
-            if limit is not None and frames > limit and deadline > horizon:
+            if limit is not None and n_tok > limit and deadline > horizon:
                 continue
-            limit = max(limit or 0, -(-frames // 64) * 64)
+            if picked and (len(picked) + 1) * max(longest, n_tok) > self.cfg.max_t2w_tokens:
+                continue
+            longest = max(longest, n_tok)
+            limit = max(limit or 0, self.t2w.length_bucket(n_tok))
             picked.append((st, seg, job))
         return picked
 

@@ -67,6 +67,14 @@ class Token2Wav:
         self.hift = hift
         self.ratio = token_mel_ratio
 
+    def length_bucket(self, n_tokens: int) -> int:
+        """Flow input length (tokens) a batch whose longest job takes ``n_tokens`` is padded
+        to: the flow graph's token bucket on CUDA, else ``n_tokens`` rounded up to 32."""
+        graph = getattr(self.flow, "graph", None)
+        if graph is not None:
+            return graph.grid.length(n_tokens)
+        return -(-n_tokens // 32) * 32
+
     @property
     def hift_device(self) -> torch.device:
         """Where HiFT runs (and its excitation noise is drawn)."""

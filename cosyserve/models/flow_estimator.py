@@ -24,8 +24,10 @@ here: all left chunks are visible). Disallowed positions get bias ``-1e10`` (flo
 its most negative finite value; upstream's product overflows to ``-inf`` there; both give
 exactly zero weight).
 
-Host synchronisation: none in :meth:`FlowEstimator.forward_planned`; masks are built once
-per solve by :meth:`FlowEstimator.attention_plan`. Static shapes per batch make the
+Host synchronisation: none in :meth:`FlowEstimator.forward_planned`; padding masks are
+built once per solve by :meth:`FlowEstimator.attention_plan`, the attention biases from them
+in every forward (a few elementwise kernels; kept for the solve they would be the largest
+tensors a CUDA-graph bucket holds between steps: ``[2B, 1, T, T]``). Static shapes per batch make the
 planned forward suitable for CUDA-graph capture / ``torch.compile`` by the caller.
 """
 
@@ -255,15 +257,30 @@ class TransformerBlock(nn.Module):
 
 @dataclass
 class AttentionPlan:
-    """Per-U-Net-level masks, computed once per solve and reused by every Euler step.
+    """Per-U-Net-level masks of a solve, computed once and reused by every Euler step.
 
     ``masks[d]``: ``[B, T_d, 1]`` padding mask (model dtype, 1 valid / 0 padded) at level
-    ``d`` (``T_0 = T``, ``T_{d+1} = ceil(T_d / 2)``); ``biases[d]``: ``[B, 1, T_d, T_d]``
-    additive attention bias (0 allowed, -1e10 masked).
+    ``d`` (``T_0 = T``, ``T_{d+1} = ceil(T_d / 2)``); ``streaming``: ``[B]`` bool, rows with
+    chunk-causal attention (chunks of ``chunk`` frames).
     """
 
     masks: list[Tensor]
-    biases: list[Tensor]
+    streaming: Tensor
+    chunk: int
+
+    def biases(self) -> list[Tensor]:
+        """Per level the additive attention bias ``[B, 1, T_d, T_d]`` (model dtype, 0 allowed,
+        -1e10 masked: padded keys and, for streaming rows, keys in later chunks). No host
+        synchronisation."""
+        out = []
+        for m in self.masks:
+            # upstream's -1e10 overflows float16 (to -inf there); the most negative finite value
+            # gives the same exactly-zero attention weight
+            masked_value = max(_MASK_BIAS, torch.finfo(m.dtype).min)
+            allowed = chunk_attention_mask(m[..., 0].bool(), self.streaming, self.chunk)
+            out.append(torch.zeros(allowed.shape, dtype=m.dtype, device=m.device)
+                       .masked_fill_(~allowed, masked_value).unsqueeze(1))
+        return out
 
 
 class FlowEstimator(nn.Module):
@@ -329,18 +346,12 @@ class FlowEstimator(nn.Module):
         if not isinstance(streaming, Tensor):
             streaming = torch.full((b,), bool(streaming), device=mask.device)
         streaming = streaming.to(device=mask.device, dtype=torch.bool)
-        # upstream's -1e10 overflows float16 (to -inf there); the most negative finite value
-        # gives the same exactly-zero attention weight
-        masked_value = max(_MASK_BIAS, torch.finfo(mask.dtype).min)
-        masks, biases = [], []
+        masks = []
         m = mask
         for _ in range(self.depth):
-            allowed = chunk_attention_mask(m[:, 0].bool(), streaming, self.cfg.static_chunk_size)
-            bias = torch.zeros(allowed.shape, dtype=m.dtype, device=m.device).masked_fill_(~allowed, masked_value)
             masks.append(m.transpose(1, 2).contiguous())
-            biases.append(bias.unsqueeze(1))
             m = m[:, :, ::2]
-        return AttentionPlan(masks, biases)
+        return AttentionPlan(masks, streaming, self.cfg.static_chunk_size)
 
     def _resnets(self) -> list[CausalResnetBlock]:
         """Every ResNet block in forward order (down, mid, up)."""
@@ -376,22 +387,23 @@ class FlowEstimator(nn.Module):
         guarantees too.
         """
         terms = iter(self.time_terms(t))
+        biases = plan.biases()
         skips = []
         for level, (resnet, blocks, down) in enumerate(self.down_blocks):
             h = resnet(h, next(terms))
-            h = self._transformers(blocks, h, plan.biases[level])
+            h = self._transformers(blocks, h, biases[level])
             skips.append(h)
             h = down.forward_btc(h) if isinstance(down, CausalConv1d) else down(h * plan.masks[level])
         bottom = self.depth - 1
         for resnet, blocks in self.mid_blocks:
             h = resnet(h, next(terms))
-            h = self._transformers(blocks, h, plan.biases[bottom])
+            h = self._transformers(blocks, h, biases[bottom])
         for k, (resnet, blocks, up) in enumerate(self.up_blocks):
             level = bottom - k
             skip = skips.pop()
             h = torch.cat([h[:, : skip.size(1)], skip], dim=-1)
             h = resnet(h, next(terms))
-            h = self._transformers(blocks, h, plan.biases[level])
+            h = self._transformers(blocks, h, biases[level])
             h = up.forward_btc(h) if isinstance(up, CausalConv1d) else up(h * plan.masks[level])
         h = self.final_block(h)
         w = self.final_proj.weight

@@ -1,24 +1,27 @@
-"""CUDA graphs for the launch-bound hot paths: the LM decode step, single-sequence prefill,
-the flow (encoder + solve) and the HiFT decoder.
+"""CUDA graphs for the launch-bound hot paths: the LM decode step and prefill, the flow
+(encoder + solve) and the HiFT decoder.
 
-At serving batch sizes both are bound by kernel launches, not arithmetic (measured on an
+At serving batch sizes these are bound by kernel launches, not arithmetic (measured on an
 H100: one eager Qwen2-0.5B decode step takes ~18 ms at batch 1 and at batch 64; one
 10-step flow solve ~300 ms at batch 1 and at batch 32). Replaying a captured graph removes
 the launch cost. Graphs need static shapes, so inputs are padded to buckets:
 
-* :class:`GraphedDecoder` — batch buckets (1, 2, 4, ..., max) x KV-length buckets (512,
-  1024, ..., cache length). Padding rows read/write a reserved *scratch* KV slot and are
+* :class:`GraphedDecoder` — batch buckets (1, 2, 4, ..., max) x KV-length buckets (256, 512,
+  ..., cache length). Padding rows read/write a reserved *scratch* KV slot and are
   discarded. Attention covers the bucket's KV length with a mask (positions <= each row's
   position), so results equal :meth:`SpeechLM.forward_cached`'s.
-* :class:`GraphedFlow` — encoder + solve, batch buckets x token buckets (multiples of 32
-  tokens = 64 frames). Padded tokens and frames are masked, exactly like shorter items in an
-  eager batch, so valid frames are unchanged (the flow's batched path is padding-safe and
-  tested to be).
+* :class:`GraphedPrefill`, :class:`GraphedFlow`, :class:`GraphedHiFTDecoder` — a
+  :class:`BucketGrid` each: batch buckets x length buckets (:func:`length_buckets`: fine
+  steps for short inputs, then ~1.25x apart). Padded positions, frames and rows are masked,
+  exactly like shorter items in an eager batch, so valid outputs are unchanged (the batched
+  paths are padding-safe and tested to be).
 
-Graphs are captured lazily on first use of a bucket (a few hundred ms each) into one shared
-memory pool; ``warmup()`` captures them ahead of time. Capture checks only the capturing
-thread (``capture_error_mode="thread_local"``): the engine's token2wav thread captures flow
-graphs while the scheduler thread keeps decoding (and synchronising) on its own stream.
+A capture costs 0.1-0.4 s of host time during which nothing else is launched, so the engine
+captures every bucket it can reach at start-up (``warmup()``: the grids are bounded by the
+engine's per-batch budgets, :meth:`BucketGrid.reachable`), never while serving; a bucket used
+before it was captured (``warmup()`` skipped) is captured then. All graphs of one stage share
+a memory pool. Capture checks only the capturing thread (``capture_error_mode="thread_local"``),
+so a token2wav worker thread may capture while the scheduler thread keeps decoding.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import replace
 
 import torch
 
@@ -46,33 +50,117 @@ def _pow2_buckets(max_value: int) -> list[int]:
 log = logging.getLogger(__name__)
 
 
+def length_buckets(step: int, max_len: int, growth: float = 1.25, fine: int = 8) -> list[int]:
+    """Length buckets: the first ``fine`` multiples of ``step``, then each bucket about ``growth``
+    times the previous one (rounded up to a multiple of ``step``), ending with ``max_len``
+    rounded up to ``step``. Padding to the next bucket wastes at most ``growth - 1`` of the
+    work past the fine range, while the number of buckets (graphs to capture) grows only
+    logarithmically with ``max_len``."""
+    if step < 1 or max_len < 1:
+        raise ValueError("step and max_len must be positive")
+    out, b = [], step
+    top = -(-max_len // step) * step
+    while b < top:
+        out.append(b)
+        b = b + step if len(out) < fine else max(-(-int(b * growth) // step) * step, b + step)
+    out.append(top)
+    return out
+
+
+class BucketGrid:
+    """The static shapes of a graphed stage: batch buckets x length buckets.
+
+    :meth:`pick` maps a batch of ``n`` rows of length ``t`` to the smallest bucket holding it.
+    :meth:`reachable` lists the buckets that batches within an area budget (``n * t <=
+    max_area`` for the real, unpadded shape; any length for one row) can land in — what
+    ``warmup`` captures so that no graph is captured while serving.
+    """
+
+    def __init__(self, batches: list[int], lengths: list[int], max_area: int | None = None):
+        self.batches, self.lengths, self.max_area = list(batches), list(lengths), max_area
+
+    def pick(self, n: int, t: int) -> tuple[int, int] | None:
+        """``(batch bucket, length bucket)`` of ``n`` rows x ``t`` positions; None beyond the grid."""
+        if n > self.batches[-1] or t > self.lengths[-1]:
+            return None
+        return _pick(self.batches, n), _pick(self.lengths, t)
+
+    def length(self, t: int) -> int:
+        """The length bucket of ``t`` (``t`` itself beyond the grid)."""
+        return _pick(self.lengths, t) if t <= self.lengths[-1] else t
+
+    def reachable(self) -> list[tuple[int, int]]:
+        """Every bucket some batch within ``max_area`` lands in (all of them without a budget)."""
+        out = []
+        for i, bb in enumerate(self.batches):
+            n_min = self.batches[i - 1] + 1 if i else 1
+            for j, lb in enumerate(self.lengths):
+                t_min = self.lengths[j - 1] + 1 if j else 1
+                if self.max_area is None or n_min == 1 or n_min * t_min <= self.max_area:
+                    out.append((bb, lb))
+        return out
+
+
+    def max_units(self) -> int:
+        """The largest ``batch x length`` of a reachable bucket (what shared buffers hold)."""
+        return max(bb * lb for bb, lb in self.reachable())
+
+
+class SharedBuffers:
+    """Static tensors shared by every bucket of one graphed stage.
+
+    Each named buffer is one flat allocation sized for the stage's largest bucket
+    (``max_units`` = batch x length, :meth:`BucketGrid.max_units`); a bucket's tensor is a view
+    of its start, so graph inputs, the state kept between graphs and graph outputs cost the
+    largest bucket's memory once instead of once per bucket (a full flow grid would otherwise
+    hold ~3 GB of them). Safe because a stage runs one batch at a time, in stream order.
+    """
+
+    def __init__(self, max_units: int, device):
+        self.max_units, self.device = max_units, device
+        self._flat: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape, dtype: torch.dtype, units: int) -> torch.Tensor:
+        """A zeroed-at-allocation view ``shape`` of buffer ``name`` for a bucket of ``units``
+        (batch x length; sizes scale with it). A tensor that does not fit (another dtype, or
+        a shape not proportional to ``units``) gets its own allocation."""
+        numel = math.prod(shape)
+        flat = self._flat.get(name)
+        if flat is None:
+            cap = max(numel, -(-numel * self.max_units // max(1, units)))
+            flat = self._flat[name] = torch.zeros(cap, dtype=dtype, device=self.device)
+        if flat.dtype != dtype or numel > flat.numel():
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        return flat[:numel].view(shape)
+
+    def share(self, name: str, t: torch.Tensor, units: int) -> torch.Tensor:
+        """``t`` copied into buffer ``name`` (see :meth:`take`); returns the view."""
+        out = self.take(name, t.shape, t.dtype, units)
+        out.copy_(t)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.numel() * f.element_size() for f in self._flat.values())
+
+
 def _capture_graph(run, pool, what: str = "graph", level: int = logging.DEBUG) -> tuple[torch.cuda.CUDAGraph, object]:
-    """Warm ``run`` up twice on a side stream (lazy initialisation, cuFFT/cuBLAS plans), then
-    capture it into a CUDA graph in ``pool``; returns ``(graph, run's output)``. Only the
-    capturing thread is checked (``capture_error_mode="thread_local"``). Logs ``what`` and the
-    time taken at ``level`` (buckets captured on first use: a capture while serving delays every
-    stream by that much)."""
+    """Run ``run`` once on a side stream (lazy initialisation: cuFFT/cuBLAS plans, derived and
+    fused weights), then capture it into a CUDA graph in ``pool``; returns ``(graph, run's
+    output)``. Only the capturing thread is checked (``capture_error_mode="thread_local"``).
+    Logs ``what`` and the time taken at ``level`` (a capture while serving delays every stream
+    by that much: INFO for buckets captured on first use)."""
     t0 = time.perf_counter()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):
-            run()
+        run()
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
         out = run()
     log.log(level, "captured %s in %.0f ms", what, (time.perf_counter() - t0) * 1e3)
     return g, out
-
-
-def _remember(graphs: dict, key, entry, max_graphs: int):
-    """Store a captured bucket's ``entry`` under ``key``, first dropping the oldest bucket when
-    ``max_graphs`` are held (bounds graph memory); returns ``entry``."""
-    if len(graphs) >= max_graphs:
-        graphs.pop(next(iter(graphs)))
-    graphs[key] = entry
-    return entry
 
 
 def _pick(buckets: list[int], n: int) -> int:
@@ -187,9 +275,60 @@ class GraphedDecoder:
         return out
 
 
-class GraphedPrefill:
+class _BucketGraphs:
+    """Graphs of one stage per :class:`BucketGrid` bucket, in one memory pool: :meth:`warmup`
+    captures every reachable bucket (what the engine does at start-up, so none is captured
+    while serving); a bucket missing when it is used is captured then, logged at INFO."""
+
+    name = "stage"
+
+    def __init__(self, grid: BucketGrid, device, pool=None):
+        self.grid = grid
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.shared = SharedBuffers(grid.max_units(), device)
+        self._graphs: dict[tuple[int, int], tuple] = {}
+        self._warming = False
+
+    def _capture(self, bb: int, lb: int) -> tuple:
+        raise NotImplementedError
+
+    def _entry(self, key: tuple[int, int]) -> tuple:
+        got = self._graphs.get(key)
+        if got is None:
+            got = self._graphs[key] = self._capture(*key)
+        return got
+
+    def _level(self) -> int:
+        return logging.DEBUG if self._warming else logging.INFO
+
+    def warmup(self) -> None:
+        """Capture every bucket in :meth:`BucketGrid.reachable` not yet held; logs the count,
+        the seconds taken and the device memory the graphs' static buffers hold."""
+        todo = [k for k in self.grid.reachable() if k not in self._graphs]
+        if not todo:
+            return
+        t0, m0 = time.perf_counter(), torch.cuda.memory_reserved()
+        self._warming = True
+        try:
+            for key in todo:
+                self._graphs[key] = self._capture(*key)
+        finally:
+            self._warming = False
+        log.info("captured %d %s graph buckets in %.1f s (shared buffers %.2f GB; device memory reserved "
+                 "+%.2f GB)", len(todo), self.name, time.perf_counter() - t0, self.shared.nbytes / 2**30,
+                 (torch.cuda.memory_reserved() - m0) / 2**30)
+
+    @property
+    def n_graphs(self) -> int:
+        """Buckets captured so far."""
+        return len(self._graphs)
+
+
+class GraphedPrefill(_BucketGraphs):
     """Prefill of newcomers as CUDA graphs, one per (batch bucket, length bucket): batches of
-    ``1, 2, 4, ... max_batch`` sequences x multiples of ``bucket`` positions up to ``max_len``.
+    ``1, 2, 4, ... max_batch`` sequences x multiples of ``bucket`` positions up to ``max_len``;
+    :meth:`warmup` captures the buckets that prefills of at most ``max_tokens`` padded tokens
+    (rows x longest prefix, the engine's prefill budget) reach.
 
     ``__call__(embeds [B, T, H], slots [B])`` writes positions ``0 .. T-1`` of each row's slot
     in ``cache`` and returns the final hidden states ``[B, T, H]`` (a view into a static
@@ -197,48 +336,45 @@ class GraphedPrefill:
     bucket (prefill eagerly). Rows are right-padded as in the engine's eager batched prefill:
     positions past a row's length get junk K/V past the sequence, which decoding overwrites
     before any query can attend to them (causal attention); padding rows of a batch bucket
-    read and write the scratch slot. Single-sequence graphs are captured by :meth:`warmup`,
-    batched ones on first use (at most ``max_graphs`` kept).
+    read and write the scratch slot.
     """
 
+    name = "LM prefill"
+
     def __init__(self, lm: SpeechLM, cache: KVCache, bucket: int = 64, max_len: int = 1024, pool=None,
-                 max_batch: int = 1, max_graphs: int = 64):
+                 max_batch: int = 1, max_tokens: int | None = None):
+        top = min(max_len, cache.max_len) // bucket * bucket
+        super().__init__(BucketGrid(_pow2_buckets(max(1, max_batch)), list(range(bucket, top + 1, bucket)) or [bucket],
+                                    max_tokens), cache.k.device, pool)
         self.lm, self.cache = lm, cache
-        self.buckets = list(range(bucket, min(max_len, cache.max_len) + 1, bucket))
-        self.batch_buckets = _pow2_buckets(max(1, max_batch))
-        self.max_graphs = max(max_graphs, len(self.buckets))
         self.scratch = cache.n_slots - 1
         self.device = cache.k.device
-        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        self._graphs: dict[tuple[int, int], tuple] = {}
+        self._usable = top >= bucket
 
     @torch.inference_mode()
     def _capture(self, bb: int, tb: int):
         lm = self.lm
         dtype = lm.llm_decoder.weight.dtype
-        bufs = {"emb": torch.zeros(bb, tb, lm.qwen_config.hidden_size, device=self.device, dtype=dtype),
+        shape = (bb, tb, lm.qwen_config.hidden_size)
+        bufs = {"emb": self.shared.take("emb", shape, dtype, bb * tb).zero_(),
                 "slot": torch.full((bb,), self.scratch, dtype=torch.long, device=self.device),
                 "start": torch.zeros(bb, dtype=torch.long, device=self.device)}
+        out = self.shared.take("out", shape, dtype, bb * tb)
 
         def run():
-            return lm.forward_cached(bufs["emb"], self.cache, bufs["slot"], bufs["start"], kv_len=tb)
+            return out.copy_(lm.forward_cached(bufs["emb"], self.cache, bufs["slot"], bufs["start"], kv_len=tb))
 
-        g, out = _capture_graph(run, self.pool, f"LM prefill graph batch {bb} x {tb} positions",
-                                logging.INFO if bb > 1 else logging.DEBUG)
-        return _remember(self._graphs, (bb, tb), (g, bufs, out), self.max_graphs)
-
-    def warmup(self) -> None:
-        for tb in self.buckets:
-            if (1, tb) not in self._graphs:
-                self._capture(1, tb)
+        g, out = _capture_graph(run, self.pool, f"LM prefill graph batch {bb} x {tb} positions", self._level())
+        return g, bufs, out
 
     @torch.inference_mode()
     def __call__(self, embeds: torch.Tensor, slots) -> torch.Tensor | None:
         n, t = embeds.shape[:2]
-        if not self.buckets or t > self.buckets[-1] or n > self.batch_buckets[-1]:
+        key = self.grid.pick(n, t) if self._usable else None
+        if key is None:
             return None
-        bb, tb = _pick(self.batch_buckets, n), _pick(self.buckets, t)
-        g, bufs, out = self._graphs.get((bb, tb)) or self._capture(bb, tb)
+        bb, tb = key
+        g, bufs, out = self._entry(key)
         bufs["emb"][:n, :t].copy_(embeds)
         if t < tb:
             bufs["emb"][:n, t:].zero_()
@@ -249,48 +385,53 @@ class GraphedPrefill:
         return out[:n, :t]
 
 
-class GraphedHiFTDecoder:
+class GraphedHiFTDecoder(_BucketGraphs):
     """:meth:`HiFTGenerator.decode` (conv stack + source STFT + iSTFT, deterministic and free of
-    host synchronisation) as CUDA graphs per batch bucket x frame bucket.
+    host synchronisation) as CUDA graphs per batch bucket (``1, 2, 4, ... max_batch``) x frame
+    bucket (:func:`length_buckets` of ``frame_bucket`` up to ``max_frames``); :meth:`warmup`
+    captures those that batches of at most ``max_area`` frames (items x longest) reach.
 
     ``__call__(mel [B, C, T], source [B, 1, T*spf], lengths [B])`` takes ``decode``'s padded-batch
-    arguments and returns the speech ``[B, T*spf]`` (a fresh tensor). Padding rows and frames are
-    handled by ``decode``'s own per-item lengths (padding rows get length 1), so valid samples
-    equal the eager result up to float rounding of differently shaped kernels. F0 prediction and
-    the excitation (random draws from each request's generator) stay eager.
+    arguments and returns the speech ``[B, T*spf]`` (a fresh tensor); beyond the grid it runs
+    ``decode`` eagerly. Padding rows and frames are handled by ``decode``'s own per-item lengths
+    (padding rows get length 1), so valid samples equal the eager result up to float rounding
+    of differently shaped kernels. F0 prediction and the excitation (random draws from each
+    request's generator) stay eager.
     """
 
-    def __init__(self, hift, max_batch: int, frame_bucket: int = 32, max_graphs: int = 256, pool=None):
+    name = "HiFT decoder"
+
+    def __init__(self, hift, max_batch: int, max_frames: int = 1024, max_area: int | None = None,
+                 frame_bucket: int = 32, pool=None):
+        super().__init__(BucketGrid(_pow2_buckets(max_batch), length_buckets(frame_bucket, max_frames), max_area),
+                         next(hift.parameters()).device, pool)
         self.hift = hift
-        self.batch_buckets = _pow2_buckets(max_batch)
-        self.frame_bucket = frame_bucket
-        self.max_graphs = max_graphs
-        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        self._graphs: dict[tuple[int, int], tuple] = {}
 
     @torch.inference_mode()
-    def _capture(self, bb: int, tb: int, like: torch.Tensor):
+    def _capture(self, bb: int, tb: int):
         spf = self.hift.samples_per_frame
-        d, dt = like.device, like.dtype
-        bufs = {"mel": torch.zeros(bb, like.shape[1], tb, device=d, dtype=dt),
-                "source": torch.zeros(bb, 1, tb * spf, device=d, dtype=dt),
+        w = next(self.hift.parameters())
+        d, dt = w.device, w.dtype
+        units = bb * tb
+        bufs = {"mel": self.shared.take("mel", (bb, self.hift.cfg.in_channels, tb), dt, units).zero_(),
+                "source": self.shared.take("source", (bb, 1, tb * spf), dt, units).zero_(),
                 "lengths": torch.full((bb,), tb, dtype=torch.long, device=d)}
+        out = self.shared.take("out", (bb, tb * spf), dt, units)
 
         def run():
-            return self.hift.decode(bufs["mel"], bufs["source"], bufs["lengths"])
+            return out.copy_(self.hift.decode(bufs["mel"], bufs["source"], bufs["lengths"]))
 
-        g, out = _capture_graph(run, self.pool, f"HiFT decoder graph batch {bb} x {tb} frames", logging.INFO)
-        return _remember(self._graphs, (bb, tb), (g, bufs, out), self.max_graphs)
+        g, out = _capture_graph(run, self.pool, f"HiFT decoder graph batch {bb} x {tb} frames", self._level())
+        return g, bufs, out
 
     @torch.inference_mode()
     def __call__(self, mel: torch.Tensor, source: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         b, _, t = mel.shape
         spf = self.hift.samples_per_frame
-        if b > self.batch_buckets[-1]:
+        key = self.grid.pick(b, t)
+        if key is None:
             return self.hift.decode(mel, source, lengths)
-        bb = _pick(self.batch_buckets, b)
-        tb = int(math.ceil(t / self.frame_bucket) * self.frame_bucket)
-        g, bufs, out = self._graphs.get((bb, tb)) or self._capture(bb, tb, mel)
+        g, bufs, out = self._entry(key)
         bufs["mel"].zero_()
         bufs["mel"][:b, :, :t].copy_(mel)
         bufs["source"].zero_()
@@ -301,12 +442,15 @@ class GraphedHiFTDecoder:
         return out[:b, : t * spf].clone()
 
 
-class GraphedFlow:
+class GraphedFlow(_BucketGraphs):
     """The whole flow of a token2wav batch — token embedding, conformer encoder, projections and
-    the 10-step CFG Euler solve — as CUDA graphs per batch bucket x token bucket (multiples of
-    ``token_bucket`` tokens; mel frames = ``token_mel_ratio`` x tokens): one *begin* graph
-    (:meth:`FlowModel.encode` + ``CausalFlowMatching.begin``) and one *step* graph (one Euler
-    step, in place) replayed ``n_timesteps`` times.
+    the 10-step CFG Euler solve — as CUDA graphs per batch bucket (``1, 2, 4, ... max_batch``) x
+    token bucket (:func:`length_buckets` of ``token_bucket`` up to ``max_tokens``, and no
+    longer than the fixed noise buffer; mel frames = ``token_mel_ratio`` x tokens): one *begin*
+    graph (:meth:`FlowModel.encode` + ``CausalFlowMatching.begin``) and one *step* graph (one
+    Euler step, in place) replayed ``n_timesteps`` times. :meth:`warmup` captures the buckets
+    that batches of at most ``max_area`` tokens (items x longest, the engine's token2wav
+    budget) reach.
 
     Why a graph per step rather than one for the whole solve: a graph of ~11 000 kernels does not
     fit the stream's launch queue, so ``cudaGraphLaunch`` would hold the calling thread until
@@ -318,38 +462,42 @@ class GraphedFlow:
     it eagerly). Padding is exactly the eager batch's: padded tokens, positions and frames are
     masked per item (the encoder and estimator are padding-safe, tested), so valid frames equal
     the eager result up to float rounding of differently shaped kernels; padding rows hold one
-    token. Inputs reach the graph's buffers through pinned memory (no host waits). One batch per
-    bucket may be in flight at a time (the buffers are the bucket's).
+    token. Inputs reach the graph's buffers through pinned memory (no host waits). One batch
+    may be in flight at a time (all buckets share their buffers, :class:`SharedBuffers`).
     """
 
-    def __init__(self, flow, max_batch: int, token_bucket: int = 32, max_graphs: int = 256, pool=None):
+    name = "flow"
+
+    def __init__(self, flow, max_batch: int, max_tokens: int = 1024, max_area: int | None = None,
+                 token_bucket: int = 32, pool=None):
+        noise_tokens = flow.rand_noise.size(-1) // flow.token_mel_ratio // token_bucket * token_bucket
+        top = max(token_bucket, min(max_tokens, noise_tokens))
+        super().__init__(BucketGrid(_pow2_buckets(max_batch), length_buckets(token_bucket, top), max_area),
+                         flow.encoder_proj.weight.device, pool)
         self.flow = flow
-        self.batch_buckets = _pow2_buckets(max_batch)
-        self.token_bucket = token_bucket
-        self.max_graphs = max_graphs
-        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        self._graphs: dict[tuple[int, int], tuple] = {}
 
     @torch.inference_mode()
     def _capture(self, bb: int, lb: int):
         flow = self.flow
-        bufs = flow_buffers(flow, bb, lb, flow.encoder_proj.weight.device)
-        g_begin, state = _capture_graph(lambda: flow_begin_from_buffers(flow, bufs), self.pool,
-                                        f"flow begin graph batch {bb} x {lb} tokens", logging.INFO)
+        bufs = flow_buffers(flow, bb, lb, flow.encoder_proj.weight.device, self.shared)
+
+        def begin():  # the solver state the step graph works on, in the shared buffers
+            st = flow_begin_from_buffers(flow, bufs)
+            units, share = bb * lb, self.shared.share
+            plan = type(st.plan)([share(f"mask{d}", m, units) for d, m in enumerate(st.plan.masks)],
+                                 share("streaming", st.plan.streaming, units), st.plan.chunk)
+            return replace(st, xt=share("xt", st.xt, units), inp=share("inp", st.inp, units), plan=plan)
+
+        g_begin, state = _capture_graph(begin, self.pool, f"flow begin graph batch {bb} x {lb} tokens", self._level())
         g_begin.replay()  # real values in the state before the step is warmed up and captured
         g_step, _ = _capture_graph(lambda: flow.decoder.step(state), self.pool,
-                                   f"flow step graph batch {bb} x {lb} tokens", logging.INFO)
-        return _remember(self._graphs, (bb, lb), (g_begin, g_step, bufs, state), self.max_graphs)
+                                   f"flow step graph batch {bb} x {lb} tokens", self._level())
+        return g_begin, g_step, bufs, state
 
     def buckets(self, n_items: int, n_tokens: int) -> tuple[int, int] | None:
         """The (batch, tokens) bucket of a batch, or None if it is larger than any bucket
         (or than the fixed noise buffer): such batches run eagerly."""
-        if n_items > self.batch_buckets[-1]:
-            return None
-        lb = int(math.ceil(n_tokens / self.token_bucket) * self.token_bucket)
-        if self.flow.token_mel_ratio * lb > self.flow.rand_noise.size(-1):
-            return None
-        return _pick(self.batch_buckets, n_items), lb
+        return self.grid.pick(n_items, n_tokens)
 
     @torch.inference_mode()
     def start(self, inputs):
@@ -359,7 +507,7 @@ class GraphedFlow:
         key = self.buckets(*inputs.ids.shape)
         if key is None:
             return None
-        g_begin, g_step, bufs, state = self._graphs.get(key) or self._capture(*key)
+        g_begin, g_step, bufs, state = self._entry(key)
         fill_flow_buffers(bufs, inputs, self.flow.token_mel_ratio)
         g_begin.replay()
         return FlowRun(g_step.replay, state, inputs)
@@ -376,16 +524,23 @@ class GraphedFlow:
         return run.state.mels(inputs.ids.shape[0])
 
 
-def flow_buffers(flow, bb: int, lb: int, device) -> dict[str, torch.Tensor]:
+def flow_buffers(flow, bb: int, lb: int, device, shared: SharedBuffers | None = None) -> dict[str, torch.Tensor]:
     """Static inputs of a :class:`GraphedFlow` bucket: ``bb`` rows of ``lb`` tokens
-    (``token_mel_ratio * lb`` frames), on ``device``."""
+    (``token_mel_ratio * lb`` frames), on ``device``, each holding one-token items (views of
+    ``shared`` buffers when given)."""
     t = flow.token_mel_ratio * lb
+
+    def zeros(name, shape, dtype=torch.float32):
+        if shared is None:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return shared.take(name, shape, dtype, bb * lb).zero_()
+
     lengths = torch.ones(3, bb, dtype=torch.long, device=device)
     lengths[2] = flow.token_mel_ratio
-    return {"ids": torch.zeros(bb, lb, dtype=torch.long, device=device), "lengths": lengths,
+    return {"ids": zeros("ids", (bb, lb), torch.long), "lengths": lengths,
             "streaming": torch.zeros(bb, dtype=torch.bool, device=device),
             "embeddings": torch.zeros(bb, flow.cfg.spk_embed_dim, device=device),
-            "feats": torch.zeros(bb, t, flow.n_mels, device=device)}
+            "feats": zeros("feats", (bb, t, flow.n_mels))}
 
 
 def fill_flow_buffers(bufs: dict[str, torch.Tensor], inputs, ratio: int) -> None:

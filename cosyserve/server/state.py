@@ -58,6 +58,8 @@ class ServerConfig:
     device_sampling: bool | None = None
     t2w_slack_s: float | None = 1.0
     lm_stream_priority: bool = True
+    max_t2w_tokens: int = 16384
+    graph_warmup: bool = True
     max_queue: int = 64
     api_key: str | None = None
     device: str = "cpu"
@@ -129,7 +131,8 @@ class ServerState:
                 EngineConfig(max_active=c.max_active_streams, max_queue=c.max_queue, kv_max_len=c.kv_max_len,
                              t2w_thread=c.token2wav_thread, t2w_queue_steps=c.t2w_queue_steps,
                              device_sampling=c.device_sampling, t2w_slack_s=c.t2w_slack_s,
-                             lm_stream_priority=c.lm_stream_priority),
+                             lm_stream_priority=c.lm_stream_priority, max_t2w_tokens=c.max_t2w_tokens,
+                             graph_warmup=c.graph_warmup),
                 observer=self.metrics)
             self.metrics.attach(core)
             self.engine = AsyncEngine(core)
