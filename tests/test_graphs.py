@@ -31,20 +31,27 @@ def test_bucket_grid_picks_the_smallest_bucket_holding_a_batch():
     assert g.length(40) == 64 and g.length(500) == 500
 
 
-@pytest.mark.parametrize("area", [None, 1, 100, 300, 4096])
-def test_reachable_buckets_cover_every_batch_within_the_budget(area):
-    """Exactly the buckets that some in-budget batch (rows x longest <= area, or one row of any
-    length) lands in: warm-up captures all of them and nothing more."""
-    g = BucketGrid(_pow2_buckets(8), length_buckets(16, 200, fine=4), max_area=area)
-    hit = {g.pick(n, t) for n, t in itertools.product(range(1, 9), range(1, 201))
-           if area is None or n == 1 or n * t <= area}
-    assert set(g.reachable()) == hit
+@pytest.mark.parametrize("area,quad", [(None, None), (1, None), (100, None), (300, None), (4096, None),
+                                       (None, 20000), (600, 40000)])
+def test_reachable_buckets_cover_every_batch_within_the_budget(area, quad):
+    """The buckets within the budgets (padded rows x length <= area, rows x length² <= quad, or
+    one row of any length) are exactly those that batches the engine admits (``fits``) land
+    in: warm-up captures all of them and nothing more."""
+    g = BucketGrid(_pow2_buckets(8), length_buckets(16, 200, fine=4), max_area=area, max_quad=quad)
+    def padded_ok(n, t):
+        bb, lb = g.pick(n, t)
+        return bb == 1 or ((area is None or bb * lb <= area) and (quad is None or bb * lb * lb <= quad))
+
+    shapes = list(itertools.product(range(1, 9), range(1, 201)))
+    assert {g.pick(n, t) for n, t in shapes if padded_ok(n, t)} == set(g.reachable())
+    assert all(g.fits(n, t) == padded_ok(n, t) for n, t in shapes)
+    assert not g.fits(9, 1) and not g.fits(1, g.lengths[-1] + 1)  # beyond the grid
 
 
 def test_full_size_grids_stay_small():
     """The engine's default limits (64 streams, 4096 KV positions, 16384 token2wav tokens, 4096
     prefill positions) give graph counts that capture in tens of seconds."""
-    flow = BucketGrid(_pow2_buckets(64), length_buckets(32, 4096), 16384)
+    flow = BucketGrid(_pow2_buckets(64), length_buckets(32, 4096), 16384, 16384 * 1024)
     hift = BucketGrid(_pow2_buckets(64), length_buckets(32, 2 * 4096 + 8), 2 * 16384 + 8 * 64)
     prefill = BucketGrid(_pow2_buckets(64), list(range(64, 1025, 64)), 4096)
     assert len(flow.reachable()) <= 125 and len(hift.reachable()) <= 150 and len(prefill.reachable()) <= 80

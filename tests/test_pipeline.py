@@ -249,6 +249,13 @@ def test_token2wav_batches_earliest_deadline_first(syn, voice):
     picked = [st for st, _, _ in engine3._pick_t2w_batch(list(cands), now)]
     assert picked == ["first-chunk-old", "first-chunk-new", "later-short"]  # 3 x 512 > 600: the long one waits
     assert [st for st, _, _ in engine3._pick_t2w_batch([cands[2]], now)] == ["later-long-due"]
+    # and its attention (jobs x longest²) within max_t2w_tokens x 1024: 2 x 2000 <= 4100 tokens,
+    # but 2 x 2000² > 4100 x 1024
+    engine4 = syn.new_engine(EngineConfig(max_active=8, max_queue=0, t2w_slack_s=0.5, max_t2w_tokens=4100))
+    long = [(now - 1.0, 2000, "a", None, "ja"), (now - 0.9, 1900, "b", None, "jb"), (now - 0.8, 100, "c", None, "jc")]
+    assert [st for st, _, _ in engine4._pick_t2w_batch(long, now)] == ["a"]
+    engine5 = syn.new_engine(EngineConfig(max_active=8, max_queue=0, t2w_slack_s=0.5, max_t2w_tokens=12000))
+    assert [st for st, _, _ in engine5._pick_t2w_batch(long, now)] == ["a", "b", "c"]  # 3 x 2000² < 12000 x 1024
 
 
 def test_prefill_budget_counts_padded_positions(syn, voice):

@@ -82,7 +82,9 @@ class EngineConfig:
     step (padded: newcomers x the longest prefix); ``max_t2w_batch``: token2wav jobs per batch
     (default: ``max_active``); ``max_t2w_tokens``: flow input tokens per token2wav batch, padded
     (jobs x the longest job's prompt + speech tokens; a longer job runs alone) — bounds the
-    flow batch's device time and memory and the CUDA-graph buckets captured at start-up;
+    flow batch's device time and memory and the CUDA-graph buckets captured at start-up; the
+    batch's attention (jobs x longest², quadratic in memory) is bounded too, to
+    ``max_t2w_tokens x T2W_ATTENTION_LEN`` (by default: 16 jobs of 1024 tokens, 64 of 512);
     ``t2w_slack_s``: seconds before its deadline a job longer than the batch's most urgent
     one is added anyway (see the module doc); ``None``: adaptive, three times the recent
     token2wav batch duration (a job left out now runs after the batch in flight and the next
@@ -133,6 +135,7 @@ class EngineConfig:
             raise ValueError("invalid engine limits")
 
 
+T2W_ATTENTION_LEN = 1024  #: see ``EngineConfig.max_t2w_tokens``: the attention budget's unit length
 T2W_SLACK_MIN_S = 0.15  #: adaptive ``t2w_slack_s``: lower bound (seconds)
 T2W_SLACK_MAX_S = 1.0  #: adaptive ``t2w_slack_s``: upper bound (seconds)
 
@@ -235,7 +238,8 @@ class EngineCore:
             ratio = models.cfg.token_mel_ratio
             if models.flow.graph is None:
                 models.flow.graph = GraphedFlow(models.flow, config.max_t2w_batch, max_tokens=config.kv_max_len,
-                                                max_area=config.max_t2w_tokens)
+                                                max_area=config.max_t2w_tokens,
+                                                max_quad=config.max_t2w_tokens * T2W_ATTENTION_LEN)
             if models.hift.graph_decode is None and next(models.hift.parameters()).is_cuda:
                 # HiFT input per job: the chunk's new frames plus the stream's mel overlap
                 extra = DEFAULT_MEL_CACHE_LEN
@@ -456,7 +460,6 @@ class EngineCore:
         rows: list[tuple[RequestState, SegmentState]] = []
         hidden: list[torch.Tensor] = []
         # 1. prefill newcomers (bounded), all in one padded forward
-        budget = self.cfg.max_prefill_tokens  # padded: rows x the longest prefix
         prefill_tokens = longest = 0
         new: list[tuple[RequestState, SegmentState, torch.Tensor]] = []
         for st in list(self._active.values()):
@@ -464,7 +467,7 @@ class EngineCore:
             if seg is None or seg.prefilled or not self._free_slots:
                 continue
             n = self.prefix_len(st.req, seg.text_ids)
-            if new and (len(new) + 1) * max(longest, n) > budget:
+            if new and not self._prefill_fits(len(new) + 1, max(longest, n)):
                 break
             try:
                 v = st.req.voice
@@ -622,6 +625,14 @@ class EngineCore:
         ignore_eos = torch.tensor([len(seg.tokens) < seg.min_len for _, seg in running])
         return recent, seed, step, ignore_eos
 
+    def _prefill_fits(self, rows: int, longest: int) -> bool:
+        """Is a prefill of ``rows`` prefixes, the longest ``longest`` positions, within
+        ``max_prefill_tokens`` (rows x longest; the graph bucket's padded shape with CUDA graphs,
+        exactly the buckets captured at start-up)?"""
+        if self.prefill_graphs is not None and self.prefill_graphs.grid.pick(rows, longest) is not None:
+            return self.prefill_graphs.grid.fits(rows, longest)
+        return rows * longest <= self.cfg.max_prefill_tokens
+
     def _prefill(self, slots: list[int], prefixes: list[torch.Tensor]) -> torch.Tensor:
         """Prefill several prefixes (right-padded into one forward); last hidden per row.
 
@@ -737,7 +748,8 @@ class EngineCore:
         """Earliest deadline first; the most urgent job sets the batch's flow length (its
         bucket, :meth:`Token2Wav.length_bucket`), longer jobs join only when due within
         ``t2w_slack_s`` (they would make every job in the batch pay for their length); jobs
-        join while the padded batch (jobs x longest) stays within ``max_t2w_tokens``."""
+        join while the padded batch (jobs x longest) stays within ``max_t2w_tokens`` and its
+        attention (jobs x longest²) within ``max_t2w_tokens x T2W_ATTENTION_LEN``."""
         cands.sort(key=lambda c: c[0])
         horizon = now + self.slack_s()
         limit = None
@@ -748,12 +760,23 @@ class EngineCore:
                 break
             if limit is not None and n_tok > limit and deadline > horizon:
                 continue
-            if picked and (len(picked) + 1) * max(longest, n_tok) > self.cfg.max_t2w_tokens:
+            if picked and not self._t2w_fits(len(picked) + 1, max(longest, n_tok)):
                 continue
             longest = max(longest, n_tok)
             limit = max(limit or 0, self.t2w.length_bucket(n_tok))
             picked.append((st, seg, job))
         return picked
+
+    def _t2w_fits(self, rows: int, n_tokens: int) -> bool:
+        """Is a token2wav batch of ``rows`` jobs, the longest taking ``n_tokens`` flow input
+        tokens, within ``max_t2w_tokens`` (rows x tokens) and its attention budget (rows x
+        tokens², ``max_t2w_tokens x T2W_ATTENTION_LEN``)? Padded shapes with CUDA graphs (the
+        flow graph's bucket: what runs, and exactly the buckets captured at start-up)."""
+        graph = self.models.flow.graph
+        if graph is not None:
+            return graph.grid.fits(rows, n_tokens)
+        budget = self.cfg.max_t2w_tokens
+        return rows * n_tokens <= budget and rows * n_tokens * n_tokens <= budget * T2W_ATTENTION_LEN
 
     def _collect(self, events: list, wait: bool) -> bool:
         """Emit the in-flight token2wav batch if it is done (or, with ``wait``, once it is).

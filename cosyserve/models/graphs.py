@@ -70,14 +70,17 @@ def length_buckets(step: int, max_len: int, growth: float = 1.25, fine: int = 8)
 class BucketGrid:
     """The static shapes of a graphed stage: batch buckets x length buckets.
 
-    :meth:`pick` maps a batch of ``n`` rows of length ``t`` to the smallest bucket holding it.
-    :meth:`reachable` lists the buckets that batches within an area budget (``n * t <=
-    max_area`` for the real, unpadded shape; any length for one row) can land in — what
-    ``warmup`` captures so that no graph is captured while serving.
+    :meth:`pick` maps a batch of ``n`` rows of length ``t`` to the smallest bucket holding it;
+    :meth:`fits` says whether that bucket is within the budgets: ``rows x length <= max_area``
+    and ``rows x length² <= max_quad`` (attention memory) for the padded shape, or one row of
+    any length. :meth:`reachable` lists the buckets that fit — what ``warmup`` captures, so
+    that no graph is captured while serving batches that the caller keeps within
+    :meth:`fits`.
     """
 
-    def __init__(self, batches: list[int], lengths: list[int], max_area: int | None = None):
-        self.batches, self.lengths, self.max_area = list(batches), list(lengths), max_area
+    def __init__(self, batches: list[int], lengths: list[int], max_area: int | None = None,
+                 max_quad: int | None = None):
+        self.batches, self.lengths, self.max_area, self.max_quad = list(batches), list(lengths), max_area, max_quad
 
     def pick(self, n: int, t: int) -> tuple[int, int] | None:
         """``(batch bucket, length bucket)`` of ``n`` rows x ``t`` positions; None beyond the grid."""
@@ -85,20 +88,23 @@ class BucketGrid:
             return None
         return _pick(self.batches, n), _pick(self.lengths, t)
 
+    def within(self, bb: int, lb: int) -> bool:
+        """Is a bucket (padded shape) within the budgets? One row always is."""
+        return bb == 1 or ((self.max_area is None or bb * lb <= self.max_area)
+                           and (self.max_quad is None or bb * lb * lb <= self.max_quad))
+
+    def fits(self, n: int, t: int) -> bool:
+        """Does a batch of ``n`` rows x ``t`` land in a bucket within the budgets?"""
+        key = self.pick(n, t)
+        return key is not None and self.within(*key)
+
     def length(self, t: int) -> int:
         """The length bucket of ``t`` (``t`` itself beyond the grid)."""
         return _pick(self.lengths, t) if t <= self.lengths[-1] else t
 
     def reachable(self) -> list[tuple[int, int]]:
-        """Every bucket some batch within ``max_area`` lands in (all of them without a budget)."""
-        out = []
-        for i, bb in enumerate(self.batches):
-            n_min = self.batches[i - 1] + 1 if i else 1
-            for j, lb in enumerate(self.lengths):
-                t_min = self.lengths[j - 1] + 1 if j else 1
-                if self.max_area is None or n_min == 1 or n_min * t_min <= self.max_area:
-                    out.append((bb, lb))
-        return out
+        """Every bucket within the budgets (:meth:`within`)."""
+        return [(bb, lb) for bb in self.batches for lb in self.lengths if self.within(bb, lb)]
 
 
     def max_units(self) -> int:
@@ -281,6 +287,9 @@ class _BucketGraphs:
     while serving); a bucket missing when it is used is captured then, logged at INFO."""
 
     name = "stage"
+    #: frames at which a bucket's quadratic (attention) memory matches its linear memory;
+    #: orders the warm-up captures (0: no attention)
+    quadratic_len = 0
 
     def __init__(self, grid: BucketGrid, device, pool=None):
         self.grid = grid
@@ -307,8 +316,9 @@ class _BucketGraphs:
         # largest first: a capture's freed intermediates stay in the shared pool, and a larger
         # free block can serve a smaller bucket's request but not the other way round (captured
         # smallest first, a full flow grid reserved 38 GB; the order is vLLM's)
+        q = self.quadratic_len
         todo = sorted((k for k in self.grid.reachable() if k not in self._graphs),
-                      key=lambda k: k[0] * k[1] * (1 + k[1] / 512), reverse=True)
+                      key=lambda k: k[0] * k[1] * (1 + (k[1] / q if q else 0)), reverse=True)
         if not todo:
             return
         t0, m0 = time.perf_counter(), torch.cuda.memory_reserved()
@@ -471,13 +481,14 @@ class GraphedFlow(_BucketGraphs):
     """
 
     name = "flow"
+    quadratic_len = 512  # the estimator's [2B, 1, T, T] bias vs its [2B, T, 4C] feed-forward
 
     def __init__(self, flow, max_batch: int, max_tokens: int = 1024, max_area: int | None = None,
-                 token_bucket: int = 32, pool=None):
+                 token_bucket: int = 32, pool=None, max_quad: int | None = None):
         noise_tokens = flow.rand_noise.size(-1) // flow.token_mel_ratio // token_bucket * token_bucket
         top = max(token_bucket, min(max_tokens, noise_tokens))
-        super().__init__(BucketGrid(_pow2_buckets(max_batch), length_buckets(token_bucket, top), max_area),
-                         flow.encoder_proj.weight.device, pool)
+        super().__init__(BucketGrid(_pow2_buckets(max_batch), length_buckets(token_bucket, top), max_area,
+                                    max_quad), flow.encoder_proj.weight.device, pool)
         self.flow = flow
 
     @torch.inference_mode()
