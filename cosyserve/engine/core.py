@@ -91,9 +91,13 @@ class EngineConfig:
     one), between ``T2W_SLACK_MIN_S`` and ``T2W_SLACK_MAX_S`` (measured: lower first-chunk
     latency at 32 streams but stalled streams, docs/perf.md run 18; not the default);
     ``cuda_graphs``: LM decode and prefill, flow and HiFT as CUDA graphs on CUDA devices;
-    ``graph_warmup``: capture every graph bucket the limits above can reach when the engine
-    starts (tens of seconds; a capture while serving stalls every stream for 0.1-0.4 s,
-    docs/perf.md run 20), otherwise on first use; ``t2w_thread``: run token2wav on its own thread
+    ``graph_warmup``: capture every LM prefill bucket the limits above can reach when the engine
+    starts (~6 s at full size; a capture while serving stalls every stream for 0.1-0.4 s,
+    docs/perf.md run 20), otherwise on first use; ``t2w_graph_warmup``: the same for the flow
+    and HiFT grids (~45 s) — EXPERIMENTAL and off: at full size, with 16 streams, the GPU
+    stops making progress after such a start-up capture (docs/perf.md run 21, cause not yet
+    found; captured on first use they work), so flow and HiFT buckets are still captured on
+    first use; ``t2w_thread``: run token2wav on its own thread
     (:class:`~cosyserve.engine.token2wav.Token2WavWorker`; off by default: measured slower on
     an H100 because both threads contend for the GIL, docs/perf.md runs 5 and 11);
     ``t2w_queue_steps``: a token2wav batch on the side stream is issued a few flow steps at a
@@ -120,6 +124,7 @@ class EngineConfig:
     t2w_slack_s: float | None = 1.0
     cuda_graphs: bool = True
     graph_warmup: bool = True
+    t2w_graph_warmup: bool = False
     t2w_thread: bool = False
     t2w_queue_steps: int | None = 4
     device_sampling: bool | None = None
@@ -246,8 +251,10 @@ class EngineCore:
                 models.hift.graph_decode = GraphedHiFTDecoder(
                     models.hift, config.max_t2w_batch, max_frames=ratio * config.kv_max_len + extra,
                     max_area=ratio * config.max_t2w_tokens + extra * config.max_t2w_batch)
-            if config.graph_warmup:  # every reachable bucket now, none while serving
-                for graphs in (self.prefill_graphs, models.flow.graph, models.hift.graph_decode):
+            if config.graph_warmup:  # every reachable prefill bucket now, none while serving
+                self.prefill_graphs.warmup()
+            if config.t2w_graph_warmup:  # experimental, see the class docstring
+                for graphs in (models.flow.graph, models.hift.graph_decode):
                     if graphs is not None:
                         graphs.warmup()
         self._free_slots = list(range(config.max_active))
