@@ -369,8 +369,8 @@ def _engine_args(p) -> None:
                    help="flow input tokens per token2wav batch, padded: jobs x the longest job's prompt + speech "
                         "tokens (default 16384); bounds a batch's time and memory and the CUDA graphs captured")
     p.add_argument("--lazy-graphs", action="store_true",
-                   help="capture the LM prefill CUDA graphs on first use instead of at start-up (starts ~6 s "
-                        "faster; each capture while serving stalls every stream for 0.1-0.4 s)")
+                   help="capture CUDA graphs (LM prefill, flow, HiFT) on first use instead of at start-up "
+                        "(starts ~50 s faster; each capture while serving stalls every stream for 0.1-0.4 s)")
 
 
 def cmd_serve(args) -> int:

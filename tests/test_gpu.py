@@ -203,30 +203,33 @@ def test_engine_with_graphs_samples_same_tokens(yaml_dir, tmp_path):
 
 
 def test_engine_captures_every_graph_at_start(yaml_dir):
-    """With ``graph_warmup`` and ``t2w_graph_warmup`` the engine captures every reachable
-    prefill, flow and HiFT bucket when it starts and none while serving, and gives the tokens
-    and audio of an engine that captures buckets on first use (all buckets share their static
-    buffers). (Small model: the full-size start-up flow/HiFT capture is the open problem of
-    docs/perf.md run 21.)"""
+    """By default the engine captures every reachable prefill bucket when it is built and every
+    flow and HiFT bucket in :meth:`EngineCore.warmup` (on the stepping thread; the first step
+    does it otherwise), none while serving, and gives the tokens and audio of an engine that
+    captures buckets on first use (all buckets share their static buffers)."""
     m = build(yaml_dir, torch.float32)
-    counts = []
+    counts, reachable = [], []
 
     def count(eng):
         graphs = (eng.prefill_graphs, m.flow.graph, m.hift.graph_decode)
         counts.append(tuple(g.n_graphs for g in graphs))
         reachable.append(tuple(len(g.grid.reachable()) for g in graphs))
 
-    reachable = []
-    warm = _engine_tokens(m, audio=True, t2w_graph_warmup=True, on_start=count, on_done=count)[0]
-    assert counts[0] == counts[1] == reachable[0] and min(counts[0]) > 1, (counts, reachable)
-    lazy = _engine_tokens(m, audio=True, graph_warmup=False, on_start=count, on_done=count)[0]
-    assert counts[2] == (0, 0, 0) and min(counts[3]) >= 1 and all(b <= a for a, b in zip(counts[0], counts[3]))
+    def start(eng):
+        count(eng)  # built: prefill captured, flow and HiFT pending
+        eng.warmup()
+        count(eng)
+
+    warm = _engine_tokens(m, audio=True, on_start=start, on_done=count)[0]
+    assert counts[0] == (reachable[0][0], 0, 0), (counts, reachable)
+    assert counts[1] == counts[2] == reachable[1] and min(counts[1]) > 1, (counts, reachable)
+    lazy = _engine_tokens(m, audio=True, graph_warmup=False, t2w_graph_warmup=False, on_start=count,
+                          on_done=count)[0]
+    assert counts[3] == (0, 0, 0) and min(counts[4]) >= 1 and all(b <= a for a, b in zip(counts[1], counts[4]))
     assert warm.keys() == lazy.keys()
     for rid, (tokens, wav) in warm.items():
         assert tokens == lazy[rid][0] and wav.shape == lazy[rid][1].shape
         assert float(abs(wav - lazy[rid][1]).max()) < 1e-4
-    _engine_tokens(m, on_start=count)  # the defaults: prefill at start, flow and HiFT on first use
-    assert counts[4] == (reachable[4][0], 0, 0)
 
 
 def _engine_tokens(m, audio: bool = False, on_start=None, on_done=None, **config) -> tuple[dict, list]:

@@ -118,7 +118,7 @@ class BenchOptions:
     t2w_slack_s: float | None = 1.0
     lm_stream_priority: bool = True
     max_t2w_tokens: int = 16384
-    graph_warmup: bool = True
+    graph_warmup: bool = True  # also the flow/HiFT grids (EngineConfig.t2w_graph_warmup)
     chunk_policy: str | None = None  # in-process: default upstream; a server: gRPC request parameter
     # server: its Prometheus page, scraped around each level for the stage breakdown
     # (default: URL/metrics for http/openai; none for grpc unless given)
@@ -430,6 +430,7 @@ class _Setup:
                                                           lm_stream_priority=o.lm_stream_priority,
                                                           max_t2w_tokens=o.max_t2w_tokens,
                                                           graph_warmup=o.graph_warmup,
+                                                          t2w_graph_warmup=o.graph_warmup,
                                                           max_queue=max(64, max(o.concurrency) * 2)),
                                       params, voices, builtin)
 

@@ -73,6 +73,10 @@ class AsyncEngine:
 
     def _run(self) -> None:
         core = self.core
+        try:
+            core.warmup()  # CUDA graphs captured on this thread, which replays them
+        except BaseException:  # noqa: BLE001 - step() retries nothing; requests run eagerly or capture lazily
+            log.exception("graph warm-up failed")
         while True:
             with self._cv:
                 while not self._stop and not core.has_work():

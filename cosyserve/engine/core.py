@@ -94,10 +94,9 @@ class EngineConfig:
     ``graph_warmup``: capture every LM prefill bucket the limits above can reach when the engine
     starts (~6 s at full size; a capture while serving stalls every stream for 0.1-0.4 s,
     docs/perf.md run 20), otherwise on first use; ``t2w_graph_warmup``: the same for the flow
-    and HiFT grids (~45 s) — EXPERIMENTAL and off: at full size, with 16 streams, the GPU
-    stops making progress after such a start-up capture (docs/perf.md run 21, cause not yet
-    found; captured on first use they work), so flow and HiFT buckets are still captured on
-    first use; ``t2w_thread``: run token2wav on its own thread
+    and HiFT grids (~45 s), done by the first :meth:`EngineCore.step` — on the thread that
+    steps the engine and so replays them: flow/HiFT graphs captured on another thread stopped
+    the GPU at full size (docs/perf.md run 21); ``t2w_thread``: run token2wav on its own thread
     (:class:`~cosyserve.engine.token2wav.Token2WavWorker`; off by default: measured slower on
     an H100 because both threads contend for the GIL, docs/perf.md runs 5 and 11);
     ``t2w_queue_steps``: a token2wav batch on the side stream is issued a few flow steps at a
@@ -124,7 +123,7 @@ class EngineConfig:
     t2w_slack_s: float | None = 1.0
     cuda_graphs: bool = True
     graph_warmup: bool = True
-    t2w_graph_warmup: bool = False
+    t2w_graph_warmup: bool = True
     t2w_thread: bool = False
     t2w_queue_steps: int | None = 4
     device_sampling: bool | None = None
@@ -231,6 +230,7 @@ class EngineCore:
         # with CUDA graphs, one extra (scratch) slot absorbs the padding rows of a bucket
         self.cache = KVCache.allocate(self.lm, config.max_active + int(use_graphs), config.kv_max_len)
         self.decoder = self.prefill_graphs = None
+        self._pending_warmup: list = []  # graph grids the first step() captures (see t2w_graph_warmup)
         if use_graphs:
             from ..models.graphs import GraphedDecoder, GraphedFlow, GraphedHiFTDecoder, GraphedPrefill
 
@@ -253,10 +253,8 @@ class EngineCore:
                     max_area=ratio * config.max_t2w_tokens + extra * config.max_t2w_batch)
             if config.graph_warmup:  # every reachable prefill bucket now, none while serving
                 self.prefill_graphs.warmup()
-            if config.t2w_graph_warmup:  # experimental, see the class docstring
-                for graphs in (models.flow.graph, models.hift.graph_decode):
-                    if graphs is not None:
-                        graphs.warmup()
+            if config.t2w_graph_warmup:  # captured by the first step(), on the stepping thread
+                self._pending_warmup = [g for g in (models.flow.graph, models.hift.graph_decode) if g is not None]
         self._free_slots = list(range(config.max_active))
         # on CUDA, token2wav batches run on their own CUDA stream while LM decoding continues;
         # launched from this thread (default) or from a worker thread (EngineConfig.t2w_thread)
@@ -342,7 +340,18 @@ class EngineCore:
         return self.cfg.max_active - len(self._free_slots)
 
     # ------------------------------------------------------------------ step
+    def warmup(self) -> None:
+        """Capture the flow/HiFT CUDA-graph grids still pending (``t2w_graph_warmup``; ~45 s at
+        full size). Call it on the thread that will call :meth:`step` (graphs captured on
+        another thread stopped the GPU, docs/perf.md run 21); :meth:`step` does it first
+        otherwise. Nothing to do on CPU or after the first call."""
+        pending, self._pending_warmup = self._pending_warmup, []
+        for graphs in pending:
+            graphs.warmup()
+
     def step(self) -> list:
+        if self._pending_warmup:  # before any request's work, on the thread that replays them
+            self.warmup()
         """Advance every request by at most one LM token and one audio chunk; return events."""
         if self._lm_stream is None:
             return self._step()
