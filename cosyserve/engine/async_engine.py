@@ -75,7 +75,7 @@ class AsyncEngine:
         core = self.core
         try:
             core.warmup()  # CUDA graphs captured on this thread, which replays them
-        except BaseException:  # noqa: BLE001 - step() retries nothing; requests run eagerly or capture lazily
+        except BaseException:  # noqa: BLE001 - buckets not captured are captured on first use instead
             log.exception("graph warm-up failed")
         while True:
             with self._cv:

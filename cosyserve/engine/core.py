@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CosyServeError, InvalidInputError
+from ..models.graphs import within_budgets
 from ..models.hift import DEFAULT_MEL_CACHE_LEN
 from ..models.llm import KVCache
 from ..models.loader import CosyVoice2Models
@@ -647,7 +648,7 @@ class EngineCore:
         exactly the buckets captured at start-up)?"""
         if self.prefill_graphs is not None and self.prefill_graphs.grid.pick(rows, longest) is not None:
             return self.prefill_graphs.grid.fits(rows, longest)
-        return rows * longest <= self.cfg.max_prefill_tokens
+        return within_budgets(rows, longest, self.cfg.max_prefill_tokens)
 
     def _prefill(self, slots: list[int], prefixes: list[torch.Tensor]) -> torch.Tensor:
         """Prefill several prefixes (right-padded into one forward); last hidden per row.
@@ -792,7 +793,7 @@ class EngineCore:
         if graph is not None:
             return graph.grid.fits(rows, n_tokens)
         budget = self.cfg.max_t2w_tokens
-        return rows * n_tokens <= budget and rows * n_tokens * n_tokens <= budget * T2W_ATTENTION_LEN
+        return within_budgets(rows, n_tokens, budget, budget * T2W_ATTENTION_LEN)
 
     def _collect(self, events: list, wait: bool) -> bool:
         """Emit the in-flight token2wav batch if it is done (or, with ``wait``, once it is).

@@ -67,6 +67,12 @@ def length_buckets(step: int, max_len: int, growth: float = 1.25, fine: int = 8)
     return out
 
 
+def within_budgets(rows: int, length: int, max_area: int | None = None, max_quad: int | None = None) -> bool:
+    """``rows x length <= max_area`` and ``rows x length² <= max_quad`` (attention memory);
+    ``None``: no bound. The batch budgets of the engine and of :class:`BucketGrid`."""
+    return (max_area is None or rows * length <= max_area) and (max_quad is None or rows * length * length <= max_quad)
+
+
 class BucketGrid:
     """The static shapes of a graphed stage: batch buckets x length buckets.
 
@@ -90,8 +96,7 @@ class BucketGrid:
 
     def within(self, bb: int, lb: int) -> bool:
         """Is a bucket (padded shape) within the budgets? One row always is."""
-        return bb == 1 or ((self.max_area is None or bb * lb <= self.max_area)
-                           and (self.max_quad is None or bb * lb * lb <= self.max_quad))
+        return bb == 1 or within_budgets(bb, lb, self.max_area, self.max_quad)
 
     def fits(self, n: int, t: int) -> bool:
         """Does a batch of ``n`` rows x ``t`` land in a bucket within the budgets?"""
@@ -499,8 +504,8 @@ class GraphedFlow(_BucketGraphs):
         def begin():  # the solver state the step graph works on, in the shared buffers
             st = flow_begin_from_buffers(flow, bufs)
             units, share = bb * lb, self.shared.share
-            plan = type(st.plan)([share(f"mask{d}", m, units) for d, m in enumerate(st.plan.masks)],
-                                 share("streaming", st.plan.streaming, units), st.plan.chunk)
+            plan = replace(st.plan, masks=[share(f"mask{d}", m, units) for d, m in enumerate(st.plan.masks)],
+                           streaming=share("streaming", st.plan.streaming, units))
             return replace(st, xt=share("xt", st.xt, units), inp=share("inp", st.inp, units), plan=plan)
 
         g_begin, state = _capture_graph(begin, self.pool, f"flow begin graph batch {bb} x {lb} tokens", self._level())
