@@ -220,7 +220,17 @@ def test_engine_captures_every_graph_at_start(yaml_dir):
         eng.warmup()
         count(eng)
 
-    warm = _engine_tokens(m, audio=True, on_start=start, on_done=count)[0]
+    streams = []
+
+    def done(eng):
+        count(eng)
+        streams.extend(g.stream.cuda_stream for g in (eng.decoder, eng.prefill_graphs, m.flow.graph,
+                                                      m.hift.graph_decode))
+
+    warm = _engine_tokens(m, audio=True, on_start=start, on_done=done)[0]
+    # every stage captures on a stream of its own: graphs sharing a capture stream share torch's
+    # cuBLAS workspace and race on it when the LM's and the flow's are replayed concurrently
+    assert len(set(streams)) == 4 and all(streams), streams
     assert counts[0] == (reachable[0][0], 0, 0), (counts, reachable)
     assert counts[1] == counts[2] == reachable[1] and min(counts[1]) > 1, (counts, reachable)
     lazy = _engine_tokens(m, audio=True, graph_warmup=False, t2w_graph_warmup=False, on_start=count,

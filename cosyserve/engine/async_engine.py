@@ -74,7 +74,7 @@ class AsyncEngine:
     def _run(self) -> None:
         core = self.core
         try:
-            core.warmup()  # CUDA graphs captured on this thread, which replays them
+            core.warmup()  # flow/HiFT CUDA graphs captured before any request is served
         except BaseException:  # noqa: BLE001 - buckets not captured are captured on first use instead
             log.exception("graph warm-up failed")
         while True:

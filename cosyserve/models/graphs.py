@@ -155,20 +155,46 @@ class SharedBuffers:
         return sum(f.numel() * f.element_size() for f in self._flat.values())
 
 
-def _capture_graph(run, pool, what: str = "graph", level: int = logging.DEBUG) -> tuple[torch.cuda.CUDAGraph, object]:
-    """Run ``run`` once on a side stream (lazy initialisation: cuFFT/cuBLAS plans, derived and
-    fused weights), then capture it into a CUDA graph in ``pool``; returns ``(graph, run's
-    output)``. Only the capturing thread is checked (``capture_error_mode="thread_local"``).
-    Logs ``what`` and the time taken at ``level`` (a capture while serving delays every stream
-    by that much: INFO for buckets captured on first use)."""
+def capture_stream(device) -> torch.cuda.Stream:
+    """A CUDA stream of its own for capturing one stage's graphs.
+
+    Graphs captured on the same stream by the same thread share torch's cuBLAS workspace (it
+    is kept per (cuBLAS handle, stream), and a captured GEMM keeps its address). Replayed
+    concurrently on different streams — the LM's graphs on the LM stream, the flow's and
+    HiFT's on the token2wav stream — such graphs race on that workspace: at full size the GPU
+    stopped (docs/perf.md runs 21 and 23; pytorch/pytorch#193402 describes the same sharing).
+    So every graphed stage captures on a stream of its own. ``torch.cuda.Stream()`` hands out
+    streams from a pool of 32 round-robin, so two stages could get the same one; the stream
+    is created with ``cudaStreamCreate`` instead (``torch.cuda.Stream()`` only where the
+    runtime binding is missing)."""
+    import ctypes
+
+    device = torch.device(device)
+    try:
+        handle = ctypes.c_void_p()
+        with torch.cuda.device(device):
+            torch.cuda.check_error(torch.cuda.cudart().cudaStreamCreate(ctypes.addressof(handle)))
+        return torch.cuda.ExternalStream(handle.value, device=device)
+    except (AttributeError, TypeError):
+        log.warning("cudaStreamCreate not available: capture stream from torch's stream pool")
+        return torch.cuda.Stream(device=device)
+
+
+def _capture_graph(run, pool, stream: torch.cuda.Stream, what: str = "graph",
+                   level: int = logging.DEBUG) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Run ``run`` once on ``stream`` (lazy initialisation: cuFFT/cuBLAS plans, derived and
+    fused weights), then capture it on ``stream`` (the stage's own: :func:`capture_stream`)
+    into a CUDA graph in ``pool``; returns ``(graph, run's output)``. Only the capturing
+    thread is checked (``capture_error_mode="thread_local"``). Logs ``what`` and the time
+    taken at ``level`` (a capture while serving delays every stream by that much: INFO for
+    buckets captured on first use)."""
     t0 = time.perf_counter()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
         run()
-    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.current_stream().wait_stream(stream)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+    with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
         out = run()
     log.log(level, "captured %s in %.0f ms", what, (time.perf_counter() - t0) * 1e3)
     return g, out
@@ -207,6 +233,7 @@ class GraphedDecoder:
             kv_buckets = [b for b in (256, 512, 1024, 2048, 4096, 8192) if b < cache.max_len] + [cache.max_len]
         self.kv_buckets = kv_buckets
         self.pool = torch.cuda.graph_pool_handle()
+        self.stream = capture_stream(self.device)
         self._bufs: dict[int, dict[str, torch.Tensor]] = {}
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -238,7 +265,7 @@ class GraphedDecoder:
         buf = self._buffers(bb)
         buf["slots"].fill_(self.scratch)
         buf["start"].zero_()
-        g, out = _capture_graph(lambda: self._step(buf, kvb), self.pool, f"LM decode graph batch {bb} x {kvb} KV")
+        g, out = _capture_graph(lambda: self._step(buf, kvb), self.pool, self.stream, f"LM decode graph batch {bb} x {kvb} KV")
         self._graphs[(bb, kvb)] = (g, out)
         return g, out
 
@@ -299,6 +326,7 @@ class _BucketGraphs:
     def __init__(self, grid: BucketGrid, device, pool=None):
         self.grid = grid
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.stream = capture_stream(device)  # see capture_stream: never shared with another stage
         self.shared = SharedBuffers(grid.max_units(), device)
         self._graphs: dict[tuple[int, int], tuple] = {}
         self._warming = False
@@ -383,7 +411,7 @@ class GraphedPrefill(_BucketGraphs):
         def run():
             return out.copy_(lm.forward_cached(bufs["emb"], self.cache, bufs["slot"], bufs["start"], kv_len=tb))
 
-        g, out = _capture_graph(run, self.pool, f"LM prefill graph batch {bb} x {tb} positions", self._level())
+        g, out = _capture_graph(run, self.pool, self.stream, f"LM prefill graph batch {bb} x {tb} positions", self._level())
         return g, bufs, out
 
     @torch.inference_mode()
@@ -440,7 +468,7 @@ class GraphedHiFTDecoder(_BucketGraphs):
         def run():
             return out.copy_(self.hift.decode(bufs["mel"], bufs["source"], bufs["lengths"]))
 
-        g, out = _capture_graph(run, self.pool, f"HiFT decoder graph batch {bb} x {tb} frames", self._level())
+        g, out = _capture_graph(run, self.pool, self.stream, f"HiFT decoder graph batch {bb} x {tb} frames", self._level())
         return g, bufs, out
 
     @torch.inference_mode()
@@ -508,9 +536,9 @@ class GraphedFlow(_BucketGraphs):
                            streaming=share("streaming", st.plan.streaming, units))
             return replace(st, xt=share("xt", st.xt, units), inp=share("inp", st.inp, units), plan=plan)
 
-        g_begin, state = _capture_graph(begin, self.pool, f"flow begin graph batch {bb} x {lb} tokens", self._level())
+        g_begin, state = _capture_graph(begin, self.pool, self.stream, f"flow begin graph batch {bb} x {lb} tokens", self._level())
         g_begin.replay()  # real values in the state before the step is warmed up and captured
-        g_step, _ = _capture_graph(lambda: flow.decoder.step(state), self.pool,
+        g_step, _ = _capture_graph(lambda: flow.decoder.step(state), self.pool, self.stream,
                                    f"flow step graph batch {bb} x {lb} tokens", self._level())
         return g_begin, g_step, bufs, state
 
