@@ -357,6 +357,17 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _nonnegative_float(value: str) -> float:
+    """argparse type: a number >= 0 (argparse reports anything else as a usage error)."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r}") from None
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return x
+
+
 def _engine_args(p) -> None:
     """Engine scheduling options shared by ``serve`` and ``bench --in-process``."""
     p.add_argument("--t2w-slack", default="1.0", metavar="SECONDS",
@@ -368,6 +379,12 @@ def _engine_args(p) -> None:
     p.add_argument("--max-t2w-tokens", type=_positive_int, default=16384, metavar="N",
                    help="flow input tokens per token2wav batch, padded: jobs x the longest job's prompt + speech "
                         "tokens (default 16384); bounds a batch's time and memory and the CUDA graphs captured")
+    p.add_argument("--t2w-batch-target", type=_positive_int, default=16, metavar="N",
+                   help="while the LM is busy, token2wav jobs not yet due (offline utterances, later chunks) "
+                        "gather until N are ready and run as one batch (default 16: cheaper per job)")
+    p.add_argument("--t2w-gather", type=_nonnegative_float, default=1.0, metavar="SECONDS",
+                   help="the longest an offline utterance waits for others to join its token2wav batch "
+                        "(default 1.0)")
     p.add_argument("--lazy-graphs", action="store_true",
                    help="capture CUDA graphs (LM prefill, flow, HiFT) on first use instead of at start-up "
                         "(starts ~50 s faster; each capture while serving stalls every stream for 0.1-0.4 s)")
@@ -406,7 +423,7 @@ def cmd_serve(args) -> int:
         token2wav_thread=args.token2wav_thread, t2w_queue_steps=_queue_steps(args.t2w_queue_steps),
         device_sampling=_SAMPLING[args.sampling], t2w_slack_s=_slack(args.t2w_slack),
         lm_stream_priority=args.lm_stream_priority == "high", max_t2w_tokens=args.max_t2w_tokens,
-        graph_warmup=not args.lazy_graphs,
+        t2w_batch_target=args.t2w_batch_target, t2w_gather_s=args.t2w_gather, graph_warmup=not args.lazy_graphs,
         api_key=args.api_key or os.environ.get("COSYSERVE_API_KEY") or None, device=device,
         dtype=str(_dtype(args.dtype, device)).replace("torch.", ""), request_timeout_s=args.request_timeout or None,
         max_text_chars=args.max_text_chars, max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
@@ -462,7 +479,8 @@ def cmd_bench(args) -> int:
         token2wav_thread=args.token2wav_thread, t2w_queue_steps=_queue_steps(args.t2w_queue_steps),
         device_sampling=_SAMPLING[args.sampling], t2w_slack_s=_slack(args.t2w_slack),
         lm_stream_priority=args.lm_stream_priority == "high", chunk_policy=args.chunk_policy,
-        max_t2w_tokens=args.max_t2w_tokens, graph_warmup=not args.lazy_graphs, metrics_url=args.metrics_url)
+        max_t2w_tokens=args.max_t2w_tokens, t2w_batch_target=args.t2w_batch_target, t2w_gather_s=args.t2w_gather,
+        graph_warmup=not args.lazy_graphs, metrics_url=args.metrics_url)
     report = run_bench(opts)
     failed = sum(lv["failed"] for lv in report["levels"])
     return 1 if failed and not any(lv["ok"] for lv in report["levels"]) else 0

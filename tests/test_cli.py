@@ -182,6 +182,16 @@ def test_max_t2w_tokens_is_a_positive_integer(capsys, value):
     assert exc.value.code == 2 and "--max-t2w-tokens" in err and "positive integer" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("option,value,message", [("--t2w-batch-target", "0", "positive integer"),
+                                                  ("--t2w-gather", "-1", "number >= 0"),
+                                                  ("--t2w-gather", "soon", "number >= 0")])
+def test_token2wav_batching_options_are_validated(capsys, option, value, message):
+    with pytest.raises(SystemExit) as exc:  # an argparse usage error
+        run(capsys, "serve", "--model-dir", model_dir(), option, value)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and option in err and message in err and "Traceback" not in err
+
+
 def test_engine_options_reach_the_server_config(capsys, monkeypatch):
     """--max-t2w-tokens and --lazy-graphs end up in the engine configuration of `serve`."""
     seen = {}
@@ -192,6 +202,8 @@ def test_engine_options_reach_the_server_config(capsys, monkeypatch):
     import cosyserve.server.app as app
 
     monkeypatch.setattr(app, "serve", fake_serve)
-    code, out, err = run(capsys, "serve", "--model-dir", model_dir(), "--max-t2w-tokens", "4096", "--lazy-graphs")
+    code, out, err = run(capsys, "serve", "--model-dir", model_dir(), "--max-t2w-tokens", "4096", "--lazy-graphs",
+                         "--t2w-batch-target", "8", "--t2w-gather", "0.25")
     assert code == 0, err
     assert seen["cfg"].max_t2w_tokens == 4096 and seen["cfg"].graph_warmup is False
+    assert seen["cfg"].t2w_batch_target == 8 and seen["cfg"].t2w_gather_s == 0.25

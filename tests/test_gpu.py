@@ -332,23 +332,32 @@ def test_token2wav_launch_does_not_wait_for_the_gpu(yaml_dir):
 
 @torch.inference_mode()
 def test_graphed_decode_samples_as_eager(yaml_dir):
-    """The decode graph with device sampling draws what ras_sample_device draws from its
-    log-probs, and an engine with device sampling gives the same tokens with and without graphs."""
+    """The decode graph with device sampling feeds each slot's last token from the DecodeState,
+    draws what ras_sample_device draws from its log-probs with the slot's repetition window,
+    appends the token to the state; an engine with device sampling gives the same tokens with
+    and without graphs, pipelined or not."""
     from cosyserve.models.graphs import GraphedDecoder
-    from cosyserve.models.llm import KVCache
+    from cosyserve.models.llm import DecodeState, KVCache
     from cosyserve.models.sampling import ras_sample_device
 
     m = build(yaml_dir, torch.float32)
     lm, cfg = m.llm, m.cfg.llm
     cache = KVCache.allocate(lm, 5, 256)
-    dec = GraphedDecoder(lm, cache, 4, sampling=cfg.sampling, eos_id=cfg.eos_token)
+    win = cfg.sampling.win_size
+    state = DecodeState.allocate(5, win, "cuda")
+    dec = GraphedDecoder(lm, cache, 4, sampling=cfg.sampling, eos_id=cfg.eos_token, state=state)
     b = 3
-    args = (torch.randint(0, 6561, (b,)), torch.arange(b), torch.tensor([5, 9, 2]))
-    keys = (torch.randint(0, 6561, (b, cfg.sampling.win_size)), torch.tensor([1, 2, 3]), torch.tensor([4, 0, 7]),
-            torch.tensor([True, False, False]))
-    logp, toks = dec.sample(*args, *keys)
-    ref = ras_sample_device(logp, *(k.cuda() for k in keys), cfg.sampling, cfg.eos_token)
+    hist = [torch.randint(0, 6561, (n,)).tolist() for n in (win + 2, 3, 1)]
+    state.load([0, 1, 2], hist)
+    recent = state.recent[:b].clone()
+    assert state.last[:b].tolist() == [h[-1] for h in hist] and recent[1, :win - 3].eq(-1).all()
+    keys = (torch.tensor([1, 2, 3]), torch.tensor([4, 0, 7]), torch.tensor([True, False, False]))
+    logp, toks = dec.sample(torch.arange(b), torch.tensor([5, 9, 2]), *keys)
+    ref = ras_sample_device(logp, recent, *(k.cuda() for k in keys), cfg.sampling, cfg.eos_token)
     assert torch.equal(toks, ref)
+    assert torch.equal(state.last[:b], ref) and torch.equal(state.recent[:b, -1], ref)
+    assert torch.equal(state.recent[:b, :-1], recent[:, 1:])
 
-    results = [_engine_tokens(m, cuda_graphs=graphs, device_sampling=True)[0] for graphs in (False, True)]
-    assert results[0] == results[1]
+    results = [_engine_tokens(m, cuda_graphs=graphs, device_sampling=True, pipeline_decode=piped)[0]
+               for graphs, piped in ((False, False), (True, False), (True, True), (False, True))]
+    assert all(r == results[0] for r in results[1:])

@@ -18,7 +18,7 @@ from _reference import discover, meta, model_dir, one_thread, rel_l2, require_re
 from cosyserve.engine.chunking import ChunkPolicy
 from cosyserve.engine.core import EngineConfig, QueueFullError
 from cosyserve.engine.pipeline import Synthesizer
-from cosyserve.engine.request import AudioChunk, Outcome, RequestFinished, SynthesisParams
+from cosyserve.engine.request import AudioChunk, Outcome, RequestFinished, RequestState, SynthesisParams
 from cosyserve.engine.token2wav import Token2Wav, Token2WavJob
 from cosyserve.errors import InvalidInputError
 from cosyserve.frontend.voice import Voice
@@ -258,6 +258,80 @@ def test_token2wav_batches_earliest_deadline_first(syn, voice):
     assert [st for st, _, _ in engine5._pick_t2w_batch(long, now)] == ["a", "b", "c"]  # 3 x 2000² < 12000 x 1024
 
 
+def test_jobs_not_yet_due_gather_into_full_batches(syn, voice):
+    """While the LM is busy, jobs with time to spare (offline utterances: due t2w_gather_s +
+    t2w_slack_s after they are ready) wait until t2w_batch_target are ready, and a batch takes
+    at most that many of them, plus every job that is due."""
+    engine = syn.new_engine(EngineConfig(max_active=16, max_queue=0, t2w_slack_s=0.5, t2w_batch_target=4,
+                                         t2w_gather_s=2.0))
+    now = 100.0
+    offline = [(now + 2.5 - 0.1 * i, 100, f"off{i}", None, f"j{i}") for i in range(6)]  # ready 0..0.5 s ago
+    assert not engine._launch_now(offline[:3], now, lm_busy=True)  # 3 < 4, none due: keep gathering
+    assert engine._launch_now(offline[:3], now, lm_busy=False)  # the GPU would idle otherwise
+    assert engine._launch_now(offline[:4], now, lm_busy=True)  # a full batch
+    picked = [st for st, _, _ in engine._pick_t2w_batch(list(offline), now)]
+    assert picked == ["off5", "off4", "off3", "off2"]  # oldest first, at most the target
+    # once one has waited t2w_gather_s it is due: it goes, with the due ones beyond the target
+    late = [(now + 0.4, 100, "due0", None, "d0"), (now + 0.45, 100, "due1", None, "d1")]
+    assert engine._launch_now(late[:1], now, lm_busy=True)
+    cands = late + [(now - 1.0, 100, f"first{i}", None, f"f{i}") for i in range(4)] + offline
+    picked = [st for st, _, _ in engine._pick_t2w_batch(cands, now)]
+    assert picked == ["first0", "first1", "first2", "first3", "due0", "due1"]  # all due, none gathering
+    # an offline request's deadline: ready + gather + slack
+    rs = RequestState(syn.build_request("hello", voice, SynthesisParams(stream=False), "r"), seed=0)
+    rs.t_ready = now
+    assert engine._deadline(rs, now) == pytest.approx(now + 2.0 + 0.5)
+    with pytest.raises(ValueError):
+        EngineConfig(t2w_batch_target=0)
+    with pytest.raises(ValueError):
+        EngineConfig(t2w_gather_s=-1.0)
+
+
+def test_pipelined_decoding_drops_the_step_after_a_stop(syn, voice):
+    """With pipelined decoding a segment that samples end-of-speech has already been issued one
+    more step; that token is dropped: tokens, stop reasons and audio equal the unpipelined
+    engine's, segments of a multi-sentence text follow each other, an aborted request's pending
+    step is ignored, and the freed slot serves the next request."""
+    lm = syn.models.llm
+    eos = syn.models.cfg.llm.eos_token
+    texts = ["第一句话在这里。" * 12 + "最后一句。", "Hello there, my friend.", "今天天气很好。"]
+    assert len(syn.frontend.segments(texts[0])) >= 2
+    params = [SynthesisParams(seed=5 + i, min_token_text_ratio=1, max_token_text_ratio=20) for i in range(3)]
+
+    def run(pipeline):
+        engine = syn.new_engine(EngineConfig(max_active=2, max_queue=4, device_sampling=True,
+                                             pipeline_decode=pipeline))
+        engine.add_request(syn.build_request(texts[2], voice, params[2], request_id="gone"))
+        for i in range(3):
+            engine.add_request(syn.build_request(texts[i], voice, params[i], request_id=f"p{i}"))
+        done = {}
+        for _ in range(3):  # "gone" is decoding (pipelined: a step of it in flight) when aborted
+            done.update((ev.request_id, ev) for ev in engine.step() if isinstance(ev, RequestFinished))
+        engine.abort("gone")
+        while engine.has_work():
+            for ev in engine.step():
+                if isinstance(ev, RequestFinished):
+                    done[ev.request_id] = ev
+        assert engine.kv_slots_used == 0
+        return done
+
+    with torch.no_grad():
+        bias = lm.llm_decoder.bias[eos].item()
+        lm.llm_decoder.bias[eos] += 8.0  # end-of-speech becomes likely once min_len allows it
+        try:
+            plain, piped = run(False), run(True)
+        finally:
+            lm.llm_decoder.bias[eos] = bias
+    assert plain["gone"].outcome == piped["gone"].outcome == Outcome.ABORTED
+    for i in range(3):
+        a, b = plain[f"p{i}"], piped[f"p{i}"]
+        assert a.outcome == b.outcome == Outcome.OK
+        assert a.tokens == b.tokens and a.stop_reasons == b.stop_reasons
+        assert a.audio_s == pytest.approx(b.audio_s)
+    assert len(plain["p0"].tokens) == len(syn.frontend.segments(texts[0]))  # one token list per segment
+    assert "stop" in sum((ev.stop_reasons for ev in plain.values()), [])
+
+
 def test_prefill_budget_counts_padded_positions(syn, voice):
     """Newcomers are prefilled together while rows x the longest prefix stays within
     ``max_prefill_tokens`` (the padded forward's size, and the bound of the prefill graph grid);
@@ -468,15 +542,15 @@ def test_speed_changes_duration_offline(syn, voice):
 
 
 def test_device_sampling_is_per_request_and_batch_independent(syn, voice):
-    """EngineConfig.device_sampling: the decode step's tokens come from ras_sample_device (keyed by
-    seed and token index), so a seeded request samples the same tokens alone and among others,
-    and every request still finishes with audio."""
+    """EngineConfig.device_sampling: every token comes from ras_sample_device (keyed by seed and
+    token index), so a seeded request samples the same tokens alone and among others, pipelined
+    or not, and every request still finishes with audio."""
     texts = ["你好，世界。", "Hello there, my friend.", "今天天气很好。"]
     params = [SynthesisParams(seed=21 + i, stream=i != 1, min_token_text_ratio=3, max_token_text_ratio=4)
               for i in range(3)]
 
-    def run(indices):
-        engine = syn.new_engine(EngineConfig(max_active=3, max_queue=0, device_sampling=True))
+    def run(indices, **cfg):
+        engine = syn.new_engine(EngineConfig(max_active=3, max_queue=0, device_sampling=True, **cfg))
         for i in indices:
             engine.add_request(syn.build_request(texts[i], voice, params[i], request_id=f"d{i}"))
         done = {}
@@ -498,5 +572,10 @@ def test_device_sampling_is_per_request_and_batch_independent(syn, voice):
         for ev in host.step():
             if isinstance(ev, RequestFinished):
                 tokens = ev.tokens
-    assert tokens[0][0] == together["d0"].tokens[0][0]  # the first token is sampled on the host
-    assert tokens != together["d0"].tokens  # later ones from the device sampler's own stream
+    assert tokens != together["d0"].tokens  # every token, the first too, from the device sampler's stream
+    # pipelined decoding (the next step issued before this one's tokens are read; the CUDA default)
+    # gives the same tokens and audio
+    piped = run([0, 1, 2], pipeline_decode=True)
+    for rid, ev in together.items():
+        assert piped[rid].outcome == Outcome.OK and piped[rid].tokens == ev.tokens
+        assert piped[rid].audio_s == pytest.approx(ev.audio_s)

@@ -118,6 +118,8 @@ class BenchOptions:
     t2w_slack_s: float | None = 1.0
     lm_stream_priority: bool = True
     max_t2w_tokens: int = 16384
+    t2w_batch_target: int = 16
+    t2w_gather_s: float = 1.0
     graph_warmup: bool = True  # also the flow/HiFT grids (EngineConfig.t2w_graph_warmup)
     chunk_policy: str | None = None  # in-process: default upstream; a server: gRPC request parameter
     # server: its Prometheus page, scraped around each level for the stage breakdown
@@ -429,6 +431,8 @@ class _Setup:
                                                           t2w_slack_s=o.t2w_slack_s,
                                                           lm_stream_priority=o.lm_stream_priority,
                                                           max_t2w_tokens=o.max_t2w_tokens,
+                                                          t2w_batch_target=o.t2w_batch_target,
+                                                          t2w_gather_s=o.t2w_gather_s,
                                                           graph_warmup=o.graph_warmup,
                                                           t2w_graph_warmup=o.graph_warmup,
                                                           max_queue=max(64, max(o.concurrency) * 2)),

@@ -25,9 +25,10 @@ One step:
    batch runs on a side stream while LM decoding continues; one batch is in flight at a
    time. Jobs are picked earliest-deadline-first: a stream's deadline is when its client
    runs out of audio (first chunks: the request's arrival, i.e. now), an offline request's
-   ``t2w_slack_s`` after its audio became ready. While the LM is busy, a batch is launched
-   only once a job is due within ``t2w_slack_s`` or a full batch is ready (launching costs
-   host time the LM then waits for). The batch's length (and so its cost) is set by the
+   ``t2w_gather_s`` + ``t2w_slack_s`` after its audio became ready. While the LM is busy, a
+   batch is launched only once a job is due within ``t2w_slack_s`` or ``t2w_batch_target``
+   jobs are ready (launching costs host time the LM then waits for, and a larger batch costs
+   less per job: offline utterances gather into full batches). The batch's length (and so its cost) is set by the
    most urgent job; longer jobs join only when they are due within
    ``EngineConfig.t2w_slack_s``, so a whole-utterance recompute does not delay a batch of
    first chunks, and only while the padded batch stays within ``max_t2w_tokens``.
@@ -53,9 +54,10 @@ import torch
 from ..errors import CosyServeError, InvalidInputError
 from ..models.graphs import within_budgets
 from ..models.hift import DEFAULT_MEL_CACHE_LEN
-from ..models.llm import KVCache
+from ..models.llm import DecodeState, KVCache
 from ..models.loader import CosyVoice2Models
 from ..models.sampling import UpstreamSampler, ras_sample_device
+from ..models.transfer import to_device
 from .request import (
     AudioChunk,
     EngineRequest,
@@ -86,6 +88,13 @@ class EngineConfig:
     flow batch's device time and memory and the CUDA-graph buckets captured at start-up; the
     batch's attention (jobs x longest², quadratic in memory) is bounded too, to
     ``max_t2w_tokens x T2W_ATTENTION_LEN`` (by default: 16 jobs of 1024 tokens, 64 of 512);
+    ``t2w_batch_target``: while the LM is busy, jobs not yet due (offline utterances, later
+    chunks well ahead of their playback) gather until this many are ready, then run as one
+    batch of at most this many (with the jobs that are due): a flow/HiFT batch costs a fixed
+    part plus a part per job, so a full batch costs less per job (docs/perf.md run 23); a power
+    of two fills a CUDA-graph batch bucket exactly; ``t2w_gather_s``: the longest an offline
+    utterance waits for others to join its batch (its deadline is this plus ``t2w_slack_s``
+    after its audio is ready);
     ``t2w_slack_s``: seconds before its deadline a job longer than the batch's most urgent
     one is added anyway (see the module doc); ``None``: adaptive, three times the recent
     token2wav batch duration (a job left out now runs after the batch in flight and the next
@@ -95,9 +104,11 @@ class EngineConfig:
     ``graph_warmup``: capture every LM prefill bucket the limits above can reach when the engine
     starts (~6 s at full size; a capture while serving stalls every stream for 0.1-0.4 s,
     docs/perf.md run 20), otherwise on first use; ``t2w_graph_warmup``: the same for the flow
-    and HiFT grids (~45 s), done by the first :meth:`EngineCore.step` — on the thread that
-    steps the engine and so replays them: flow/HiFT graphs captured on another thread stopped
-    the GPU at full size (docs/perf.md run 21); ``t2w_thread``: run token2wav on its own thread
+    and HiFT grids (~45 s), done by :meth:`EngineCore.warmup` (or the first step) before any
+    request's work; every stage captures on a CUDA stream of its own
+    (:func:`~cosyserve.models.graphs.capture_stream`: graphs sharing a capture stream share a
+    cuBLAS workspace, and replayed concurrently they stopped the GPU, docs/perf.md run 23);
+    ``t2w_thread``: run token2wav on its own thread
     (:class:`~cosyserve.engine.token2wav.Token2WavWorker`; off by default: measured slower on
     an H100 because both threads contend for the GIL, docs/perf.md runs 5 and 11);
     ``t2w_queue_steps``: a token2wav batch on the side stream is issued a few flow steps at a
@@ -112,7 +123,11 @@ class EngineConfig:
     sampled from the prefill, and rows with their own sampler stay on the host);
     ``lm_stream_priority``: on CUDA the LM runs on a high-priority stream, so its short
     step-by-step kernels are scheduled ahead of a token2wav batch's when both wait for the GPU
-    (the LM is the serial chain every stream's next token waits for).
+    (the LM is the serial chain every stream's next token waits for);
+    ``pipeline_decode`` (``None``: on CUDA; needs device sampling): issue each LM step before
+    reading the previous one's tokens (they stay on the device, :class:`DecodeState`), so the
+    GPU decodes while the host hands out tokens, checks stops and feeds token2wav; a segment
+    that stopped costs one extra row-step, whose token is dropped (docs/perf.md run 24).
     """
 
     max_active: int = 16
@@ -121,6 +136,8 @@ class EngineConfig:
     max_prefill_tokens: int = 4096
     max_t2w_batch: int | None = None
     max_t2w_tokens: int = 16384
+    t2w_batch_target: int = 16
+    t2w_gather_s: float = 1.0
     t2w_slack_s: float | None = 1.0
     cuda_graphs: bool = True
     graph_warmup: bool = True
@@ -129,12 +146,13 @@ class EngineConfig:
     t2w_queue_steps: int | None = 4
     device_sampling: bool | None = None
     lm_stream_priority: bool = True
+    pipeline_decode: bool | None = None
 
     def __post_init__(self):
         if self.max_t2w_batch is None:
             object.__setattr__(self, "max_t2w_batch", self.max_active)
         if self.max_active < 1 or self.max_queue < 0 or self.kv_max_len < 64 or self.max_t2w_batch < 1 \
-                or self.max_t2w_tokens < 1 \
+                or self.max_t2w_tokens < 1 or self.t2w_batch_target < 1 or self.t2w_gather_s < 0 \
                 or (self.t2w_slack_s is not None and self.t2w_slack_s < 0) \
                 or (self.t2w_queue_steps is not None and self.t2w_queue_steps < 1):
             raise ValueError("invalid engine limits")
@@ -209,6 +227,22 @@ class _Marks:
         return a.elapsed_time(b) / 1000.0 if isinstance(a, torch.cuda.Event) else b - a
 
 
+@dataclass
+class _LMTicket:
+    """One issued LM step whose results the host has not read yet: its ``rows`` (request,
+    segment) in order; ``tokens`` int64 ``[rows]`` (CPU, filled by an asynchronous copy) sampled
+    on the device, or None; ``host_rows``, the rows sampled on the host, with their log-probs
+    ``logp_host [len(host_rows), V]`` (CPU, asynchronous copy); ``event``, the mark after those
+    copies (a CUDA event, or a host timestamp on CPU); ``spans``, the stage marks to report."""
+
+    rows: list
+    tokens: torch.Tensor | None
+    host_rows: list
+    logp_host: torch.Tensor | None
+    event: object
+    spans: list
+
+
 class EngineCore:
     """Continuous-batching scheduler over the speech LM and token2wav (see module doc)."""
 
@@ -230,6 +264,13 @@ class EngineCore:
             else config.device_sampling
         # with CUDA graphs, one extra (scratch) slot absorbs the padding rows of a bucket
         self.cache = KVCache.allocate(self.lm, config.max_active + int(use_graphs), config.kv_max_len)
+        # device sampling: each slot's last token and repetition window live on the device, so on
+        # CUDA the next decode step is issued before the host has read this one's tokens
+        self._state = DecodeState.allocate(self.cache.n_slots, models.cfg.llm.sampling.win_size,
+                                           self.cache.k.device) if self._device_sampling else None
+        self._pipeline = (self.cache.k.is_cuda if config.pipeline_decode is None else config.pipeline_decode) \
+            and self._device_sampling
+        self._lm_pending: _LMTicket | None = None  # the step in flight whose tokens the host has not read
         self.decoder = self.prefill_graphs = None
         self._pending_warmup: list = []  # graph grids the first step() captures (see t2w_graph_warmup)
         if use_graphs:
@@ -237,7 +278,7 @@ class EngineCore:
 
             sampling = models.cfg.llm.sampling if self._device_sampling else None
             self.decoder = GraphedDecoder(self.lm, self.cache, config.max_active, sampling=sampling,
-                                          eos_id=models.cfg.llm.eos_token)
+                                          eos_id=models.cfg.llm.eos_token, state=self._state)
             self.decoder.warmup()  # capture every (batch, KV length) bucket now, not mid-request
             self.prefill_graphs = GraphedPrefill(self.lm, self.cache, pool=self.decoder.pool,
                                                  max_batch=config.max_active, max_tokens=config.max_prefill_tokens)
@@ -320,7 +361,8 @@ class EngineCore:
             self._worker.close()
 
     def has_work(self) -> bool:
-        return bool(self._active or self._waiting or self._inflight is not None or not self._inbox.empty())
+        return bool(self._active or self._waiting or self._inflight is not None or self._lm_pending is not None
+                    or not self._inbox.empty())
 
     @property
     def n_requests(self) -> int:
@@ -343,17 +385,17 @@ class EngineCore:
     # ------------------------------------------------------------------ step
     def warmup(self) -> None:
         """Capture the flow/HiFT CUDA-graph grids still pending (``t2w_graph_warmup``; ~45 s at
-        full size). Call it on the thread that will call :meth:`step` (graphs captured on
-        another thread stopped the GPU, docs/perf.md run 21); :meth:`step` does it first
-        otherwise. Nothing to do on CPU or after the first call."""
+        full size), before serving (``AsyncEngine`` calls it on its thread before the server
+        reports ready); :meth:`step` does it first otherwise. Nothing to do on CPU or after the
+        first call."""
         pending, self._pending_warmup = self._pending_warmup, []
         for graphs in pending:
             graphs.warmup()
 
     def step(self) -> list:
-        if self._pending_warmup:  # before any request's work, on the thread that replays them
-            self.warmup()
         """Advance every request by at most one LM token and one audio chunk; return events."""
+        if self._pending_warmup:  # before any request's work
+            self.warmup()
         if self._lm_stream is None:
             return self._step()
         with torch.cuda.stream(self._lm_stream):
@@ -378,8 +420,10 @@ class EngineCore:
             if not lm_rows and self._inflight is not None:
                 self._collect(events, wait=True)  # nothing else to do: block (GIL released)
             self._t2w_step(events, lm_busy=lm_rows > 0)
-        elif self._inflight is not None:
-            self._collect(events, wait=True)
+        else:
+            self._lm_pending = None  # its requests are gone (aborted): nobody reads its tokens
+            if self._inflight is not None:
+                self._collect(events, wait=True)
         self.stats.steps += 1
         return events
 
@@ -416,10 +460,11 @@ class EngineCore:
     def _deadline(self, st: RequestState, now: float) -> float:
         """When this request's next audio is due (monotonic seconds): a stream's first chunk at
         its arrival (at once), later chunks at its playback end; an offline request (whose
-        client waits for the whole utterance anyway) ``t2w_slack_s`` after its audio became
-        ready, so that while the LM is busy finished utterances gather into larger batches."""
+        client waits for the whole utterance anyway) ``t2w_gather_s`` + ``t2w_slack_s`` after
+        its audio became ready, so that while the LM is busy finished utterances gather into
+        larger batches (launched once ``t2w_batch_target`` are ready, or this one is due)."""
         if not st.req.params.stream:
-            return (st.t_ready or now) + self.slack_s()
+            return (st.t_ready or now) + self.cfg.t2w_gather_s + self.slack_s()
         if st.first_chunk_at is None:
             return st.req.arrival
         return st.first_chunk_at + st.audio_samples / self.sample_rate
@@ -472,10 +517,32 @@ class EngineCore:
 
     @torch.inference_mode()
     def _lm_step(self, events: list) -> int:
+        """Issue one LM step — prefill of newcomers and one decode step over the running
+        segments — and hand out the tokens of the previous step (pipelined: on CUDA with device
+        sampling the GPU runs this step while the host reads the last one's tokens, stops
+        finished segments and feeds token2wav) or of this one. Returns the rows issued (0: the
+        LM had nothing to do)."""
+        ticket = self._issue_lm(events)
+        done = ticket
+        if self._pipeline:
+            done, self._lm_pending = self._lm_pending, ticket
+        if done is not None:
+            self._process_lm(done, events)
+        return 0 if ticket is None else len(ticket.rows)
+
+    def _on_device(self, seg: SegmentState) -> bool:
+        """Does the segment sample on the device (device sampling and the default sampler)?"""
+        return self._device_sampling and self._default_sampler(seg)
+
+    def _issue_lm(self, events: list) -> "_LMTicket | None":
+        """Enqueue the prefill of newcomers (bounded) and one decode step; no host sync."""
         t0 = time.perf_counter()
         lm = self.lm
+        host = self._host
         rows: list[tuple[RequestState, SegmentState]] = []
-        hidden: list[torch.Tensor] = []
+        toks: list[torch.Tensor] = []   # device-sampled tokens, one per row (device sampling)
+        logps: list[torch.Tensor] = []  # log-probs, one row per row
+        spans = []
         # 1. prefill newcomers (bounded), all in one padded forward
         prefill_tokens = longest = 0
         new: list[tuple[RequestState, SegmentState, torch.Tensor]] = []
@@ -496,8 +563,6 @@ class EngineCore:
             prefill_tokens += n
             longest = max(longest, n)
             new.append((st, seg, prefix))
-        spans = []
-        host = self._host
         if new:
             t_pre = time.monotonic()
             for st, _, _ in new:
@@ -516,60 +581,109 @@ class EngineCore:
                         self._fail(st, events, exc)
                 new = keep
                 h = torch.cat(h) if h else None
-            for st, seg, p in new:
-                seg.length = p.shape[0]
-                seg.prefilled = True
-                rows.append((st, seg))
             if new:
-                hidden.append(lm.logprobs(h))
+                logp = lm.logprobs(h)
+                for st, seg, p in new:
+                    seg.length = p.shape[0]
+                    seg.prefilled = True
+                    seg.issued = 1  # the first token, sampled from the prefill
+                    rows.append((st, seg))
+                logps.append(logp)
+                if self._device_sampling:  # first tokens on the device too (host rows override)
+                    dev = logp.device
+                    slots = to_device(torch.tensor([seg.slot for _, seg, _ in new]), dev)
+                    seed, _, ignore = (to_device(k, dev) for k in self._sampling_keys([(st, seg) for st, seg, _ in new], 0))
+                    tok = ras_sample_device(logp, self._state.recent.new_full((len(new), self._state.recent.shape[1]), -1),
+                                            seed, torch.zeros_like(seed), ignore, self._sampler.cfg, self._sampler.eos_id)
+                    self._state.restart(slots, tok)
+                    toks.append(tok)
                 spans.append(("prefill", len(new), m0, self._marks.mark()))
         t1 = time.perf_counter()
         host("prefill", t1 - t0)
-        # 2. one batched decode step for running segments
-        running = [(st, st.segments[st.lm_segment]) for st in self._active.values()
-                   if st.next_lm_segment() is not None]
-        running = [(st, seg) for st, seg in running if seg.prefilled and seg.tokens and not seg.lm_done
-                   and all(seg is not s for _, s in rows)]
-        dev_tokens = None  # tokens sampled on the device for the running rows (device_sampling)
+        # 2. one batched decode step for running segments: a row on the device sampler whenever
+        # it has tokens left to generate (its input token is on the device, maybe not yet on the
+        # host); a row sampled on the host once its last token is known there
+        running = []
+        for st in self._active.values():
+            seg = st.next_lm_segment()
+            if seg is None or not seg.prefilled or seg.lm_done or not 1 <= seg.issued < seg.max_len:
+                continue
+            if self._on_device(seg) or seg.issued == len(seg.tokens):
+                running.append((st, seg))
         if running:
-            toks = torch.tensor([[seg.tokens[-1]] for _, seg in running])
             slots = torch.tensor([seg.slot for _, seg in running])
             start = torch.tensor([seg.length for _, seg in running])
             m0 = self._marks.mark()
             try:
-                keys = self._sampling_keys(running) if self._device_sampling else None
-                if self.decoder is not None and keys is not None:
-                    h, dev_tokens = self.decoder.sample(toks.reshape(-1), slots, start, *keys)  # CUDA graph
-                elif self.decoder is not None:
-                    h = self.decoder(toks.reshape(-1), slots, start)  # log-probs, CUDA graph
+                if self._device_sampling:
+                    host_rows = [(seg.slot, seg.tokens) for _, seg in running if not self._on_device(seg)]
+                    if host_rows:  # their last token came from the host: put it where the step reads it
+                        self._state.load([s for s, _ in host_rows], [t for _, t in host_rows])
+                    seed, step, ignore = self._sampling_keys(running)
+                    if self.decoder is not None:
+                        h, tok = self.decoder.sample(slots, start, seed, step, ignore)  # CUDA graph
+                    else:
+                        dev = self.cache.k.device
+                        h, tok = lm.decode_sample(self.cache, self._state, to_device(slots, dev), to_device(start, dev),
+                                                  to_device(seed, dev), to_device(step, dev), to_device(ignore, dev),
+                                                  self._sampler.cfg, self._sampler.eos_id, kv_len=int(start.max()) + 1)
+                    toks.append(tok)
                 else:
-                    h = lm.logprobs(lm.forward_cached(lm.embed_speech(toks), self.cache, slots, start)[:, -1])
-                    if keys is not None:
-                        dev_tokens = ras_sample_device(h, *(k.to(h.device) for k in keys), self._sampler.cfg,
-                                                       self._sampler.eos_id)
+                    last = torch.tensor([[seg.tokens[-1]] for _, seg in running])
+                    if self.decoder is not None:
+                        h = self.decoder(last.reshape(-1), slots, start)  # log-probs, CUDA graph
+                    else:
+                        h = lm.logprobs(lm.forward_cached(lm.embed_speech(last), self.cache, slots, start)[:, -1])
             except Exception as exc:  # noqa: BLE001
                 for st, _ in running:
                     self._fail(st, events, exc)
-                running = []
             else:
                 spans.append(("decode", len(running), m0, self._marks.mark()))
                 for _, seg in running:
                     seg.length += 1
+                    seg.issued += 1
                 rows.extend(running)
-                hidden.append(h)
-        t2 = time.perf_counter()
-        host("decode", t2 - t1)
+                logps.append(h)
+        host("decode", time.perf_counter() - t1)
         if not rows:
-            return 0
-        n_pre = len(rows) - (len(running) if running else 0)
-        logp, sampled = self._fetch(rows, hidden, n_pre, running, dev_tokens)  # waits for the GPU
+            return None
+        # 3. the step's results towards the host, without waiting for them
+        need = [i for i, (_, seg) in enumerate(rows) if not self._on_device(seg)]
+        tokens = torch.cat(toks).to("cpu", non_blocking=True) if toks else None
+        logp_host = None
+        if need:
+            logp_all = torch.cat(logps)
+            if len(need) < len(rows):
+                logp_all = logp_all[to_device(torch.tensor(need), logp_all.device)]
+            logp_host = logp_all.to("cpu", non_blocking=True)
+        event = self._marks.mark()
+        dt = time.perf_counter() - t0
+        self.stats.last_lm_batch = len(rows)
+        self.stats.lm_batches[len(rows)] = self.stats.lm_batches.get(len(rows), 0) + 1
+        self.observer.lm_step(len(rows), prefill_tokens, dt)
+        return _LMTicket(rows, tokens, need, logp_host, event, spans)
+
+    def _process_lm(self, tk: "_LMTicket", events: list) -> None:
+        """Wait for a step's results and hand them out: next tokens of the rows still running,
+        stop / length checks (a row stopped by the step before is skipped: its extra token,
+        computed while the host did not know yet, is dropped)."""
+        t2 = time.perf_counter()
+        if isinstance(tk.event, torch.cuda.Event):
+            tk.event.synchronize()  # the GIL is released while waiting
         t3 = time.perf_counter()
-        host("lm_sync", t3 - t2)
-        for name, n, a, b in spans:
+        self._host("lm_sync", t3 - t2)
+        for name, n, a, b in tk.spans:
             self.observer.stage(name, n, self._marks.seconds(a, b))
         t_tok = time.monotonic()
-        # 3. the next token of every row still running, then stop / length checks
-        live = [(i, st, seg) for i, (st, seg) in enumerate(rows) if st.request_id in self._active]
+        host_rows = set(tk.host_rows)
+        sampled = {} if tk.tokens is None else {
+            i: t for i, t in enumerate(tk.tokens.tolist()) if i not in host_rows}
+        logp = None
+        if tk.host_rows:
+            logp = torch.zeros(len(tk.rows), tk.logp_host.shape[1])
+            logp[tk.host_rows] = tk.logp_host.float()
+        live = [(i, st, seg) for i, (st, seg) in enumerate(tk.rows)
+                if st.request_id in self._active and not seg.lm_done and seg.slot is not None]
         tokens = self._sample_host(live, logp, sampled)
         for i, st, seg in live:
             tok = tokens[i]
@@ -581,30 +695,7 @@ class EngineCore:
                 st.t_first_token = t_tok
             if len(seg.tokens) >= seg.max_len:
                 self._lm_finish_segment(st, seg, "length")
-        t4 = time.perf_counter()
-        host("sampling", t4 - t3)
-        dt = t4 - t0
-        self.stats.last_lm_batch = len(rows)
-        self.stats.lm_batches[len(rows)] = self.stats.lm_batches.get(len(rows), 0) + 1
-        self.observer.lm_step(len(rows), prefill_tokens, dt)
-        return len(rows)
-
-    def _fetch(self, rows: list, hidden: list, n_pre: int, running: list, dev_tokens) -> tuple:
-        """Bring this step's results to the host: ``(logp, sampled)``, the log-probs of the rows
-        to sample on the host (a ``[rows, V]`` CPU tensor, filled at those rows only) and
-        ``{row: token}`` for the running rows sampled on the device (default sampler)."""
-        sampled: dict[int, int] = {}
-        if dev_tokens is not None:
-            sampled = {n_pre + j: t for j, t in enumerate(dev_tokens.cpu().tolist())
-                       if self._default_sampler(running[j][1])}
-        need = [i for i in range(len(rows)) if i not in sampled]
-        logp_dev = torch.cat(hidden)
-        if len(need) == len(rows):
-            return logp_dev.cpu(), sampled
-        logp = torch.zeros(len(rows), logp_dev.shape[1] if need else 0)
-        if need:
-            logp[need] = logp_dev[torch.tensor(need, device=logp_dev.device)].cpu()
-        return logp, sampled
+        self._host("sampling", time.perf_counter() - t3)
 
     def _sample_host(self, live: list, logp: torch.Tensor, sampled: dict[int, int]) -> dict[int, int]:
         """Tokens for the live rows: those sampled on the device as given; the others with
@@ -627,20 +718,14 @@ class EngineCore:
         s = seg.sampler
         return type(s) is UpstreamSampler and s.cfg == self._sampler.cfg and s.eos_id == self._sampler.eos_id
 
-    def _sampling_keys(self, running: list) -> tuple[torch.Tensor, ...]:
-        """Inputs of :func:`~cosyserve.models.sampling.ras_sample_device` for the running rows:
-        recent tokens ``[B, win]`` (-1 padded), seed keys (request seed and segment), token
-        indices and EOS masks (CPU tensors)."""
-        w = max(1, self._sampler.cfg.win_size)
-        recent = torch.full((len(running), w), -1, dtype=torch.long)
-        for j, (_, seg) in enumerate(running):
-            tail = seg.tokens[-w:]
-            if tail:
-                recent[j, w - len(tail):] = torch.tensor(tail)
-        seed = torch.tensor([(st.seed & 0xFFFFFFFF) | (seg.index << 32) for st, seg in running], dtype=torch.long)
-        step = torch.tensor([len(seg.tokens) for _, seg in running], dtype=torch.long)
-        ignore_eos = torch.tensor([len(seg.tokens) < seg.min_len for _, seg in running])
-        return recent, seed, step, ignore_eos
+    def _sampling_keys(self, rows: list, step: int | None = None) -> tuple[torch.Tensor, ...]:
+        """Inputs of :func:`~cosyserve.models.sampling.ras_sample_device` for the rows (CPU
+        tensors): seed keys (request seed and segment), token indices (``step``, default each
+        segment's tokens issued so far) and EOS masks (token index below the segment's
+        ``min_len``); the repetition window is on the device (:class:`DecodeState`)."""
+        seed = torch.tensor([(st.seed & 0xFFFFFFFF) | (seg.index << 32) for st, seg in rows], dtype=torch.long)
+        idx = [seg.issued if step is None else step for _, seg in rows]
+        return seed, torch.tensor(idx, dtype=torch.long), torch.tensor([i < seg.min_len for i, (_, seg) in zip(idx, rows)])
 
     def _prefill_fits(self, rows: int, longest: int) -> bool:
         """Is a prefill of ``rows`` prefixes, the longest ``longest`` positions, within
@@ -752,12 +837,13 @@ class EngineCore:
     def _launch_now(self, cands: list, now: float, lm_busy: bool) -> bool:
         """Launch a token2wav batch now, or let ready jobs accumulate into a larger batch?
 
-        Launching costs host time that LM decoding then waits for, so while the LM is busy a
-        batch is launched only when a job is due within ``t2w_slack_s`` (first chunks and
-        offline requests are due at once) or a full batch is ready. With the LM idle the GPU
-        would idle too: launch at once.
+        Launching costs host time that LM decoding then waits for, and a batch costs a fixed
+        part plus a part per job, so while the LM is busy a batch is launched only when a job
+        is due within ``t2w_slack_s`` (first chunks are due at once, offline utterances
+        ``t2w_gather_s`` after they are ready) or ``t2w_batch_target`` jobs are ready. With
+        the LM idle the GPU would idle too: launch at once.
         """
-        if not lm_busy or len(cands) >= self.cfg.max_t2w_batch:
+        if not lm_busy or len(cands) >= min(self.cfg.t2w_batch_target, self.cfg.max_t2w_batch):
             return True
         return min(c[0] for c in cands) <= now + self.slack_s()
 
@@ -765,8 +851,10 @@ class EngineCore:
         """Earliest deadline first; the most urgent job sets the batch's flow length (its
         bucket, :meth:`Token2Wav.length_bucket`), longer jobs join only when due within
         ``t2w_slack_s`` (they would make every job in the batch pay for their length); jobs
-        join while the padded batch (jobs x longest) stays within ``max_t2w_tokens`` and its
-        attention (jobs x longest²) within ``max_t2w_tokens x T2W_ATTENTION_LEN``."""
+        not due within ``t2w_slack_s`` join only while the batch has fewer than
+        ``t2w_batch_target`` jobs (the rest gather into the next batch); jobs join while the
+        padded batch (jobs x longest) stays within ``max_t2w_tokens`` and its attention (jobs x
+        longest²) within ``max_t2w_tokens x T2W_ATTENTION_LEN``."""
         cands.sort(key=lambda c: c[0])
         horizon = now + self.slack_s()
         limit = None
@@ -775,7 +863,8 @@ class EngineCore:
         for deadline, n_tok, st, seg, job in cands:
             if len(picked) >= self.cfg.max_t2w_batch:
                 break
-            if limit is not None and n_tok > limit and deadline > horizon:
+            if deadline > horizon and (len(picked) >= self.cfg.t2w_batch_target
+                                       or (limit is not None and n_tok > limit)):
                 continue
             if picked and not self._t2w_fits(len(picked) + 1, max(longest, n_tok)):
                 continue

@@ -171,6 +171,7 @@ class SegmentState:
     tokens: list[int] = field(default_factory=list)
     slot: int | None = None
     length: int = 0          # positions of this segment held in its KV slot
+    issued: int = 0          # tokens sampled or being sampled on the GPU (>= len(tokens))
     prefilled: bool = False
     lm_done: bool = False
     t2w_done: bool = False

@@ -33,8 +33,7 @@ from dataclasses import replace
 
 import torch
 
-from .llm import KVCache, SpeechLM
-from .sampling import ras_sample_device
+from .llm import DecodeState, KVCache, SpeechLM
 from .transfer import to_device
 
 
@@ -215,16 +214,19 @@ class GraphedDecoder:
     ``start [B]`` (the position each row writes); returns float32 log-probabilities
     ``[B, S+3]`` on the device (a view into a static buffer: copy before the next call).
 
-    With ``sampling`` (a :class:`~cosyserve.models.config.SamplingConfig`) the graph also
-    samples the next token of every row (:func:`~cosyserve.models.sampling.ras_sample_device`);
-    call :meth:`sample` with the rows' recent tokens, seeds, steps and EOS masks to get
-    ``(log-probs, tokens [B] int64)``.
+    With ``sampling`` (a :class:`~cosyserve.models.config.SamplingConfig`) and ``state`` (a
+    :class:`~cosyserve.models.llm.DecodeState`) the graph is :meth:`SpeechLM.decode_sample`:
+    each row's input token and repetition window come from ``state`` and its sampled token is
+    appended there, on the device; call :meth:`sample` with the rows' slots, positions, seeds,
+    steps and EOS masks to get ``(log-probs, tokens [B] int64)``.
     """
 
     def __init__(self, lm: SpeechLM, cache: KVCache, max_batch: int, kv_buckets: list[int] | None = None,
-                 sampling=None, eos_id: int | None = None):
+                 sampling=None, eos_id: int | None = None, state: DecodeState | None = None):
+        if (sampling is None) != (state is None):
+            raise ValueError("device sampling needs both `sampling` and a DecodeState")
         self.lm = lm
-        self.sampling, self.eos_id = sampling, eos_id
+        self.sampling, self.eos_id, self.state = sampling, eos_id, state
         self.cache = cache
         self.scratch = cache.n_slots - 1
         self.device = cache.k.device
@@ -240,25 +242,23 @@ class GraphedDecoder:
     def _buffers(self, bb: int) -> dict[str, torch.Tensor]:
         if bb not in self._bufs:
             d = self.device
-            self._bufs[bb] = {"tokens": torch.zeros(bb, dtype=torch.long, device=d),
-                              "slots": torch.full((bb,), self.scratch, dtype=torch.long, device=d),
+            self._bufs[bb] = {"slots": torch.full((bb,), self.scratch, dtype=torch.long, device=d),
                               "start": torch.zeros(bb, dtype=torch.long, device=d)}
-            if self.sampling is not None:
-                w = max(1, self.sampling.win_size)
-                self._bufs[bb].update(recent=torch.full((bb, w), -1, dtype=torch.long, device=d),
-                                      seed=torch.zeros(bb, dtype=torch.long, device=d),
+            if self.sampling is None:
+                self._bufs[bb]["tokens"] = torch.zeros(bb, dtype=torch.long, device=d)
+            else:
+                self._bufs[bb].update(seed=torch.zeros(bb, dtype=torch.long, device=d),
                                       step=torch.zeros(bb, dtype=torch.long, device=d),
                                       ignore_eos=torch.zeros(bb, dtype=torch.bool, device=d))
         return self._bufs[bb]
 
     def _step(self, buf: dict[str, torch.Tensor], kv_len: int):
+        if self.sampling is not None:
+            return self.lm.decode_sample(self.cache, self.state, buf["slots"], buf["start"], buf["seed"], buf["step"],
+                                         buf["ignore_eos"], self.sampling, self.eos_id, kv_len=kv_len)
         emb = self.lm.embed_speech(buf["tokens"][:, None])
         h = self.lm.forward_cached(emb, self.cache, buf["slots"], buf["start"], kv_len=kv_len)[:, -1]
-        logp = self.lm.logprobs(h)
-        if self.sampling is None:
-            return logp
-        return logp, ras_sample_device(logp, buf["recent"], buf["seed"], buf["step"], buf["ignore_eos"],
-                                       self.sampling, self.eos_id)
+        return self.lm.logprobs(h)
 
     @torch.inference_mode()
     def _capture(self, bb: int, kvb: int):
@@ -276,33 +276,36 @@ class GraphedDecoder:
                     self._capture(bb, kvb)
 
     @torch.inference_mode()
-    def sample(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, recent: torch.Tensor,
-               seed: torch.Tensor, step: torch.Tensor, ignore_eos: torch.Tensor):
-        """One step that also samples: ``recent [B, win_size]`` int64 (-1 padded), ``seed``,
-        ``step`` int64 ``[B]``, ``ignore_eos`` bool ``[B]`` (CPU or device) -> ``(log-probs
-        [B, S+3], tokens [B])``, views into static buffers."""
+    def sample(self, slots: torch.Tensor, start: torch.Tensor, seed: torch.Tensor, step: torch.Tensor,
+               ignore_eos: torch.Tensor):
+        """One step with device sampling over ``state``: ``slots``, ``start``, ``seed``, ``step``
+        int64 ``[B]``, ``ignore_eos`` bool ``[B]`` (CPU or device) -> ``(log-probs [B, S+3],
+        tokens [B])``, views into static buffers (copy before the next call). Padding rows read
+        and write the scratch slot."""
         if self.sampling is None:
             raise RuntimeError("this GraphedDecoder was built without sampling")
-        n = int(tokens.numel())
+        n = int(slots.numel())
         buf = self._buffers(_pick(self.batch_buckets, n))
-        for name, val in (("recent", recent), ("seed", seed), ("step", step), ("ignore_eos", ignore_eos)):
+        for name, val in (("seed", seed), ("step", step), ("ignore_eos", ignore_eos)):
             buf[name][:n].copy_(val, non_blocking=True)
-        logp, toks = self._run(tokens, slots, start)
+        logp, toks = self._run(None, slots, start)
         return logp[:n], toks[:n]
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        out = self._run(tokens, slots, start)
-        return (out[0] if self.sampling is not None else out)[: int(tokens.numel())]
+        if self.sampling is not None:
+            raise RuntimeError("this GraphedDecoder samples on the device: call sample()")
+        return self._run(tokens, slots, start)[: int(tokens.numel())]
 
-    def _run(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor):
-        n = int(tokens.numel())
+    def _run(self, tokens: torch.Tensor | None, slots: torch.Tensor, start: torch.Tensor):
+        n = int(slots.numel())
         kv_need = int(start.max()) + 1
         bb = _pick(self.batch_buckets, n)
         kvb = _pick(self.kv_buckets, kv_need)
         buf = self._buffers(bb)
         g_out = self._graphs.get((bb, kvb)) or self._capture(bb, kvb)
-        buf["tokens"][:n].copy_(tokens.reshape(-1), non_blocking=True)
+        if tokens is not None:
+            buf["tokens"][:n].copy_(tokens.reshape(-1), non_blocking=True)
         buf["slots"][:n].copy_(slots.reshape(-1), non_blocking=True)
         buf["start"][:n].copy_(start.reshape(-1), non_blocking=True)
         if n < bb:

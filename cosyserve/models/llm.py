@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import LLMConfig
-from .sampling import UpstreamSampler
+from .sampling import UpstreamSampler, ras_sample_device
+from .transfer import to_device
 
 
 def _qwen2_config(cfg: LLMConfig):
@@ -91,6 +92,53 @@ class KVCache:
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
+
+
+@dataclass
+class DecodeState:
+    """Per-slot device state of decoding with device sampling (one row per KV-cache slot).
+
+    ``last``: int64 ``[n_slots]``, the newest token of each slot's sequence (the next decode
+    step's input); ``recent``: int64 ``[n_slots, win]``, its last ``win`` tokens (``-1`` where
+    fewer exist: the repetition window of RAS). :meth:`SpeechLM.decode_sample` reads and
+    updates it on the device, so the next step can be issued before this step's tokens reach
+    the host (the engine's pipelined decoding; vLLM's asynchronous scheduling does the same).
+    """
+
+    last: torch.Tensor
+    recent: torch.Tensor
+
+    @classmethod
+    def allocate(cls, n_slots: int, win: int, device=None) -> "DecodeState":
+        return cls(torch.zeros(n_slots, dtype=torch.long, device=device),
+                   torch.full((n_slots, max(1, win)), -1, dtype=torch.long, device=device))
+
+    def load(self, slots: list[int], histories: list[list[int]]) -> None:
+        """Set the slots' state from host token histories (the tokens generated so far; an empty
+        history leaves ``last`` at 0). One host-to-device copy per tensor, ordered on the current
+        stream."""
+        w = self.recent.shape[1]
+        rec = torch.full((len(slots), w), -1, dtype=torch.long)
+        last = torch.zeros(len(slots), dtype=torch.long)
+        for j, hist in enumerate(histories):
+            tail = hist[-w:]
+            if tail:
+                rec[j, w - len(tail):] = torch.tensor(tail)
+                last[j] = tail[-1]
+        idx = to_device(torch.tensor(slots, dtype=torch.long), self.last.device)
+        self.last[idx] = to_device(last, self.last.device)
+        self.recent[idx] = to_device(rec, self.recent.device)
+
+    def push(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Append device ``tokens [B]`` to the state of ``slots [B]`` (device int64), in place
+        and without host synchronisation (CUDA-graph safe)."""
+        self.last[slots] = tokens
+        self.recent[slots] = torch.cat((self.recent[slots][:, 1:], tokens[:, None]), dim=1)
+
+    def restart(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """A new sequence in ``slots`` whose first token is ``tokens`` (device tensors)."""
+        self.recent[slots] = -1
+        self.push(slots, tokens)
 
 
 def _rms_eps(norm: nn.Module) -> float:
@@ -356,6 +404,27 @@ class SpeechLM(nn.Module):
             h = _add_linear(h, (fl.act(gate) * up).reshape(bsz * t_new, -1), fl.down_w, fl.down_b)
         norm = self.backbone.norm
         return F.rms_norm(h, (hdim,), norm.weight, _rms_eps(norm))
+
+    def decode_sample(self, cache: KVCache, state: DecodeState, slots: torch.Tensor, start: torch.Tensor,
+                      seed: torch.Tensor, step: torch.Tensor, ignore_eos: torch.Tensor, sampling, eos_id: int,
+                      kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step with device sampling that takes its inputs from ``state``.
+
+        Row ``b`` feeds ``state.last[slots[b]]`` at position ``start[b]`` of slot ``slots[b]``,
+        samples its next token with :func:`~cosyserve.models.sampling.ras_sample_device`
+        (``seed``, ``step``, ``ignore_eos`` int64/bool ``[B]`` device tensors; the repetition
+        window is ``state.recent[slots]``) and appends it to ``state`` — no host
+        synchronisation (pass ``kv_len``), so it can be captured in a CUDA graph and the next
+        step issued before this one's tokens are read. Returns ``(log-probs [B, S+3] float32,
+        tokens [B] int64)``.
+        """
+        toks = state.last[slots]
+        recent = state.recent[slots]
+        h = self.forward_cached(self.embed_speech(toks[:, None]), cache, slots, start, kv_len=kv_len)[:, -1]
+        logp = self.logprobs(h)
+        tok = ras_sample_device(logp, recent, seed, step, ignore_eos, sampling, eos_id)
+        state.push(slots, tok)
+        return logp, tok
 
     def forward_full(self, embeds: torch.Tensor) -> torch.Tensor:
         """Plain causal forward of one full sequence through transformers' own ``Qwen2Model``.

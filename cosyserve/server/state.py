@@ -59,6 +59,8 @@ class ServerConfig:
     t2w_slack_s: float | None = 1.0
     lm_stream_priority: bool = True
     max_t2w_tokens: int = 16384
+    t2w_batch_target: int = 16
+    t2w_gather_s: float = 1.0
     graph_warmup: bool = True  # also the flow/HiFT grids (EngineConfig.t2w_graph_warmup)
     max_queue: int = 64
     api_key: str | None = None
@@ -132,6 +134,7 @@ class ServerState:
                              t2w_thread=c.token2wav_thread, t2w_queue_steps=c.t2w_queue_steps,
                              device_sampling=c.device_sampling, t2w_slack_s=c.t2w_slack_s,
                              lm_stream_priority=c.lm_stream_priority, max_t2w_tokens=c.max_t2w_tokens,
+                             t2w_batch_target=c.t2w_batch_target, t2w_gather_s=c.t2w_gather_s,
                              graph_warmup=c.graph_warmup, t2w_graph_warmup=c.graph_warmup),
                 observer=self.metrics)
             self.metrics.attach(core)
