@@ -107,7 +107,7 @@ class EngineConfig:
     and HiFT grids (~45 s), done by :meth:`EngineCore.warmup` (or the first step) before any
     request's work; every stage captures on a CUDA stream of its own
     (:func:`~cosyserve.models.graphs.capture_stream`: graphs sharing a capture stream share a
-    cuBLAS workspace, and replayed concurrently they stopped the GPU, docs/perf.md run 23);
+    cuBLAS workspace, and replayed concurrently they stopped the GPU, docs/perf.md "Runs 23–26");
     ``t2w_thread``: run token2wav on its own thread
     (:class:`~cosyserve.engine.token2wav.Token2WavWorker`; off by default: measured slower on
     an H100 because both threads contend for the GIL, docs/perf.md runs 5 and 11);

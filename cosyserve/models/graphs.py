@@ -161,7 +161,7 @@ def capture_stream(device) -> torch.cuda.Stream:
     is kept per (cuBLAS handle, stream), and a captured GEMM keeps its address). Replayed
     concurrently on different streams — the LM's graphs on the LM stream, the flow's and
     HiFT's on the token2wav stream — such graphs race on that workspace: at full size the GPU
-    stopped (docs/perf.md runs 21 and 23; pytorch/pytorch#193402 describes the same sharing).
+    stopped (docs/perf.md run 21 and "Runs 23–26"; pytorch/pytorch#193402 describes the same sharing).
     So every graphed stage captures on a stream of its own. ``torch.cuda.Stream()`` hands out
     streams from a pool of 32 round-robin, so two stages could get the same one; the stream
     is created with ``cudaStreamCreate`` instead (``torch.cuda.Stream()`` only where the
