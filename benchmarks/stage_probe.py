@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from cosyserve.models import fused
 from cosyserve.models.graphs import GraphedDecoder, GraphedFlow, GraphedPrefill
 from cosyserve.models.llm import KVCache
 from cosyserve.models.loader import build_random
@@ -96,7 +97,12 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--flow-shapes", default="1x120,4x120,16x250", help="batch x tokens (87 prompt tokens included)")
     ap.add_argument("--decode-batches", default="1,8,32")
+    ap.add_argument("--stages", default="encoder,decode,prefill,flow", help="which of them to measure")
+    ap.add_argument("--no-fused", action="store_true", help="eager instead of the fused kernels (cosyserve.models.fused)")
     args = ap.parse_args()
+    stages = set(args.stages.split(","))
+    if args.no_fused:
+        fused.set_enabled(False)
     dtype = getattr(torch, args.dtype)
     models = build_random(args.yaml, device=args.device, dtype=dtype, qwen_config_path=args.qwen_config)
     lm, flow = models.llm, models.flow
@@ -107,7 +113,7 @@ def main():
     g = torch.Generator(device="cpu").manual_seed(0)
 
     # encoder (eager; not part of the graphs)
-    for n_tok in (100, 300):
+    for n_tok in ((100, 300) if "encoder" in stages else ()):
         tok = torch.randint(0, 6561, (1, n_tok), generator=g)
         ptok = torch.randint(0, 6561, (1, 87), generator=g)
         feat = torch.randn(1, 174, 80, generator=g)
@@ -117,6 +123,18 @@ def main():
         ms = wall_ms(lambda: flow.condition([tok], [ptok], [feat], emb, True, False), n=10, warm=2, until_done=False)
         rows.append(("flow encoder (eager, host issue time)", f"1 x {n_tok + 87} tokens", ms, float("nan")))
 
+    if stages & {"decode", "prefill"}:
+        lm_stages(lm, batches, rows, g, dev, dtype)
+    if "flow" in stages:
+        flow_stages(flow, shapes, rows, g)
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
+          f"fused kernels {'off' if args.no_fused else 'on'}")
+    print(_Rows.HEAD)
+    for row in sorted(rows, key=lambda r: (r[0], r[1])):
+        print(_Rows.fmt(row))
+
+
+def lm_stages(lm, batches, rows, g, dev, dtype):
     torch.manual_seed(0)
     cache = KVCache.allocate(lm, max(batches) + 1, 1024)
     cache.k.normal_()
@@ -139,6 +157,8 @@ def main():
     emb = torch.randn(1, 120, lm.qwen_config.hidden_size, generator=g).to(dev, dtype)
     rows.append(("LM prefill", "1 x 120 (bucket 128)", gpu_ms(lambda: pre(emb, 0)), build, kernels(lambda: pre(emb, 0))))
 
+
+def flow_stages(flow, shapes, rows, g):
     graph = GraphedFlow(flow, max(b for b, _ in shapes))
     for b, n_tok in shapes:
         inp = flow.prepare([torch.randint(0, 6561, (1, n_tok - 87), generator=g) for _ in range(b)],
@@ -153,11 +173,6 @@ def main():
                      gpu_ms(lambda: graph(inp), n=10), build, kernels(lambda: graph(inp))))
         rows.append(("flow launch (host)", f"batch {b} x {n_tok} tokens",
                      wall_ms(lambda: graph(inp), n=10, warm=2, until_done=False), build))
-
-    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}")
-    print(_Rows.HEAD)
-    for row in sorted(rows, key=lambda r: (r[0], r[1])):
-        print(_Rows.fmt(row))
 
 
 if __name__ == "__main__":

@@ -47,11 +47,18 @@ def _dtype(name: str, device: str):
             "float16": torch.float16, "fp16": torch.float16}[name]
 
 
+def _add_dtype_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="LM/flow precision (auto: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--hift-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="precision of the HiFT vocoder's convolutions (auto: float16 when --dtype is a half "
+                        "type on CUDA, else float32; F0, excitation and STFTs always run in float32)")
+
+
 def _add_model_args(p: argparse.ArgumentParser, need_model: bool = True) -> None:
     p.add_argument("--model-dir", required=need_model, help="official CosyVoice2 model directory")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="LM/flow precision (auto: bfloat16 on CUDA, float32 on CPU)")
+    _add_dtype_args(p)
 
 
 def _add_synthesis_args(p: argparse.ArgumentParser) -> None:
@@ -191,7 +198,8 @@ def cmd_synthesize(args) -> int:
     text = _read_text(args)
     store = VoiceStore(args.voices_dir) if (args.voice or args.voices_dir_given) else None
     params = _params(args, stream=args.stream)
-    syn = Synthesizer(args.model_dir, device=device, dtype=_dtype(args.dtype, device), normalizer=args.normalizer)
+    syn = Synthesizer(args.model_dir, device=device, dtype=_dtype(args.dtype, device), normalizer=args.normalizer,
+                      hift_dtype=args.hift_dtype)
     if syn.is_demo:
         print("note: demo model with RANDOM weights: the audio is noise, not speech", file=sys.stderr)
     voice = _voice_from_args(syn, args, store)
@@ -425,7 +433,8 @@ def cmd_serve(args) -> int:
         lm_stream_priority=args.lm_stream_priority == "high", max_t2w_tokens=args.max_t2w_tokens,
         t2w_batch_target=args.t2w_batch_target, t2w_gather_s=args.t2w_gather, graph_warmup=not args.lazy_graphs,
         api_key=args.api_key or os.environ.get("COSYSERVE_API_KEY") or None, device=device,
-        dtype=str(_dtype(args.dtype, device)).replace("torch.", ""), request_timeout_s=args.request_timeout or None,
+        dtype=str(_dtype(args.dtype, device)).replace("torch.", ""), hift_dtype=args.hift_dtype,
+        request_timeout_s=args.request_timeout or None,
         max_text_chars=args.max_text_chars, max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
         normalizer=args.normalizer, chunk_policy=args.chunk_policy,
         min_token_text_ratio=args.min_token_text_ratio, max_token_text_ratio=args.max_token_text_ratio,
@@ -475,7 +484,8 @@ def cmd_bench(args) -> int:
         progress=False if args.no_progress else None, min_token_text_ratio=args.min_token_text_ratio,
         max_token_text_ratio=args.max_token_text_ratio, in_process=args.in_process, model_dir=args.model_dir,
         demo=args.demo, device=device, dtype=str(_dtype(args.dtype, device)).replace("torch.", ""),
-        voices_dir=args.voices_dir or DEFAULT_VOICES_DIR, max_active_streams=args.max_active_streams,
+        hift_dtype=args.hift_dtype, voices_dir=args.voices_dir or DEFAULT_VOICES_DIR,
+        max_active_streams=args.max_active_streams,
         token2wav_thread=args.token2wav_thread, t2w_queue_steps=_queue_steps(args.t2w_queue_steps),
         device_sampling=_SAMPLING[args.sampling], t2w_slack_s=_slack(args.t2w_slack),
         lm_stream_priority=args.lm_stream_priority == "high", chunk_policy=args.chunk_policy,
@@ -493,7 +503,8 @@ def cmd_batch(args) -> int:
     device = _device(args.device)
     opts = BatchOptions(
         set=args.set, out=args.out, limit=args.limit, model_dir=args.model_dir, demo=args.demo, device=device,
-        dtype=str(_dtype(args.dtype, device)).replace("torch.", ""), batch_size=args.batch_size,
+        dtype=str(_dtype(args.dtype, device)).replace("torch.", ""), hift_dtype=args.hift_dtype,
+        batch_size=args.batch_size,
         token2wav_batch_size=args.token2wav_batch_size, seed=args.seed,
         min_token_text_ratio=args.min_token_text_ratio, max_token_text_ratio=args.max_token_text_ratio,
         llm_url=args.llm_url, llm_model=args.llm_model, llm_checkpoint=args.llm_checkpoint,
@@ -584,7 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--model-dir", help="official CosyVoice2 model directory")
     sv.add_argument("--demo", action="store_true", help="serve the random-weight demo model (audio is noise)")
     sv.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    sv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    _add_dtype_args(sv)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI, voices, KServe v2, metrics)")
     sv.add_argument("--grpc-port", type=int, default=8001, help="KServe v2 / Triton gRPC port")
@@ -651,7 +662,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--demo", action="store_true", help="the random-weight demo model (--in-process)")
     _add_random_weights_args(b)
     b.add_argument("--device", default="auto")
-    b.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    _add_dtype_args(b)
     b.add_argument("--voices-dir", default=None, help="voice store for --voice (--in-process)")
     b.add_argument("--max-active-streams", type=int, default=16, help="engine KV slots (--in-process)")
     b.add_argument("--token2wav-thread", action="store_true", help="token2wav on its own thread (--in-process)")
@@ -675,7 +686,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--demo", action="store_true", help="the random-weight demo model")
     _add_random_weights_args(bt)
     bt.add_argument("--device", default="auto")
-    bt.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    _add_dtype_args(bt)
     bt.add_argument("--batch-size", type=int, default=16, help="LM sequences decoded together (native: KV slots; "
                                                                "--llm-url: requests in flight)")
     bt.add_argument("--token2wav-batch-size", type=int, default=8, help="utterances per flow + HiFT batch")

@@ -14,7 +14,8 @@ from cosyserve.models.demo import DemoSize, demo_qwen_config, demo_yaml
 pytestmark = pytest.mark.gpu
 
 # Documented errors of half precision against float32 (docs/perf.md); measured ~1/3 of these.
-HALF_TOL = {"logp": 2e-2, "mel": 5e-2}
+# speech_*: HiFT's convolution trunk in float16 / bfloat16 (F0, excitation, STFTs in float32).
+HALF_TOL = {"logp": 2e-2, "mel": 5e-2, "speech_float16": 5e-3, "speech_bfloat16": 4e-2}
 
 
 def rel(a, b):
@@ -361,3 +362,80 @@ def test_graphed_decode_samples_as_eager(yaml_dir):
     results = [_engine_tokens(m, cuda_graphs=graphs, device_sampling=True, pipeline_decode=piped)[0]
                for graphs, piped in ((False, False), (True, False), (True, True), (False, True))]
     assert all(r == results[0] for r in results[1:])
+
+
+@torch.inference_mode()
+def test_fused_kernels_match_float32_eager():
+    """The compiled elementwise kernels (cosyserve.models.fused) compute the eager formula: in
+    float32 to rounding, in half precision closer to the float32 result than eager half is."""
+    from cosyserve.models.flow_estimator import add_layer_norm, layer_norm_mish_add
+    from cosyserve.models.hift import _snake
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, device="cuda", generator=g)  # noqa: E731
+    mask = (torch.arange(300, device="cuda")[None] < torch.tensor([300, 120, 7], device="cuda")[:, None])[:, None]
+    cases = [
+        (_snake, (r(3, 64, 300) * 3, torch.rand(64, device="cuda", generator=g) + 0.5, mask)),
+        (_snake, (r(3, 64, 300) * 3, torch.rand(64, device="cuda", generator=g) + 0.5, None)),
+        (add_layer_norm, (r(4, 50, 256), r(4, 50, 256), r(256), r(256), 1e-5)),
+        (layer_norm_mish_add, (r(4, 50, 256) * 4, r(256), r(256), 1e-5, r(4, 1, 256))),
+        (layer_norm_mish_add, (r(4, 50, 256), r(256), r(256), 1e-5, r(4, 50, 256))),
+    ]
+    for op, args in cases:
+        ref = op.fn(*args)
+        got = op(*args)
+        assert op.compiled, op.name
+        for a, b in zip(*((got, ref) if isinstance(ref, tuple) else ((got,), (ref,)))):
+            assert a.dtype == b.dtype and rel(a, b) < 1e-6, op.name
+        for dtype in (torch.bfloat16, torch.float16):
+            half = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+            got, eager = op(*half), op.fn(*half)
+            for a, e, b in zip(*((got, eager, ref) if isinstance(ref, tuple) else ((got,), (eager,), (ref,)))):
+                assert a.dtype == dtype and rel(a, b) <= rel(e, b) * 1.25 + 1e-6, (op.name, dtype)
+
+
+@torch.inference_mode()
+def test_fused_flow_and_hift_equal_eager(yaml_dir):
+    """The flow and HiFT with the fused kernels equal their eager runs (float32)."""
+    from cosyserve.models import fused
+
+    m = build(yaml_dir, torch.float32)
+    args = dict(tokens=[torch.randint(0, 6561, (1, n)).cuda() for n in (20, 33)],
+                prompt_tokens=[torch.randint(0, 6561, (1, p)).cuda() for p in (30, 0)],
+                prompt_feats=[torch.randn(1, 60, 80).cuda(), torch.zeros(1, 0, 80).cuda()],
+                embeddings=torch.randn(2, 192).cuda(), streaming=[True, False], finalize=[False, True])
+    mels = [torch.randn(1, 80, n, device="cuda") * 2 - 5 for n in (20, 36)]
+    gens = lambda: [torch.Generator().manual_seed(i) for i in range(2)]  # noqa: E731
+    out = {}
+    for on in (True, False):
+        prev = fused.set_enabled(on)
+        try:
+            out[on] = (m.flow.inference_batch(**args), m.hift.inference_batch(mels, None, gens())[0])
+        finally:
+            fused.set_enabled(prev)
+    for a, b in zip(out[True][0] + out[True][1], out[False][0] + out[False][1]):
+        assert a.shape == b.shape and rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@torch.inference_mode()
+def test_hift_half_trunk_within_documented_error(yaml_dir, dtype):
+    """HiFT with its convolution trunk in half precision, eager and graphed, against float32."""
+    from cosyserve.models.graphs import GraphedHiFTDecoder
+
+    ref_m, half_m = build(yaml_dir, torch.float32).hift, build(yaml_dir, torch.float32).hift.set_trunk_dtype(dtype)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [150, 90, 33]
+    t = max(lengths)
+    mel = torch.randn(3, 80, t, device="cuda", generator=g) * 2 - 5
+    lt = torch.tensor(lengths, device="cuda")
+    f0 = torch.stack([ref_m.predict_f0(mel[i:i + 1])[0] for i in range(3)])
+    source = ref_m.excitation_padded(f0, lengths, [torch.Generator().manual_seed(i) for i in range(3)])
+    ref = ref_m.decode(mel, source, lt)
+    got = half_m.decode(mel, source, lt)
+    tol = HALF_TOL[f"speech_{str(dtype).split('.')[-1]}"]
+    print(f"HiFT trunk {dtype}: rel. error {rel(got, ref):.2e} (documented {tol})")
+    assert got.dtype == torch.float32 and rel(got, ref) < tol
+    graphed = GraphedHiFTDecoder(half_m, max_batch=4, frame_bucket=32)
+    for _ in range(2):
+        assert rel(graphed(mel, source, lt), ref) < tol

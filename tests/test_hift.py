@@ -445,3 +445,53 @@ def test_stft_window_is_scipy_periodic_hann():
         ref = (0.5 - 0.5 * np.cos(2.0 * np.pi * k / n)).astype(np.float32)
         assert np.array_equal(_hann_periodic(n), ref)
         assert np.array_equal(_hann_periodic(n), torch.hann_window(n, periodic=True, dtype=torch.float64).float().numpy())
+
+
+# ----------------------------------------------------------------------------------------------
+# half-precision trunk (the float16 / bfloat16 path of the GPU is checked in test_gpu.py)
+# ----------------------------------------------------------------------------------------------
+
+
+@parity
+@pytest.mark.parametrize("case", E2E_CASES[:1])
+def test_bfloat16_trunk_close_to_reference(full_cfg, hift_sd, case):
+    """Only the convolution trunk changes precision: F0 and the excitation stay float32 (so a
+    seeded source is unchanged), decode takes and returns float32, and its speech stays near
+    the float32 reference (bfloat16's 8-bit mantissa: ~1e-2 relative on the reference case)."""
+    t = tensors(case)
+    m = _build(full_cfg, hift_sd).set_trunk_dtype(torch.bfloat16)
+    assert m.trunk_dtype == torch.bfloat16 and m.f0_predictor.classifier.weight.dtype == torch.float32
+    assert m.m_source.l_linear.weight.dtype == torch.float32
+    with torch.no_grad():
+        speech = m.decode(t["mel"], t["source"])
+        f0 = m.predict_f0(t["mel"])
+    assert speech.dtype == torch.float32 and f0.dtype == torch.float32
+    err = rel_l2(speech, t["speech"])
+    _report(f"{case} decode, bfloat16 trunk", err)
+    assert 0 < err < 5e-2
+
+
+def test_resolve_hift_dtype():
+    from cosyserve.engine.pipeline import resolve_hift_dtype
+
+    assert resolve_hift_dtype("auto", "cuda", torch.bfloat16) == torch.float16
+    assert resolve_hift_dtype("auto", "cuda:1", torch.float16) == torch.float16
+    assert resolve_hift_dtype("auto", "cuda", torch.float32) == torch.float32
+    assert resolve_hift_dtype("auto", "cpu", torch.bfloat16) == torch.float32
+    assert resolve_hift_dtype("bfloat16", "cpu", torch.float32) == torch.bfloat16
+    assert resolve_hift_dtype(torch.float16, "cpu", torch.float32) == torch.float16
+    with pytest.raises(ValueError, match="hift dtype"):
+        resolve_hift_dtype("int8", "cpu", torch.float32)
+
+
+def test_fused_snake_runs_eagerly_on_cpu():
+    """On CPU the fused op is the eager formula itself (nothing is compiled)."""
+    from cosyserve.models.hift import _snake
+
+    x = torch.randn(2, 4, 9)
+    alpha = torch.rand(4) + 0.5
+    mask = (torch.arange(9)[None] < torch.tensor([9, 5])[:, None])[:, None]
+    a = alpha[None, :, None]
+    want = (x + (1.0 / (a + 1e-9)) * torch.sin(x * a) ** 2).masked_fill(~mask, 0.0)
+    assert torch.equal(_snake(x, alpha, mask), want)
+    assert not _snake.compiled

@@ -54,6 +54,7 @@ class BatchOptions:
     demo: bool = False
     device: str = "cpu"
     dtype: str = "float32"
+    hift_dtype: str = "auto"
     batch_size: int = 16
     token2wav_batch_size: int = 8
     seed: int = 0
@@ -86,7 +87,7 @@ def _synthesizer(o: BatchOptions):
     else:
         model_dir = o.model_dir
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[o.dtype]
-    return Synthesizer(model_dir, device=o.device, dtype=dtype, normalizer=o.normalizer)
+    return Synthesizer(model_dir, device=o.device, dtype=dtype, normalizer=o.normalizer, hift_dtype=o.hift_dtype)
 
 
 def _remote_lm(o: BatchOptions, synth):

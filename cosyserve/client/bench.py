@@ -110,6 +110,7 @@ class BenchOptions:
     demo: bool = False
     device: str = "cpu"
     dtype: str = "float32"
+    hift_dtype: str = "auto"
     voices_dir: str | None = None
     max_active_streams: int = 16
     token2wav_thread: bool = False
@@ -405,7 +406,7 @@ class _Setup:
         import torch
 
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[o.dtype]
-        synth = Synthesizer(model_dir, device=o.device, dtype=dtype)
+        synth = Synthesizer(model_dir, device=o.device, dtype=dtype, hift_dtype=o.hift_dtype)
         synth.frontend.warmup()
         if synth.is_demo and o.voice == "default":  # demo / random-weight models: the shipped prompt
             from ..models.demo import shipped_prompt

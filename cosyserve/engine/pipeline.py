@@ -49,6 +49,20 @@ class SynthesisResult:
         return self.total_s / self.duration_s if self.duration_s > 0 else float("inf")
 
 
+def resolve_hift_dtype(name: str | torch.dtype, device: str | torch.device, dtype: torch.dtype) -> torch.dtype:
+    """HiFT's trunk precision for ``name`` (see :class:`Synthesizer`); raises ValueError for
+    an unknown name."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        half = dtype in (torch.float16, torch.bfloat16)
+        return torch.float16 if half and torch.device(device).type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+    except KeyError:
+        raise ValueError(f"hift dtype must be auto, float32, float16 or bfloat16, not {name!r}") from None
+
+
 class Synthesizer:
     """Frontend + models of one CosyVoice2 model directory.
 
@@ -56,7 +70,11 @@ class Synthesizer:
       model_dir: the official layout (see :mod:`cosyserve.models.loader`), or a random-weights
         directory (:func:`cosyserve.models.demo.prepare_random_weights_dir`), whose networks are
         built from its yaml with random weights.
-      device, dtype: where the LM and flow run (HiFT runs in float32).
+      device, dtype: where the LM and flow run, and their precision.
+      hift_dtype: precision of HiFT's convolution trunk (:meth:`HiFTGenerator.set_trunk_dtype`;
+        F0, excitation and the STFTs stay float32): ``float32``, ``float16``, ``bfloat16``, or
+        ``auto`` (default): float16 on CUDA when ``dtype`` is a half type, else float32
+        (docs/perf.md documents the error against float32).
       voices_dir: voice store directory (optional).
       normalizer: ``auto`` / ``wetext`` / ``rules`` / ``none`` (see :mod:`cosyserve.frontend.text`).
       models: already loaded networks (e.g. :func:`cosyserve.models.loader.build_random`).
@@ -74,6 +92,7 @@ class Synthesizer:
         models: CosyVoice2Models | None = None,
         onnx_providers: list[str] | None = None,
         max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
+        hift_dtype: str | torch.dtype = "auto",
     ):
         random_dir = models is None and is_random_weights_dir(model_dir)
         md = open_model_dir(model_dir, need=("onnx", "qwen") if models is not None else
@@ -84,6 +103,8 @@ class Synthesizer:
         if random_dir:  # a --random-weights directory: full-size networks from the yaml alone
             models = build_random(md.yaml, device=device, dtype=dtype, seed=random_weights_seed(md.root))
         self.models = models or load_models(md.root, device=device, dtype=dtype)
+        if self.models.hift is not None:
+            self.models.hift.set_trunk_dtype(resolve_hift_dtype(hift_dtype, device, dtype))
         self.cfg = self.models.cfg
         self.frontend = Frontend(md, self.cfg, normalizer, onnx_providers, max_text_chars)
         self.voices = VoiceStore(voices_dir) if voices_dir is not None else None

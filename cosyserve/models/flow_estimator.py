@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from ..errors import ConfigError
 from .config import EstimatorConfig
 from .flow_encoder import chunk_attention_mask
+from .fused import FusedOp
 
 _MASK_BIAS = -1.0e10  # upstream cosyvoice.utils.common.mask_to_bias
 
@@ -124,6 +125,22 @@ class CausalConv1d(nn.Conv1d):
         return F.linear(causal_im2col(x, self.kernel_size[0]), self.matrix(), self.bias).view(b, t, -1)
 
 
+def _add_layer_norm_eager(x: Tensor, y: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    s = x + y
+    return s, F.layer_norm(s, (s.shape[-1],), weight, bias, eps)
+
+
+def _layer_norm_mish_add_eager(y: Tensor, weight: Tensor, bias: Tensor, eps: float, add: Tensor) -> Tensor:
+    return F.mish(F.layer_norm(y, (y.shape[-1],), weight, bias, eps)) + add
+
+
+#: ``(x + y, LayerNorm(x + y))`` over the last dim: a residual add and the next pre-norm, one
+#: kernel on CUDA (:mod:`cosyserve.models.fused`)
+add_layer_norm = FusedOp(_add_layer_norm_eager, "add_layer_norm")
+#: ``mish(LayerNorm(y)) + add`` over the last dim (``add`` broadcast), one kernel on CUDA
+layer_norm_mish_add = FusedOp(_layer_norm_mish_add_eager, "layer_norm_mish_add")
+
+
 class CausalBlock(nn.Module):
     """``mish(LayerNorm_channels(causal_conv3(x)))`` on ``[B, T, C_in] -> [B, T, C_out]``.
 
@@ -138,9 +155,13 @@ class CausalBlock(nn.Module):
         super().__init__()
         self.block = nn.Sequential(CausalConv1d(dim, dim_out, 3), nn.Identity(), nn.LayerNorm(dim_out), nn.Identity())
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, add: Tensor | None = None) -> Tensor:
+        """``mish(LayerNorm(conv(x))) (+ add)``; ``add`` broadcasts to ``[B, T, C_out]``."""
         ln = self.block[2]
-        return F.mish(F.layer_norm(self.block[0].forward_btc(x), ln.normalized_shape, ln.weight, ln.bias, ln.eps))
+        y = self.block[0].forward_btc(x)
+        if add is None:
+            return F.mish(F.layer_norm(y, ln.normalized_shape, ln.weight, ln.bias, ln.eps))
+        return layer_norm_mish_add(y, ln.weight, ln.bias, ln.eps, add)
 
 
 class CausalResnetBlock(nn.Module):
@@ -158,9 +179,9 @@ class CausalResnetBlock(nn.Module):
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
     def forward(self, x: Tensor, t_term: Tensor) -> Tensor:
-        h = self.block2(self.block1(x) + t_term.unsqueeze(1))
         w = self.res_conv.weight
-        return h + F.linear(x, w.view(w.shape[0], w.shape[1]), self.res_conv.bias)
+        res = F.linear(x, w.view(w.shape[0], w.shape[1]), self.res_conv.bias)
+        return self.block2(self.block1(x, t_term.unsqueeze(1)), res)
 
 
 class Downsample(nn.Module):
@@ -253,6 +274,17 @@ class TransformerBlock(nn.Module):
     def forward(self, x: Tensor, bias: Tensor) -> Tensor:
         x = x + self.attn1(self.norm1(x), bias)
         return x + self.ff(self.norm3(x))
+
+    def forward_fused(self, x: Tensor, x_norm1: Tensor, bias: Tensor, next_norm: nn.LayerNorm | None):
+        """:meth:`forward` given ``x_norm1 = norm1(x)``, with each residual add fused into the
+        LayerNorm that follows it (:func:`add_layer_norm`): returns ``(out, next_norm(out))``,
+        or ``(out, None)`` without ``next_norm``."""
+        n3 = self.norm3
+        x, h = add_layer_norm(x, self.attn1(x_norm1, bias), n3.weight, n3.bias, n3.eps)
+        f = self.ff(h)
+        if next_norm is None:
+            return x + f, None
+        return add_layer_norm(x, f, next_norm.weight, next_norm.bias, next_norm.eps)
 
 
 @dataclass
@@ -371,8 +403,14 @@ class FlowEstimator(nn.Module):
         return list(F.linear(F.mish(t_emb), w, bias).split([lin.out_features for lin in lins], dim=-1))
 
     def _transformers(self, blocks: nn.ModuleList, h: Tensor, bias: Tensor) -> Tensor:
-        for block in blocks:
-            h = block(h, bias)
+        """The transformer blocks of one U-Net stage (:meth:`TransformerBlock.forward_fused`:
+        each residual add fused with the next block's pre-norm)."""
+        if len(blocks) == 0:
+            return h
+        h_norm = blocks[0].norm1(h)
+        for i, block in enumerate(blocks):
+            nxt = blocks[i + 1].norm1 if i + 1 < len(blocks) else None
+            h, h_norm = block.forward_fused(h, h_norm, bias, nxt)
         return h
 
     def forward_btc(self, h: Tensor, plan: AttentionPlan, t: Tensor) -> Tensor:

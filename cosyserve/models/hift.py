@@ -105,6 +105,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 from .config import HiFTConfig
+from .fused import FusedOp
 from .transfer import to_device
 
 __all__ = [
@@ -185,9 +186,18 @@ class Snake(nn.Module):
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(channels))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.alpha[None, :, None]
-        return x + (1.0 / (a + _SNAKE_EPS)) * torch.pow(torch.sin(x * a), 2)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [B, C, T]`` -> Snake(x), zero where ``mask`` ([B, 1, T] bool, optional) is False.
+        One fused kernel on CUDA (:mod:`cosyserve.models.fused`), the upstream op sequence elsewhere."""
+        return _snake(x, self.alpha, mask)
+
+
+def _snake_eager(x: torch.Tensor, alpha: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    a = alpha[None, :, None]
+    return _zero_outside(x + (1.0 / (a + _SNAKE_EPS)) * torch.pow(torch.sin(x * a), 2), mask)
+
+
+_snake = FusedOp(_snake_eager, "snake")
 
 
 class _SnakeResBlock(nn.Module):
@@ -213,8 +223,8 @@ class _SnakeResBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
-            y = c1(_zero_outside(a1(x), mask))
-            y = c2(_zero_outside(a2(y), mask))
+            y = c1(a1(x, mask))
+            y = c2(a2(y, mask))
             x = y + x
         return x
 
@@ -344,6 +354,27 @@ class HiFTGenerator(nn.Module):
         for m in self.modules():
             if parametrize.is_parametrized(m, "weight"):
                 parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
+
+    #: the convolution trunk (``decode`` minus the source STFT and the inverse STFT)
+    TRUNK = ("conv_pre", "ups", "source_downs", "source_resblocks", "resblocks", "conv_post")
+
+    def set_trunk_dtype(self, dtype: torch.dtype) -> "HiFTGenerator":
+        """Run :meth:`decode`'s convolution trunk (conv_pre, upsampling, source convs, Snake
+        ResBlocks, conv_post) in ``dtype`` (e.g. ``torch.float16``), keeping the F0 predictor,
+        the excitation, the STFTs and the ``exp``/``sin`` of the iSTFT input in the dtype of
+        the rest of the module; :meth:`decode` still takes and returns that dtype. Half-precision
+        tensor-core convolutions; the error against float32 is measured by the GPU tests and
+        documented in docs/perf.md. The cast rounds the trunk's weights: casting back to
+        float32 keeps the rounded values (load the checkpoint again for exact float32).
+        Returns ``self``."""
+        for name in self.TRUNK:
+            getattr(self, name).to(dtype)
+        return self
+
+    @property
+    def trunk_dtype(self) -> torch.dtype:
+        """The dtype :meth:`decode`'s convolution trunk runs in (see :meth:`set_trunk_dtype`)."""
+        return self.conv_pre.bias.dtype
 
     # ------------------------------------------------------------------ F0
 
@@ -544,7 +575,9 @@ class HiFTGenerator(nn.Module):
         dtype/device) -> speech ``[B, T*spf]`` at ``sampling_rate``, clamped to ``±audio_limit``.
         ``lengths`` (optional int tensor [B], mel frames, on ``mel.device``): valid frames per item
         of a padded batch; the result then equals per-item calls and is 0 beyond each item's end.
-        No host synchronisation. Raises ValueError on inconsistent shapes.
+        The convolution trunk runs in :attr:`trunk_dtype` (inputs cast to it, its output cast
+        back before the inverse STFT). No host synchronisation. Raises ValueError on
+        inconsistent shapes.
         """
         self._check_mel(mel)
         bsz, _, t = mel.shape
@@ -571,7 +604,9 @@ class HiFTGenerator(nn.Module):
             s_stft = self._source_stft(source.squeeze(1), lengths * spf)
             s_stft = _zero_outside(s_stft, masks[-1])
 
-        x = self.conv_pre(_zero_outside(mel, masks[0]))
+        io_dtype, tdt = mel.dtype, self.trunk_dtype
+        s_stft = s_stft.to(tdt)
+        x = self.conv_pre(_zero_outside(mel.to(tdt), masks[0]))
         for i in range(self.num_upsamples):
             x = F.leaky_relu(x, self.cfg.lrelu_slope)
             x = self.ups[i](_zero_outside(x, masks[i]))
@@ -586,7 +621,7 @@ class HiFTGenerator(nn.Module):
                 xs = r if xs is None else xs + r
             x = xs / self.num_kernels
         x = F.leaky_relu(x)  # default slope 0.01, as upstream
-        x = self.conv_post(_zero_outside(x, masks[-1]))
+        x = self.conv_post(_zero_outside(x, masks[-1])).to(io_dtype)
         nb = self.n_fft // 2 + 1
         speech = self._istft(torch.exp(x[:, :nb, :]), torch.sin(x[:, nb:, :]), n_stft)
         speech = torch.clamp(speech, -self.cfg.audio_limit, self.cfg.audio_limit)

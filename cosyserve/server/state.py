@@ -66,6 +66,7 @@ class ServerConfig:
     api_key: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
+    hift_dtype: str = "auto"
     request_timeout_s: float | None = 300.0
     max_text_chars: int = 4096
     max_upload_bytes: int = 20 * 1024 * 1024
@@ -109,7 +110,7 @@ class ServerState:
     def _load_sync(self) -> None:
         c = self.config
         synth = Synthesizer(c.model_dir, device=c.device, dtype=_torch_dtype(c.dtype), voices_dir=None,
-                            normalizer=c.normalizer, max_text_chars=c.max_text_chars)
+                            normalizer=c.normalizer, max_text_chars=c.max_text_chars, hift_dtype=c.hift_dtype)
         synth.frontend.warmup()
         self.synth = synth
         md = synth.frontend.model_dir

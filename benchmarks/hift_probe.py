@@ -1,0 +1,152 @@
+"""HiFT micro-benchmark on one GPU: where a token2wav batch's vocoder time goes, and what the
+half-precision trunk and the fused Snake kernels change.
+
+Full-size CosyVoice2 HiFT (sizes from the yaml), random weights, a padded batch of B mels of
+``--frames`` frames (lengths spread over [frames/2, frames]). Prints per phase (F0 per item,
+excitation, decode as one CUDA graph) the median GPU time (CUDA events), and per trunk variant
+(float32 / float16 / bfloat16 trunk x Snake eager / fused) the decode time and its error
+against the float32 eager decode (relative RMS over valid samples, max abs, and the
+fraction of samples at the ``audio_limit`` clamp, where errors are hidden).
+
+    python benchmarks/hift_probe.py --batches 1,12 --frames 250
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import torch
+
+from cosyserve.models import fused
+from cosyserve.models.loader import build_random
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def gpu_ms(fn, n=20, warm=3) -> float:
+    for _ in range(warm):
+        fn()
+    ts = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def graphed(fn):
+    """``fn`` captured as one CUDA graph (after a warm-up on a side stream); returns replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g.replay, out
+
+
+def kernel_classes(fn) -> str:
+    """One call's GPU kernel time by coarse class (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    acc: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        n = e.name.lower()
+        cls = ("conv" if ("conv" in n or "xmma" in n or "implicit" in n or "cudnn" in n) else
+               "gemm" if ("gemm" in n or "nvjet" in n or "cutlass" in n) else
+               "fft" if "fft" in n else "triton (fused)" if "triton" in n else
+               "copy/index" if ("copy" in n or "index" in n or "cat" in n or "pad" in n) else "elementwise/other")
+        a = acc.setdefault(cls, [0, 0.0])
+        a[0] += 1
+        a[1] += e.device_time_total / 1e3
+    return ", ".join(f"{k} {v[1]:.2f} ms/{v[0]}" for k, v in sorted(acc.items(), key=lambda kv: -kv[1][1]))
+
+
+def top_kernels(fn, n=12) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    acc: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            a = acc.setdefault(e.name[:110], [0, 0.0])
+            a[0] += 1
+            a[1] += e.device_time_total / 1e3
+    rows = sorted(acc.items(), key=lambda kv: -kv[1][1])[:n]
+    return "\n".join(f"  {v[1]:7.3f} ms {v[0]:5d}x {k}" for k, v in rows)
+
+
+@torch.inference_mode()
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--yaml", default=str(ROOT / "benchmarks/configs/cosyvoice2-0.5b.yaml"))
+    ap.add_argument("--batches", default="1,12")
+    ap.add_argument("--frames", type=int, default=250)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    hift = build_random(args.yaml, device=dev, components=("hift",)).hift
+    cfg = hift.cfg
+    spf = hift.samples_per_frame
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, TF32 conv "
+          f"{torch.backends.cudnn.allow_tf32}")
+    print("| batch | phase / variant | ms | rel. RMS err | max abs err | clipped % | kernels |")
+    print("|---:|---|---:|---:|---:|---:|---|")
+    for b in [int(v) for v in args.batches.split(",")]:
+        g = torch.Generator(device="cpu").manual_seed(b)
+        t = args.frames
+        lengths = [t - (i * t // 2) // max(b, 1) for i in range(b)]
+        mel = (torch.randn(b, cfg.in_channels, t, generator=g) * 2 - 5).to(dev)
+        for i, n in enumerate(lengths):
+            mel[i, :, n:] = 0
+        len_t = torch.tensor(lengths, device=dev)
+        f0_loop = lambda: [hift.predict_f0(mel[i:i + 1, :, :n]) for i, n in enumerate(lengths)]  # noqa: E731
+        print(f"| {b} | F0, per item (eager) | {gpu_ms(f0_loop):.2f} | | | | |")
+        f0 = torch.cat([torch.nn.functional.pad(hift.predict_f0(mel[i:i + 1, :, :n]), (0, t - n))
+                        for i, n in enumerate(lengths)])
+        gens = [torch.Generator(device=dev).manual_seed(i) for i in range(b)]
+        exc = lambda: hift.excitation_padded(f0, lengths, gens)  # noqa: E731
+        print(f"| {b} | excitation (eager) | {gpu_ms(exc):.2f} | | | | |")
+        source = exc()
+        ref = None
+        valid = torch.arange(t * spf, device=dev)[None, :] < (len_t * spf)[:, None]
+        for tdt in (torch.float32, torch.float16, torch.bfloat16):
+            hift.set_trunk_dtype(tdt)
+            for fuse in (False, True):
+                fused.set_enabled(fuse)
+                replay, out = graphed(lambda: hift.decode(mel, source, len_t))
+                replay()
+                torch.cuda.synchronize()
+                if ref is None:
+                    ref = out.clone()
+                d = (out - ref)[valid].float()
+                r = ref[valid].float()
+                rel = (d.pow(2).mean() / r.pow(2).mean().clamp_min(1e-30)).sqrt().item()
+                clip = (r.abs() >= cfg.audio_limit * 0.999).float().mean().item() * 100
+                name = f"decode graph, trunk {str(tdt).split('.')[-1]}, Snake {'fused' if fuse else 'eager'}"
+                print(f"| {b} | {name} | {gpu_ms(replay):.2f} | {rel:.2e} | {d.abs().max().item():.2e} | "
+                      f"{clip:.1f} | {kernel_classes(replay)} |", flush=True)
+        print(f"top kernels of the last variant, batch {b}:")
+        print(top_kernels(replay))
+        hift.set_trunk_dtype(torch.float32)
+        fused.set_enabled(True)
+
+
+if __name__ == "__main__":
+    main()

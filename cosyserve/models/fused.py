@@ -1,0 +1,116 @@
+"""Fused elementwise kernels for CUDA, compiled with ``torch.compile`` (Inductor / Triton).
+
+The graphed stages spend much of their GPU time in chains of small elementwise kernels that
+each read and write a whole activation tensor (HiFT's Snake activation is five: multiply, sine,
+power, multiply, add, plus the padding mask). :class:`FusedOp` wraps such a chain written in plain
+torch: on CUDA (with Triton available) it runs ``torch.compile(fn, dynamic=True)`` of it, which
+Inductor turns into one kernel that reads each input once and computes in float32 whatever the
+storage dtype; elsewhere, or if compiling fails, it runs ``fn`` itself (eager). Only these small
+functions are compiled (seconds each, shapes symbolic, so one compilation serves every CUDA-graph
+bucket); whole networks were measured to compile for minutes and run slower (docs/perf.md, run 8).
+
+Numerics: the fused kernel evaluates the same formula as ``fn`` but rounds once at the end
+(eager float32 rounds after every op; eager bfloat16/float16 to the storage dtype after every op)
+and uses Triton's ``sin``/``exp`` — results differ from eager by a few float32 ulps, or by less
+than eager's own half-precision rounding. The GPU tests compare both.
+
+``COSYSERVE_FUSED_KERNELS=0`` (or :func:`set_enabled`) turns every fused op off (eager
+everywhere), e.g. to rule them out when chasing a numerical difference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_enabled = os.environ.get("COSYSERVE_FUSED_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+_lock = threading.Lock()
+
+
+def set_enabled(flag: bool) -> bool:
+    """Turn fused kernels on or off for every :class:`FusedOp` (graphs captured already keep
+    what they captured). Returns the previous setting."""
+    global _enabled
+    prev, _enabled = _enabled, bool(flag)
+    return prev
+
+
+def enabled() -> bool:
+    """Whether fused kernels are on (``COSYSERVE_FUSED_KERNELS``, :func:`set_enabled`)."""
+    return _enabled
+
+
+def _triton_available() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except Exception:  # noqa: BLE001 - a broken installation means: no Triton
+        return False
+
+
+def _raise_recompile_limit(limit: int = 64) -> None:
+    """Dynamo keeps one compiled variant per input dtype and per static size (parameters'
+    sizes are static: a Snake's channel count, a LayerNorm's width) and by default gives up
+    after 8 per function; a network has a few dozen such combinations at most."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name) and getattr(cfg, name) < limit:
+            setattr(cfg, name, limit)
+
+
+class FusedOp:
+    """A torch function of tensors that runs as one compiled kernel on CUDA, eagerly elsewhere.
+
+    ``fn``: plain torch code (elementwise ops and per-row reductions; no host synchronisation,
+    no Python branching on tensor values). Call it like ``fn``. On a CUDA first argument with
+    fused kernels enabled and Triton importable, the first call compiles (``torch.compile(fn,
+    dynamic=True, fullgraph=True)``, a few seconds) and later calls run the compiled kernel;
+    if compiling or running the compiled code raises, a warning is logged once and this op runs
+    eagerly from then on. CUDA-graph capture works as usual once a call with the same dtypes has
+    run outside capture (the capture warm-ups do).
+    """
+
+    def __init__(self, fn, name: str | None = None):
+        self.fn = fn
+        self.name = name or fn.__name__
+        self._compiled = None
+        self._broken = False
+
+    def _get(self):
+        if self._compiled is None:
+            with _lock:
+                if self._compiled is None and not self._broken:
+                    if not _triton_available():
+                        self._broken = True
+                        log.info("fused %s: Triton is not available, running eagerly", self.name)
+                    else:
+                        _raise_recompile_limit()
+                        self._compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
+        return self._compiled
+
+    def __call__(self, *args):
+        x = args[0]
+        if _enabled and not self._broken and x.is_cuda:
+            fn = self._get()
+            if fn is not None:
+                try:
+                    return fn(*args)
+                except Exception as exc:  # noqa: BLE001 - fall back to the eager formula
+                    if torch.cuda.is_current_stream_capturing():
+                        raise
+                    self._broken = True
+                    log.warning("fused %s failed (%s: %s); running it eagerly from now on",
+                                self.name, type(exc).__name__, exc)
+        return self.fn(*args)
+
+    @property
+    def compiled(self) -> bool:
+        """True once a compiled version exists and has not failed."""
+        return self._compiled is not None and not self._broken
