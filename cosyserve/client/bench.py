@@ -438,6 +438,9 @@ class _Setup:
                                                           t2w_graph_warmup=o.graph_warmup,
                                                           max_queue=max(64, max(o.concurrency) * 2)),
                                       params, voices, builtin)
+        from ..engine.gc_pauses import freeze_startup_heap
+
+        freeze_startup_heap()  # as the server does after its warm-up
 
     def engine_counters(self) -> EngineCounters | None:
         """A snapshot of the engine's stage/phase counters (None when unavailable)."""

@@ -10,7 +10,8 @@ Per request (label ``protocol``: ``openai``, ``kserve_http``, ``kserve_grpc``):
 stage ``cosyserve_stage_seconds{stage}`` and items per stage ``cosyserve_stage_items_total{stage}`` (``prefill``, ``decode``, ``flow``, ``hift``; see
 :class:`~cosyserve.engine.core.EngineObserver`) and where first-chunk latency goes,
 ``cosyserve_first_chunk_phase_seconds{phase}`` (``queue``, ``prefill``, ``decode``, ``t2w_wait``,
-``token2wav``; see :class:`~cosyserve.engine.request.RequestFinished`).
+``token2wav``; see :class:`~cosyserve.engine.request.RequestFinished`). Process:
+``cosyserve_gc_pause_seconds{generation}`` (see :mod:`cosyserve.engine.gc_pauses`).
 """
 
 from __future__ import annotations
@@ -65,7 +66,14 @@ class Metrics(EngineObserver):
             "cosyserve_scheduler_host_seconds", "Scheduler-thread time by phase (prefill, decode, lm_sync, sampling, "
             "t2w_launch, t2w_sync, emit)", ["phase"], registry=r)
         self.ready = Gauge("cosyserve_ready", "1 when models are loaded and warmed up", registry=r)
+        self.gc_pause = Histogram(
+            "cosyserve_gc_pause_seconds", "Python garbage-collection pauses (all threads stop)", ["generation"],
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
         self._core = None
+
+    def gc_observed(self, generation: int, seconds: float) -> None:
+        """A garbage collection of ``generation`` took ``seconds``."""
+        self.gc_pause.labels(str(generation)).observe(seconds)
 
     def attach(self, core) -> None:
         """Read queue/slot gauges from ``core`` (an EngineCore) after every step."""

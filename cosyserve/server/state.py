@@ -26,6 +26,7 @@ import torch
 from ..engine.async_engine import AsyncEngine
 from ..engine.chunking import ChunkPolicy
 from ..engine.core import EngineConfig
+from ..engine.gc_pauses import GCPauseMonitor, freeze_startup_heap
 from ..engine.pipeline import Synthesizer
 from ..engine.request import AudioChunk, EngineRequest, Outcome, RequestFinished, SynthesisParams
 from ..errors import CosyServeError, InvalidInputError, VoiceNotFoundError
@@ -105,6 +106,7 @@ class ServerState:
         self._voice_cache: OrderedDict[str, Voice] = OrderedDict()
         self._builtin: dict[str, Voice] = {}
         self.stats = {"inference_count": 0, "success": 0, "fail": 0, "success_ns": 0}
+        self._gc_monitor: GCPauseMonitor | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def _load_sync(self) -> None:
@@ -145,6 +147,9 @@ class ServerState:
                 self.get_voice(c.default_voice)  # fail early on a misconfigured default voice
             if c.warmup:
                 await self._warmup()
+            frozen = freeze_startup_heap()
+            self._gc_monitor = GCPauseMonitor(self.metrics.gc_observed).install()
+            log.info("froze %d start-up objects out of garbage collection", frozen)
             self.ready = True
             self.metrics.ready.set(1)
             log.info("ready", extra={"event": "ready", "load_s": round(time.time() - self.started, 2),
@@ -177,6 +182,8 @@ class ServerState:
     async def stop(self, drain_timeout: float = 5.0) -> None:
         """Stop accepting requests, let running ones finish for ``drain_timeout`` seconds,
         then end the rest (their streams terminate normally)."""
+        if self._gc_monitor is not None:
+            self._gc_monitor.uninstall()
         self.shutting_down = True
         self.ready = False
         self.metrics.ready.set(0)
