@@ -46,19 +46,6 @@ def _pow2_buckets(max_value: int) -> list[int]:
     return out
 
 
-def batch_buckets(max_value: int) -> list[int]:
-    """Batch buckets of the token2wav stages: powers of two and their midpoints
-    (``1, 2, 3, 4, 6, 8, 12, 16, 24, ...``) up to ``max_value`` (included). A gathered
-    token2wav batch pays for every row of its bucket, so the finer steps waste at most a
-    third of the rows instead of half (offline batches of 9-12 jobs ran in the 16-row bucket)."""
-    out = set(_pow2_buckets(max_value))
-    b = 3
-    while b < max_value:
-        out.add(b)
-        b *= 2
-    return sorted(out)
-
-
 log = logging.getLogger(__name__)
 
 
@@ -450,7 +437,7 @@ class GraphedPrefill(_BucketGraphs):
 
 class GraphedHiFTDecoder(_BucketGraphs):
     """:meth:`HiFTGenerator.decode` (conv stack + source STFT + iSTFT, deterministic and free of
-    host synchronisation) as CUDA graphs per batch bucket (:func:`batch_buckets`) x frame
+    host synchronisation) as CUDA graphs per batch bucket (``1, 2, 4, ... max_batch``) x frame
     bucket (:func:`length_buckets` of ``frame_bucket`` up to ``max_frames``); :meth:`warmup`
     captures those that batches of at most ``max_area`` frames (items x longest) reach.
 
@@ -466,7 +453,7 @@ class GraphedHiFTDecoder(_BucketGraphs):
 
     def __init__(self, hift, max_batch: int, max_frames: int = 1024, max_area: int | None = None,
                  frame_bucket: int = 32, pool=None):
-        super().__init__(BucketGrid(batch_buckets(max_batch), length_buckets(frame_bucket, max_frames), max_area),
+        super().__init__(BucketGrid(_pow2_buckets(max_batch), length_buckets(frame_bucket, max_frames), max_area),
                          next(hift.parameters()).device, pool)
         self.hift = hift
 
@@ -507,7 +494,7 @@ class GraphedHiFTDecoder(_BucketGraphs):
 
 class GraphedFlow(_BucketGraphs):
     """The whole flow of a token2wav batch — token embedding, conformer encoder, projections and
-    the 10-step CFG Euler solve — as CUDA graphs per batch bucket (:func:`batch_buckets`) x
+    the 10-step CFG Euler solve — as CUDA graphs per batch bucket (``1, 2, 4, ... max_batch``) x
     token bucket (:func:`length_buckets` of ``token_bucket`` up to ``max_tokens``, and no
     longer than the fixed noise buffer; mel frames = ``token_mel_ratio`` x tokens): one *begin*
     graph (:meth:`FlowModel.encode` + ``CausalFlowMatching.begin``) and one *step* graph (one
@@ -536,7 +523,7 @@ class GraphedFlow(_BucketGraphs):
                  token_bucket: int = 32, pool=None, max_quad: int | None = None):
         noise_tokens = flow.rand_noise.size(-1) // flow.token_mel_ratio // token_bucket * token_bucket
         top = max(token_bucket, min(max_tokens, noise_tokens))
-        super().__init__(BucketGrid(batch_buckets(max_batch), length_buckets(token_bucket, top), max_area,
+        super().__init__(BucketGrid(_pow2_buckets(max_batch), length_buckets(token_bucket, top), max_area,
                                     max_quad), flow.encoder_proj.weight.device, pool)
         self.flow = flow
 
