@@ -58,7 +58,8 @@ class Token2WavResult:
 class Token2Wav:
     """Batched flow + HiFT over :class:`Token2WavJob`s.
 
-    ``flow`` runs in its own dtype on its device; HiFT runs in float32. ``token_mel_ratio``
+    ``flow`` runs in its own dtype on its device; HiFT takes float32 mel (its convolution trunk
+    may run in half precision: :meth:`HiFTGenerator.set_trunk_dtype`). ``token_mel_ratio``
     comes from the model configuration.
     """
 

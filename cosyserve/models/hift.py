@@ -53,7 +53,9 @@ The inverse STFT is computed without ``torch.istft`` (whose window-envelope chec
 synchronisation) as irfft -> window -> overlap-add (``aten.unfold_backward``) -> divide by the
 overlap-added squared window, which is the same sequence of kernels ``torch.istft`` runs and gives
 identical bits. STFT and inverse STFT run in at least float32 (FFTs have no bfloat16 kernels), as does
-the excitation phase; the rest of the network runs in the module's dtype. Nothing in
+the excitation phase; the rest of the network runs in the module's dtype, except the convolution
+trunk of :meth:`~HiFTGenerator.decode`, which runs in :attr:`~HiFTGenerator.trunk_dtype`
+(:meth:`~HiFTGenerator.set_trunk_dtype`, e.g. float16 on a GPU). Nothing in
 :meth:`~HiFTGenerator.predict_f0` / :meth:`~HiFTGenerator.decode` synchronises with the host.
 
 Observed (reference data: torch 2.13 CPU, one thread): F0, decode, the seeded inference and the
