@@ -14,29 +14,12 @@ fraction of samples at the ``audio_limit`` clamp, where errors are hidden).
 from __future__ import annotations
 
 import argparse
-import statistics
-from pathlib import Path
 
 import torch
+from _common import ROOT, gpu_ms, kernel_times
 
 from cosyserve.models import fused
 from cosyserve.models.loader import build_random
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def gpu_ms(fn, n=20, warm=3) -> float:
-    for _ in range(warm):
-        fn()
-    ts = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def graphed(fn):
@@ -53,44 +36,27 @@ def graphed(fn):
     return g.replay, out
 
 
-def kernel_classes(fn) -> str:
-    """One call's GPU kernel time by coarse class (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
+def _kernel_class(name: str) -> str:
+    n = name.lower()
+    return ("conv" if ("conv" in n or "xmma" in n or "implicit" in n or "cudnn" in n) else
+            "gemm" if ("gemm" in n or "nvjet" in n or "cutlass" in n) else
+            "fft" if "fft" in n else "triton (fused)" if "triton" in n else
+            "copy/index" if ("copy" in n or "index" in n or "cat" in n or "pad" in n) else "elementwise/other")
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
+
+def kernel_classes(times: dict) -> str:
+    """:func:`kernel_times` summed by coarse class."""
     acc: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        n = e.name.lower()
-        cls = ("conv" if ("conv" in n or "xmma" in n or "implicit" in n or "cudnn" in n) else
-               "gemm" if ("gemm" in n or "nvjet" in n or "cutlass" in n) else
-               "fft" if "fft" in n else "triton (fused)" if "triton" in n else
-               "copy/index" if ("copy" in n or "index" in n or "cat" in n or "pad" in n) else "elementwise/other")
-        a = acc.setdefault(cls, [0, 0.0])
-        a[0] += 1
-        a[1] += e.device_time_total / 1e3
+    for name, (calls, ms) in times.items():
+        a = acc.setdefault(_kernel_class(name), [0, 0.0])
+        a[0] += calls
+        a[1] += ms
     return ", ".join(f"{k} {v[1]:.2f} ms/{v[0]}" for k, v in sorted(acc.items(), key=lambda kv: -kv[1][1]))
 
 
-def top_kernels(fn, n=12) -> str:
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    acc: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            a = acc.setdefault(e.name[:110], [0, 0.0])
-            a[0] += 1
-            a[1] += e.device_time_total / 1e3
-    rows = sorted(acc.items(), key=lambda kv: -kv[1][1])[:n]
-    return "\n".join(f"  {v[1]:7.3f} ms {v[0]:5d}x {k}" for k, v in rows)
+def top_kernels(times: dict, n=12) -> str:
+    rows = sorted(times.items(), key=lambda kv: -kv[1][1])[:n]
+    return "\n".join(f"  {v[1]:7.3f} ms {v[0]:5d}x {k[:110]}" for k, v in rows)
 
 
 @torch.inference_mode()
@@ -117,12 +83,12 @@ def main():
             mel[i, :, n:] = 0
         len_t = torch.tensor(lengths, device=dev)
         f0_loop = lambda: [hift.predict_f0(mel[i:i + 1, :, :n]) for i, n in enumerate(lengths)]  # noqa: E731
-        print(f"| {b} | F0, per item (eager) | {gpu_ms(f0_loop):.2f} | | | | |")
+        print(f"| {b} | F0, per item (eager) | {gpu_ms(f0_loop, n=20):.2f} | | | | |")
         f0 = torch.cat([torch.nn.functional.pad(hift.predict_f0(mel[i:i + 1, :, :n]), (0, t - n))
                         for i, n in enumerate(lengths)])
         gens = [torch.Generator(device=dev).manual_seed(i) for i in range(b)]
         exc = lambda: hift.excitation_padded(f0, lengths, gens)  # noqa: E731
-        print(f"| {b} | excitation (eager) | {gpu_ms(exc):.2f} | | | | |")
+        print(f"| {b} | excitation (eager) | {gpu_ms(exc, n=20):.2f} | | | | |")
         source = exc()
         ref = None
         valid = torch.arange(t * spf, device=dev)[None, :] < (len_t * spf)[:, None]
@@ -140,10 +106,11 @@ def main():
                 rel = (d.pow(2).mean() / r.pow(2).mean().clamp_min(1e-30)).sqrt().item()
                 clip = (r.abs() >= cfg.audio_limit * 0.999).float().mean().item() * 100
                 name = f"decode graph, trunk {str(tdt).split('.')[-1]}, Snake {'fused' if fuse else 'eager'}"
-                print(f"| {b} | {name} | {gpu_ms(replay):.2f} | {rel:.2e} | {d.abs().max().item():.2e} | "
-                      f"{clip:.1f} | {kernel_classes(replay)} |", flush=True)
+                times = kernel_times(replay)
+                print(f"| {b} | {name} | {gpu_ms(replay, n=20):.2f} | {rel:.2e} | {d.abs().max().item():.2e} | "
+                      f"{clip:.1f} | {kernel_classes(times)} |", flush=True)
         print(f"top kernels of the last variant, batch {b}:")
-        print(top_kernels(replay))
+        print(top_kernels(times))
         hift.set_trunk_dtype(torch.float32)
         fused.set_enabled(True)
 

@@ -15,9 +15,9 @@ import argparse
 import statistics
 import time
 import warnings
-from pathlib import Path
 
 import torch
+from _common import add_model_args
 
 from cosyserve.engine.token2wav import Token2Wav, Token2WavJob
 from cosyserve.frontend.voice import Voice
@@ -25,14 +25,10 @@ from cosyserve.models.graphs import GraphedFlow, GraphedHiFTDecoder
 from cosyserve.models.hift import HiFTStreamState
 from cosyserve.models.loader import build_random
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--yaml", default=str(ROOT / "benchmarks/configs/cosyvoice2-0.5b.yaml"))
-    ap.add_argument("--qwen-config", default=str(ROOT / "benchmarks/configs/CosyVoice-BlankEN-config.json"))
-    ap.add_argument("--dtype", default="bfloat16")
+    add_model_args(ap, device=False)
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--tokens", type=int, default=68, help="speech tokens per job (look-ahead included)")
     args = ap.parse_args()

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import add_model_args
 
 from cosyserve.client.manifest import load_manifest
 from cosyserve.engine.core import EngineConfig
@@ -35,7 +36,6 @@ from cosyserve.engine.request import AudioChunk, RequestFinished, SynthesisParam
 from cosyserve.models.demo import write_frontend_dir
 from cosyserve.models.loader import build_random
 
-ROOT = Path(__file__).resolve().parent.parent
 
 CLASSES = [  # (class, substrings of the kernel name), first match wins
     ("attention (SDPA)", ("fmha", "flash", "attention", "efficient_attention", "cutlass::Kernel")),
@@ -71,10 +71,7 @@ def union_ms(spans: list[tuple[float, float]]) -> float:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--yaml", default=str(ROOT / "benchmarks/configs/cosyvoice2-0.5b.yaml"))
-    ap.add_argument("--qwen-config", default=str(ROOT / "benchmarks/configs/CosyVoice-BlankEN-config.json"))
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
+    add_model_args(ap)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--ratio", type=float, default=6.0)
     ap.add_argument("--warm", type=float, default=6.0, help="seconds before the profiled window")

@@ -16,30 +16,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from _common import add_model_args, gpu_ms, kernel_times
 
 from cosyserve.models import fused
 from cosyserve.models.graphs import GraphedDecoder, GraphedFlow, GraphedPrefill
 from cosyserve.models.llm import KVCache
 from cosyserve.models.loader import build_random
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def gpu_ms(fn, n=30, warm=3) -> float:
-    for _ in range(warm):
-        fn()
-    ts = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def wall_ms(fn, n=20, warm=3, until_done=True) -> float:
@@ -63,13 +47,7 @@ def kernels(fn) -> int:
     """GPU kernels (and memory copies/sets) one call of ``fn`` runs, graph nodes included
     (torch.profiler / CUPTI); -1 if the profiler is unavailable."""
     try:
-        from torch.profiler import ProfilerActivity, profile
-
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        return sum(calls for calls, _ in kernel_times(fn).values())
     except Exception:  # noqa: BLE001 - a count is a nicety, timings are the point
         return -1
 
@@ -91,10 +69,7 @@ class _Rows(list):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--yaml", default=str(ROOT / "benchmarks/configs/cosyvoice2-0.5b.yaml"))
-    ap.add_argument("--qwen-config", default=str(ROOT / "benchmarks/configs/CosyVoice-BlankEN-config.json"))
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
+    add_model_args(ap)
     ap.add_argument("--flow-shapes", default="1x120,4x120,16x250", help="batch x tokens (87 prompt tokens included)")
     ap.add_argument("--decode-batches", default="1,8,32")
     ap.add_argument("--stages", default="encoder,decode,prefill,flow", help="which of them to measure")

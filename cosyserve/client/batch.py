@@ -73,9 +73,7 @@ class BatchOptions:
 def _synthesizer(o: BatchOptions):
     import os
 
-    import torch
-
-    from ..engine.pipeline import Synthesizer
+    from ..engine.pipeline import DTYPES, Synthesizer
 
     if o.demo == bool(o.model_dir):
         raise BatchError("give --model-dir DIR or --demo")
@@ -86,8 +84,7 @@ def _synthesizer(o: BatchOptions):
         model_dir = write_demo_model(cache / "demo-model")
     else:
         model_dir = o.model_dir
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[o.dtype]
-    return Synthesizer(model_dir, device=o.device, dtype=dtype, normalizer=o.normalizer, hift_dtype=o.hift_dtype)
+    return Synthesizer(model_dir, device=o.device, dtype=DTYPES[o.dtype], normalizer=o.normalizer, hift_dtype=o.hift_dtype)
 
 
 def _remote_lm(o: BatchOptions, synth):

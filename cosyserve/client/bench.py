@@ -386,7 +386,7 @@ class _Setup:
     def _start_in_process(self) -> None:
         from ..engine.chunking import ChunkPolicy
         from ..engine.core import EngineConfig
-        from ..engine.pipeline import Synthesizer
+        from ..engine.pipeline import DTYPES, Synthesizer
         from ..engine.request import SynthesisParams
         from ..frontend.voice import VoiceStore
 
@@ -403,10 +403,7 @@ class _Setup:
             model_dir = o.model_dir
         else:
             raise ClientError("--in-process needs --model-dir DIR or --demo")
-        import torch
-
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[o.dtype]
-        synth = Synthesizer(model_dir, device=o.device, dtype=dtype, hift_dtype=o.hift_dtype)
+        synth = Synthesizer(model_dir, device=o.device, dtype=DTYPES[o.dtype], hift_dtype=o.hift_dtype)
         synth.frontend.warmup()
         if synth.is_demo and o.voice == "default":  # demo / random-weight models: the shipped prompt
             from ..models.demo import shipped_prompt

@@ -49,6 +49,10 @@ class SynthesisResult:
         return self.total_s / self.duration_s if self.duration_s > 0 else float("inf")
 
 
+#: precision names accepted by the CLI / server / bench options, as torch dtypes
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 def resolve_hift_dtype(name: str | torch.dtype, device: str | torch.device, dtype: torch.dtype) -> torch.dtype:
     """HiFT's trunk precision for ``name`` (see :class:`Synthesizer`); raises ValueError for
     an unknown name."""
@@ -58,7 +62,7 @@ def resolve_hift_dtype(name: str | torch.dtype, device: str | torch.device, dtyp
         half = dtype in (torch.float16, torch.bfloat16)
         return torch.float16 if half and torch.device(device).type == "cuda" else torch.float32
     try:
-        return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+        return DTYPES[name]
     except KeyError:
         raise ValueError(f"hift dtype must be auto, float32, float16 or bfloat16, not {name!r}") from None
 

@@ -272,8 +272,8 @@ class TransformerBlock(nn.Module):
         self.ff = FeedForward(dim)
 
     def forward(self, x: Tensor, bias: Tensor) -> Tensor:
-        x = x + self.attn1(self.norm1(x), bias)
-        return x + self.ff(self.norm3(x))
+        """``x + attn1(norm1(x))``, then ``+ ff(norm3(.))``: ``[B, T, dim]``, ``bias [B, 1, T, T]``."""
+        return self.forward_fused(x, self.norm1(x), bias, None)[0]
 
     def forward_fused(self, x: Tensor, x_norm1: Tensor, bias: Tensor, next_norm: nn.LayerNorm | None):
         """:meth:`forward` given ``x_norm1 = norm1(x)``, with each residual add fused into the

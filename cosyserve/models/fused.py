@@ -41,11 +41,6 @@ def set_enabled(flag: bool) -> bool:
     return prev
 
 
-def enabled() -> bool:
-    """Whether fused kernels are on (``COSYSERVE_FUSED_KERNELS``, :func:`set_enabled`)."""
-    return _enabled
-
-
 def _triton_available() -> bool:
     try:
         return importlib.util.find_spec("triton") is not None

@@ -27,7 +27,7 @@ from ..engine.async_engine import AsyncEngine
 from ..engine.chunking import ChunkPolicy
 from ..engine.core import EngineConfig
 from ..engine.gc_pauses import GCPauseMonitor, freeze_startup_heap
-from ..engine.pipeline import Synthesizer
+from ..engine.pipeline import DTYPES, Synthesizer
 from ..engine.request import AudioChunk, EngineRequest, Outcome, RequestFinished, SynthesisParams
 from ..errors import CosyServeError, InvalidInputError, VoiceNotFoundError
 from ..frontend.voice import Voice, VoiceStore
@@ -86,10 +86,6 @@ class ServerConfig:
         return (self.model_name,) + OPENAI_MODEL_ALIASES
 
 
-def _torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
 class ServerState:
     """Models, engine, voices and metrics of one serving process."""
 
@@ -111,7 +107,7 @@ class ServerState:
     # ------------------------------------------------------------------ lifecycle
     def _load_sync(self) -> None:
         c = self.config
-        synth = Synthesizer(c.model_dir, device=c.device, dtype=_torch_dtype(c.dtype), voices_dir=None,
+        synth = Synthesizer(c.model_dir, device=c.device, dtype=DTYPES[c.dtype], voices_dir=None,
                             normalizer=c.normalizer, max_text_chars=c.max_text_chars, hift_dtype=c.hift_dtype)
         synth.frontend.warmup()
         self.synth = synth
