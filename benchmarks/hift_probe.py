@@ -19,20 +19,14 @@ import torch
 from _common import ROOT, gpu_ms, kernel_times
 
 from cosyserve.models import fused
+from cosyserve.models.graphs import _capture_graph, capture_stream
 from cosyserve.models.loader import build_random
 
 
 def graphed(fn):
-    """``fn`` captured as one CUDA graph (after a warm-up on a side stream); returns replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
+    """``fn`` captured as one CUDA graph (as the engine captures its buckets); returns
+    ``(replay, fn's output)``."""
+    g, out = _capture_graph(fn, None, capture_stream(torch.device("cuda")))
     return g.replay, out
 
 
