@@ -2,9 +2,9 @@
 
 Full-size CosyVoice2 architecture, random weights. Prints, per stage and shape, the time of
 one replayed graph (median of CUDA-event timings) and the time to build (capture) its graphs.
-Stages: LM decode step (batch 1/8/32, 512 KV positions), single-sequence prefill (128
-positions), flow solve (10 Euler steps with CFG) at batch x frames, the flow encoder
-(``FlowModel.condition``, eager, host wall time).
+Stages: LM decode step with device sampling (batch 1/8/32/39, 512 KV positions; busy slots
+packed or spread), single-sequence prefill (128 positions), flow solve (10 Euler steps with
+CFG) at batch x frames, the flow encoder (``FlowModel.condition``, eager, host wall time).
 
     python benchmarks/stage_probe.py --device cuda --dtype bfloat16
 
@@ -22,7 +22,7 @@ from _common import add_model_args, gpu_ms, kernel_times
 
 from cosyserve.models import fused
 from cosyserve.models.graphs import GraphedDecoder, GraphedFlow, GraphedPrefill
-from cosyserve.models.llm import KVCache
+from cosyserve.models.llm import DecodeState, KVCache
 from cosyserve.models.loader import build_random
 
 
@@ -71,7 +71,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_args(ap)
     ap.add_argument("--flow-shapes", default="1x120,4x120,16x250", help="batch x tokens (87 prompt tokens included)")
-    ap.add_argument("--decode-batches", default="1,8,32")
+    ap.add_argument("--decode-batches", default="1,8,32,39")
     ap.add_argument("--stages", default="encoder,decode,prefill,flow", help="which of them to measure")
     ap.add_argument("--no-fused", action="store_true", help="eager instead of the fused kernels (cosyserve.models.fused)")
     args = ap.parse_args()
@@ -99,7 +99,7 @@ def main():
         rows.append(("flow encoder (eager, host issue time)", f"1 x {n_tok + 87} tokens", ms, float("nan")))
 
     if stages & {"decode", "prefill"}:
-        lm_stages(lm, batches, rows, g, dev, dtype)
+        lm_stages(lm, models.cfg.llm, batches, rows, g, dev, dtype)
     if "flow" in stages:
         flow_stages(flow, shapes, rows, g)
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
@@ -109,22 +109,32 @@ def main():
         print(_Rows.fmt(row))
 
 
-def lm_stages(lm, batches, rows, g, dev, dtype):
+def lm_stages(lm, cfg, batches, rows, g, dev, dtype):
+    """The engine's decode step (device sampling, slot-ordered rows) at ``batches`` busy slots
+    0..b-1 and, for each b, the same number of busy slots spread over the next power of two
+    (slots below the next power of two above b, picked at random: the bucket's idle rows are
+    computed and discarded)."""
     torch.manual_seed(0)
-    cache = KVCache.allocate(lm, max(batches) + 1, 1024)
+    top = max(batches)
+    n_slots = 1 << top.bit_length()
+    cache = KVCache.allocate(lm, n_slots + 1, 1024)
     cache.k.normal_()
     cache.v.normal_()
+    state = DecodeState.allocate(cache.n_slots, cfg.sampling.win_size, dev)
     t0 = time.perf_counter()
-    dec = GraphedDecoder(lm, cache, max(batches), kv_buckets=[512])
+    dec = GraphedDecoder(lm, cache, n_slots, kv_buckets=[512], sampling=cfg.sampling, eos_id=cfg.eos_token,
+                         state=state)
     dec.warmup()
     build = time.perf_counter() - t0
     for b in batches:
-        tokens = torch.randint(0, 6561, (b,), generator=g).to(dev)
-        slots = torch.arange(b, device=dev)
-        start = torch.full((b,), 300, dtype=torch.long, device=dev)
-        rows.append(("LM decode step", f"batch {b}, 512 KV", gpu_ms(lambda: dec(tokens, slots, start)), build,
-                     kernels(lambda: dec(tokens, slots, start))))
-        build = float("nan")
+        spread = sorted(torch.randperm(1 << b.bit_length(), generator=g)[:b].tolist())
+        for label, slots in ((f"batch {b}, 512 KV", torch.arange(b)),
+                             (f"batch {b} in slots < {spread[-1] + 1}, 512 KV", torch.tensor(spread))):
+            start = torch.full((b,), 300, dtype=torch.long)
+            keys = (torch.zeros(b, dtype=torch.long), torch.full((b,), 5, dtype=torch.long), torch.zeros(b, dtype=torch.bool))
+            step = lambda: dec.sample(slots, start, *keys)  # noqa: E731
+            rows.append(("LM decode step (device sampling)", label, gpu_ms(step), build, kernels(step)))
+            build = float("nan")
     t0 = time.perf_counter()
     pre = GraphedPrefill(lm, cache, bucket=128, max_len=128)
     pre.warmup()

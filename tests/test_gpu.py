@@ -69,7 +69,15 @@ def test_graphed_decode_equals_eager(yaml_dir):
         got = graphs(toks, slots, start).clone()
         ref = lm.logprobs(lm.forward_cached(lm.embed_speech(toks[:, None]), eager_cache, slots, start)[:, -1])
         assert rel(got, ref) < 1e-5
-    assert torch.equal(cache.k[:, :3], eager_cache.k[:, :3])  # real slots written identically
+    idle = graphs.rows.idle_pos  # idle rows (the captures' warm-up runs too) write only there
+    assert torch.equal(cache.k[:, :3, :, :idle], eager_cache.k[:, :3, :, :idle])  # slots written identically
+    # rows are slots: slot 1 idle between two decoding slots, results in the order asked for
+    toks, slots, start = torch.randint(0, 6561, (2,)), torch.tensor([2, 0]), torch.tensor([lens[2], lens[0]]) + 4
+    got = graphs(toks, slots, start).clone()
+    ref = lm.logprobs(lm.forward_cached(lm.embed_speech(toks[:, None]), eager_cache, slots, start)[:, -1])
+    assert rel(got, ref) < 1e-5
+    assert torch.equal(cache.k[:, :3, :, :idle], eager_cache.k[:, :3, :, :idle])
+    assert torch.equal(cache.v[:, :3, :, :idle], eager_cache.v[:, :3, :, :idle])
 
 
 @torch.inference_mode()

@@ -224,3 +224,50 @@ def test_fused_projections_share_the_weights_and_follow_reloads(lm):
             lm.load_state_dict(sd)
     assert torch.equal(run(), before)
     assert set(lm.state_dict()) == set(sd)
+
+
+@torch.inference_mode()
+def test_slot_ordered_decode_equals_gathered_and_leaves_idle_slots(lm):
+    """A decode step over a slice of slots (rows = slots, the cache read as views and written
+    with a scatter; what the CUDA-graphed decoder runs) computes what the gathered path
+    computes for the active rows; idle rows write only their slot's ``idle_pos`` and leave the
+    slot's DecodeState unchanged."""
+    from cosyserve.models.config import SamplingConfig
+    from cosyserve.models.graphs import SlotRows
+    from cosyserve.models.llm import DecodeState
+
+    torch.manual_seed(0)
+    cache = KVCache.allocate(lm, n_slots=5, max_len=96)
+    lengths = {0: 9, 1: 30, 3: 17}  # slot 2 free, slot 1 busy but not decoding this step
+    for slot, n in lengths.items():
+        emb = lm.embed_speech(torch.randint(0, 6561, (1, n)))
+        lm.forward_cached(emb, cache, torch.tensor([slot]), torch.tensor([0]))
+    cfg = SamplingConfig()
+    state = DecodeState.allocate(5, cfg.win_size)
+    state.load([0, 1, 3], [torch.randint(0, 6561, (n,)).tolist() for n in (2, 14, 5)])
+    ref_cache, ref_state = KVCache(cache.k.clone(), cache.v.clone()), DecodeState(state.last.clone(), state.recent.clone())
+
+    rows = SlotRows([1, 2, 4], idle_pos=95)
+    seed, step = torch.tensor([7, 8]), torch.tensor([3, 0])
+    ignore = torch.tensor([True, False])
+    bb, packed, kv_need = rows.pack(torch.tensor([3, 0]), torch.tensor([17, 9]), seed=seed, step=step, ignore_eos=ignore)
+    assert bb == 4 and kv_need == 18
+    f = lambda name: rows.field(packed, name)  # noqa: E731
+    assert f("start").tolist() == [9, 95, 95, 17] and f("active").tolist() == [1, 0, 0, 1]
+    assert f("seed").tolist() == [8, 0, 0, 7] and f("order")[:2].tolist() == [3, 0]
+    logp, tok = lm.decode_sample(cache, state, slice(0, bb), f("start"), f("seed"), f("step"), f("ignore_eos") != 0,
+                                 cfg, lm.cfg.eos_token, kv_len=32, active=f("active") != 0)
+    ref_logp, ref_tok = lm.decode_sample(ref_cache, ref_state, torch.tensor([3, 0]), torch.tensor([17, 9]), seed, step,
+                                         ignore, cfg, lm.cfg.eos_token, kv_len=32)
+    order = f("order")[:2]
+    assert rel_l2(logp[order], ref_logp) <= 1e-5 and torch.equal(tok[order], ref_tok)
+    assert torch.equal(state.last, ref_state.last) and torch.equal(state.recent, ref_state.recent)
+    for slot in (0, 3):  # the decoded slots: written identically
+        assert rel_l2(cache.k[:, slot], ref_cache.k[:, slot]) <= 1e-6
+    # idle slots 1 and 2: everything but position idle_pos untouched
+    assert torch.equal(cache.k[:, 1:3, :, :95], ref_cache.k[:, 1:3, :, :95])
+    assert torch.equal(cache.v[:, 1:3, :, :95], ref_cache.v[:, 1:3, :, :95])
+    with pytest.raises(ValueError, match="distinct"):
+        rows.pack(torch.tensor([1, 1]), torch.tensor([3, 3]))
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        rows.pack(torch.tensor([4]), torch.tensor([3]))

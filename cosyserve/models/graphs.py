@@ -7,9 +7,10 @@ H100: one eager Qwen2-0.5B decode step takes ~18 ms at batch 1 and at batch 64; 
 the launch cost. Graphs need static shapes, so inputs are padded to buckets:
 
 * :class:`GraphedDecoder` — batch buckets (1, 2, 4, ..., max) x KV-length buckets (256, 512,
-  ..., cache length). Padding rows read/write a reserved *scratch* KV slot and are
-  discarded. Attention covers the bucket's KV length with a mask (positions <= each row's
-  position), so results equal :meth:`SpeechLM.forward_cached`'s.
+  ..., cache length). Row ``r`` of a bucket decodes KV slot ``r`` (the cache is read as a
+  view, not gathered); rows of slots not decoding are idle and discarded. Attention covers
+  the bucket's KV length with a mask (positions <= each row's position), so results equal
+  :meth:`SpeechLM.forward_cached`'s.
 * :class:`GraphedPrefill`, :class:`GraphedFlow`, :class:`GraphedHiFTDecoder` — a
   :class:`BucketGrid` each: batch buckets x length buckets (:func:`length_buckets`: fine
   steps for short inputs, then ~1.25x apart). Padded positions, frames and rows are masked,
@@ -206,66 +207,124 @@ def _pick(buckets: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+class SlotRows:
+    """Inputs of a slot-ordered decode step (:class:`GraphedDecoder`), packed on the host.
+
+    ``batch_buckets``: the graphs' batch sizes; ``idle_pos``: the KV position idle rows write.
+    :meth:`pack` builds one int64 tensor ``[len(FIELDS), bb]`` that reaches the device in one
+    transfer; row ``r`` of it belongs to KV slot ``r``."""
+
+    FIELDS = ("start", "seed", "step", "ignore_eos", "active", "tokens", "order")
+
+    def __init__(self, batch_buckets: list[int], idle_pos: int):
+        self.batch_buckets = batch_buckets
+        self.idle_pos = idle_pos
+
+    def field(self, packed: torch.Tensor, name: str) -> torch.Tensor:
+        """Row ``name`` of a packed tensor (a view)."""
+        return packed[self.FIELDS.index(name)]
+
+    def idle(self, bb: int) -> torch.Tensor:
+        """``bb`` idle rows: ``start`` = ``idle_pos``, inactive, every other field 0."""
+        packed = torch.zeros(len(self.FIELDS), bb, dtype=torch.long)
+        self.field(packed, "start").fill_(self.idle_pos)
+        return packed
+
+    def pack(self, slots: torch.Tensor, start: torch.Tensor, **fields: torch.Tensor) -> tuple[int, torch.Tensor, int]:
+        """``(bb, packed, kv_need)`` for a step over ``slots`` (CPU int64 ``[B]``): ``bb`` the
+        smallest batch bucket above the highest slot; row ``slots[i]`` of ``packed`` gets
+        ``start[i]`` and each named field's ``[i]`` (``seed``, ``step``, ``ignore_eos``,
+        ``tokens``) and is active; ``order[:B] = slots`` reads results back in call order;
+        ``kv_need`` = the longest active sequence after the step (positions).
+        Raises ValueError for no slots, repeated slots or a slot beyond the largest bucket."""
+        sl = slots.reshape(-1).tolist()
+        n = len(sl)
+        if n == 0:
+            raise ValueError("a decode step needs at least one slot")
+        if len(set(sl)) != n or min(sl) < 0:
+            raise ValueError(f"decode step slots must be distinct and non-negative: {sl}")
+        bb = _pick(self.batch_buckets, max(sl) + 1)
+        packed = self.idle(bb)
+        idx = torch.tensor(sl)
+        st = start.reshape(-1).to("cpu", torch.long)
+        self.field(packed, "start")[idx] = st
+        self.field(packed, "active")[idx] = 1
+        for name, val in fields.items():
+            self.field(packed, name)[idx] = val.reshape(-1).to("cpu", torch.long)
+        self.field(packed, "order")[:n] = idx
+        return bb, packed, int(st.max()) + 1
+
+
 class GraphedDecoder:
     """One LM decode step (embed -> Qwen2 -> ``llm_decoder`` -> log-softmax) as CUDA graphs.
 
-    ``cache`` must have one more slot than the engine uses: its last slot is the scratch
-    slot for padding rows. Call with CPU or device tensors ``tokens [B]``, ``slots [B]``,
-    ``start [B]`` (the position each row writes); returns float32 log-probabilities
-    ``[B, S+3]`` on the device (a view into a static buffer: copy before the next call).
+    Rows are slots: the graph of batch bucket ``bb`` decodes slots ``0 .. bb-1``, row ``r``
+    slot ``r``, reading and writing the KV cache through views of those slots (no gather of
+    the cache into batch order, which cost a quarter of the decode step: docs/perf.md
+    "Runs 31–"). A call names the slots that decode (any subset, in any order); the
+    smallest bucket covering the highest of them is replayed, and the rows of the other
+    slots in it are *idle*: computed, discarded, their KV written at the slot's last
+    position (``idle_pos``) — which a sequence only reads after writing it itself — and
+    their :class:`~cosyserve.models.llm.DecodeState` left unchanged. The engine hands out
+    the lowest free slot, so the highest busy slot stays close to the number of busy ones.
+
+    Call with CPU tensors ``tokens [B]``, ``slots [B]`` (distinct, below the largest batch
+    bucket), ``start [B]`` (the position each row writes); returns float32 log-probabilities
+    ``[B, S+3]`` on the device, in the order of ``slots``.
 
     With ``sampling`` (a :class:`~cosyserve.models.config.SamplingConfig`) and ``state`` (a
     :class:`~cosyserve.models.llm.DecodeState`) the graph is :meth:`SpeechLM.decode_sample`:
     each row's input token and repetition window come from ``state`` and its sampled token is
     appended there, on the device; call :meth:`sample` with the rows' slots, positions, seeds,
     steps and EOS masks to get ``(log-probs, tokens [B] int64)``.
+
+    ``cache`` needs at least ``max_batch`` slots (the engine keeps one more, a scratch slot
+    for :class:`GraphedPrefill`'s padding rows).
     """
 
     def __init__(self, lm: SpeechLM, cache: KVCache, max_batch: int, kv_buckets: list[int] | None = None,
                  sampling=None, eos_id: int | None = None, state: DecodeState | None = None):
         if (sampling is None) != (state is None):
             raise ValueError("device sampling needs both `sampling` and a DecodeState")
+        if max_batch > cache.n_slots:
+            raise ValueError(f"max_batch {max_batch} exceeds the KV cache's {cache.n_slots} slots")
         self.lm = lm
         self.sampling, self.eos_id, self.state = sampling, eos_id, state
         self.cache = cache
-        self.scratch = cache.n_slots - 1
         self.device = cache.k.device
         self.batch_buckets = _pow2_buckets(max_batch)
         if kv_buckets is None:
             kv_buckets = [b for b in (256, 512, 1024, 2048, 4096, 8192) if b < cache.max_len] + [cache.max_len]
         self.kv_buckets = kv_buckets
+        #: the packed step inputs; idle rows write their key/value at a slot's last position
+        self.rows = SlotRows(self.batch_buckets, min(cache.max_len, lm.max_positions or cache.max_len) - 1)
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = capture_stream(self.device)
-        self._bufs: dict[int, dict[str, torch.Tensor]] = {}
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._bufs: dict[int, torch.Tensor] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
 
-    def _buffers(self, bb: int) -> dict[str, torch.Tensor]:
+    def _buffer(self, bb: int) -> torch.Tensor:
         if bb not in self._bufs:
-            d = self.device
-            self._bufs[bb] = {"slots": torch.full((bb,), self.scratch, dtype=torch.long, device=d),
-                              "start": torch.zeros(bb, dtype=torch.long, device=d)}
-            if self.sampling is None:
-                self._bufs[bb]["tokens"] = torch.zeros(bb, dtype=torch.long, device=d)
-            else:
-                self._bufs[bb].update(seed=torch.zeros(bb, dtype=torch.long, device=d),
-                                      step=torch.zeros(bb, dtype=torch.long, device=d),
-                                      ignore_eos=torch.zeros(bb, dtype=torch.bool, device=d))
+            self._bufs[bb] = self.rows.idle(bb).to(self.device)
         return self._bufs[bb]
 
-    def _step(self, buf: dict[str, torch.Tensor], kv_len: int):
+    def _step(self, packed: torch.Tensor, bb: int, kv_len: int):
+        f = lambda name: self.rows.field(packed, name)  # noqa: E731
+        rows = slice(0, bb)
         if self.sampling is not None:
-            return self.lm.decode_sample(self.cache, self.state, buf["slots"], buf["start"], buf["seed"], buf["step"],
-                                         buf["ignore_eos"], self.sampling, self.eos_id, kv_len=kv_len)
-        emb = self.lm.embed_speech(buf["tokens"][:, None])
-        h = self.lm.forward_cached(emb, self.cache, buf["slots"], buf["start"], kv_len=kv_len)[:, -1]
+            return self.lm.decode_sample(self.cache, self.state, rows, f("start"), f("seed"), f("step"),
+                                         f("ignore_eos") != 0, self.sampling, self.eos_id, kv_len=kv_len,
+                                         active=f("active") != 0)
+        emb = self.lm.embed_speech(f("tokens")[:, None])
+        h = self.lm.forward_cached(emb, self.cache, rows, f("start"), kv_len=kv_len)[:, -1]
         return self.lm.logprobs(h)
 
     @torch.inference_mode()
     def _capture(self, bb: int, kvb: int):
-        buf = self._buffers(bb)
-        buf["slots"].fill_(self.scratch)
-        buf["start"].zero_()
-        g, out = _capture_graph(lambda: self._step(buf, kvb), self.pool, self.stream, f"LM decode graph batch {bb} x {kvb} KV")
+        packed = self._buffer(bb)
+        packed.copy_(self.rows.idle(bb))  # capture (and its eager warm-up run) with every row idle
+        g, out = _capture_graph(lambda: self._step(packed, bb, kvb), self.pool, self.stream,
+                                f"LM decode graph batch {bb} x {kvb} KV")
         self._graphs[(bb, kvb)] = (g, out)
         return g, out
 
@@ -279,41 +338,30 @@ class GraphedDecoder:
     def sample(self, slots: torch.Tensor, start: torch.Tensor, seed: torch.Tensor, step: torch.Tensor,
                ignore_eos: torch.Tensor):
         """One step with device sampling over ``state``: ``slots``, ``start``, ``seed``, ``step``
-        int64 ``[B]``, ``ignore_eos`` bool ``[B]`` (CPU or device) -> ``(log-probs [B, S+3],
-        tokens [B])``, views into static buffers (copy before the next call). Padding rows read
-        and write the scratch slot."""
+        int64 ``[B]``, ``ignore_eos`` bool ``[B]`` (CPU tensors) -> ``(log-probs [B, S+3],
+        tokens [B])`` on the device, in the order of ``slots``."""
         if self.sampling is None:
             raise RuntimeError("this GraphedDecoder was built without sampling")
-        n = int(slots.numel())
-        buf = self._buffers(_pick(self.batch_buckets, n))
-        for name, val in (("seed", seed), ("step", step), ("ignore_eos", ignore_eos)):
-            buf[name][:n].copy_(val, non_blocking=True)
-        logp, toks = self._run(None, slots, start)
-        return logp[:n], toks[:n]
+        logp, toks, order = self._run(slots, start, seed=seed, step=step, ignore_eos=ignore_eos)
+        return logp.index_select(0, order), toks.index_select(0, order)
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         if self.sampling is not None:
             raise RuntimeError("this GraphedDecoder samples on the device: call sample()")
-        return self._run(tokens, slots, start)[: int(tokens.numel())]
+        logp, order = self._run(slots, start, tokens=tokens)
+        return logp.index_select(0, order)
 
-    def _run(self, tokens: torch.Tensor | None, slots: torch.Tensor, start: torch.Tensor):
-        n = int(slots.numel())
-        kv_need = int(start.max()) + 1
-        bb = _pick(self.batch_buckets, n)
+    def _run(self, slots: torch.Tensor, start: torch.Tensor, **fields: torch.Tensor):
+        bb, host, kv_need = self.rows.pack(slots, start, **fields)
         kvb = _pick(self.kv_buckets, kv_need)
-        buf = self._buffers(bb)
+        packed = self._buffer(bb)
         g_out = self._graphs.get((bb, kvb)) or self._capture(bb, kvb)
-        if tokens is not None:
-            buf["tokens"][:n].copy_(tokens.reshape(-1), non_blocking=True)
-        buf["slots"][:n].copy_(slots.reshape(-1), non_blocking=True)
-        buf["start"][:n].copy_(start.reshape(-1), non_blocking=True)
-        if n < bb:
-            buf["slots"][n:].fill_(self.scratch)
-            buf["start"][n:].zero_()
+        packed.copy_(host, non_blocking=True)
         g, out = g_out
         g.replay()
-        return out
+        order = self.rows.field(packed, "order")[: int(slots.numel())]
+        return (*out, order) if isinstance(out, tuple) else (out, order)
 
 
 class _BucketGraphs:

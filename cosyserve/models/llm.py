@@ -129,11 +129,17 @@ class DecodeState:
         self.last[idx] = to_device(last, self.last.device)
         self.recent[idx] = to_device(rec, self.recent.device)
 
-    def push(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Append device ``tokens [B]`` to the state of ``slots [B]`` (device int64), in place
-        and without host synchronisation (CUDA-graph safe)."""
+    def push(self, slots: torch.Tensor | slice, tokens: torch.Tensor, active: torch.Tensor | None = None) -> None:
+        """Append device ``tokens [B]`` to the state of ``slots`` (device int64 ``[B]``, or a
+        ``slice`` of ``B`` consecutive slots), in place and without host synchronisation
+        (CUDA-graph safe). With ``active`` (bool ``[B]``) only those rows are appended; the
+        others' state is left as it was (the idle rows of a slot-ordered decode step)."""
+        shifted = torch.cat((self.recent[slots][:, 1:], tokens[:, None]), dim=1)
+        if active is not None:
+            tokens = torch.where(active, tokens, self.last[slots])
+            shifted = torch.where(active[:, None], shifted, self.recent[slots])
         self.last[slots] = tokens
-        self.recent[slots] = torch.cat((self.recent[slots][:, 1:], tokens[:, None]), dim=1)
+        self.recent[slots] = shifted
 
     def restart(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """A new sequence in ``slots`` whose first token is ``tokens`` (device tensors)."""
@@ -336,16 +342,18 @@ class SpeechLM(nn.Module):
           embeds: ``[B, T, H]`` input embeddings; row ``b`` holds positions
             ``start[b] .. start[b] + T - 1`` of the sequence in slot ``slots[b]``.
           cache: the :class:`KVCache` (modified in place).
-          slots: ``[B]`` long tensor of slot indices, or a ``slice`` of consecutive slots
-            (cheaper: the cache is then read as a view instead of gathered).
+          slots: ``[B]`` long tensor of slot indices, or a ``slice`` of ``B`` consecutive slots
+            (cheaper: the cache is then read as a view instead of gathered, and written with
+            one scatter per layer instead of an indexed put).
           start: ``[B]`` long tensor, number of positions already in each slot.
           kv_len: cache positions attention reads (default: the longest sequence, which costs
             one host synchronisation); pass it to get static shapes (CUDA graphs).
         Returns the final-norm hidden states ``[B, T, H]``.
 
-        Each query attends causally to its slot's positions ``0 .. start[b] + t``. Attention
-        reads the cache up to the longest sequence in the batch, so its cost follows the
-        actual lengths. No host synchronisation except for that length (one ``max``).
+        Each query attends causally to its slot's positions ``0 .. start[b] + t`` (an additive
+        ``-inf`` bias built once per call, shared by the layers). Attention reads the cache up
+        to the longest sequence in the batch, so its cost follows the actual lengths. No host
+        synchronisation except for that length (one ``max``).
         """
         if self._rope_cos is None:
             raise RuntimeError("call setup_rope() before decoding")
@@ -369,8 +377,14 @@ class SpeechLM(nn.Module):
         cos = self._rope_cos[pos].to(embeds.dtype)[:, :, None]  # [B, T, 1, D]
         sin_signed = self._rope_sin_signed[pos].to(embeds.dtype)[:, :, None]
         key_pos = torch.arange(kv_len, device=dev)
-        mask = (key_pos[None, None, None, :] <= pos[:, None, :, None])  # [B, 1, T, Lk]
-        write_slots = slot_idx[:, None].expand(bsz, t_new)
+        # [B, 1, T, Lk] additive bias (0 visible, -inf not); SDPA would convert a boolean mask
+        # into the same bias once per layer
+        bias = torch.zeros((), dtype=embeds.dtype, device=dev).masked_fill(
+            key_pos[None, None, None, :] > pos[:, None, :, None], float("-inf"))
+        if isinstance(slots, slice):
+            write_idx = pos[:, None, :, None].expand(bsz, n_kv, t_new, head_dim)
+        else:
+            write_slots = slot_idx[:, None].expand(bsz, t_new)
 
         h = embeds
         hdim = h.shape[-1]
@@ -383,20 +397,23 @@ class SpeechLM(nn.Module):
             qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin_signed)
             k, v = qk[:, :, n_heads:], qkv[:, :, n_heads + n_kv:]  # [B, T, n_kv, D]
             kc, vc = cache.k[li], cache.v[li]
-            kc[write_slots, :, pos] = k
-            vc[write_slots, :, pos] = v
-            if isinstance(slots, slice):
-                keys, vals = kc[slots, :, :kv_len], vc[slots, :, :kv_len]
+            if isinstance(slots, slice):  # the rows' slots as views [B, n_kv, max_len, D]
+                kc, vc = kc[slots], vc[slots]
+                kc.scatter_(2, write_idx, k.transpose(1, 2))
+                vc.scatter_(2, write_idx, v.transpose(1, 2))
+                keys, vals = kc[:, :, :kv_len], vc[:, :, :kv_len]
             else:
+                kc[write_slots, :, pos] = k
+                vc[write_slots, :, pos] = v
                 keys, vals = kc[slot_idx, :, :kv_len], vc[slot_idx, :, :kv_len]
             if t_new == 1:
                 # one query per row: fold each KV head's query group into the query axis, so the
                 # fused (memory-efficient) kernel serves the masked grouped-query attention
                 qg = qk[:, 0, :n_heads].reshape(bsz, n_kv, n_heads // n_kv, head_dim)
-                o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask)
+                o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=bias)
             else:
                 q = qk[:, :, :n_heads].transpose(1, 2)
-                o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
+                o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=bias, enable_gqa=True)
                 o = o.transpose(1, 2)
             h = _add_linear(h, o.reshape(bsz * t_new, n_heads * head_dim), fl.o_w, fl.o_b)
             x = F.rms_norm(h, (hdim,), fl.ln2_w, fl.ln2_eps)
@@ -405,25 +422,29 @@ class SpeechLM(nn.Module):
         norm = self.backbone.norm
         return F.rms_norm(h, (hdim,), norm.weight, _rms_eps(norm))
 
-    def decode_sample(self, cache: KVCache, state: DecodeState, slots: torch.Tensor, start: torch.Tensor,
+    def decode_sample(self, cache: KVCache, state: DecodeState, slots: torch.Tensor | slice, start: torch.Tensor,
                       seed: torch.Tensor, step: torch.Tensor, ignore_eos: torch.Tensor, sampling, eos_id: int,
-                      kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      kv_len: int | None = None, active: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step with device sampling that takes its inputs from ``state``.
 
-        Row ``b`` feeds ``state.last[slots[b]]`` at position ``start[b]`` of slot ``slots[b]``,
-        samples its next token with :func:`~cosyserve.models.sampling.ras_sample_device`
-        (``seed``, ``step``, ``ignore_eos`` int64/bool ``[B]`` device tensors; the repetition
-        window is ``state.recent[slots]``) and appends it to ``state`` — no host
-        synchronisation (pass ``kv_len``), so it can be captured in a CUDA graph and the next
-        step issued before this one's tokens are read. Returns ``(log-probs [B, S+3] float32,
-        tokens [B] int64)``.
+        Row ``b`` feeds ``state.last[slots[b]]`` at position ``start[b]`` of slot ``slots[b]``
+        (``slots``: device int64 ``[B]`` or a ``slice`` of ``B`` consecutive slots, see
+        :meth:`forward_cached`), samples its next token with
+        :func:`~cosyserve.models.sampling.ras_sample_device` (``seed``, ``step``, ``ignore_eos``
+        int64/bool ``[B]`` device tensors; the repetition window is ``state.recent[slots]``) and
+        appends it to ``state`` — no host synchronisation (pass ``kv_len``), so it can be
+        captured in a CUDA graph and the next step issued before this one's tokens are read.
+        ``active`` (bool ``[B]``, default all): rows whose token is appended to ``state``; the
+        others are computed and discarded (their cache writes must go where nothing reads).
+        Returns ``(log-probs [B, S+3] float32, tokens [B] int64)``.
         """
         toks = state.last[slots]
         recent = state.recent[slots]
         h = self.forward_cached(self.embed_speech(toks[:, None]), cache, slots, start, kv_len=kv_len)[:, -1]
         logp = self.logprobs(h)
         tok = ras_sample_device(logp, recent, seed, step, ignore_eos, sampling, eos_id)
-        state.push(slots, tok)
+        state.push(slots, tok, active)
         return logp, tok
 
     def forward_full(self, embeds: torch.Tensor) -> torch.Tensor:
