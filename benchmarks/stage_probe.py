@@ -74,6 +74,8 @@ def main():
     ap.add_argument("--decode-batches", default="1,8,32,39")
     ap.add_argument("--stages", default="encoder,decode,prefill,flow", help="which of them to measure")
     ap.add_argument("--no-fused", action="store_true", help="eager instead of the fused kernels (cosyserve.models.fused)")
+    ap.add_argument("--kernel-table", type=int, default=0, metavar="N",
+                    help="also print the N most expensive kernels of the largest decode step")
     args = ap.parse_args()
     stages = set(args.stages.split(","))
     if args.no_fused:
@@ -99,7 +101,7 @@ def main():
         rows.append(("flow encoder (eager, host issue time)", f"1 x {n_tok + 87} tokens", ms, float("nan")))
 
     if stages & {"decode", "prefill"}:
-        lm_stages(lm, models.cfg.llm, batches, rows, g, dev, dtype)
+        lm_stages(lm, models.cfg.llm, batches, rows, g, dev, dtype, args.kernel_table)
     if "flow" in stages:
         flow_stages(flow, shapes, rows, g)
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
@@ -109,7 +111,7 @@ def main():
         print(_Rows.fmt(row))
 
 
-def lm_stages(lm, cfg, batches, rows, g, dev, dtype):
+def lm_stages(lm, cfg, batches, rows, g, dev, dtype, table=0):
     """The engine's decode step (device sampling, slot-ordered rows) at ``batches`` busy slots
     0..b-1 and, for each b, the same number of busy slots spread over the next power of two
     (slots below the next power of two above b, picked at random: the bucket's idle rows are
@@ -135,6 +137,13 @@ def lm_stages(lm, cfg, batches, rows, g, dev, dtype):
             step = lambda: dec.sample(slots, start, *keys)  # noqa: E731
             rows.append(("LM decode step (device sampling)", label, gpu_ms(step), build, kernels(step)))
             build = float("nan")
+    if table:
+        times = sorted(kernel_times(step).items(), key=lambda kv: -kv[1][1])
+        print(f"\nkernels of one decode step ({label}): {sum(c for c, _ in dict(times).values())} in all")
+        print("| kernel | calls | ms |\n|---|---:|---:|")
+        for name, (calls, ms) in times[:table]:
+            print(f"| `{name[:110]}` | {calls} | {ms:.3f} |")
+        print()
     t0 = time.perf_counter()
     pre = GraphedPrefill(lm, cache, bucket=128, max_len=128)
     pre.warmup()

@@ -376,8 +376,9 @@ def test_graphed_decode_samples_as_eager(yaml_dir):
 def test_fused_kernels_match_float32_eager():
     """The compiled elementwise kernels (cosyserve.models.fused) compute the eager formula: in
     float32 to rounding, in half precision closer to the float32 result than eager half is."""
-    from cosyserve.models.flow_estimator import add_layer_norm, layer_norm_mish_add
+    from cosyserve.models.flow_estimator import add_layer_norm, conv_layer_norm_mish
     from cosyserve.models.hift import _snake
+    from cosyserve.models.llm import _rope, _silu_mul
 
     g = torch.Generator(device="cuda").manual_seed(0)
     r = lambda *shape: torch.randn(*shape, device="cuda", generator=g)  # noqa: E731
@@ -386,8 +387,11 @@ def test_fused_kernels_match_float32_eager():
         (_snake, (r(3, 64, 300) * 3, torch.rand(64, device="cuda", generator=g) + 0.5, mask)),
         (_snake, (r(3, 64, 300) * 3, torch.rand(64, device="cuda", generator=g) + 0.5, None)),
         (add_layer_norm, (r(4, 50, 256), r(4, 50, 256), r(256), r(256), 1e-5)),
-        (layer_norm_mish_add, (r(4, 50, 256) * 4, r(256), r(256), 1e-5, r(4, 1, 256))),
-        (layer_norm_mish_add, (r(4, 50, 256), r(256), r(256), 1e-5, r(4, 50, 256))),
+        (conv_layer_norm_mish, (r(4, 50, 768) * 4, r(256), r(256), r(256), 1e-5, r(4, 1, 256))),
+        (conv_layer_norm_mish, (r(4, 50, 768), r(256), r(256), r(256), 1e-5, r(4, 50, 256))),
+        (conv_layer_norm_mish, (r(4, 2, 768), r(256), r(256), r(256), 1e-5, None)),
+        (_rope, (r(2, 3, 9, 64), r(2, 3, 1, 64), r(2, 3, 1, 64))),
+        (_silu_mul, (r(5, 1, 2 * 1024) * 3,)),
     ]
     for op, args in cases:
         ref = op.fn(*args)

@@ -74,7 +74,8 @@ class Synthesizer:
       model_dir: the official layout (see :mod:`cosyserve.models.loader`), or a random-weights
         directory (:func:`cosyserve.models.demo.prepare_random_weights_dir`), whose networks are
         built from its yaml with random weights.
-      device, dtype: where the LM and flow run, and their precision.
+      device, dtype: where the LM and flow run, and their precision (ignored with ``models``,
+        which are used where they are).
       hift_dtype: precision of HiFT's convolution trunk (:meth:`HiFTGenerator.set_trunk_dtype`;
         F0, excitation and the STFTs stay float32): ``float32``, ``float16``, ``bfloat16``, or
         ``auto`` (default): float16 on CUDA when ``dtype`` is a half type, else float32
@@ -108,7 +109,11 @@ class Synthesizer:
             models = build_random(md.yaml, device=device, dtype=dtype, seed=random_weights_seed(md.root))
         self.models = models or load_models(md.root, device=device, dtype=dtype)
         if self.models.hift is not None:
-            self.models.hift.set_trunk_dtype(resolve_hift_dtype(hift_dtype, device, dtype))
+            # "auto" follows where the networks are, also for models passed in (device/dtype unused then)
+            ref = next((m for m in (self.models.flow, self.models.llm) if m is not None), None)
+            p = next(ref.parameters(), None) if ref is not None else None
+            run_device, run_dtype = (p.device, p.dtype) if p is not None else (device, dtype)
+            self.models.hift.set_trunk_dtype(resolve_hift_dtype(hift_dtype, run_device, run_dtype))
         self.cfg = self.models.cfg
         self.frontend = Frontend(md, self.cfg, normalizer, onnx_providers, max_text_chars)
         self.voices = VoiceStore(voices_dir) if voices_dir is not None else None

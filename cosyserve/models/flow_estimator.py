@@ -124,21 +124,48 @@ class CausalConv1d(nn.Conv1d):
         b, t, _ = x.shape
         return F.linear(causal_im2col(x, self.kernel_size[0]), self.matrix(), self.bias).view(b, t, -1)
 
+    def taps(self) -> Tensor:
+        """The weight as ``[kernel*C_out, C_in]``: rows ``j*C_out .. (j+1)*C_out`` are tap ``j``
+        (applied to frame ``t - (kernel-1) + j``), so ``linear(x, taps())`` gives every tap's
+        contribution of every frame at once (see :func:`causal_taps_sum`)."""
+        w = self.weight
+        return self._derived.get("taps", (w,), lambda: w.detach().permute(2, 0, 1).reshape(-1, w.shape[1]))
+
+
+def causal_taps_sum(taps: Tensor, bias: Tensor) -> Tensor:
+    """A causal convolution from its per-tap products: ``taps [B, T, k*C]`` (``linear(x,
+    CausalConv1d.taps())``), ``bias [C]`` -> ``[B, T, C]`` with frame ``t`` =
+    ``bias + sum_j taps_j[t - (k-1) + j]`` (frames before 0 count as zero). Shifting the
+    GEMM's output instead of its input replaces the im2col copy of the input (and its padding
+    copy) by index arithmetic that a fused kernel does for free."""
+    c = bias.shape[0]
+    k = taps.shape[-1] // c
+    t = taps.shape[1]
+    padded = F.pad(taps, (0, 0, k - 1, 0))
+    y = bias + padded[:, k - 1:, (k - 1) * c:]
+    for j in range(k - 1):
+        y = y + padded[:, j:j + t, j * c:(j + 1) * c]
+    return y
+
 
 def _add_layer_norm_eager(x: Tensor, y: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     s = x + y
     return s, F.layer_norm(s, (s.shape[-1],), weight, bias, eps)
 
 
-def _layer_norm_mish_add_eager(y: Tensor, weight: Tensor, bias: Tensor, eps: float, add: Tensor) -> Tensor:
-    return F.mish(F.layer_norm(y, (y.shape[-1],), weight, bias, eps)) + add
+def _conv_layer_norm_mish_eager(taps: Tensor, conv_bias: Tensor, weight: Tensor, bias: Tensor, eps: float,
+                                add: Tensor | None) -> Tensor:
+    y = causal_taps_sum(taps, conv_bias).float()  # the taps' sum in float32, rounded once
+    y = F.mish(F.layer_norm(y, (y.shape[-1],), weight.float(), bias.float(), eps))
+    return (y if add is None else y + add).to(taps.dtype)
 
 
 #: ``(x + y, LayerNorm(x + y))`` over the last dim: a residual add and the next pre-norm, one
 #: kernel on CUDA (:mod:`cosyserve.models.fused`)
 add_layer_norm = FusedOp(_add_layer_norm_eager, "add_layer_norm")
-#: ``mish(LayerNorm(y)) + add`` over the last dim (``add`` broadcast), one kernel on CUDA
-layer_norm_mish_add = FusedOp(_layer_norm_mish_add_eager, "layer_norm_mish_add")
+#: a causal convolution's tap sum (:func:`causal_taps_sum`), LayerNorm, Mish and an optional
+#: add (broadcast), one kernel on CUDA: :class:`CausalBlock` after its GEMM
+conv_layer_norm_mish = FusedOp(_conv_layer_norm_mish_eager, "conv_layer_norm_mish")
 
 
 class CausalBlock(nn.Module):
@@ -156,12 +183,13 @@ class CausalBlock(nn.Module):
         self.block = nn.Sequential(CausalConv1d(dim, dim_out, 3), nn.Identity(), nn.LayerNorm(dim_out), nn.Identity())
 
     def forward(self, x: Tensor, add: Tensor | None = None) -> Tensor:
-        """``mish(LayerNorm(conv(x))) (+ add)``; ``add`` broadcasts to ``[B, T, C_out]``."""
-        ln = self.block[2]
-        y = self.block[0].forward_btc(x)
-        if add is None:
-            return F.mish(F.layer_norm(y, ln.normalized_shape, ln.weight, ln.bias, ln.eps))
-        return layer_norm_mish_add(y, ln.weight, ln.bias, ln.eps, add)
+        """``mish(LayerNorm(conv(x))) (+ add)``; ``add`` broadcasts to ``[B, T, C_out]``.
+
+        The convolution is one GEMM of ``x`` with every tap (:meth:`CausalConv1d.taps`); the
+        shifted sum of the taps, LayerNorm, Mish and the add are one fused kernel on CUDA
+        (:data:`conv_layer_norm_mish`, computed in float32 and rounded once)."""
+        conv, ln = self.block[0], self.block[2]
+        return conv_layer_norm_mish(F.linear(x, conv.taps()), conv.bias, ln.weight, ln.bias, ln.eps, add)
 
 
 class CausalResnetBlock(nn.Module):

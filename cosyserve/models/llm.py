@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import LLMConfig
+from .fused import FusedOp
 from .sampling import UpstreamSampler, ras_sample_device
 from .transfer import to_device
 
@@ -145,6 +146,27 @@ class DecodeState:
         """A new sequence in ``slots`` whose first token is ``tokens`` (device tensors)."""
         self.recent[slots] = -1
         self.push(slots, tokens)
+
+
+def _rope_eager(qk: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding ``x cos + rotate_half(x) sin`` of ``qk [B, T, H, D]`` with float32 tables
+    ``cos``, ``sin_signed`` ``[B, T, 1, D]`` (``rotate_half(x) sin = cat(x2, x1) * cat(-sin1,
+    sin2)``), computed in float32 and rounded once to ``qk``'s dtype."""
+    half = qk.shape[-1] // 2
+    rot = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
+    return (qk.float() * cos + rot.float() * sin_signed).to(qk.dtype)
+
+
+def _silu_mul_eager(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = cat(gate, up)`` on the last dim (Qwen2's MLP)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (F.silu(gate.float()) * up.float()).to(gate_up.dtype)
+
+
+#: one kernel each on CUDA (:mod:`cosyserve.models.fused`): the rotary embedding of queries and
+#: keys, and the MLP's gated activation
+_rope = FusedOp(_rope_eager, "rope")
+_silu_mul = FusedOp(_silu_mul_eager, "silu_mul")
 
 
 def _rms_eps(norm: nn.Module) -> float:
@@ -373,9 +395,9 @@ class SpeechLM(nn.Module):
             raise ValueError(f"sequence length {kv_len} exceeds the KV cache ({cache.max_len}) or rope table")
         n_kv = qc.num_key_value_heads
         head_dim = self._rope_cos.shape[-1]
-        half = head_dim // 2
-        cos = self._rope_cos[pos].to(embeds.dtype)[:, :, None]  # [B, T, 1, D]
-        sin_signed = self._rope_sin_signed[pos].to(embeds.dtype)[:, :, None]
+        silu = getattr(qc, "hidden_act", None) == "silu"  # Qwen2's MLP: one fused kernel
+        cos = self._rope_cos[pos][:, :, None]  # [B, T, 1, D] float32
+        sin_signed = self._rope_sin_signed[pos][:, :, None]
         key_pos = torch.arange(kv_len, device=dev)
         # [B, 1, T, Lk] additive bias (0 visible, -inf not); SDPA would convert a boolean mask
         # into the same bias once per layer
@@ -391,10 +413,7 @@ class SpeechLM(nn.Module):
         for li, fl in enumerate(self._fused_layers()):
             x = F.rms_norm(h, (hdim,), fl.ln1_w, fl.ln1_eps)
             qkv = F.linear(x, fl.qkv_w, fl.qkv_b).view(bsz, t_new, n_heads + 2 * n_kv, head_dim)
-            # rotary embedding of queries and keys together: x cos + rotate_half(x) sin, with
-            # rotate_half(x) sin = cat(x2, x1) * cat(-sin1, sin2)
-            qk = qkv[:, :, : n_heads + n_kv]
-            qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin_signed)
+            qk = _rope(qkv[:, :, : n_heads + n_kv], cos, sin_signed)  # queries and keys together
             k, v = qk[:, :, n_heads:], qkv[:, :, n_heads + n_kv:]  # [B, T, n_kv, D]
             kc, vc = cache.k[li], cache.v[li]
             if isinstance(slots, slice):  # the rows' slots as views [B, n_kv, max_len, D]
@@ -417,8 +436,13 @@ class SpeechLM(nn.Module):
                 o = o.transpose(1, 2)
             h = _add_linear(h, o.reshape(bsz * t_new, n_heads * head_dim), fl.o_w, fl.o_b)
             x = F.rms_norm(h, (hdim,), fl.ln2_w, fl.ln2_eps)
-            gate, up = F.linear(x, fl.gate_up_w, fl.gate_up_b).chunk(2, dim=-1)
-            h = _add_linear(h, (fl.act(gate) * up).reshape(bsz * t_new, -1), fl.down_w, fl.down_b)
+            gate_up = F.linear(x, fl.gate_up_w, fl.gate_up_b)
+            if silu:
+                act = _silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = fl.act(gate) * up
+            h = _add_linear(h, act.reshape(bsz * t_new, -1), fl.down_w, fl.down_b)
         norm = self.backbone.norm
         return F.rms_norm(h, (hdim,), norm.weight, _rms_eps(norm))
 

@@ -1,0 +1,84 @@
+"""Probe: the flow estimator's attention kernel under different ways of masking padded keys.
+
+The estimator's self-attention runs on ``[B, H, T, D]`` (B = 2 x jobs with CFG, H = 8 heads,
+D = 64) with an additive bias ``[B, 1, T, T]`` (padding, and chunk-causal rows in streaming).
+This times one call per variant (CUDA events, median) at the offline shape:
+
+* no mask (the floor: what a bias costs);
+* the additive bias ``[B, 1, T, T]`` (what the estimator does);
+* a key-padding bias ``[B, 1, 1, T]`` broadcast over queries (offline rows need no more);
+* FlashAttention-2 varlen over the padded layout with ``seqused_k`` (no bias tensor);
+* memory-efficient attention with ``seqlen_k`` (no bias tensor).
+
+    python benchmarks/attention_probe.py --batch 32 --frames 512
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from _common import gpu_ms
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", default="32", help="rows (2 x jobs with CFG), comma-separated")
+    ap.add_argument("--frames", default="512", help="padded frames T, comma-separated")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    dev = "cuda"
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}")
+    print("| rows x frames | variant | ms | TFLOP/s | max abs diff vs bias |")
+    print("|---|---|---:|---:|---:|")
+    for b in (int(v) for v in args.batch.split(",")):
+        for t in (int(v) for v in args.frames.split(",")):
+            h, d = args.heads, args.head_dim
+            g = torch.Generator(device=dev).manual_seed(0)
+            qkv = torch.randn(b, t, 3, h, d, device=dev, dtype=dtype, generator=g)
+            q, k, v = (x.transpose(1, 2) for x in qkv.unbind(2))  # [B, H, T, D] strided views, as the estimator
+            lens = torch.randint(t * 3 // 4, t + 1, (b,), device=dev, generator=g)
+            lens[0] = t
+            keep = torch.arange(t, device=dev)[None, :] < lens[:, None]  # [B, T]
+            full = torch.zeros(b, 1, t, t, device=dev, dtype=dtype).masked_fill(~keep[:, None, None, :], -1e10)
+            kpad = torch.zeros(b, 1, 1, t, device=dev, dtype=dtype).masked_fill(~keep[:, None, None, :], -1e10)
+            flops = 4 * b * h * t * t * d
+            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=full)
+            cu = torch.arange(0, (b + 1) * t, t, device=dev, dtype=torch.int32)
+            used = lens.to(torch.int32)
+            q3, k3, v3 = (x.reshape(b * t, h, d) for x in qkv.unbind(2))
+
+            def flash():
+                return torch.ops.aten._flash_attention_forward(
+                    q3, k3, v3, cu, cu, t, t, 0.0, False, False, seqused_k=used)[0].view(b, t, h, d).transpose(1, 2)
+
+            def efficient():
+                return torch.ops.aten._efficient_attention_forward(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, None, None, None, 0.0, 0,
+                    seqlen_k=used)[0].transpose(1, 2)
+
+            variants = [
+                ("no mask (floor)", lambda: F.scaled_dot_product_attention(q, k, v), False),
+                ("bias [B,1,T,T] (current)", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=full), True),
+                ("key-padding bias [B,1,1,T]", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=kpad), True),
+                ("key-padding bias expanded [B,1,T,T]",
+                 lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=kpad.expand(b, 1, t, t)), True),
+                ("flash varlen, seqused_k", flash, True),
+                ("mem-efficient, seqlen_k", efficient, True),
+            ]
+            for name, fn, compare in variants:
+                try:
+                    out = fn()
+                    diff = (out - ref).abs().max().item() if compare else float("nan")
+                    ms = gpu_ms(fn, n=50, warm=5)
+                    print(f"| {b} x {t} | {name} | {ms:.3f} | {flops / ms / 1e9:.0f} | {diff:.2e} |", flush=True)
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    print(f"| {b} x {t} | {name} | failed: {type(exc).__name__}: {str(exc)[:120]} | | |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
