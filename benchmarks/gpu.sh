@@ -13,7 +13,7 @@
 #      serving overhead is the difference
 #
 # Usage:  benchmarks/gpu.sh [OUT_DIR]
-#   env: RATIO (6), LEVELS (1,2,4,8,16,32), DTYPE (bfloat16), DEVICE (cuda), YAML, QWEN_CONFIG,
+#   env: RATIO (6), LEVELS (1,2,4,8,16,32), OFFLINE_REQUESTS (512), DTYPE (bfloat16), DEVICE (cuda), YAML, QWEN_CONFIG,
 #        SKIP_IN_PROCESS=1, NO_WHEELS=1 (use the installed packages), COSYSERVE_COMMIT (default: git),
 #        SERVE_ARGS (extra `cosyserve serve` options, e.g. --token2wav-thread)
 # Tables go to stdout and OUT_DIR/*/report.md; server log in OUT_DIR/server.log.
@@ -22,6 +22,9 @@ cd "$(dirname "$0")/.."
 OUTDIR=${1:-${OUT:-bench_gpu_out}}
 RATIO=${RATIO:-6}
 LEVELS=${LEVELS:-1,2,4,8,16,32}
+# offline: 8 requests per client, so that the in-flight figure (Little's law over the requests
+# that ran while all 64 had one in flight, `cosyserve bench`) has a steady middle to measure
+OFFLINE_REQUESTS=${OFFLINE_REQUESTS:-512}
 DTYPE=${DTYPE:-bfloat16}
 DEVICE=${DEVICE:-cuda}
 YAML=${YAML:-benchmarks/configs/cosyvoice2-0.5b.yaml}
@@ -83,7 +86,7 @@ $CS bench "${URL[@]}" "${BENCH[@]}" --concurrency "$LEVELS" --out "$OUTDIR/grpc-
 echo "== server, KServe gRPC streaming, upstream schedule (25 + look-ahead, 50, 100)"
 $CS bench "${URL[@]}" "${BENCH[@]}" --concurrency 1 --chunk-policy upstream --out "$OUTDIR/grpc-upstream" || exit 1
 echo "== server, KServe gRPC offline, 64 requests in flight"
-$CS bench "${URL[@]}" "${BENCH[@]}" --mode offline --concurrency 64 --requests-per-level 128 \
+$CS bench "${URL[@]}" "${BENCH[@]}" --mode offline --concurrency 64 --requests-per-level "$OFFLINE_REQUESTS" \
   --out "$OUTDIR/grpc-offline" || exit 1
 kill -TERM $SERVER; wait $SERVER 2>/dev/null
 trap - EXIT

@@ -21,7 +21,7 @@ import torch
 
 from _server import Server, free_port
 from cosyserve.cli import main
-from cosyserve.client.bench import playback_stalls, stats
+from cosyserve.client.bench import in_flight_throughput, playback_stalls, stats
 from cosyserve.client.manifest import DEFAULT_SET, ManifestError, load_manifest
 from cosyserve.client.remote_lm import parse_speech_tokens, speech_vocab
 
@@ -107,6 +107,24 @@ def test_playback_stall_model():
     assert playback_stalls([(0.0, 10), (0.5, 10), (1.0, 10)], sr)[0] == 2
 
 
+def test_in_flight_throughput_is_littles_law_over_the_steady_middle():
+    """Two clients, each request 1 s of latency for 2 s of audio: with both busy, 4 s of audio per
+    second. The first wave (sent before the first completion) and the drain (finished after the
+    last send) are left out, whatever their latency."""
+    def rec(sent, done, audio=2.0, ok=True):
+        return {"ok": ok, "sent_at_s": sent, "done_at_s": done, "total_s": done - sent, "audio_s": audio}
+
+    steady = [rec(t, t + 1.0) for t in (1.0, 1.0, 2.0, 2.0, 3.0, 3.0)]
+    first_wave = [rec(0.0, 1.0), rec(0.0, 1.0)]
+    drain = [rec(4.0, 9.0), rec(4.0, 6.0)]  # slow tail: would drag audio / wall down
+    thr, n = in_flight_throughput(2, first_wave + steady + drain)
+    assert n == 6 and thr == pytest.approx(4.0)
+    assert in_flight_throughput(2, first_wave + drain) == (None, 0)  # no steady middle
+    assert in_flight_throughput(8, first_wave + steady + drain)[0] is None  # fewer than 8 qualify
+    failed = rec(2.5, 3.5, ok=False)
+    assert in_flight_throughput(2, first_wave + steady + [failed] + drain) == (pytest.approx(4.0), 6)
+
+
 def test_stats_percentiles():
     s = stats([0.4, 0.1, 0.3, 0.2, None])
     assert s["n"] == 4 and s["min"] == 0.1 and s["max"] == 0.4 and math.isclose(s["avg"], 0.25)
@@ -151,6 +169,8 @@ def check_report(rep: dict, out: Path, streaming: bool, levels=(1, 4)) -> None:
             assert 0 < r["first_chunk_s"] <= r["total_s"] and r["first_chunk_s"] == pytest.approx(arr[0][0], abs=1e-5)
             assert all(a[0] <= b[0] for a, b in zip(arr, arr[1:]))
             assert (r["stalls"], r["stalled"]) == (playback_stalls(arr, 24000)[0], r["stalls"] > 0)
+            assert 0 <= r["sent_at_s"] < r["done_at_s"] <= lv["wall_s"] + 1e-3  # the level's clock
+            assert r["done_at_s"] - r["sent_at_s"] == pytest.approx(r["total_s"], abs=1e-6)
             assert sf.info(str(out / r["audio_file"])).frames == r["samples"]  # audio s = returned samples
             if streaming:
                 if r["chunks"] > 1:

@@ -77,6 +77,11 @@ DEFINITIONS = {
     "rtf": "sum of total_s / sum of audio_s over successful requests",
     "rtf_wall": "wall_s / sum of audio_s (the RTF printed by CosyVoice's client_grpc.py)",
     "throughput": "sum of audio_s / wall_s (x real time)",
+    "in_flight_throughput": "concurrency / RTF of the requests that ran entirely while every client had a "
+                            "request in flight (sent after the level's first completion, finished before its "
+                            "last send): Little's law for a closed loop, audio per second with `concurrency` "
+                            "requests in flight, without the level's ramp-up and drain; null with fewer than "
+                            "`concurrency` such requests",
     "percentiles": "numpy.percentile (linear interpolation) over successful requests",
 }
 
@@ -148,8 +153,9 @@ def playback_stalls(arrivals: list[tuple[float, int]], sample_rate: int) -> tupl
     return count, waited
 
 
-def analyze(tr: Trace) -> dict:
-    """Per-request numbers of a :class:`Trace` (seconds)."""
+def analyze(tr: Trace, t0: float | None = None) -> dict:
+    """Per-request numbers of a :class:`Trace` (seconds); with ``t0`` (the level's start on the
+    trace's clock) also when it was sent and finished, relative to ``t0``."""
     ok = tr.error is None and tr.t_end is not None and tr.samples > 0
     if tr.error is None and tr.t_end is not None and tr.samples == 0:
         tr.error = "no audio returned"
@@ -164,7 +170,30 @@ def analyze(tr: Trace) -> dict:
         "audio_s": tr.samples / tr.sample_rate,
         "stalls": stalls, "stall_s": waited, "stalled": stalls > 0,
         "chunk_arrivals": [[round(t - tr.t_send, 6), n] for t, n in tr.arrivals],
+        "sent_at_s": None if t0 is None else tr.t_send - t0,
+        "done_at_s": None if t0 is None or tr.t_end is None else tr.t_end - t0,
     }
+
+
+def in_flight_throughput(concurrency: int, records: list[dict]) -> tuple[float | None, int]:
+    """Audio seconds per second with ``concurrency`` requests in flight, from a closed-loop level
+    (each client sends its next request when the previous one finishes) — Little's law: a closed
+    system of ``c`` always-busy clients completes ``c / R`` requests per second for mean latency
+    ``R``, so audio per second = ``c * sum(audio) / sum(latency)`` = ``c / RTF``, over the requests
+    that ran entirely while every client was busy: sent after the level's first completion (not
+    the synchronised first wave) and finished before its last send (before the drain). Returns
+    ``(throughput or None, requests used)``; None when fewer than ``concurrency`` qualify (too
+    few requests per client to leave a steady middle)."""
+    ok = [r for r in records if r["ok"] and r.get("sent_at_s") is not None and r.get("done_at_s") is not None]
+    if not ok:
+        return None, 0
+    first_done = min(r["done_at_s"] for r in ok)
+    last_send = max(r["sent_at_s"] for r in records if r.get("sent_at_s") is not None)
+    mid = [r for r in ok if r["sent_at_s"] >= first_done and r["done_at_s"] <= last_send]
+    audio, latency = sum(r["audio_s"] for r in mid), sum(r["total_s"] for r in mid)
+    if len(mid) < concurrency or audio <= 0 or latency <= 0:
+        return None, len(mid)
+    return concurrency * audio / latency, len(mid)
 
 
 def stats(values: list[float]) -> dict | None:
@@ -183,6 +212,7 @@ def summarize(concurrency: int, records: list[dict], wall_s: float) -> dict:
     ok = [r for r in records if r["ok"]]
     audio = sum(r["audio_s"] for r in ok)
     compute = sum(r["total_s"] for r in ok)
+    steady, n_steady = in_flight_throughput(concurrency, records)
     return {
         "concurrency": concurrency, "requests": len(records), "ok": len(ok), "failed": len(records) - len(ok),
         "wall_s": wall_s, "audio_s": audio, "compute_s": compute,
@@ -190,6 +220,7 @@ def summarize(concurrency: int, records: list[dict], wall_s: float) -> dict:
         "rtf_wall": wall_s / audio if audio else None,
         "throughput": audio / wall_s if wall_s > 0 else None,
         "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
+        "in_flight_throughput": steady, "in_flight_requests": n_steady,
         "first_chunk_s": stats([r["first_chunk_s"] for r in ok]),
         "second_chunk_s": stats([r["second_chunk_s"] for r in ok]),
         "total_s": stats([r["total_s"] for r in ok]),
@@ -235,6 +266,11 @@ def ratio_text(report: dict) -> str:
     return f"token/text ratio {lo:g}–{hi:g} ({r.get('source', '')})"
 
 
+def _inflight(lv: dict) -> str:
+    v = lv.get("in_flight_throughput")
+    return f"– ({lv.get('in_flight_requests', 0)})" if v is None else f"{v:.2f}× ({lv['in_flight_requests']})"
+
+
 def markdown(report: dict) -> str:
     """The Markdown summary of a report (also written to ``report.md``)."""
     c = report["config"]
@@ -250,8 +286,8 @@ def markdown(report: dict) -> str:
                   "total p99 | RTF | throughput | stalled |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     else:
-        lines += ["| clients | ok/sent | latency avg | p50 | p90 | p95 | p99 | RTF | throughput |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += ["| clients | ok/sent | latency avg | p50 | p90 | p95 | p99 | RTF | throughput | in flight (n) |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for lv in report["levels"]:
         f, s, t = lv["first_chunk_s"] or {}, lv["second_chunk_s"] or {}, lv["total_s"] or {}
         thr = "–" if lv["throughput"] is None else f"{lv['throughput']:.2f}×"
@@ -263,10 +299,12 @@ def markdown(report: dict) -> str:
         else:
             lines.append(f"| {lv['concurrency']} | {lv['ok']}/{lv['requests']} | {_ms(t.get('avg'))} | "
                          f"{_ms(t.get('p50'))} | {_ms(t.get('p90'))} | {_ms(t.get('p95'))} | {_ms(t.get('p99'))} | "
-                         f"{_num(lv['rtf'])} | {thr} |")
+                         f"{_num(lv['rtf'])} | {thr} | {_inflight(lv)} |")
     lines += ["", "Latencies in ms. RTF = Σ request latency / Σ audio seconds; throughput = Σ audio seconds / "
               "wall seconds (× real time)" + ("; stalled = requests whose playback, started at the first chunk, "
-                                              "ran dry before a later chunk arrived." if stream else ".")]
+                                              "ran dry before a later chunk arrived." if stream else
+                                              "; in flight = clients / RTF of the n requests that ran while every "
+                                              "client had one in flight (no ramp-up or drain; – when too few).")]
     lines += breakdown_markdown(report["levels"])
     errs = sorted({e for lv in report["levels"] for e in lv["errors"]})
     if errs:
@@ -483,9 +521,10 @@ class _Setup:
 
 
 def _run_level(setup: _Setup, work: list[tuple[int, BenchItem, int]], concurrency: int, keep_audio: bool,
-               progress: Progress | None) -> tuple[list[tuple[int, BenchItem, int, Trace]], float]:
-    """Run ``work`` with ``concurrency`` client threads; returns the traces (in work order)
-    and the wall time from the first send to the last completion (seconds).
+               progress: Progress | None) -> tuple[list[tuple[int, BenchItem, int, Trace]], float, float]:
+    """Run ``work`` with ``concurrency`` client threads; returns the traces (in work order),
+    the wall time from the first send to the last completion (seconds) and the start time
+    (``time.perf_counter``, the traces' clock).
 
     Each thread opens its own connection (runner) before the clock starts and closes it
     after (tritonclient.http's gevent client must stay on the thread that made it).
@@ -530,7 +569,7 @@ def _run_level(setup: _Setup, work: list[tuple[int, BenchItem, int]], concurrenc
     if failures:
         raise ClientError(f"cannot connect: {failures[0]}")
     done.sort(key=lambda x: x[0])
-    return done, wall
+    return done, wall, start[0]
 
 
 def run_bench(opts: BenchOptions, echo=print) -> dict:
@@ -558,7 +597,7 @@ def run_bench(opts: BenchOptions, echo=print) -> dict:
         if opts.warmup:
             wu = [(i, items[i % len(items)], opts.seed + i % len(items)) for i in range(opts.warmup)]
             prog = Progress(len(wu), "warm-up", opts.progress)
-            res, _ = _run_level(setup, wu, min(opts.warmup, max(opts.concurrency)), False, prog)
+            res, _, _ = _run_level(setup, wu, min(opts.warmup, max(opts.concurrency)), False, prog)
             prog.close()
             bad = [tr.error for *_, tr in res if tr.error]
             if len(bad) == len(res):
@@ -567,13 +606,13 @@ def run_bench(opts: BenchOptions, echo=print) -> dict:
             work = [(i, items[i % len(items)], opts.seed + i % len(items)) for i in range(n_req)]
             prog = Progress(len(work), f"{c} client{'s' if c > 1 else ''}", opts.progress)
             before = setup.engine_counters()
-            res, wall = _run_level(setup, work, c, opts.save_audio, prog)
+            res, wall, t0 = _run_level(setup, work, c, opts.save_audio, prog)
             after = setup.engine_counters()
             prog.close()
             recs = []
             for idx, item, seed, tr in res:
                 r = {"concurrency": c, "index": idx, "item": item.id, "language": item.language, "seed": seed,
-                     **analyze(tr)}
+                     **analyze(tr, t0)}
                 if opts.save_audio and tr.audio:
                     import soundfile as sf
 
