@@ -376,8 +376,22 @@ def _nonnegative_float(value: str) -> float:
     return x
 
 
-def _engine_args(p) -> None:
-    """Engine scheduling options shared by ``serve`` and ``bench --in-process``."""
+def _engine_args(p, in_process: bool = False) -> None:
+    """Engine scheduling options shared by ``serve`` and ``bench --in-process`` (read back by
+    :func:`_engine_config`)."""
+    note = " (--in-process)" if in_process else ""
+    p.add_argument("--max-active-streams", type=_positive_int, default=16,
+                   help="requests processed at once (KV-cache slots)" + note)
+    p.add_argument("--token2wav-thread", action="store_true",
+                   help="run token2wav on its own thread (experimental; slower on the H100 measured, docs/perf.md)"
+                        + note)
+    p.add_argument("--t2w-queue-steps", type=int, default=4, metavar="N",
+                   help="token2wav batches on the GPU are issued N flow steps ahead of the device, between LM "
+                        "steps (default 4; 0 = whole batches at once)" + note)
+    p.add_argument("--sampling", choices=sorted(_SAMPLING), default="auto",
+                   help="where speech tokens are sampled: 'device' = inside the GPU decode step (reproducible per "
+                        "seed and batch-independent, not upstream's random stream), 'host' = on the CPU with "
+                        "upstream's generator semantics; 'auto' (default) = device on CUDA, host on CPU" + note)
     p.add_argument("--t2w-slack", default="1.0", metavar="SECONDS",
                    help="a token2wav job is launched this long before its client runs out of audio, and longer "
                         "jobs join a batch only then (default 1.0); 'auto' = 3x the recent batch duration, "
@@ -396,6 +410,24 @@ def _engine_args(p) -> None:
     p.add_argument("--lazy-graphs", action="store_true",
                    help="capture CUDA graphs (LM prefill, flow, HiFT) on first use instead of at start-up "
                         "(starts ~50 s faster; each capture while serving stalls every stream for 0.1-0.4 s)")
+
+
+def _engine_config(args, **overrides):
+    """The :class:`~cosyserve.engine.core.EngineConfig` of the options :func:`_engine_args` added
+    (``overrides``: fields set by the command itself). Raises CLIError for invalid values."""
+    from .engine.core import EngineConfig
+
+    lazy = args.lazy_graphs
+    fields = dict(max_active=args.max_active_streams, t2w_thread=args.token2wav_thread,
+                  t2w_queue_steps=_queue_steps(args.t2w_queue_steps), device_sampling=_SAMPLING[args.sampling],
+                  t2w_slack_s=_slack(args.t2w_slack), lm_stream_priority=args.lm_stream_priority == "high",
+                  max_t2w_tokens=args.max_t2w_tokens, t2w_batch_target=args.t2w_batch_target,
+                  t2w_gather_s=args.t2w_gather, graph_warmup=not lazy, t2w_graph_warmup=not lazy)
+    fields.update(overrides)
+    try:
+        return EngineConfig(**fields)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
 
 
 def cmd_serve(args) -> int:
@@ -427,11 +459,7 @@ def cmd_serve(args) -> int:
     open_model_dir(args.model_dir)  # fail fast with a clear message
     cfg = ServerConfig(
         model_dir=args.model_dir, host=args.host, port=args.port, grpc_port=args.grpc_port, voices_dir=voices_dir,
-        default_voice=default_voice, max_active_streams=args.max_active_streams, max_queue=args.max_queue,
-        token2wav_thread=args.token2wav_thread, t2w_queue_steps=_queue_steps(args.t2w_queue_steps),
-        device_sampling=_SAMPLING[args.sampling], t2w_slack_s=_slack(args.t2w_slack),
-        lm_stream_priority=args.lm_stream_priority == "high", max_t2w_tokens=args.max_t2w_tokens,
-        t2w_batch_target=args.t2w_batch_target, t2w_gather_s=args.t2w_gather, graph_warmup=not args.lazy_graphs,
+        default_voice=default_voice, engine=_engine_config(args, max_queue=args.max_queue),
         api_key=args.api_key or os.environ.get("COSYSERVE_API_KEY") or None, device=device,
         dtype=str(_dtype(args.dtype, device)).replace("torch.", ""), hift_dtype=args.hift_dtype,
         request_timeout_s=args.request_timeout or None,
@@ -485,12 +513,8 @@ def cmd_bench(args) -> int:
         max_token_text_ratio=args.max_token_text_ratio, in_process=args.in_process, model_dir=args.model_dir,
         demo=args.demo, device=device, dtype=str(_dtype(args.dtype, device)).replace("torch.", ""),
         hift_dtype=args.hift_dtype, voices_dir=args.voices_dir or DEFAULT_VOICES_DIR,
-        max_active_streams=args.max_active_streams,
-        token2wav_thread=args.token2wav_thread, t2w_queue_steps=_queue_steps(args.t2w_queue_steps),
-        device_sampling=_SAMPLING[args.sampling], t2w_slack_s=_slack(args.t2w_slack),
-        lm_stream_priority=args.lm_stream_priority == "high", chunk_policy=args.chunk_policy,
-        max_t2w_tokens=args.max_t2w_tokens, t2w_batch_target=args.t2w_batch_target, t2w_gather_s=args.t2w_gather,
-        graph_warmup=not args.lazy_graphs, metrics_url=args.metrics_url)
+        engine=_engine_config(args) if args.in_process else None, chunk_policy=args.chunk_policy,
+        metrics_url=args.metrics_url)
     report = run_bench(opts)
     failed = sum(lv["failed"] for lv in report["levels"])
     return 1 if failed and not any(lv["ok"] for lv in report["levels"]) else 0
@@ -601,17 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--grpc-port", type=int, default=8001, help="KServe v2 / Triton gRPC port")
     sv.add_argument("--voices-dir", default=DEFAULT_VOICES_DIR, help=f"voice store (default {DEFAULT_VOICES_DIR})")
     sv.add_argument("--default-voice", help="voice used when a request names none (Triton's spk2info cache)")
-    sv.add_argument("--max-active-streams", type=int, default=16, help="requests processed at once (KV slots)")
     sv.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get HTTP 429")
-    sv.add_argument("--token2wav-thread", action="store_true",
-                    help="run token2wav on its own thread (experimental; slower on the H100 measured, docs/perf.md)")
-    sv.add_argument("--t2w-queue-steps", type=int, default=4, metavar="N",
-                    help="token2wav batches on the GPU are issued N flow steps ahead of the device, between LM "
-                         "steps (default 4; 0 = whole batches at once)")
-    sv.add_argument("--sampling", choices=sorted(_SAMPLING), default="auto",
-                    help="where speech tokens are sampled: 'device' = inside the GPU decode step (reproducible per "
-                         "seed and batch-independent, not upstream's random stream), 'host' = on the CPU with "
-                         "upstream's generator semantics; 'auto' (default) = device on CUDA, host on CPU")
     _engine_args(sv)
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also $COSYSERVE_API_KEY)")
     sv.add_argument("--request-timeout", type=float, default=300.0, help="seconds; 0 = none")
@@ -664,11 +678,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="auto")
     _add_dtype_args(b)
     b.add_argument("--voices-dir", default=None, help="voice store for --voice (--in-process)")
-    b.add_argument("--max-active-streams", type=int, default=16, help="engine KV slots (--in-process)")
-    b.add_argument("--token2wav-thread", action="store_true", help="token2wav on its own thread (--in-process)")
-    b.add_argument("--t2w-queue-steps", type=int, default=4, metavar="N", help="as for serve (--in-process)")
-    b.add_argument("--sampling", choices=sorted(_SAMPLING), default="auto", help="as for serve (--in-process)")
-    _engine_args(b)
+    _engine_args(b, in_process=True)
     b.add_argument("--chunk-policy", default=None,
                    help="streaming chunk schedule: in-process (default upstream), or sent to a server as the KServe "
                         "gRPC request parameter chunk_policy (default: the server's)")

@@ -193,7 +193,10 @@ def test_token2wav_batching_options_are_validated(capsys, option, value, message
 
 
 def test_engine_options_reach_the_server_config(capsys, monkeypatch):
-    """--max-t2w-tokens and --lazy-graphs end up in the engine configuration of `serve`."""
+    """The engine options of `serve` end up in its EngineConfig (one set of options, shared with
+    `bench --in-process`); the defaults are EngineConfig's own."""
+    from cosyserve.engine.core import EngineConfig
+
     seen = {}
 
     async def fake_serve(cfg, log_format="text"):
@@ -203,13 +206,42 @@ def test_engine_options_reach_the_server_config(capsys, monkeypatch):
 
     monkeypatch.setattr(app, "serve", fake_serve)
     code, out, err = run(capsys, "serve", "--model-dir", model_dir(), "--max-t2w-tokens", "4096", "--lazy-graphs",
-                         "--t2w-batch-target", "8", "--t2w-gather", "0.25", "--hift-dtype", "float16")
+                         "--t2w-batch-target", "8", "--t2w-gather", "0.25", "--hift-dtype", "float16",
+                         "--max-active-streams", "5", "--max-queue", "7", "--t2w-queue-steps", "0",
+                         "--sampling", "host", "--t2w-slack", "auto", "--lm-stream-priority", "normal",
+                         "--token2wav-thread")
     assert code == 0, err
-    assert seen["cfg"].max_t2w_tokens == 4096 and seen["cfg"].graph_warmup is False
-    assert seen["cfg"].t2w_batch_target == 8 and seen["cfg"].t2w_gather_s == 0.25
+    e = seen["cfg"].engine
+    assert e.max_t2w_tokens == 4096 and e.graph_warmup is False and e.t2w_graph_warmup is False
+    assert e.t2w_batch_target == 8 and e.t2w_gather_s == 0.25
+    assert (e.max_active, e.max_queue, e.t2w_queue_steps, e.device_sampling) == (5, 7, None, False)
+    assert e.t2w_slack_s is None and e.lm_stream_priority is False and e.t2w_thread is True
     assert seen["cfg"].hift_dtype == "float16"
     code, out, err = run(capsys, "serve", "--model-dir", model_dir())
     assert code == 0 and seen["cfg"].hift_dtype == "auto"
+    assert seen["cfg"].engine == EngineConfig()  # CLI defaults = the engine's defaults
+
+
+def test_bench_in_process_engine_options(capsys, monkeypatch):
+    """`bench --in-process` takes the same engine options as `serve`; a server bench has none."""
+    import cosyserve.client.bench as bench
+
+    seen = {}
+
+    def fake_run_bench(opts, echo=print):
+        seen["opts"] = opts
+        return {"levels": [{"failed": 0, "ok": 1}]}
+
+    monkeypatch.setattr(bench, "run_bench", fake_run_bench)
+    code, out, err = run(capsys, "bench", "--in-process", "--demo", "--max-active-streams", "3", "--t2w-gather", "0",
+                         "--t2w-queue-steps", "2")
+    assert code == 0, err
+    e = seen["opts"].engine
+    assert (e.max_active, e.t2w_gather_s, e.t2w_queue_steps) == (3, 0.0, 2)
+    code, out, err = run(capsys, "bench", "--url", "grpc://127.0.0.1:1")
+    assert code == 0 and seen["opts"].engine is None
+    code, out, err = run(capsys, "bench", "--in-process", "--demo", "--t2w-queue-steps", "-2")
+    assert code == 2 and "--t2w-queue-steps must be >= 0" in err and "Traceback" not in err
 
 
 def test_hift_dtype_choices(capsys):

@@ -39,8 +39,9 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -48,6 +49,9 @@ from .. import __version__
 from ..errors import CosyServeError
 from .breakdown import EngineCounters, breakdown_markdown, level_breakdown
 from .manifest import BenchItem, load_manifest, resolve_manifest
+
+if TYPE_CHECKING:  # the engine (torch) is imported only for --in-process
+    from ..engine.core import EngineConfig
 from .progress import Progress
 from .protocols import (
     ClientError,
@@ -117,16 +121,8 @@ class BenchOptions:
     dtype: str = "float32"
     hift_dtype: str = "auto"
     voices_dir: str | None = None
-    max_active_streams: int = 16
-    token2wav_thread: bool = False
-    t2w_queue_steps: int | None = 4
-    device_sampling: bool | None = None
-    t2w_slack_s: float | None = 1.0
-    lm_stream_priority: bool = True
-    max_t2w_tokens: int = 16384
-    t2w_batch_target: int = 16
-    t2w_gather_s: float = 1.0
-    graph_warmup: bool = True  # also the flow/HiFT grids (EngineConfig.t2w_graph_warmup)
+    #: the in-process engine's options (default: EngineConfig's); its max_queue is set to fit the levels
+    engine: EngineConfig | None = None
     chunk_policy: str | None = None  # in-process: default upstream; a server: gRPC request parameter
     # server: its Prometheus page, scraped around each level for the stage breakdown
     # (default: URL/metrics for http/openai; none for grpc unless given)
@@ -461,18 +457,8 @@ class _Setup:
         self.server_params = {"min_token_text_ratio": str(lo), "max_token_text_ratio": str(hi),
                               "chunk_policy": o.chunk_policy or "upstream"}
         voices = VoiceStore(o.voices_dir) if (o.voice and o.voices_dir) else None
-        self.shared = InProcessEngine(synth, EngineConfig(max_active=o.max_active_streams, t2w_thread=o.token2wav_thread,
-                                                          t2w_queue_steps=o.t2w_queue_steps,
-                                                          device_sampling=o.device_sampling,
-                                                          t2w_slack_s=o.t2w_slack_s,
-                                                          lm_stream_priority=o.lm_stream_priority,
-                                                          max_t2w_tokens=o.max_t2w_tokens,
-                                                          t2w_batch_target=o.t2w_batch_target,
-                                                          t2w_gather_s=o.t2w_gather_s,
-                                                          graph_warmup=o.graph_warmup,
-                                                          t2w_graph_warmup=o.graph_warmup,
-                                                          max_queue=max(64, max(o.concurrency) * 2)),
-                                      params, voices, builtin)
+        engine = replace(o.engine or EngineConfig(), max_queue=max(64, max(o.concurrency) * 2))
+        self.shared = InProcessEngine(synth, engine, params, voices, builtin)
         from ..engine.gc_pauses import freeze_startup_heap
 
         freeze_startup_heap()  # as the server does after its warm-up

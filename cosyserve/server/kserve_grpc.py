@@ -178,7 +178,7 @@ class TritonService(pb_grpc.GRPCInferenceServiceServicer):
         await self._model(request.name, request.version, context)
         dt = {"FP32": mc.TYPE_FP32, "INT32": mc.TYPE_INT32, "BYTES": mc.TYPE_STRING}
         cfg = mc.ModelConfig(name=request.name, platform="cosyserve", backend="cosyserve",
-                             max_batch_size=self.state.config.max_active_streams)
+                             max_batch_size=self.state.config.engine.max_active)
         cfg.model_transaction_policy.decoupled = True
         for k, v in model_parameters(self.state.config).items():
             cfg.parameters[k].string_value = v

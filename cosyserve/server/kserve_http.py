@@ -84,7 +84,7 @@ async def model_ready(name: str, request: Request, version: str | None = None):
 @router.get("/v2/models/{name}/versions/{version}/config")
 async def get_config(name: str, request: Request, version: str | None = None):
     st = _state(request)
-    return _check_model(st, name, version) or model_config(name, st.config.max_active_streams,
+    return _check_model(st, name, version) or model_config(name, st.config.engine.max_active,
                                                             model_parameters(st.config))
 
 

@@ -53,17 +53,8 @@ class ServerConfig:
     grpc_port: int = 8001
     voices_dir: str | None = None
     default_voice: str | None = None
-    max_active_streams: int = 16
-    token2wav_thread: bool = False
-    t2w_queue_steps: int | None = 4
-    device_sampling: bool | None = None
-    t2w_slack_s: float | None = 1.0
-    lm_stream_priority: bool = True
-    max_t2w_tokens: int = 16384
-    t2w_batch_target: int = 16
-    t2w_gather_s: float = 1.0
-    graph_warmup: bool = True  # also the flow/HiFT grids (EngineConfig.t2w_graph_warmup)
-    max_queue: int = 64
+    #: scheduling limits and options of the engine (``--max-active-streams``, ``--max-queue``, ...)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     api_key: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
@@ -76,7 +67,6 @@ class ServerConfig:
     model_name: str = "cosyvoice2"
     min_token_text_ratio: float = 2.0
     max_token_text_ratio: float = 20.0
-    kv_max_len: int = 4096
     warmup: bool = True
     llm_only: bool = False
     extra: dict = field(default_factory=dict)
@@ -128,14 +118,7 @@ class ServerState:
         try:
             await asyncio.to_thread(self._load_sync)
             c = self.config
-            core = self.synth.new_engine(
-                EngineConfig(max_active=c.max_active_streams, max_queue=c.max_queue, kv_max_len=c.kv_max_len,
-                             t2w_thread=c.token2wav_thread, t2w_queue_steps=c.t2w_queue_steps,
-                             device_sampling=c.device_sampling, t2w_slack_s=c.t2w_slack_s,
-                             lm_stream_priority=c.lm_stream_priority, max_t2w_tokens=c.max_t2w_tokens,
-                             t2w_batch_target=c.t2w_batch_target, t2w_gather_s=c.t2w_gather_s,
-                             graph_warmup=c.graph_warmup, t2w_graph_warmup=c.graph_warmup),
-                observer=self.metrics)
+            core = self.synth.new_engine(c.engine, observer=self.metrics)
             self.metrics.attach(core)
             self.engine = AsyncEngine(core)
             self.engine.start()
