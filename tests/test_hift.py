@@ -495,3 +495,19 @@ def test_fused_snake_runs_eagerly_on_cpu():
     want = (x + (1.0 / (a + 1e-9)) * torch.sin(x * a) ** 2).masked_fill(~mask, 0.0)
     assert torch.equal(_snake(x, alpha, mask), want)
     assert not _snake.compiled
+
+
+def test_auto_hift_dtype_follows_models_passed_in(tmp_path):
+    """With ``models`` given, ``Synthesizer``'s device/dtype arguments are unused: "auto" resolves
+    from where the networks are (a CPU model is not given a float16 HiFT because the caller's
+    defaults said CUDA)."""
+    from cosyserve.engine.pipeline import Synthesizer
+    from cosyserve.models.demo import write_demo_model
+    from cosyserve.models.loader import load_models
+
+    md = write_demo_model(tmp_path / "demo")
+    models = load_models(md, device="cpu", dtype=torch.bfloat16)
+    syn = Synthesizer(md, device="cuda", dtype=torch.bfloat16, models=models, normalizer="rules")
+    assert syn.models.hift.trunk_dtype == torch.float32
+    syn = Synthesizer(md, models=models, normalizer="rules", hift_dtype="bfloat16")
+    assert syn.models.hift.trunk_dtype == torch.bfloat16
