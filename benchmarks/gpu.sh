@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU benchmark of docs/perf.md in one command (about 8.5 minutes on one H100):
 #
-#   1. install the wheels carried in .whl/ (the GPU machine lacks fastapi, uvicorn, tritonclient, ...)
+#   1. install the wheels carried in .whl/ (the GPU machine lacks fastapi, uvicorn, tritonclient, ...;
+#      benchmarks/fetch_wheels.sh downloads them here)
 #   2. start `cosyserve serve --random-weights` (full-size CosyVoice2-0.5B architecture from
 #      benchmarks/configs/cosyvoice2-0.5b.yaml, random weights, bf16, output length pinned to
 #      RATIO speech tokens per text token because random weights never choose to stop)
