@@ -59,6 +59,9 @@ def main():
     ap.add_argument("--yaml", default=str(ROOT / "benchmarks/configs/cosyvoice2-0.5b.yaml"))
     ap.add_argument("--batches", default="1,12")
     ap.add_argument("--frames", type=int, default=250)
+    ap.add_argument("--frame-major", action="store_true",
+                    help="also the float16 fused decode with HiFTGenerator.frame_major (trunk inputs laid out "
+                         "[B, T, C], what cuDNN's NHWC convolutions read)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     hift = build_random(args.yaml, device=dev, components=("hift",)).hift
@@ -86,27 +89,33 @@ def main():
         source = exc()
         ref = None
         valid = torch.arange(t * spf, device=dev)[None, :] < (len_t * spf)[:, None]
-        for tdt in (torch.float32, torch.float16, torch.bfloat16):
+        variants = [(tdt, fuse, False) for tdt in (torch.float32, torch.float16, torch.bfloat16)
+                    for fuse in (False, True)]
+        if args.frame_major:
+            variants.append((torch.float16, True, True))
+        for tdt, fuse, frame_major in variants:
             hift.set_trunk_dtype(tdt)
-            for fuse in (False, True):
-                fused.set_enabled(fuse)
-                replay, out = graphed(lambda: hift.decode(mel, source, len_t))
-                replay()
-                torch.cuda.synchronize()
-                if ref is None:
-                    ref = out.clone()
-                d = (out - ref)[valid].float()
-                r = ref[valid].float()
-                rel = (d.pow(2).mean() / r.pow(2).mean().clamp_min(1e-30)).sqrt().item()
-                clip = (r.abs() >= cfg.audio_limit * 0.999).float().mean().item() * 100
-                name = f"decode graph, trunk {str(tdt).split('.')[-1]}, Snake {'fused' if fuse else 'eager'}"
-                times = kernel_times(replay)
-                print(f"| {b} | {name} | {gpu_ms(replay, n=20):.2f} | {rel:.2e} | {d.abs().max().item():.2e} | "
-                      f"{clip:.1f} | {kernel_classes(times)} |", flush=True)
+            fused.set_enabled(fuse)
+            hift.frame_major = frame_major
+            replay, out = graphed(lambda: hift.decode(mel, source, len_t))
+            replay()
+            torch.cuda.synchronize()
+            if ref is None:
+                ref = out.clone()
+            d = (out - ref)[valid].float()
+            r = ref[valid].float()
+            rel = (d.pow(2).mean() / r.pow(2).mean().clamp_min(1e-30)).sqrt().item()
+            clip = (r.abs() >= cfg.audio_limit * 0.999).float().mean().item() * 100
+            name = (f"decode graph, trunk {str(tdt).split('.')[-1]}, Snake {'fused' if fuse else 'eager'}"
+                    + (", frame-major" if frame_major else ""))
+            times = kernel_times(replay)
+            print(f"| {b} | {name} | {gpu_ms(replay, n=20):.2f} | {rel:.2e} | {d.abs().max().item():.2e} | "
+                  f"{clip:.1f} | {kernel_classes(times)} |", flush=True)
         print(f"top kernels of the last variant, batch {b}:")
         print(top_kernels(times))
         hift.set_trunk_dtype(torch.float32)
         fused.set_enabled(True)
+        hift.frame_major = False
 
 
 if __name__ == "__main__":

@@ -511,3 +511,21 @@ def test_auto_hift_dtype_follows_models_passed_in(tmp_path):
     assert syn.models.hift.trunk_dtype == torch.float32
     syn = Synthesizer(md, models=models, normalizer="rules", hift_dtype="bfloat16")
     assert syn.models.hift.trunk_dtype == torch.bfloat16
+
+
+@torch.inference_mode()
+def test_frame_major_decode_computes_the_same(hift):
+    """``HiFTGenerator.frame_major`` (experimental, off by default) changes the memory layout of the
+    trunk's inputs, not the result: a padded batch decodes to the same waveform."""
+    g = torch.Generator().manual_seed(11)
+    cfg = hift.cfg
+    mel = torch.randn(3, cfg.in_channels, 40, generator=g) * 2 - 5
+    lengths = torch.tensor([40, 31, 12])
+    source = 0.1 * torch.randn(3, 1, 40 * hift.samples_per_frame, generator=g)
+    ref = hift.decode(mel, source, lengths)
+    try:
+        hift.frame_major = True
+        got = hift.decode(mel, source, lengths)
+    finally:
+        hift.frame_major = False
+    assert got.shape == ref.shape and rel_l2(got, ref) <= 1e-5

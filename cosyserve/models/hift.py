@@ -141,6 +141,11 @@ def _zero_outside(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return x.masked_fill(~mask, 0.0)
 
 
+def _frame_major(x: torch.Tensor) -> torch.Tensor:
+    """``x [B, C, T]`` with frame-major memory (``[B, T, C]`` contiguous, viewed as ``[B, C, T]``)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _time_mask(valid: torch.Tensor, size: int) -> torch.Tensor:
     """[B, 1, size] bool: ``t < valid[b]`` (``valid`` an int tensor [B], on the target device)."""
     return (torch.arange(size, device=valid.device)[None, :] < valid[:, None])[:, None, :]
@@ -303,6 +308,11 @@ class HiFTGenerator(nn.Module):
         #: optional CUDA-graph replacement of :meth:`decode` for padded batches on CUDA
         #: (:class:`cosyserve.models.graphs.GraphedHiFTDecoder`), used by :meth:`inference_batch`
         self.graph_decode = None
+        #: experimental, off: :meth:`decode` lays its trunk inputs out frame-major (``[B, C, T]``
+        #: views of ``[B, T, C]`` memory, the layout cuDNN's NHWC half-precision convolutions read),
+        #: so the convolutions need no layout transposes; same values (``benchmarks/hift_probe.py
+        #: --frame-major`` measures it)
+        self.frame_major = False
         n_src = self.n_fft + 2  # real + imaginary STFT bins of the excitation
         base = cfg.base_channels
 
@@ -607,8 +617,10 @@ class HiFTGenerator(nn.Module):
             s_stft = _zero_outside(s_stft, masks[-1])
 
         io_dtype, tdt = mel.dtype, self.trunk_dtype
-        s_stft = s_stft.to(tdt)
-        x = self.conv_pre(_zero_outside(mel.to(tdt), masks[0]))
+        s_stft, mel_t = s_stft.to(tdt), mel.to(tdt)
+        if self.frame_major:
+            s_stft, mel_t = _frame_major(s_stft), _frame_major(mel_t)
+        x = self.conv_pre(_zero_outside(mel_t, masks[0]))
         for i in range(self.num_upsamples):
             x = F.leaky_relu(x, self.cfg.lrelu_slope)
             x = self.ups[i](_zero_outside(x, masks[i]))
