@@ -392,6 +392,9 @@ def _engine_args(p, in_process: bool = False) -> None:
                    help="where speech tokens are sampled: 'device' = inside the GPU decode step (reproducible per "
                         "seed and batch-independent, not upstream's random stream), 'host' = on the CPU with "
                         "upstream's generator semantics; 'auto' (default) = device on CUDA, host on CPU" + note)
+    p.add_argument("--decode-lookahead", type=_positive_int, default=1, metavar="N",
+                   help="pipelined decoding: LM steps issued beyond the one whose tokens are read next (default 1; "
+                        "more keeps the GPU decoding while the scheduler issues token2wav work; experimental)" + note)
     p.add_argument("--t2w-slack", default="1.0", metavar="SECONDS",
                    help="a token2wav job is launched this long before its client runs out of audio, and longer "
                         "jobs join a batch only then (default 1.0); 'auto' = 3x the recent batch duration, "
@@ -422,7 +425,8 @@ def _engine_config(args, **overrides):
                   t2w_queue_steps=_queue_steps(args.t2w_queue_steps), device_sampling=_SAMPLING[args.sampling],
                   t2w_slack_s=_slack(args.t2w_slack), lm_stream_priority=args.lm_stream_priority == "high",
                   max_t2w_tokens=args.max_t2w_tokens, t2w_batch_target=args.t2w_batch_target,
-                  t2w_gather_s=args.t2w_gather, graph_warmup=not lazy, t2w_graph_warmup=not lazy)
+                  t2w_gather_s=args.t2w_gather, graph_warmup=not lazy, t2w_graph_warmup=not lazy,
+                  decode_lookahead=args.decode_lookahead)
     fields.update(overrides)
     try:
         return EngineConfig(**fields)

@@ -367,8 +367,10 @@ def test_graphed_decode_samples_as_eager(yaml_dir):
     assert torch.equal(state.last[:b], ref) and torch.equal(state.recent[:b, -1], ref)
     assert torch.equal(state.recent[:b, :-1], recent[:, 1:])
 
-    results = [_engine_tokens(m, cuda_graphs=graphs, device_sampling=True, pipeline_decode=piped)[0]
-               for graphs, piped in ((False, False), (True, False), (True, True), (False, True))]
+    results = [_engine_tokens(m, cuda_graphs=graphs, device_sampling=True, pipeline_decode=piped,
+                              decode_lookahead=ahead)[0]
+               for graphs, piped, ahead in ((False, False, 1), (True, False, 1), (True, True, 1), (False, True, 1),
+                                            (True, True, 3))]
     assert all(r == results[0] for r in results[1:])
 
 

@@ -285,11 +285,13 @@ def test_jobs_not_yet_due_gather_into_full_batches(syn, voice):
         EngineConfig(t2w_batch_target=0)
     with pytest.raises(ValueError):
         EngineConfig(t2w_gather_s=-1.0)
+    with pytest.raises(ValueError):
+        EngineConfig(decode_lookahead=0)
 
 
 def test_pipelined_decoding_drops_the_step_after_a_stop(syn, voice):
     """With pipelined decoding a segment that samples end-of-speech has already been issued one
-    more step; that token is dropped: tokens, stop reasons and audio equal the unpipelined
+    more step (``decode_lookahead`` more); those tokens are dropped: tokens, stop reasons and audio equal the unpipelined
     engine's, segments of a multi-sentence text follow each other, an aborted request's pending
     step is ignored, and the freed slot serves the next request."""
     lm = syn.models.llm
@@ -298,9 +300,9 @@ def test_pipelined_decoding_drops_the_step_after_a_stop(syn, voice):
     assert len(syn.frontend.segments(texts[0])) >= 2
     params = [SynthesisParams(seed=5 + i, min_token_text_ratio=1, max_token_text_ratio=20) for i in range(3)]
 
-    def run(pipeline):
+    def run(pipeline, lookahead=1):
         engine = syn.new_engine(EngineConfig(max_active=2, max_queue=4, device_sampling=True,
-                                             pipeline_decode=pipeline))
+                                             pipeline_decode=pipeline, decode_lookahead=lookahead))
         engine.add_request(syn.build_request(texts[2], voice, params[2], request_id="gone"))
         for i in range(3):
             engine.add_request(syn.build_request(texts[i], voice, params[i], request_id=f"p{i}"))
@@ -319,15 +321,16 @@ def test_pipelined_decoding_drops_the_step_after_a_stop(syn, voice):
         bias = lm.llm_decoder.bias[eos].item()
         lm.llm_decoder.bias[eos] += 8.0  # end-of-speech becomes likely once min_len allows it
         try:
-            plain, piped = run(False), run(True)
+            plain, piped, ahead = run(False), run(True), run(True, lookahead=2)
         finally:
             lm.llm_decoder.bias[eos] = bias
-    assert plain["gone"].outcome == piped["gone"].outcome == Outcome.ABORTED
+    assert plain["gone"].outcome == piped["gone"].outcome == ahead["gone"].outcome == Outcome.ABORTED
     for i in range(3):
-        a, b = plain[f"p{i}"], piped[f"p{i}"]
-        assert a.outcome == b.outcome == Outcome.OK
-        assert a.tokens == b.tokens and a.stop_reasons == b.stop_reasons
-        assert a.audio_s == pytest.approx(b.audio_s)
+        for b in (piped[f"p{i}"], ahead[f"p{i}"]):
+            a = plain[f"p{i}"]
+            assert a.outcome == b.outcome == Outcome.OK
+            assert a.tokens == b.tokens and a.stop_reasons == b.stop_reasons
+            assert a.audio_s == pytest.approx(b.audio_s)
     assert len(plain["p0"].tokens) == len(syn.frontend.segments(texts[0]))  # one token list per segment
     assert "stop" in sum((ev.stop_reasons for ev in plain.values()), [])
 
@@ -576,6 +579,8 @@ def test_device_sampling_is_per_request_and_batch_independent(syn, voice):
     # pipelined decoding (the next step issued before this one's tokens are read; the CUDA default)
     # gives the same tokens and audio
     piped = run([0, 1, 2], pipeline_decode=True)
+    ahead = run([0, 1, 2], pipeline_decode=True, decode_lookahead=3)  # three steps in flight
     for rid, ev in together.items():
-        assert piped[rid].outcome == Outcome.OK and piped[rid].tokens == ev.tokens
-        assert piped[rid].audio_s == pytest.approx(ev.audio_s)
+        for other in (piped, ahead):
+            assert other[rid].outcome == Outcome.OK and other[rid].tokens == ev.tokens
+            assert other[rid].audio_s == pytest.approx(ev.audio_s)

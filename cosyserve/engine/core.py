@@ -46,7 +46,7 @@ import queue
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -127,7 +127,12 @@ class EngineConfig:
     ``pipeline_decode`` (``None``: on CUDA; needs device sampling): issue each LM step before
     reading the previous one's tokens (they stay on the device, :class:`DecodeState`), so the
     GPU decodes while the host hands out tokens, checks stops and feeds token2wav; a segment
-    that stopped costs one extra row-step, whose token is dropped (docs/perf.md run 24).
+    that stopped costs one extra row-step, whose token is dropped (docs/perf.md run 24);
+    ``decode_lookahead``: with pipelined decoding, how many LM steps are issued beyond the one
+    whose tokens the host reads next (1: the next step, as measured so far; N > 1 keeps the
+    GPU decoding while the scheduler is held up for longer than a step, e.g. issuing a
+    token2wav batch, at the cost of N dropped row-steps per stopped segment and the host
+    learning each token N steps after it was sampled; experimental, not yet measured).
     """
 
     max_active: int = 16
@@ -147,6 +152,7 @@ class EngineConfig:
     device_sampling: bool | None = None
     lm_stream_priority: bool = True
     pipeline_decode: bool | None = None
+    decode_lookahead: int = 1
 
     def __post_init__(self):
         if self.max_t2w_batch is None:
@@ -154,7 +160,7 @@ class EngineConfig:
         if self.max_active < 1 or self.max_queue < 0 or self.kv_max_len < 64 or self.max_t2w_batch < 1 \
                 or self.max_t2w_tokens < 1 or self.t2w_batch_target < 1 or self.t2w_gather_s < 0 \
                 or (self.t2w_slack_s is not None and self.t2w_slack_s < 0) \
-                or (self.t2w_queue_steps is not None and self.t2w_queue_steps < 1):
+                or (self.t2w_queue_steps is not None and self.t2w_queue_steps < 1) or self.decode_lookahead < 1:
             raise ValueError("invalid engine limits")
 
 
@@ -270,7 +276,8 @@ class EngineCore:
                                            self.cache.k.device) if self._device_sampling else None
         self._pipeline = (self.cache.k.is_cuda if config.pipeline_decode is None else config.pipeline_decode) \
             and self._device_sampling
-        self._lm_pending: _LMTicket | None = None  # the step in flight whose tokens the host has not read
+        #: pipelined decoding: the steps in flight whose tokens the host has not read, oldest first
+        self._lm_pending: deque[_LMTicket] = deque()
         self.decoder = self.prefill_graphs = None
         self._pending_warmup: list = []  # graph grids the first step() captures (see t2w_graph_warmup)
         if use_graphs:
@@ -361,7 +368,7 @@ class EngineCore:
             self._worker.close()
 
     def has_work(self) -> bool:
-        return bool(self._active or self._waiting or self._inflight is not None or self._lm_pending is not None
+        return bool(self._active or self._waiting or self._inflight is not None or self._lm_pending
                     or not self._inbox.empty())
 
     @property
@@ -421,7 +428,7 @@ class EngineCore:
                 self._collect(events, wait=True)  # nothing else to do: block (GIL released)
             self._t2w_step(events, lm_busy=lm_rows > 0)
         else:
-            self._lm_pending = None  # its requests are gone (aborted): nobody reads its tokens
+            self._lm_pending.clear()  # their requests are gone (aborted): nobody reads their tokens
             if self._inflight is not None:
                 self._collect(events, wait=True)
         self.stats.steps += 1
@@ -523,11 +530,14 @@ class EngineCore:
         finished segments and feeds token2wav) or of this one. Returns the rows issued (0: the
         LM had nothing to do)."""
         ticket = self._issue_lm(events)
-        done = ticket
-        if self._pipeline:
-            done, self._lm_pending = self._lm_pending, ticket
-        if done is not None:
-            self._process_lm(done, events)
+        if not self._pipeline:
+            if ticket is not None:
+                self._process_lm(ticket, events)
+        else:  # read the oldest step once `decode_lookahead` newer ones are issued, or nothing new was
+            if ticket is not None:
+                self._lm_pending.append(ticket)
+            if self._lm_pending and (ticket is None or len(self._lm_pending) > self.cfg.decode_lookahead):
+                self._process_lm(self._lm_pending.popleft(), events)
         return 0 if ticket is None else len(ticket.rows)
 
     def _on_device(self, seg: SegmentState) -> bool:
