@@ -7,8 +7,7 @@ This times one call per variant (CUDA events, median) at the offline shape:
 * no mask (the floor: what a bias costs);
 * the additive bias ``[B, 1, T, T]`` (what the estimator does);
 * a key-padding bias ``[B, 1, 1, T]`` broadcast over queries (offline rows need no more);
-* FlashAttention-2 varlen over the padded layout with ``seqused_k`` (no bias tensor);
-* memory-efficient attention with ``seqlen_k`` (no bias tensor).
+* FlashAttention-2 varlen over the padded layout with ``seqused_k`` (no bias tensor).
 
     python benchmarks/attention_probe.py --batch 32 --frames 512
 """
@@ -56,11 +55,6 @@ def main():
                 return torch.ops.aten._flash_attention_forward(
                     q3, k3, v3, cu, cu, t, t, 0.0, False, False, seqused_k=used)[0].view(b, t, h, d).transpose(1, 2)
 
-            def efficient():
-                return torch.ops.aten._efficient_attention_forward(
-                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, None, None, None, 0.0, 0,
-                    seqlen_k=used)[0].transpose(1, 2)
-
             variants = [
                 ("no mask (floor)", lambda: F.scaled_dot_product_attention(q, k, v), False),
                 ("bias [B,1,T,T] (current)", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=full), True),
@@ -68,7 +62,6 @@ def main():
                 ("key-padding bias expanded [B,1,T,T]",
                  lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=kpad.expand(b, 1, t, t)), True),
                 ("flash varlen, seqused_k", flash, True),
-                ("mem-efficient, seqlen_k", efficient, True),
             ]
             for name, fn, compare in variants:
                 try:

@@ -49,9 +49,6 @@ from .. import __version__
 from ..errors import CosyServeError
 from .breakdown import EngineCounters, breakdown_markdown, level_breakdown
 from .manifest import BenchItem, load_manifest, resolve_manifest
-
-if TYPE_CHECKING:  # the engine (torch) is imported only for --in-process
-    from ..engine.core import EngineConfig
 from .progress import Progress
 from .protocols import (
     ClientError,
@@ -68,6 +65,9 @@ from .protocols import (
     parse_url,
     register_openai_voices,
 )
+
+if TYPE_CHECKING:  # the engine (torch) is imported only for --in-process
+    from ..engine.core import EngineConfig
 
 PCTS = (50, 90, 95, 99)
 

@@ -311,13 +311,13 @@ class GraphedDecoder:
 
     def _step(self, packed: torch.Tensor, bb: int, kv_len: int):
         f = lambda name: self.rows.field(packed, name)  # noqa: E731
-        rows = slice(0, bb)
+        slots = slice(0, bb)  # row r decodes slot r
         if self.sampling is not None:
-            return self.lm.decode_sample(self.cache, self.state, rows, f("start"), f("seed"), f("step"),
+            return self.lm.decode_sample(self.cache, self.state, slots, f("start"), f("seed"), f("step"),
                                          f("ignore_eos") != 0, self.sampling, self.eos_id, kv_len=kv_len,
                                          active=f("active") != 0)
         emb = self.lm.embed_speech(f("tokens")[:, None])
-        h = self.lm.forward_cached(emb, self.cache, rows, f("start"), kv_len=kv_len)[:, -1]
+        h = self.lm.forward_cached(emb, self.cache, slots, f("start"), kv_len=kv_len)[:, -1]
         return self.lm.logprobs(h)
 
     @torch.inference_mode()

@@ -135,10 +135,11 @@ class DecodeState:
         ``slice`` of ``B`` consecutive slots), in place and without host synchronisation
         (CUDA-graph safe). With ``active`` (bool ``[B]``) only those rows are appended; the
         others' state is left as it was (the idle rows of a slot-ordered decode step)."""
-        shifted = torch.cat((self.recent[slots][:, 1:], tokens[:, None]), dim=1)
+        recent = self.recent[slots]
+        shifted = torch.cat((recent[:, 1:], tokens[:, None]), dim=1)
         if active is not None:
             tokens = torch.where(active, tokens, self.last[slots])
-            shifted = torch.where(active[:, None], shifted, self.recent[slots])
+            shifted = torch.where(active[:, None], shifted, recent)
         self.last[slots] = tokens
         self.recent[slots] = shifted
 
@@ -385,10 +386,6 @@ class SpeechLM(nn.Module):
         n_heads = qc.num_attention_heads
         start = start.to(dev, torch.long)
         pos = start[:, None] + torch.arange(t_new, device=dev)[None]  # [B, T]
-        if isinstance(slots, slice):
-            slot_idx = torch.arange(slots.start, slots.stop, device=dev)
-        else:
-            slot_idx = slots.to(dev, torch.long)
         if kv_len is None:
             kv_len = int(pos.max().item()) + 1
         if kv_len > cache.max_len or kv_len > self.max_positions:
@@ -403,9 +400,10 @@ class SpeechLM(nn.Module):
         # into the same bias once per layer
         bias = torch.zeros((), dtype=embeds.dtype, device=dev).masked_fill(
             key_pos[None, None, None, :] > pos[:, None, :, None], float("-inf"))
-        if isinstance(slots, slice):
+        if isinstance(slots, slice):  # rows are the slots: written by scatter, read as views
             write_idx = pos[:, None, :, None].expand(bsz, n_kv, t_new, head_dim)
-        else:
+        else:  # rows name their slots: written by indexed put, read by gather
+            slot_idx = slots.to(dev, torch.long)
             write_slots = slot_idx[:, None].expand(bsz, t_new)
 
         h = embeds
