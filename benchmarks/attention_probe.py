@@ -7,7 +7,10 @@ This times one call per variant (CUDA events, median) at the offline shape:
 * no mask (the floor: what a bias costs);
 * the additive bias ``[B, 1, T, T]`` (what the estimator does);
 * a key-padding bias ``[B, 1, 1, T]`` broadcast over queries (offline rows need no more);
-* FlashAttention-2 varlen over the padded layout with ``seqused_k`` (no bias tensor).
+* FlashAttention-2 varlen over the padded layout with ``seqused_k`` (no bias tensor);
+* each SDPA backend that takes a bias (efficient attention, cuDNN) forced, with the full and
+  the key-padding bias, and on contiguous ``[B, H, T, D]`` q/k/v (the estimator's are strided
+  views of one GEMM's output).
 
     python benchmarks/attention_probe.py --batch 32 --frames 512
 """
@@ -18,6 +21,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from _common import gpu_ms
 
 
@@ -55,6 +59,16 @@ def main():
                 return torch.ops.aten._flash_attention_forward(
                     q3, k3, v3, cu, cu, t, t, 0.0, False, False, seqused_k=used)[0].view(b, t, h, d).transpose(1, 2)
 
+            qc, kc, vc = (x.contiguous() for x in (q, k, v))
+
+            def forced(backend, mask, contiguous=False):
+                def fn():
+                    with sdpa_kernel([backend]):
+                        args = (qc, kc, vc) if contiguous else (q, k, v)
+                        return F.scaled_dot_product_attention(*args, attn_mask=mask)
+                return fn
+
+            E, C = SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION
             variants = [
                 ("no mask (floor)", lambda: F.scaled_dot_product_attention(q, k, v), False),
                 ("bias [B,1,T,T] (current)", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=full), True),
@@ -62,6 +76,12 @@ def main():
                 ("key-padding bias expanded [B,1,T,T]",
                  lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=kpad.expand(b, 1, t, t)), True),
                 ("flash varlen, seqused_k", flash, True),
+                ("efficient forced, bias [B,1,T,T]", forced(E, full), True),
+                ("efficient forced, bias, contiguous q/k/v", forced(E, full, True), True),
+                ("cuDNN forced, bias [B,1,T,T]", forced(C, full), True),
+                ("cuDNN forced, bias, contiguous q/k/v", forced(C, full, True), True),
+                ("cuDNN forced, key-padding bias [B,1,1,T]", forced(C, kpad), True),
+                ("cuDNN forced, no mask", forced(C, None), False),
             ]
             for name, fn, compare in variants:
                 try:

@@ -4,6 +4,7 @@
 # over KServe gRPC (about 2 minutes per value on one H100, most of it the start-up graph capture).
 #
 # Usage:  OPTION=--t2w-queue-steps VALUES="2 1" benchmarks/option_sweep.sh OUT_DIR
+# env: OFFLINE_REQUESTS (512: 8 per client, so the in-flight throughput has a steady middle)
 # (install the carried wheels first, as benchmarks/gpu.sh does; docs/perf.md run 26 used it)
 set -u
 cd "$(dirname "$0")/.."
@@ -35,6 +36,6 @@ else:
   $CS bench "${URL[@]}" --concurrency 8,32 --requests-per-level 24 --warmup 0 --out "$OUTDIR/warm-$V" >/dev/null
   $CS bench "${URL[@]}" --mode offline --concurrency 64 --requests-per-level 64 --warmup 0 --out "$OUTDIR/warm-off-$V" >/dev/null
   $CS bench "${URL[@]}" --concurrency 8,32 --out "$OUTDIR/streaming-$V" | grep "^| "
-  $CS bench "${URL[@]}" --mode offline --concurrency 64 --requests-per-level 128 --out "$OUTDIR/offline-$V" | grep "^| "
+  $CS bench "${URL[@]}" --mode offline --concurrency 64 --requests-per-level "${OFFLINE_REQUESTS:-512}" --out "$OUTDIR/offline-$V" | grep "^| "
   kill -TERM $S; wait $S 2>/dev/null
 done

@@ -75,7 +75,7 @@ def main():
     ap.add_argument("--stages", default="encoder,decode,prefill,flow", help="which of them to measure")
     ap.add_argument("--no-fused", action="store_true", help="eager instead of the fused kernels (cosyserve.models.fused)")
     ap.add_argument("--kernel-table", type=int, default=0, metavar="N",
-                    help="also print the N most expensive kernels of the largest decode step")
+                    help="also print the N most expensive kernels of the largest decode step and flow batch")
     args = ap.parse_args()
     stages = set(args.stages.split(","))
     if args.no_fused:
@@ -103,7 +103,7 @@ def main():
     if stages & {"decode", "prefill"}:
         lm_stages(lm, models.cfg.llm, batches, rows, g, dev, dtype, args.kernel_table)
     if "flow" in stages:
-        flow_stages(flow, shapes, rows, g)
+        flow_stages(flow, shapes, rows, g, args.kernel_table)
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
           f"fused kernels {'off' if args.no_fused else 'on'}")
     print(_Rows.HEAD)
@@ -138,12 +138,7 @@ def lm_stages(lm, cfg, batches, rows, g, dev, dtype, table=0):
             rows.append(("LM decode step (device sampling)", label, gpu_ms(step), build, kernels(step)))
             build = float("nan")
     if table:
-        times = sorted(kernel_times(step).items(), key=lambda kv: -kv[1][1])
-        print(f"\nkernels of one decode step ({label}): {sum(c for c, _ in dict(times).values())} in all")
-        print("| kernel | calls | ms |\n|---|---:|---:|")
-        for name, (calls, ms) in times[:table]:
-            print(f"| `{name[:110]}` | {calls} | {ms:.3f} |")
-        print()
+        print_kernel_table(step, f"one decode step ({label})", table)
     t0 = time.perf_counter()
     pre = GraphedPrefill(lm, cache, bucket=128, max_len=128)
     pre.warmup()
@@ -152,7 +147,18 @@ def lm_stages(lm, cfg, batches, rows, g, dev, dtype, table=0):
     rows.append(("LM prefill", "1 x 120 (bucket 128)", gpu_ms(lambda: pre(emb, 0)), build, kernels(lambda: pre(emb, 0))))
 
 
-def flow_stages(flow, shapes, rows, g):
+def print_kernel_table(fn, what: str, n: int) -> None:
+    """The ``n`` most expensive GPU kernels of one call of ``fn`` (name, calls, ms, share)."""
+    times = sorted(kernel_times(fn).items(), key=lambda kv: -kv[1][1])
+    total = sum(ms for _, ms in dict(times).values())
+    print(f"\nkernels of {what}: {sum(c for c, _ in dict(times).values())} in all, {total:.2f} ms")
+    print("| kernel | calls | ms | share |\n|---|---:|---:|---:|")
+    for name, (calls, ms) in times[:n]:
+        print(f"| `{name[:110]}` | {calls} | {ms:.3f} | {100 * ms / total:.1f} % |")
+    print()
+
+
+def flow_stages(flow, shapes, rows, g, table=0):
     graph = GraphedFlow(flow, max(b for b, _ in shapes))
     for b, n_tok in shapes:
         inp = flow.prepare([torch.randint(0, 6561, (1, n_tok - 87), generator=g) for _ in range(b)],
@@ -167,6 +173,8 @@ def flow_stages(flow, shapes, rows, g):
                      gpu_ms(lambda: graph(inp), n=10), build, kernels(lambda: graph(inp))))
         rows.append(("flow launch (host)", f"batch {b} x {n_tok} tokens",
                      wall_ms(lambda: graph(inp), n=10, warm=2, until_done=False), build))
+    if table:
+        print_kernel_table(lambda: graph(inp), f"one flow solve (batch {b} x {n_tok} tokens)", table)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import torch
 from _reference import (discover, full_size_config, manifest, manifest_shapes, meta, model_dir, reference_dir, rel_l2,
                         require_reference_dir, tensors)
 from cosyserve.errors import CheckpointError
+from cosyserve.models import fused
 from cosyserve.models.checkpoint import load_strict, read_state_dict
 from cosyserve.models.config import load_config
 from cosyserve.models.flow import FlowModel
@@ -355,9 +356,20 @@ def test_cuda_parity_sync_free_and_half_precision(flow):
     t = tensors(cases[0])
     for dtype in (torch.bfloat16, torch.float16):
         half = model.to(dtype)
-        mel = half.inference(*(t[k] for k in FLOW_INPUTS), streaming=False, finalize=True)
-        assert mel.dtype == torch.float32 and torch.isfinite(mel).all(), dtype
-        assert rel_l2(mel.cpu(), t["mel"]) < 0.1, dtype
+        errors = {}
+        for on in (False, True):  # eager (exact GELU) vs fused kernels + GELU epilogue (tanh GELU)
+            prev = fused.set_enabled(on)
+            try:
+                mel = half.inference(*(t[k] for k in FLOW_INPUTS), streaming=False, finalize=True)
+            finally:
+                fused.set_enabled(prev)
+            assert mel.dtype == torch.float32 and torch.isfinite(mel).all(), dtype
+            errors[on] = rel_l2(mel.cpu(), t["mel"])
+        print(f"flow {dtype} vs float32 reference, relative L2: eager {errors[False]:.2e}, fused {errors[True]:.2e}")
+        assert errors[False] < 0.1 and errors[True] < 0.1, (dtype, errors)
+        # the fused path (one rounding per kernel, the tanh GELU epilogue) is no further from
+        # float32 than eager half precision is, beyond a small margin
+        assert errors[True] <= 1.25 * errors[False] + 2e-3, (dtype, errors)
         model = half.float()
 
 

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from cosyserve.models.graphs import BucketGrid, _pow2_buckets, length_buckets
+from cosyserve.models.graphs import BucketGrid, _pow2_buckets, half_octave_buckets, length_buckets
 
 
 def test_length_buckets_are_fine_then_geometric():
@@ -51,10 +51,22 @@ def test_reachable_buckets_cover_every_batch_within_the_budget(area, quad):
 def test_full_size_grids_stay_small():
     """The engine's default limits (64 streams, 4096 KV positions, 16384 token2wav tokens, 4096
     prefill positions) give graph counts that capture in tens of seconds."""
-    flow = BucketGrid(_pow2_buckets(64), length_buckets(32, 4096), 16384, 16384 * 1024)
-    hift = BucketGrid(_pow2_buckets(64), length_buckets(32, 2 * 4096 + 8), 2 * 16384 + 8 * 64)
+    flow = BucketGrid(half_octave_buckets(64), length_buckets(32, 4096), 16384, 16384 * 1024)
+    hift = BucketGrid(half_octave_buckets(64), length_buckets(32, 2 * 4096 + 8), 2 * 16384 + 8 * 64)
     prefill = BucketGrid(_pow2_buckets(64), list(range(64, 1025, 64)), 4096)
-    assert len(flow.reachable()) <= 125 and len(hift.reachable()) <= 150 and len(prefill.reachable()) <= 80
+    assert len(flow.reachable()) <= 160 and len(hift.reachable()) <= 200 and len(prefill.reachable()) <= 80
+
+
+def test_half_octave_batch_buckets_pad_by_less_than_half():
+    assert half_octave_buckets(64) == [1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+    assert half_octave_buckets(6) == [1, 2, 4, 6] and half_octave_buckets(5) == [1, 2, 4, 5]
+    assert half_octave_buckets(1) == [1] and half_octave_buckets(13) == [1, 2, 4, 6, 8, 12, 13]
+    for top in (1, 5, 16, 48, 64, 100):
+        b = half_octave_buckets(top)
+        assert b == sorted(set(b)) and b[-1] == top
+        assert all(next(x for x in b if x >= n) < max(4.5, n * 1.5) for n in range(1, top + 1))
+    with pytest.raises(ValueError):
+        half_octave_buckets(0)
 
 
 def test_shared_buffers_give_every_bucket_a_view_of_one_allocation():

@@ -91,8 +91,9 @@ class EngineConfig:
     ``t2w_batch_target``: while the LM is busy, jobs not yet due (offline utterances, later
     chunks well ahead of their playback) gather until this many are ready, then run as one
     batch of at most this many (with the jobs that are due): a flow/HiFT batch costs a fixed
-    part plus a part per job, so a full batch costs less per job (docs/perf.md run 23); a power
-    of two fills a CUDA-graph batch bucket exactly; ``t2w_gather_s``: the longest an offline
+    part plus a part per job, so a full batch costs less per job (docs/perf.md run 23); a batch
+    bucket (:func:`~cosyserve.models.graphs.half_octave_buckets`: 8, 12, 16, 24, ...) is filled
+    exactly; ``t2w_gather_s``: the longest an offline
     utterance waits for others to join its batch (its deadline is this plus ``t2w_slack_s``
     after its audio is ready);
     ``t2w_slack_s``: seconds before its deadline a job longer than the batch's most urgent

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from ..errors import ConfigError
 from .config import EstimatorConfig
 from .flow_encoder import chunk_attention_mask
-from .fused import FusedOp
+from .fused import FusedOp, linear_gelu
 
 _MASK_BIAS = -1.0e10  # upstream cosyvoice.utils.common.mask_to_bias
 
@@ -268,14 +268,15 @@ class SelfAttention(nn.Module):
 
 
 class GeluProjection(nn.Module):
-    """diffusers ``GELU``: ``gelu(proj(x))`` (exact erf GELU)."""
+    """diffusers ``GELU``: ``gelu(proj(x))`` (exact erf GELU; in half precision on CUDA the
+    GEMM's tanh-approximated GELU epilogue, :func:`~cosyserve.models.fused.linear_gelu`)."""
 
     def __init__(self, dim_in: int, dim_out: int):
         super().__init__()
         self.proj = nn.Linear(dim_in, dim_out)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.gelu(self.proj(x))
+        return linear_gelu(x, self.proj.weight, self.proj.bias)
 
 
 class FeedForward(nn.Module):

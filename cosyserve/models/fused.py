@@ -41,6 +41,28 @@ def set_enabled(flag: bool) -> bool:
     return prev
 
 
+def enabled() -> bool:
+    """Are fused kernels (and the GEMM epilogues of :func:`linear_gelu`) on?"""
+    return _enabled
+
+
+def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``gelu(linear(x, weight, bias))``: ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` ->
+    ``[..., N]``.
+
+    In float16/bfloat16 on CUDA (fused kernels on) the GELU runs in the GEMM's epilogue
+    (``torch._addmm_activation``, cuBLASLt ``GELU_BIAS``), which saves a read and a write of the
+    ``[..., N]`` activations (the flow estimator's feed-forward: 10 % of a flow solve as a separate
+    kernel, docs/perf.md run 33). That epilogue is GELU's tanh approximation, which differs from
+    the exact (erf) GELU by at most ~5e-4 absolute (at |x| ~ 2), far below the half-precision
+    rounding of the values there (bfloat16 ulp at 2: 1.6e-2); the GPU tests compare the result
+    with float32. Everywhere else: the exact GELU after the GEMM (upstream's numerics)."""
+    if _enabled and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dim() >= 2:
+        y = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    return torch.nn.functional.gelu(torch.nn.functional.linear(x, weight, bias))
+
+
 def _triton_available() -> bool:
     try:
         return importlib.util.find_spec("triton") is not None

@@ -47,6 +47,24 @@ def _pow2_buckets(max_value: int) -> list[int]:
     return out
 
 
+def half_octave_buckets(max_value: int) -> list[int]:
+    """Batch buckets ``1, 2, 4, 6, 8, 12, 16, 24, ...``: the powers of two and, from 6 on, 1.5x
+    a power of two, ending with ``max_value``. A batch past 4 rows is padded to less than 1.5x its
+    rows (powers of two alone: almost 2x, e.g. 9 jobs in a 16-row bucket), for about 1.6x as many
+    buckets. The token2wav stages use these: their cost grows with the padded rows, and their
+    batches of offline utterances rarely fill a power of two (docs/perf.md, run 33)."""
+    if max_value < 1:
+        raise ValueError("max_value must be positive")
+    out, b = [], 1
+    while b < max_value:
+        out.append(b)
+        if b >= 4 and b * 3 // 2 < max_value:
+            out.append(b * 3 // 2)
+        b *= 2
+    out.append(max_value)
+    return out
+
+
 log = logging.getLogger(__name__)
 
 
@@ -486,7 +504,7 @@ class GraphedPrefill(_BucketGraphs):
 
 class GraphedHiFTDecoder(_BucketGraphs):
     """:meth:`HiFTGenerator.decode` (conv stack + source STFT + iSTFT, deterministic and free of
-    host synchronisation) as CUDA graphs per batch bucket (``1, 2, 4, ... max_batch``) x frame
+    host synchronisation) as CUDA graphs per batch bucket (:func:`half_octave_buckets`) x frame
     bucket (:func:`length_buckets` of ``frame_bucket`` up to ``max_frames``); :meth:`warmup`
     captures those that batches of at most ``max_area`` frames (items x longest) reach.
 
@@ -502,7 +520,8 @@ class GraphedHiFTDecoder(_BucketGraphs):
 
     def __init__(self, hift, max_batch: int, max_frames: int = 1024, max_area: int | None = None,
                  frame_bucket: int = 32, pool=None):
-        super().__init__(BucketGrid(_pow2_buckets(max_batch), length_buckets(frame_bucket, max_frames), max_area),
+        super().__init__(BucketGrid(half_octave_buckets(max_batch), length_buckets(frame_bucket, max_frames),
+                                    max_area),
                          next(hift.parameters()).device, pool)
         self.hift = hift
 
@@ -543,7 +562,7 @@ class GraphedHiFTDecoder(_BucketGraphs):
 
 class GraphedFlow(_BucketGraphs):
     """The whole flow of a token2wav batch — token embedding, conformer encoder, projections and
-    the 10-step CFG Euler solve — as CUDA graphs per batch bucket (``1, 2, 4, ... max_batch``) x
+    the 10-step CFG Euler solve — as CUDA graphs per batch bucket (:func:`half_octave_buckets`) x
     token bucket (:func:`length_buckets` of ``token_bucket`` up to ``max_tokens``, and no
     longer than the fixed noise buffer; mel frames = ``token_mel_ratio`` x tokens): one *begin*
     graph (:meth:`FlowModel.encode` + ``CausalFlowMatching.begin``) and one *step* graph (one
@@ -572,7 +591,7 @@ class GraphedFlow(_BucketGraphs):
                  token_bucket: int = 32, pool=None, max_quad: int | None = None):
         noise_tokens = flow.rand_noise.size(-1) // flow.token_mel_ratio // token_bucket * token_bucket
         top = max(token_bucket, min(max_tokens, noise_tokens))
-        super().__init__(BucketGrid(_pow2_buckets(max_batch), length_buckets(token_bucket, top), max_area,
+        super().__init__(BucketGrid(half_octave_buckets(max_batch), length_buckets(token_bucket, top), max_area,
                                     max_quad), flow.encoder_proj.weight.device, pool)
         self.flow = flow
 
