@@ -10,7 +10,12 @@ This times one call per variant (CUDA events, median) at the offline shape:
 * FlashAttention-2 varlen over the padded layout with ``seqused_k`` (no bias tensor);
 * each SDPA backend that takes a bias (efficient attention, cuDNN) forced, with the full and
   the key-padding bias, and on contiguous ``[B, H, T, D]`` q/k/v (the estimator's are strided
-  views of one GEMM's output).
+  views of one GEMM's output);
+* FlexAttention (``--flex``): the mask computed in the kernel from a per-(row, query) key limit
+  (padded keys, padded queries and, with ``--streaming``, later chunks masked) with its
+  block-sparse skipping of masked blocks, compiled once with dynamic shapes; the compile and
+  first-call times of each new shape are printed (a recompile per shape would be too slow for
+  the engine's ~150 graph buckets).
 
     python benchmarks/attention_probe.py --batch 32 --frames 512
 """
@@ -32,7 +37,17 @@ def main():
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--flex", action="store_true", help="also time FlexAttention")
+    ap.add_argument("--streaming", action="store_true",
+                    help="chunk-causal rows (chunks of --chunk frames) in the bias and the flex mask")
+    ap.add_argument("--chunk", type=int, default=50)
     args = ap.parse_args()
+    flex = None
+    if args.flex:
+        import time
+
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        flex = torch.compile(flex_attention, dynamic=True)
     dtype = getattr(torch, args.dtype)
     dev = "cuda"
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}")
@@ -47,7 +62,17 @@ def main():
             lens = torch.randint(t * 3 // 4, t + 1, (b,), device=dev, generator=g)
             lens[0] = t
             keep = torch.arange(t, device=dev)[None, :] < lens[:, None]  # [B, T]
-            full = torch.zeros(b, 1, t, t, device=dev, dtype=dtype).masked_fill(~keep[:, None, None, :], -1e10)
+            pos = torch.arange(t, device=dev)
+            # per (row, query) the keys it may see: [0, limit); chunk-causal rows stop at the end of
+            # the query's chunk; padded queries see nothing (their output is never used)
+            limit = lens[:, None].expand(b, t)
+            if args.streaming:
+                limit = torch.minimum(limit, (pos // args.chunk + 1) * args.chunk)
+            limit = torch.where(pos[None] < lens[:, None], limit, 0).contiguous()
+            allowed = pos[None, None, :] < limit[:, :, None]  # [B, T(q), T(k)]
+            # the reference bias: padded queries keep every valid key (as the estimator's bias)
+            allowed_ref = allowed | (~keep[:, :, None] & keep[:, None, :])
+            full = torch.zeros(b, 1, t, t, device=dev, dtype=dtype).masked_fill(~allowed_ref[:, None], -1e10)
             kpad = torch.zeros(b, 1, 1, t, device=dev, dtype=dtype).masked_fill(~keep[:, None, None, :], -1e10)
             flops = 4 * b * h * t * t * d
             ref = F.scaled_dot_product_attention(q, k, v, attn_mask=full)
@@ -83,10 +108,34 @@ def main():
                 ("cuDNN forced, key-padding bias [B,1,1,T]", forced(C, kpad), True),
                 ("cuDNN forced, no mask", forced(C, None), False),
             ]
+            if flex is not None:
+                def mask_mod(bi, hi, qi, ki):
+                    return ki < limit[bi, qi]
+
+                t0 = time.perf_counter()
+                bm = create_block_mask(mask_mod, b, None, t, t, device=dev)
+                qf, kf, vf = q, k, v
+
+                def flex_fn():
+                    return flex(qf, kf, vf, block_mask=bm)
+
+                flex_fn()
+                torch.cuda.synchronize()
+                print(f"| {b} x {t} | flex: block mask + first call (compile) | {1e3 * (time.perf_counter() - t0):.0f} | | |")
+                t0 = time.perf_counter()
+                create_block_mask(mask_mod, b, None, t, t, device=dev)
+                torch.cuda.synchronize()
+                print(f"| {b} x {t} | flex: block mask again (host ms) | {1e3 * (time.perf_counter() - t0):.1f} | | |")
+                variants.append(("flex, key limit per query (block-sparse)", flex_fn, True))
+                variants.append(("flex block mask build (device)",
+                                 lambda: create_block_mask(mask_mod, b, None, t, t, device=dev), False))
+            valid_q = keep[:, None, :, None]  # compare valid queries only
             for name, fn, compare in variants:
                 try:
                     out = fn()
-                    diff = (out - ref).abs().max().item() if compare else float("nan")
+                    if not isinstance(out, torch.Tensor):
+                        out = None
+                    diff = ((out - ref).abs() * valid_q).max().item() if compare and out is not None else float("nan")
                     ms = gpu_ms(fn, n=50, warm=5)
                     print(f"| {b} x {t} | {name} | {ms:.3f} | {flops / ms / 1e9:.0f} | {diff:.2e} |", flush=True)
                 except Exception as exc:  # noqa: BLE001 - report and go on

@@ -365,6 +365,17 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _fraction(value: str) -> float:
+    """argparse type: a number in [0, 1) (argparse reports anything else as a usage error)."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value!r}") from None
+    if not 0 <= x < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value}")
+    return x
+
+
 def _nonnegative_float(value: str) -> float:
     """argparse type: a number >= 0 (argparse reports anything else as a usage error)."""
     try:
@@ -410,6 +421,10 @@ def _engine_args(p, in_process: bool = False) -> None:
     p.add_argument("--t2w-gather", type=_nonnegative_float, default=1.0, metavar="SECONDS",
                    help="the longest an offline utterance waits for others to join its token2wav batch "
                         "(default 1.0)")
+    p.add_argument("--t2w-length-window", type=_fraction, default=0.75, metavar="FRACTION",
+                   help="token2wav jobs not yet due join a batch only if they need more than FRACTION of its "
+                        "flow length, or fill rows its CUDA-graph bucket would pad (default 0.75; 0: any shorter "
+                        "job joins)")
     p.add_argument("--lazy-graphs", action="store_true",
                    help="capture CUDA graphs (LM prefill, flow, HiFT) on first use instead of at start-up "
                         "(starts ~50 s faster; each capture while serving stalls every stream for 0.1-0.4 s)")
@@ -425,7 +440,8 @@ def _engine_config(args, **overrides):
                   t2w_queue_steps=_queue_steps(args.t2w_queue_steps), device_sampling=_SAMPLING[args.sampling],
                   t2w_slack_s=_slack(args.t2w_slack), lm_stream_priority=args.lm_stream_priority == "high",
                   max_t2w_tokens=args.max_t2w_tokens, t2w_batch_target=args.t2w_batch_target,
-                  t2w_gather_s=args.t2w_gather, graph_warmup=not lazy, t2w_graph_warmup=not lazy,
+                  t2w_gather_s=args.t2w_gather, t2w_length_window=args.t2w_length_window,
+                  graph_warmup=not lazy, t2w_graph_warmup=not lazy,
                   decode_lookahead=args.decode_lookahead)
     fields.update(overrides)
     try:

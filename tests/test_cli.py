@@ -184,7 +184,9 @@ def test_max_t2w_tokens_is_a_positive_integer(capsys, value):
 
 @pytest.mark.parametrize("option,value,message", [("--t2w-batch-target", "0", "positive integer"),
                                                   ("--t2w-gather", "-1", "number >= 0"),
-                                                  ("--t2w-gather", "soon", "number >= 0")])
+                                                  ("--t2w-gather", "soon", "number >= 0"),
+                                                  ("--t2w-length-window", "1", "in [0, 1)"),
+                                                  ("--t2w-length-window", "-0.5", "in [0, 1)")])
 def test_token2wav_batching_options_are_validated(capsys, option, value, message):
     with pytest.raises(SystemExit) as exc:  # an argparse usage error
         run(capsys, "serve", "--model-dir", model_dir(), option, value)
@@ -209,14 +211,14 @@ def test_engine_options_reach_the_server_config(capsys, monkeypatch):
                          "--t2w-batch-target", "8", "--t2w-gather", "0.25", "--hift-dtype", "float16",
                          "--max-active-streams", "5", "--max-queue", "7", "--t2w-queue-steps", "0",
                          "--sampling", "host", "--t2w-slack", "auto", "--lm-stream-priority", "normal",
-                         "--token2wav-thread", "--decode-lookahead", "2")
+                         "--token2wav-thread", "--decode-lookahead", "2", "--t2w-length-window", "0.5")
     assert code == 0, err
     e = seen["cfg"].engine
     assert e.max_t2w_tokens == 4096 and e.graph_warmup is False and e.t2w_graph_warmup is False
     assert e.t2w_batch_target == 8 and e.t2w_gather_s == 0.25
     assert (e.max_active, e.max_queue, e.t2w_queue_steps, e.device_sampling) == (5, 7, None, False)
     assert e.t2w_slack_s is None and e.lm_stream_priority is False and e.t2w_thread is True
-    assert e.decode_lookahead == 2
+    assert e.decode_lookahead == 2 and e.t2w_length_window == 0.5
     assert seen["cfg"].hift_dtype == "float16"
     code, out, err = run(capsys, "serve", "--model-dir", model_dir())
     assert code == 0 and seen["cfg"].hift_dtype == "auto"

@@ -232,10 +232,14 @@ def test_token2wav_batches_earliest_deadline_first(syn, voice):
     ]
     picked = [st for st, _, _ in engine._pick_t2w_batch(list(cands), now)]
     assert picked == ["first-chunk-old", "first-chunk-new", "later-long-due"]
-    engine2 = syn.new_engine(EngineConfig(max_active=8, max_queue=0, t2w_slack_s=0.5))
+    engine2 = syn.new_engine(EngineConfig(max_active=8, max_queue=0, t2w_slack_s=0.5, t2w_length_window=0))
     picked = [st for st, _, _ in engine2._pick_t2w_batch(list(cands), now)]
     # the due long job raised the batch length to 512 tokens: the others fit and ride along
     assert picked == ["first-chunk-old", "first-chunk-new", "later-long-due", "later-long-not-due", "later-short"]
+    # unless they are much shorter than that (default length window 0.75: 256 and 120 <= 384 tokens)
+    windowed = syn.new_engine(EngineConfig(max_active=8, max_queue=0, t2w_slack_s=0.5))
+    picked = [st for st, _, _ in windowed._pick_t2w_batch(list(cands), now)]
+    assert picked == ["first-chunk-old", "first-chunk-new", "later-long-due"]
     picked = [st for st, _, _ in engine2._pick_t2w_batch([c for c in cands if c[4] != "j2"], now)]
     assert picked == ["first-chunk-old", "first-chunk-new", "later-short"]  # 256 tokens > 128 and not due
     assert EngineConfig(max_active=5).max_t2w_batch == 5
@@ -256,6 +260,41 @@ def test_token2wav_batches_earliest_deadline_first(syn, voice):
     assert [st for st, _, _ in engine4._pick_t2w_batch(long, now)] == ["a"]
     engine5 = syn.new_engine(EngineConfig(max_active=8, max_queue=0, t2w_slack_s=0.5, max_t2w_tokens=12000))
     assert [st for st, _, _ in engine5._pick_t2w_batch(long, now)] == ["a", "b", "c"]  # 3 x 2000² < 12000 x 1024
+
+
+def test_jobs_much_shorter_than_the_batch_wait_unless_they_fill_padded_rows(syn, voice):
+    """A job not yet due joins only if it needs more than t2w_length_window of the batch's flow
+    length (the most urgent job's bucket), or to fill a row the CUDA-graph batch bucket would
+    compute anyway (longest first); due jobs always go."""
+    from types import SimpleNamespace
+
+    from cosyserve.models.graphs import BucketGrid, half_octave_buckets, length_buckets
+
+    engine = syn.new_engine(EngineConfig(max_active=16, max_queue=0, t2w_slack_s=0.5, t2w_batch_target=16))
+    now = 100.0
+    lens = [300, 290, 280, 270, 150, 140, 260, 130, 120]  # most urgent first; 300 -> bucket 320, window 240
+    cands = [(now + 2.0 + 0.01 * i, n, f"j{i}:{n}", None, f"j{i}") for i, n in enumerate(lens)]
+    picked = [st for st, _, _ in engine._pick_t2w_batch(list(cands), now)]  # no graphs (CPU): no padded rows
+    assert picked == ["j0:300", "j1:290", "j2:280", "j3:270", "j6:260"]
+    flow = engine.models.flow
+    saved = flow.graph
+    flow.graph = SimpleNamespace(grid=BucketGrid(half_octave_buckets(16), length_buckets(32, 1024), 16384))
+    try:
+        # 5 long jobs land in the 6-row bucket: the longest short job takes the padded row
+        picked = [st for st, _, _ in engine._pick_t2w_batch(list(cands), now)]
+        assert picked == ["j0:300", "j1:290", "j2:280", "j3:270", "j6:260", "j4:150"]
+        assert engine._t2w_rows(5) == 6 and engine._t2w_rows(9) == 12 and engine._t2w_rows(17) == 17
+    finally:
+        flow.graph = saved
+    # a short job that is due goes anyway; a short job that is the most urgent sets a short batch
+    due = [(now + 0.1, 120, "due:120", None, "d")] + cands
+    assert "due:120" in [st for st, _, _ in engine._pick_t2w_batch(list(due), now)]
+    first_short = [(now + 1.0, 140, "s:140", None, "s")] + cands
+    picked = [st for st, _, _ in engine._pick_t2w_batch(list(first_short), now)]
+    # bucket 160 (CPU: multiples of 32), window 120: the long ones wait, and so does 120 itself
+    assert picked == ["s:140", "j4:150", "j5:140", "j7:130"]
+    with pytest.raises(ValueError):
+        EngineConfig(t2w_length_window=1.0)
 
 
 def test_jobs_not_yet_due_gather_into_full_batches(syn, voice):

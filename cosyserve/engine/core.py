@@ -95,7 +95,12 @@ class EngineConfig:
     bucket (:func:`~cosyserve.models.graphs.half_octave_buckets`: 8, 12, 16, 24, ...) is filled
     exactly; ``t2w_gather_s``: the longest an offline
     utterance waits for others to join its batch (its deadline is this plus ``t2w_slack_s``
-    after its audio is ready);
+    after its audio is ready); ``t2w_length_window``: jobs not yet due join a batch only if
+    they need more than this fraction of its flow length (the most urgent job's length bucket),
+    or to fill rows of its CUDA-graph batch bucket that would otherwise be padding: a job much
+    shorter than the batch would pay for the batch's length (every row is computed at the
+    padded length), so it waits for a batch of its own length (0: any shorter job joins;
+    docs/perf.md run 34);
     ``t2w_slack_s``: seconds before its deadline a job longer than the batch's most urgent
     one is added anyway (see the module doc); ``None``: adaptive, three times the recent
     token2wav batch duration (a job left out now runs after the batch in flight and the next
@@ -145,6 +150,7 @@ class EngineConfig:
     t2w_batch_target: int = 16
     t2w_gather_s: float = 1.0
     t2w_slack_s: float | None = 1.0
+    t2w_length_window: float = 0.75
     cuda_graphs: bool = True
     graph_warmup: bool = True
     t2w_graph_warmup: bool = True
@@ -160,6 +166,7 @@ class EngineConfig:
             object.__setattr__(self, "max_t2w_batch", self.max_active)
         if self.max_active < 1 or self.max_queue < 0 or self.kv_max_len < 64 or self.max_t2w_batch < 1 \
                 or self.max_t2w_tokens < 1 or self.t2w_batch_target < 1 or self.t2w_gather_s < 0 \
+                or not 0 <= self.t2w_length_window < 1 \
                 or (self.t2w_slack_s is not None and self.t2w_slack_s < 0) \
                 or (self.t2w_queue_steps is not None and self.t2w_queue_steps < 1) or self.decode_lookahead < 1:
             raise ValueError("invalid engine limits")
@@ -863,26 +870,47 @@ class EngineCore:
         bucket, :meth:`Token2Wav.length_bucket`), longer jobs join only when due within
         ``t2w_slack_s`` (they would make every job in the batch pay for their length); jobs
         not due within ``t2w_slack_s`` join only while the batch has fewer than
-        ``t2w_batch_target`` jobs (the rest gather into the next batch); jobs join while the
-        padded batch (jobs x longest) stays within ``max_t2w_tokens`` and its attention (jobs x
-        longest²) within ``max_t2w_tokens x T2W_ATTENTION_LEN``."""
+        ``t2w_batch_target`` jobs (the rest gather into the next batch), and only if longer
+        than ``t2w_length_window`` x the batch's length — shorter ones then fill the rows the
+        batch's CUDA-graph bucket would pad, longest first; jobs join while the padded batch
+        (jobs x longest) stays within ``max_t2w_tokens`` and its attention (jobs x longest²)
+        within ``max_t2w_tokens x T2W_ATTENTION_LEN``."""
         cands.sort(key=lambda c: c[0])
         horizon = now + self.slack_s()
+        window = self.cfg.t2w_length_window
         limit = None
         longest = 0
-        picked = []
+        picked, short = [], []
         for deadline, n_tok, st, seg, job in cands:
             if len(picked) >= self.cfg.max_t2w_batch:
                 break
             if deadline > horizon and (len(picked) >= self.cfg.t2w_batch_target
                                        or (limit is not None and n_tok > limit)):
                 continue
+            if deadline > horizon and limit is not None and n_tok <= window * limit:
+                short.append((n_tok, st, seg, job))
+                continue
             if picked and not self._t2w_fits(len(picked) + 1, max(longest, n_tok)):
                 continue
             longest = max(longest, n_tok)
             limit = max(limit or 0, self.t2w.length_bucket(n_tok))
             picked.append((st, seg, job))
+        # the shorter jobs left out fill the rows the batch bucket pads anyway, longest first
+        rows = min(self._t2w_rows(len(picked)), self.cfg.t2w_batch_target, self.cfg.max_t2w_batch)
+        for n_tok, st, seg, job in sorted(short, key=lambda c: -c[0]):
+            if len(picked) >= rows:
+                break
+            if self._t2w_fits(len(picked) + 1, longest):
+                picked.append((st, seg, job))
         return picked
+
+    def _t2w_rows(self, n_jobs: int) -> int:
+        """The rows a token2wav batch of ``n_jobs`` jobs computes: its CUDA-graph batch bucket
+        (:func:`~cosyserve.models.graphs.half_octave_buckets`), or ``n_jobs`` without graphs."""
+        graph = self.models.flow.graph
+        if graph is None or n_jobs > graph.grid.batches[-1]:
+            return n_jobs
+        return next(b for b in graph.grid.batches if b >= n_jobs)
 
     def _t2w_fits(self, rows: int, n_tokens: int) -> bool:
         """Is a token2wav batch of ``rows`` jobs, the longest taking ``n_tokens`` flow input
