@@ -160,12 +160,21 @@ def _conv_layer_norm_mish_eager(taps: Tensor, conv_bias: Tensor, weight: Tensor,
     return (y if add is None else y + add).to(taps.dtype)
 
 
+def _conv_layer_norm_mish_norm_eager(taps: Tensor, conv_bias: Tensor, weight: Tensor, bias: Tensor, eps: float,
+                                     add: Tensor | None, norm_weight: Tensor, norm_bias: Tensor,
+                                     norm_eps: float) -> tuple[Tensor, Tensor]:
+    out = _conv_layer_norm_mish_eager(taps, conv_bias, weight, bias, eps, add)
+    return out, F.layer_norm(out, (out.shape[-1],), norm_weight, norm_bias, norm_eps)
+
+
 #: ``(x + y, LayerNorm(x + y))`` over the last dim: a residual add and the next pre-norm, one
 #: kernel on CUDA (:mod:`cosyserve.models.fused`)
 add_layer_norm = FusedOp(_add_layer_norm_eager, "add_layer_norm")
 #: a causal convolution's tap sum (:func:`causal_taps_sum`), LayerNorm, Mish and an optional
 #: add (broadcast), one kernel on CUDA: :class:`CausalBlock` after its GEMM
 conv_layer_norm_mish = FusedOp(_conv_layer_norm_mish_eager, "conv_layer_norm_mish")
+#: the same and the next pre-norm's LayerNorm of its (rounded) result: ``(out, LayerNorm(out))``
+conv_layer_norm_mish_norm = FusedOp(_conv_layer_norm_mish_norm_eager, "conv_layer_norm_mish_norm")
 
 
 class CausalBlock(nn.Module):
@@ -191,6 +200,13 @@ class CausalBlock(nn.Module):
         conv, ln = self.block[0], self.block[2]
         return conv_layer_norm_mish(F.linear(x, conv.taps()), conv.bias, ln.weight, ln.bias, ln.eps, add)
 
+    def forward_normed(self, x: Tensor, add: Tensor | None, norm: nn.LayerNorm) -> tuple[Tensor, Tensor]:
+        """``(forward(x, add), norm(forward(x, add)))``, the LayerNorm in the same fused kernel
+        (:data:`conv_layer_norm_mish_norm`): the pre-norm of the transformer block that follows."""
+        conv, ln = self.block[0], self.block[2]
+        return conv_layer_norm_mish_norm(F.linear(x, conv.taps()), conv.bias, ln.weight, ln.bias, ln.eps, add,
+                                         norm.weight, norm.bias, norm.eps)
+
 
 class CausalResnetBlock(nn.Module):
     """``block2(block1(x) + mlp(t_emb)) + res_conv(x)`` on ``[B, T, C_in] -> [B, T, C_out]``.
@@ -210,6 +226,15 @@ class CausalResnetBlock(nn.Module):
         w = self.res_conv.weight
         res = F.linear(x, w.view(w.shape[0], w.shape[1]), self.res_conv.bias)
         return self.block2(self.block1(x, t_term.unsqueeze(1)), res)
+
+    def forward_normed(self, x: Tensor, t_term: Tensor, norm: nn.LayerNorm | None) -> tuple[Tensor, Tensor | None]:
+        """``(forward(x, t_term), norm(...) or None)``: with ``norm`` (the next transformer block's
+        pre-norm) the LayerNorm is computed by ``block2``'s fused kernel."""
+        if norm is None:
+            return self.forward(x, t_term), None
+        w = self.res_conv.weight
+        res = F.linear(x, w.view(w.shape[0], w.shape[1]), self.res_conv.bias)
+        return self.block2.forward_normed(self.block1(x, t_term.unsqueeze(1)), res, norm)
 
 
 class Downsample(nn.Module):
@@ -431,12 +456,21 @@ class FlowEstimator(nn.Module):
         t_emb = self.time_mlp(sinusoidal_time_embedding(t, self.cfg.in_channels))
         return list(F.linear(F.mish(t_emb), w, bias).split([lin.out_features for lin in lins], dim=-1))
 
-    def _transformers(self, blocks: nn.ModuleList, h: Tensor, bias: Tensor) -> Tensor:
+    def _resnet_transformers(self, resnet: CausalResnetBlock, blocks: nn.ModuleList, h: Tensor, t_term: Tensor,
+                             bias: Tensor) -> Tensor:
+        """One U-Net stage's ResNet block and transformer blocks; the first block's pre-norm is
+        fused into the ResNet block's last kernel."""
+        h, h_norm = resnet.forward_normed(h, t_term, blocks[0].norm1 if len(blocks) else None)
+        return self._transformers(blocks, h, bias, h_norm)
+
+    def _transformers(self, blocks: nn.ModuleList, h: Tensor, bias: Tensor, h_norm: Tensor | None = None) -> Tensor:
         """The transformer blocks of one U-Net stage (:meth:`TransformerBlock.forward_fused`:
-        each residual add fused with the next block's pre-norm)."""
+        each residual add fused with the next block's pre-norm); ``h_norm``: the first block's
+        ``norm1(h)`` if already computed."""
         if len(blocks) == 0:
             return h
-        h_norm = blocks[0].norm1(h)
+        if h_norm is None:
+            h_norm = blocks[0].norm1(h)
         for i, block in enumerate(blocks):
             nxt = blocks[i + 1].norm1 if i + 1 < len(blocks) else None
             h, h_norm = block.forward_fused(h, h_norm, bias, nxt)
@@ -457,20 +491,17 @@ class FlowEstimator(nn.Module):
         biases = plan.biases()
         skips = []
         for level, (resnet, blocks, down) in enumerate(self.down_blocks):
-            h = resnet(h, next(terms))
-            h = self._transformers(blocks, h, biases[level])
+            h = self._resnet_transformers(resnet, blocks, h, next(terms), biases[level])
             skips.append(h)
             h = down.forward_btc(h) if isinstance(down, CausalConv1d) else down(h * plan.masks[level])
         bottom = self.depth - 1
         for resnet, blocks in self.mid_blocks:
-            h = resnet(h, next(terms))
-            h = self._transformers(blocks, h, biases[bottom])
+            h = self._resnet_transformers(resnet, blocks, h, next(terms), biases[bottom])
         for k, (resnet, blocks, up) in enumerate(self.up_blocks):
             level = bottom - k
             skip = skips.pop()
             h = torch.cat([h[:, : skip.size(1)], skip], dim=-1)
-            h = resnet(h, next(terms))
-            h = self._transformers(blocks, h, biases[level])
+            h = self._resnet_transformers(resnet, blocks, h, next(terms), biases[level])
             h = up.forward_btc(h) if isinstance(up, CausalConv1d) else up(h * plan.masks[level])
         h = self.final_block(h)
         w = self.final_proj.weight
