@@ -427,7 +427,7 @@ def _engine_args(p, in_process: bool = False) -> None:
                         "job joins)")
     p.add_argument("--lazy-graphs", action="store_true",
                    help="capture CUDA graphs (LM prefill, flow, HiFT) on first use instead of at start-up "
-                        "(starts ~50 s faster; each capture while serving stalls every stream for 0.1-0.4 s)")
+                        "(starts ~100 s faster; each capture while serving stalls every stream for 0.1-0.4 s)")
 
 
 def _engine_config(args, **overrides):

@@ -100,7 +100,7 @@ class EngineConfig:
     or to fill rows of its CUDA-graph batch bucket that would otherwise be padding: a job much
     shorter than the batch would pay for the batch's length (every row is computed at the
     padded length), so it waits for a batch of its own length (0: any shorter job joins;
-    docs/perf.md run 34);
+    docs/perf.md run 35);
     ``t2w_slack_s``: seconds before its deadline a job longer than the batch's most urgent
     one is added anyway (see the module doc); ``None``: adaptive, three times the recent
     token2wav batch duration (a job left out now runs after the batch in flight and the next
@@ -110,7 +110,7 @@ class EngineConfig:
     ``graph_warmup``: capture every LM prefill bucket the limits above can reach when the engine
     starts (~6 s at full size; a capture while serving stalls every stream for 0.1-0.4 s,
     docs/perf.md run 20), otherwise on first use; ``t2w_graph_warmup``: the same for the flow
-    and HiFT grids (~45 s), done by :meth:`EngineCore.warmup` (or the first step) before any
+    and HiFT grids (~100 s at full size on an H100), done by :meth:`EngineCore.warmup` (or the first step) before any
     request's work; every stage captures on a CUDA stream of its own
     (:func:`~cosyserve.models.graphs.capture_stream`: graphs sharing a capture stream share a
     cuBLAS workspace, and replayed concurrently they stopped the GPU, docs/perf.md "Runs 23–26");

@@ -52,7 +52,7 @@ def half_octave_buckets(max_value: int) -> list[int]:
     a power of two, ending with ``max_value``. A batch past 4 rows is padded to less than 1.5x its
     rows (powers of two alone: almost 2x, e.g. 9 jobs in a 16-row bucket), for about 1.6x as many
     buckets. The token2wav stages use these: their cost grows with the padded rows, and their
-    batches of offline utterances rarely fill a power of two (docs/perf.md, run 33)."""
+    batches of offline utterances rarely fill a power of two (docs/perf.md, run 34)."""
     if max_value < 1:
         raise ValueError("max_value must be positive")
     out, b = [], 1
