@@ -138,7 +138,8 @@ class EngineConfig:
     whose tokens the host reads next (1: the next step, as measured so far; N > 1 keeps the
     GPU decoding while the scheduler is held up for longer than a step, e.g. issuing a
     token2wav batch, at the cost of N dropped row-steps per stopped segment and the host
-    learning each token N steps after it was sampled; experimental, not yet measured).
+    learning each token N steps after it was sampled; experimental: 2 measured no better
+    than 1 on an H100, where the GPU is busy while the scheduler waits, docs/perf.md run 33).
     """
 
     max_active: int = 16
