@@ -283,7 +283,8 @@ def test_jobs_much_shorter_than_the_batch_wait_unless_they_fill_padded_rows(syn,
         # 5 long jobs land in the 6-row bucket: the longest short job takes the padded row
         picked = [st for st, _, _ in engine._pick_t2w_batch(list(cands), now)]
         assert picked == ["j0:300", "j1:290", "j2:280", "j3:270", "j6:260", "j4:150"]
-        assert engine._t2w_rows(5) == 6 and engine._t2w_rows(9) == 12 and engine._t2w_rows(17) == 17
+        rows = engine.t2w.batch_bucket
+        assert rows(5) == 6 and rows(9) == 12 and rows(17) == 17
     finally:
         flow.graph = saved
     # a short job that is due goes anyway; a short job that is the most urgent sets a short batch

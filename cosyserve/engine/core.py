@@ -897,21 +897,13 @@ class EngineCore:
             limit = max(limit or 0, self.t2w.length_bucket(n_tok))
             picked.append((st, seg, job))
         # the shorter jobs left out fill the rows the batch bucket pads anyway, longest first
-        rows = min(self._t2w_rows(len(picked)), self.cfg.t2w_batch_target, self.cfg.max_t2w_batch)
+        rows = min(self.t2w.batch_bucket(len(picked)), self.cfg.t2w_batch_target, self.cfg.max_t2w_batch)
         for n_tok, st, seg, job in sorted(short, key=lambda c: -c[0]):
             if len(picked) >= rows:
                 break
             if self._t2w_fits(len(picked) + 1, longest):
                 picked.append((st, seg, job))
         return picked
-
-    def _t2w_rows(self, n_jobs: int) -> int:
-        """The rows a token2wav batch of ``n_jobs`` jobs computes: its CUDA-graph batch bucket
-        (:func:`~cosyserve.models.graphs.half_octave_buckets`), or ``n_jobs`` without graphs."""
-        graph = self.models.flow.graph
-        if graph is None or n_jobs > graph.grid.batches[-1]:
-            return n_jobs
-        return next(b for b in graph.grid.batches if b >= n_jobs)
 
     def _t2w_fits(self, rows: int, n_tokens: int) -> bool:
         """Is a token2wav batch of ``rows`` jobs, the longest taking ``n_tokens`` flow input

@@ -76,6 +76,14 @@ class Token2Wav:
             return graph.grid.length(n_tokens)
         return -(-n_tokens // 32) * 32
 
+    def batch_bucket(self, n_jobs: int) -> int:
+        """Rows a batch of ``n_jobs`` jobs computes: the flow graph's batch bucket on CUDA
+        (:func:`~cosyserve.models.graphs.half_octave_buckets`), else (or beyond the grid)
+        ``n_jobs``."""
+        graph = getattr(self.flow, "graph", None)
+        key = graph.grid.pick(n_jobs, 1) if graph is not None else None
+        return n_jobs if key is None else key[0]
+
     @property
     def hift_device(self) -> torch.device:
         """Where HiFT runs (and its excitation noise is drawn)."""

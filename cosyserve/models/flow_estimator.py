@@ -223,18 +223,17 @@ class CausalResnetBlock(nn.Module):
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
     def forward(self, x: Tensor, t_term: Tensor) -> Tensor:
-        w = self.res_conv.weight
-        res = F.linear(x, w.view(w.shape[0], w.shape[1]), self.res_conv.bias)
-        return self.block2(self.block1(x, t_term.unsqueeze(1)), res)
+        return self.forward_normed(x, t_term, None)[0]
 
     def forward_normed(self, x: Tensor, t_term: Tensor, norm: nn.LayerNorm | None) -> tuple[Tensor, Tensor | None]:
         """``(forward(x, t_term), norm(...) or None)``: with ``norm`` (the next transformer block's
         pre-norm) the LayerNorm is computed by ``block2``'s fused kernel."""
-        if norm is None:
-            return self.forward(x, t_term), None
         w = self.res_conv.weight
         res = F.linear(x, w.view(w.shape[0], w.shape[1]), self.res_conv.bias)
-        return self.block2.forward_normed(self.block1(x, t_term.unsqueeze(1)), res, norm)
+        h = self.block1(x, t_term.unsqueeze(1))
+        if norm is None:
+            return self.block2(h, res), None
+        return self.block2.forward_normed(h, res, norm)
 
 
 class Downsample(nn.Module):
@@ -463,14 +462,12 @@ class FlowEstimator(nn.Module):
         h, h_norm = resnet.forward_normed(h, t_term, blocks[0].norm1 if len(blocks) else None)
         return self._transformers(blocks, h, bias, h_norm)
 
-    def _transformers(self, blocks: nn.ModuleList, h: Tensor, bias: Tensor, h_norm: Tensor | None = None) -> Tensor:
+    def _transformers(self, blocks: nn.ModuleList, h: Tensor, bias: Tensor, h_norm: Tensor | None) -> Tensor:
         """The transformer blocks of one U-Net stage (:meth:`TransformerBlock.forward_fused`:
         each residual add fused with the next block's pre-norm); ``h_norm``: the first block's
-        ``norm1(h)`` if already computed."""
+        ``norm1(h)`` (None only without blocks)."""
         if len(blocks) == 0:
             return h
-        if h_norm is None:
-            h_norm = blocks[0].norm1(h)
         for i, block in enumerate(blocks):
             nxt = blocks[i + 1].norm1 if i + 1 < len(blocks) else None
             h, h_norm = block.forward_fused(h, h_norm, bias, nxt)

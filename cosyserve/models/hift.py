@@ -252,10 +252,6 @@ class _SnakeResBlock(nn.Module):
         follows it (``convs1``' by the second Snake, ``convs2``' by the residual add): the same
         sums as upstream's ``conv(x) + bias`` then Snake / ``+ x``, two kernels fewer per dilation."""
         for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
-            if c1.bias is None or c2.bias is None:
-                y = c2(a2(c1(a1(x, mask)), mask))
-                x = y + x
-                continue
             y = _bias_snake(_conv_without_bias(c1, a1(x, mask)), c1.bias, a2.alpha, mask)
             x = _bias_residual(_conv_without_bias(c2, y), c2.bias, x)
         return x
@@ -334,9 +330,9 @@ class HiFTGenerator(nn.Module):
         #: (:class:`cosyserve.models.graphs.GraphedHiFTDecoder`), used by :meth:`inference_batch`
         self.graph_decode = None
         #: experimental, off: :meth:`decode` lays its trunk inputs out frame-major (``[B, C, T]``
-        #: views of ``[B, T, C]`` memory, the layout cuDNN's NHWC half-precision convolutions read),
-        #: so the convolutions need no layout transposes; same values (``benchmarks/hift_probe.py
-        #: --frame-major`` measures it)
+        #: views of ``[B, T, C]`` memory, the layout cuDNN's NHWC half-precision convolutions read);
+        #: same values, but measured no faster: cuDNN still transposes (``benchmarks/hift_probe.py
+        #: --frame-major``, docs/perf.md "Runs 33–36")
         self.frame_major = False
         n_src = self.n_fft + 2  # real + imaginary STFT bins of the excitation
         base = cfg.base_channels
