@@ -70,6 +70,7 @@ fail() { echo "runtime_check: FAILED: $*" >&2; tail -n 30 "$SCRATCH/server.log" 
 ready=""
 for _ in $(seq 1 600); do
   kill -0 "$(cat "$PIDFILE")" 2>/dev/null || fail "the server exited"
+  ! grep -q "model loading failed" "$SCRATCH/server.log" || fail "model loading failed"
   if "${AS_USER[@]}" "$PY" deploy/healthcheck.py 2>/dev/null; then ready=1; break; fi
   sleep 1
 done

@@ -320,6 +320,9 @@ def _writable_dirs(envs: dict) -> set[str]:
             "TRITON_HOME", "TRITON_CACHE_DIR", "HF_HOME")
     missing = [k for k in keys if k not in envs]
     assert not missing, f"the image does not set {missing}: the process would write under $HOME"
+    # torch's compiler asks getpass for the user name; without these it reads /etc/passwd and
+    # fails for a uid the image does not know (seen on the GPU run of deploy/runtime_check)
+    assert envs.get("USER") and envs.get("LOGNAME")
     return {envs[k] for k in keys} | {"/tmp"}
 
 
