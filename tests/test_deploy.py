@@ -254,16 +254,25 @@ def test_build_context_has_every_copy_source_and_nothing_else():
 
 def test_package_builds_from_the_build_context(tmp_path):
     """``pip install /src`` in the image: the files COPY'd into /src must build the package
-    with its data (pip wheel, no network, no build isolation)."""
-    pytest.importorskip("setuptools")
+    with its data. Built with this environment's setuptools when it is recent enough for
+    pyproject.toml (no network); otherwise in pip's isolated build environment, as in the image."""
     src = tmp_path / "src"
     for f in _context_files():
         if f.split("/")[0] in ("pyproject.toml", "README.md", "cosyserve"):
             (src / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, src / f)
     out = tmp_path / "wheel"
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                        "-q", "-w", str(out), str(src)], capture_output=True, text=True, timeout=120)
+    try:
+        import setuptools
+
+        local = tuple(int(x) for x in setuptools.__version__.split(".")[:2]) >= (77, 0)  # PEP 639 license
+    except ImportError:
+        local = False
+    flags = ["--no-build-isolation", "--no-index"] if local else []
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *flags, "-q", "-w", str(out), str(src)],
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode and not local and "No matching distribution found for setuptools" in r.stdout + r.stderr:
+        pytest.skip("no setuptools >= 77 here and no package index to build in isolation")
     assert r.returncode == 0, r.stdout + r.stderr
     (wheel,) = out.glob("cosyserve-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
