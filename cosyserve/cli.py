@@ -458,6 +458,7 @@ def cmd_serve(args) -> int:
     from .server.state import ServerConfig, setup_logging
 
     setup_logging(args.log_format, logging.DEBUG if args.verbose else logging.INFO)
+    _router_gpus(args)  # router options checked before anything is loaded
     device = _device(args.device)
     default_voice = args.default_voice
     voices_dir = args.voices_dir
@@ -478,6 +479,8 @@ def cmd_serve(args) -> int:
     from .models.loader import open_model_dir
 
     open_model_dir(args.model_dir)  # fail fast with a clear message
+    if args.workers > 1 or args.gpus:
+        return _serve_router(args)
     cfg = ServerConfig(
         model_dir=args.model_dir, host=args.host, port=args.port, grpc_port=args.grpc_port, voices_dir=voices_dir,
         default_voice=default_voice, engine=_engine_config(args, max_queue=args.max_queue),
@@ -539,6 +542,67 @@ def cmd_bench(args) -> int:
     report = run_bench(opts)
     failed = sum(lv["failed"] for lv in report["levels"])
     return 1 if failed and not any(lv["ok"] for lv in report["levels"]) else 0
+
+
+#: options of `serve` that belong to the router, not its workers (value-taking unless listed in _ROUTER_FLAGS)
+_ROUTER_OPTIONS = ("--workers", "--gpus", "--host", "--port", "--grpc-port")
+
+
+def _worker_argv(argv: list[str]) -> list[str]:
+    """The `serve` command line of a worker: the router's own, less the router options
+    (``--opt VALUE`` and ``--opt=VALUE`` forms) and the subcommand name."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "serve" and not out:
+            continue
+        name = a.split("=", 1)[0]
+        if name in _ROUTER_OPTIONS:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+def _router_gpus(args) -> list[str]:
+    """The GPUs of `serve --gpus` (empty without it); raises :class:`CLIError` for inconsistent
+    router options."""
+    gpus = [g.strip() for g in args.gpus.split(",")] if args.gpus else []
+    if args.gpus is not None and (not gpus or any(not g.isdigit() for g in gpus) or len(set(gpus)) != len(gpus)):
+        raise CLIError(f"--gpus takes distinct GPU indices separated by commas, e.g. 0,1 (got {args.gpus!r})")
+    if gpus and args.workers > 1 and args.workers != len(gpus):
+        raise CLIError(f"--workers {args.workers} disagrees with --gpus {args.gpus} (one worker per GPU)")
+    if (gpus or args.workers > 1) and args.llm_only:
+        raise CLIError("--llm-only serves one process; run one per GPU instead of --workers/--gpus")
+    return gpus
+
+
+def _serve_router(args) -> int:
+    """`serve --workers N` / `--gpus LIST`: the router on the public ports over N worker processes."""
+    import asyncio
+
+    from .server.router import RouterConfig, WorkerSpec, serve_router
+
+    gpus = _router_gpus(args)
+    base = _worker_argv(args.argv)
+    if args.demo:  # the router wrote the demo model once; the workers share it
+        base = [a for a in base if a != "--demo"] + ["--model-dir", args.model_dir, "--default-voice", "default"]
+    if gpus:
+        base = [a for i, a in enumerate(base) if not (a == "--device" or (i and base[i - 1] == "--device")
+                                                      or a.startswith("--device="))] + ["--device", "cuda"]
+        specs = [WorkerSpec(i, base, {"CUDA_VISIBLE_DEVICES": g}, f"gpu {g}", args.max_active_streams)
+                 for i, g in enumerate(gpus)]
+    else:
+        specs = [WorkerSpec(i, base, {}, "shared device", args.max_active_streams) for i in range(args.workers)]
+    cfg = RouterConfig(host=args.host, port=args.port, grpc_port=args.grpc_port, workers=specs,
+                       max_upload_bytes=int(args.max_upload_mb * 1024 * 1024))
+    try:
+        asyncio.run(serve_router(cfg))
+    except (OSError, RuntimeError) as exc:
+        raise CLIError(f"cannot start the router: {exc}") from None
+    return 0
 
 
 def cmd_batch(args) -> int:
@@ -654,6 +718,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-upload-mb", type=float, default=20.0, help="largest request body / audio upload")
     sv.add_argument("--log-format", default="text", choices=["text", "json"])
     sv.add_argument("--no-warmup", action="store_true", help="mark ready without a warm-up request")
+    sv.add_argument("--workers", type=_positive_int, default=1,
+                    help="serve from N worker processes behind one router on --port/--grpc-port (data-parallel "
+                         "replicas; each loads the model; voices are shared through --voices-dir)")
+    sv.add_argument("--gpus", help="one worker per listed GPU, e.g. 0,1 (each sees only its GPU); implies --workers")
     sv.add_argument("--llm-only", action="store_true",
                     help="serve only the speech LM as an OpenAI-compatible POST /v1/completions endpoint "
                          "(the exported vocabulary of convert-llm; for 'cosyserve batch --llm-url'); no speech "
@@ -768,6 +836,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "synthesize":
