@@ -1170,8 +1170,10 @@ class CausalHiFTGenerator(HiFTGenerator):
     convolutions instead of transposed ones, strided causal source downsampling; the excitation
     phase upsampled with "nearest"; the excitation noise fixed at construction
     (:class:`CausalSourceNoise`: deterministic, no generator); the F0 predictor kept and run in
-    float64 as upstream (its weight norm folded in float64; ``.to(dtype)`` of the whole module
-    leaves it float64).
+    float64 as upstream (cast in place at the first inference as upstream does, or by
+    :meth:`remove_weight_norm`, which folds its weight norm in float64; from then on ``.to(dtype)``
+    of the whole module leaves it float64; ``state_dict()`` of a fresh build is float32 like
+    ``hift.pt``).
 
     :meth:`inference` ``(mel, finalize)``: ``finalize=True`` -> ``480 * T`` samples (zeros as right
     context). ``finalize=False`` (a non-final streaming call over the accumulated mel): the last 3
@@ -1187,12 +1189,16 @@ class CausalHiFTGenerator(HiFTGenerator):
         super().__init__(cfg)
         #: fixed excitation noise (see :class:`CausalSourceNoise`), a plain attribute as upstream
         self.noise = CausalSourceNoise(cfg)
-        self.f0_predictor.to(torch.float64)
 
     def _apply(self, fn, recurse=True):
-        # ``.to(dtype)`` / ``.half()`` / ``.cuda()`` on the whole module: the F0 predictor follows
-        # the device but stays float64 (upstream casts it to float64 at every inference call;
-        # rounding its weights through float32 would change F0 and hence the phase)
+        # ``.to(dtype)`` / ``.half()`` / ``.cuda()`` on the whole module: once the F0 predictor is
+        # float64 (after the first inference or :meth:`remove_weight_norm`, as upstream casts it at
+        # every inference call) it follows the device but stays float64 — rounding its weights
+        # through float32 would change F0 and hence the excitation phase. Before that (a fresh
+        # build: float32 parameters, as in ``hift.pt``) it is converted like everything else.
+        ref = next(self.f0_predictor.parameters(), None)
+        if ref is None or ref.dtype != torch.float64:
+            return super()._apply(fn, recurse)
         f0 = self._modules.pop("f0_predictor")
         try:
             super()._apply(fn, recurse)
