@@ -315,3 +315,97 @@ def test_real_config_construction_noise():
             flow = CV3FlowModel(parse_cv3_flow(data))
         n = want["cfm_rand_noise_prefix"].shape[-1]
         assert torch.equal(flow.rand_noise[..., :n], want["cfm_rand_noise_prefix"])
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU (skipped without CUDA; run by the lead on the device machine)
+# ----------------------------------------------------------------------------------------------
+
+#: documented bounds vs float32: flow mel with the whole flow in half precision, HiFT speech with
+#: its convolution trunk in half precision (F0 float64, excitation / STFTs float32), as test_gpu.py
+HALF_TOL = {"mel": 5e-2, "speech_float16": 5e-3, "speech_bfloat16": 4e-2}
+#: CUDA float32 (TF32 off) vs the CPU reference: the excitation phase integrates F0, so the
+#: excitation and speech are platform-sensitive (see hift.py "Numerical parity"); mel is not
+GPU_TOL = {"mel": 1e-4, "speech": 1e-3}
+
+
+@pytest.fixture
+def no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.mark.gpu
+def test_gpu_float32_matches_reference(yaml_data, no_tf32):
+    flow = load_cv3_flow(model_dir() / "flow.pt", parse_cv3_flow(yaml_data), device="cuda")
+    hift = load_hift(model_dir() / "hift.pt", parse_causal_hift(yaml_data), device="cuda")
+    for case in FLOW_CASES:
+        t, md = tensors(case), meta(case)
+        mel = flow.inference(t["token"].cuda(), t["prompt_token"].cuda(), t["prompt_feat"].cuda(),
+                             t["embedding"].cuda(), bool(md.get("streaming", False)), bool(md.get("finalize", True)))
+        _check(f"cuda {case} mel", mel.cpu(), t["mel"], GPU_TOL["mel"])
+    for case in HIFT_CASES:
+        t = tensors(case)
+        speech, _ = hift.inference(t["mel"].cuda(), bool(meta(case).get("finalize", True)))
+        _check(f"cuda {case} speech", speech.cpu(), t["speech"], GPU_TOL["speech"])
+    for case in STREAM_CASES:
+        t = tensors(case)
+        traces = stream_token2wav(flow, hift, t["source_speech_token"].cuda(), t["prompt_token"].cuda(),
+                                  t["prompt_feat"].cuda(), t["embedding"].cuda(), schedule=_schedule(meta(case), flow))
+        for i, tr in enumerate(traces):
+            _check(f"cuda {case} chunk {i} flow mel", tr.flow_mel.cpu(), t[f"c{i}_flow_mel"], GPU_TOL["mel"])
+            _check(f"cuda {case} chunk {i} speech", tr.speech.cpu(), t[f"c{i}_speech"], GPU_TOL["speech"])
+
+
+@pytest.mark.gpu
+def test_gpu_solver_step_graph_equals_eager(yaml_data, no_tf32):
+    """One Euler step of the DiT solver captured as a CUDA graph and replayed n times equals the
+    eager solve (the step has no host synchronisation)."""
+    flow = load_cv3_flow(model_dir() / "flow.pt", parse_cv3_flow(yaml_data), device="cuda")
+    case = FLOW_CASES[0] if FLOW_CASES else pytest.skip("no flow cases")
+    t = tensors(case)
+    with torch.inference_mode():
+        c = flow.condition([t["token"].cuda()], [t["prompt_token"].cuda()], [t["prompt_feat"].cuda()],
+                           t["embedding"].cuda(), True, True)
+        eager = flow.solve(c)
+        state = flow.decoder.begin(c.mu, c.mask, c.spks, c.cond, c.streaming)
+        snap = [x.clone() for x in (state.xt, state.t, state.dt, state.k)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            flow.decoder.step(state)  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        for dst, src in zip((state.xt, state.t, state.dt, state.k), snap):
+            dst.copy_(src)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            flow.decoder.step(state)
+        for dst, src in zip((state.xt, state.t, state.dt, state.k), snap):  # capture does not run the step
+            dst.copy_(src)
+        for _ in range(state.n):
+            g.replay()
+        graphed = state.mels()
+    _check("graphed solver vs eager", graphed.cpu(), eager.cpu(), 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_half_precision_within_documented_error(yaml_data, dtype, no_tf32):
+    ref_flow = load_cv3_flow(model_dir() / "flow.pt", parse_cv3_flow(yaml_data), device="cuda")
+    half_flow = load_cv3_flow(model_dir() / "flow.pt", parse_cv3_flow(yaml_data), device="cuda", dtype=dtype)
+    assert half_flow.decoder.estimator.rotary_embed.inv_freq.dtype == torch.float32
+    for case in FLOW_CASES:
+        t, md = tensors(case), meta(case)
+        args = (t["token"].cuda(), t["prompt_token"].cuda(), t["prompt_feat"].cuda(), t["embedding"].cuda(),
+                bool(md.get("streaming", False)), bool(md.get("finalize", True)))
+        _check(f"{dtype} {case} mel vs float32", half_flow.inference(*args).cpu(), ref_flow.inference(*args).cpu(),
+               HALF_TOL["mel"])
+    ref_hift = load_hift(model_dir() / "hift.pt", parse_causal_hift(yaml_data), device="cuda")
+    half_hift = load_hift(model_dir() / "hift.pt", parse_causal_hift(yaml_data), device="cuda").set_trunk_dtype(dtype)
+    assert half_hift.f0_predictor.classifier.weight.dtype == torch.float64
+    for case in HIFT_CASES:
+        mel = tensors(case)["mel"].cuda()
+        _check(f"{dtype} {case} speech vs float32", half_hift.inference(mel)[0].cpu(), ref_hift.inference(mel)[0].cpu(),
+               HALF_TOL[f"speech_{str(dtype).replace('torch.', '')}"])

@@ -230,11 +230,19 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class _RotaryEmbedding(nn.Module):
-    """Holds ``inv_freq`` ``[dim_head / 2]`` (a persistent buffer: in ``flow.pt``)."""
+    """Holds ``inv_freq`` ``[dim_head / 2]`` (a persistent buffer: in ``flow.pt``), kept float32
+    when the model is cast to another dtype (only moved between devices): the rotary angles
+    ``pos * inv_freq`` reach thousands of radians, which half precision could not represent."""
 
     def __init__(self, dim: int, base: float = 10000.0):
         super().__init__()
         self.register_buffer("inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim)))
+
+    def _apply(self, fn, recurse=True):
+        inv = self.inv_freq
+        device = fn(torch.empty(0, dtype=inv.dtype, device=inv.device)).device
+        self.inv_freq = inv.to(device=device)
+        return self
 
 
 class _TimestepEmbedding(nn.Module):
