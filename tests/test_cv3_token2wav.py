@@ -106,7 +106,7 @@ def test_flow_cfm_noise(flow, case):
     assert torch.equal(got, want), "the fixed CFM noise differs from upstream's"
 
 
-def test_flow_batch_equals_single(flow):
+def test_flow_batch_equals_single(flow, one_thread):
     """Items of different lengths (with/without prompt, final and non-final, streaming and
     offline attention) in one padded batch equal the single-item calls."""
     if not FLOW_CASES:
@@ -156,6 +156,20 @@ def test_hift_streaming(hift, case, one_thread):
         yielded = raw[:, offset:]
         assert yielded.shape[1] == call["yielded_samples"]
         offset += yielded.shape[1]
+
+
+def test_hift_batch_equals_single(hift, one_thread):
+    """Final and non-final items of different lengths in one padded decoder pass."""
+    mels = [tensors(c)["mel"] for c in HIFT_CASES + HIFT_STREAM_CASES]
+    if not mels:
+        pytest.skip("no hift cases")
+    longest = max(mels, key=lambda m: m.shape[-1])
+    items = [(m, True) for m in mels] + [(longest[:, :, :n], False) for n in (longest.shape[-1] - 5, 12)]
+    speeches, sources = hift.inference_batch([m for m, _ in items], [f for _, f in items])
+    for k, ((m, f), a, s) in enumerate(zip(items, speeches, sources)):
+        b, bs = hift.inference(m, f)
+        assert torch.equal(s, bs)  # F0 and excitation run item by item
+        _check(f"hift batch item {k} ({m.shape[-1]} frames, finalize={f})", a, b, tol=1e-5)
 
 
 @pytest.mark.parametrize("case", HIFT_NOISE_CASES)

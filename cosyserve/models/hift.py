@@ -1181,6 +1181,11 @@ class CausalHiFTGenerator(HiFTGenerator):
     ``conv_pre_look_right`` only ``conv_pre``'s, and the last ``samples_per_frame`` samples are
     dropped: ``480 * (T - 3 - conv_pre_look_right - 1)`` samples, which equal the first samples of
     the final call up to float rounding.
+
+    :meth:`inference_batch`: F0 and excitation item by item, the decoder as one padded pass
+    (:meth:`decode_batch`; everything after ``conv_pre`` is causal, so no masks are needed).
+    The CUDA-graph decoder (``graph_decode``) and ``lengths`` masks of :class:`HiFTGenerator`
+    are not used by this variant.
     """
 
     def __init__(self, cfg: HiFTConfig):
@@ -1261,7 +1266,7 @@ class CausalHiFTGenerator(HiFTGenerator):
             raise ValueError(f"source must be [{bsz}, 1, {t * spf}] for mel {tuple(mel.shape)}, got {tuple(source.shape)}")
         if not finalize and t <= look + 1:
             raise ValueError(f"a non-final causal HiFT decode needs more than {look + 1} mel frames, got {t}")
-        io_dtype, tdt = mel.dtype, self.trunk_dtype
+        tdt = self.trunk_dtype
         s_stft = self._source_stft(source.squeeze(1), None).to(tdt)
         mel_t = mel.to(tdt)
         if finalize:
@@ -1269,6 +1274,18 @@ class CausalHiFTGenerator(HiFTGenerator):
         else:
             x = self.conv_pre(mel_t[:, :, :-look], mel_t[:, :, -look:])
             s_stft = s_stft[:, :, :-(math.prod(self.cfg.upsample_rates) * look)]
+        speech = self._trunk_istft(x, s_stft, mel.dtype, None)
+        if not finalize:
+            speech = speech[:, :-spf]
+        return torch.clamp(speech, -self.cfg.audio_limit, self.cfg.audio_limit)
+
+    def _trunk_istft(self, x: torch.Tensor, s_stft: torch.Tensor, io_dtype: torch.dtype,
+                     n_frames: torch.Tensor | None) -> torch.Tensor:
+        """Everything after ``conv_pre``: ``x [B, base, T]`` (trunk dtype), ``s_stft [B, n_fft+2,
+        T * prod(upsample_rates) + 1]`` -> speech ``[B, hop * T * prod(upsample_rates)]`` in
+        ``io_dtype`` before trimming and clamping. Every layer here is causal, so frames past an
+        item's end in a padded batch never reach its valid frames; ``n_frames`` (int tensor [B])
+        limits the inverse STFT's overlap-add and envelope to each item's own STFT frames."""
         for i in range(self.num_upsamples):
             x = F.leaky_relu(x, self.cfg.lrelu_slope)
             x = self.ups[i](x)
@@ -1283,10 +1300,49 @@ class CausalHiFTGenerator(HiFTGenerator):
         x = F.leaky_relu(x)  # default slope 0.01, as upstream
         x = self.conv_post(x).to(io_dtype)
         nb = self.n_fft // 2 + 1
-        speech = self._istft(torch.exp(x[:, :nb, :]), torch.sin(x[:, nb:, :]), None)
-        if not finalize:
-            speech = speech[:, :-spf]
-        return torch.clamp(speech, -self.cfg.audio_limit, self.cfg.audio_limit)
+        return self._istft(torch.exp(x[:, :nb, :]), torch.sin(x[:, nb:, :]), n_frames)
+
+    def decode_batch(self, mels: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
+                     finalize: Sequence[bool]) -> list[torch.Tensor]:
+        """:meth:`decode` of several items of different lengths in one padded pass: item b's mel
+        ``[1, in_channels, T_b]``, excitation ``[1, 1, T_b * spf]`` and ``finalize[b]``; returns the
+        B speeches :meth:`decode` returns for them (up to float rounding of differently shaped
+        kernels). Only ``conv_pre`` reads the right (its ``conv_pre_look_right`` context frames,
+        or zeros) and the source STFT reflects at each item's end: those two are built per item;
+        the rest is one causal pass. Raises ValueError on inconsistent arguments."""
+        bsz = len(mels)
+        if not (bsz == len(sources) == len(finalize)) or bsz == 0:
+            raise ValueError(f"decode_batch needs equally many (>= 1) mels, sources and flags, got "
+                             f"{len(mels)}, {len(sources)}, {len(finalize)}")
+        spf, look = self.samples_per_frame, self.cfg.conv_pre_look_right
+        up = math.prod(self.cfg.upsample_rates)
+        tdt = self.trunk_dtype
+        rows, stfts, outs = [], [], []
+        for mel, src, fin in zip(mels, sources, finalize):
+            self._check_mel(mel)
+            t = mel.shape[-1]
+            if mel.shape[0] != 1 or src.shape != (1, 1, t * spf):
+                raise ValueError(f"each item needs mel [1, C, T] and source [1, 1, T*{spf}], got "
+                                 f"{tuple(mel.shape)} and {tuple(src.shape)}")
+            if not fin and t <= look + 1:
+                raise ValueError(f"a non-final causal HiFT decode needs more than {look + 1} mel frames, got {t}")
+            o = t if fin else t - look  # output frames
+            s = self._source_stft(src.squeeze(1), None)
+            stfts.append(s[:, :, : up * o + 1])
+            # conv_pre input: the output frames, then the right context (zeros when final)
+            rows.append(F.pad(mel, (0, look)) if fin else mel)
+            outs.append(o)
+        o_max = max(outs)
+        x_in = torch.cat([F.pad(r, (0, o_max + look - r.shape[-1])) for r in rows]).to(tdt)
+        s_stft = torch.cat([F.pad(s, (0, up * o_max + 1 - s.shape[-1])) for s in stfts]).to(tdt)
+        x = F.conv1d(x_in, self.conv_pre.weight, self.conv_pre.bias)  # no padding: o_max frames out
+        n_fr = _int_tensor([up * o + 1 for o in outs], x.device)
+        speech = self._trunk_istft(x, s_stft, mels[0].dtype, n_fr)
+        res = []
+        for b, (o, fin) in enumerate(zip(outs, finalize)):
+            n = o * spf - (0 if fin else spf)
+            res.append(torch.clamp(speech[b:b + 1, :n], -self.cfg.audio_limit, self.cfg.audio_limit))
+        return res
 
     @torch.inference_mode()
     def inference(self, mel: torch.Tensor, finalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
@@ -1305,14 +1361,23 @@ class CausalHiFTGenerator(HiFTGenerator):
     @torch.inference_mode()
     def inference_batch(self, mels: Sequence[torch.Tensor], finalize: Sequence[bool] | bool = True,  # type: ignore[override]
                         ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """:meth:`inference` for each item (``mels``: B tensors ``[1, in_channels, T_b]``, ``finalize``
-        one bool or one per item), run one after the other (no padded pass for the causal variant
-        yet). Returns (speeches, sources) lists."""
+        """:meth:`inference` for several items: ``mels`` B tensors ``[1, in_channels, T_b]``,
+        ``finalize`` one bool or one per item. F0 and excitation are computed item by item with the
+        single-item kernels (the excitation phase integrates F0, see :class:`HiFTGenerator`), the
+        decoder runs as one padded pass (:meth:`decode_batch`). Returns (speeches, sources) lists
+        equal to the single-item calls up to float rounding. Raises ValueError on bad arguments."""
         flags = [bool(finalize)] * len(mels) if isinstance(finalize, bool) else [bool(f) for f in finalize]
         if len(flags) != len(mels):
             raise ValueError(f"{len(flags)} finalize flags for {len(mels)} mels")
-        outs = [self.inference(m, f) for m, f in zip(mels, flags)]
-        return [o[0] for o in outs], [o[1] for o in outs]
+        if not mels:
+            return [], []
+        bodies, sources = [], []
+        for m, f in zip(mels, flags):
+            if m.dim() != 3 or m.shape[0] != 1:
+                raise ValueError(f"each mel must be [1, {self.cfg.in_channels}, T], got {tuple(m.shape)}")
+            sources.append(self.excitation(self.predict_f0(m, f)))
+            bodies.append(m if f else m[:, :, :-self.f0_lookahead])
+        return self.decode_batch(bodies, sources, flags), sources
 
 
 def parse_causal_hift(data: dict) -> HiFTConfig:
