@@ -227,6 +227,38 @@ def test_stream_token2wav(flow, hift, case, one_thread):
         offset += tr.speech.shape[1]
 
 
+E2E_CASES = discover("e2e", has=("speech_token", "mel", "speech"), where=lambda m: bool(m.get("prompt_wav")))
+
+
+def _frontend_for(wav: str) -> str | None:
+    """The frontend case holding the zero-shot flow prompt of ``wav`` (matched by its sidecar)."""
+    names = discover("frontend", has=("zs_flow_prompt_speech_token", "zs_prompt_speech_feat", "embedding"),
+                     where=lambda m: m.get("wav_file") == wav)
+    return names[0] if names else None
+
+
+@pytest.mark.parametrize("case", E2E_CASES)
+def test_offline_token2wav_e2e(flow, hift, case, one_thread):
+    """The non-streaming token2wav of an end-to-end case (its speech tokens, the flow prompt from
+    the frontend case of the same prompt wav): one final call, flow mel and speech."""
+    md = meta(case)
+    fe = _frontend_for(md["prompt_wav"])
+    if fe is None:
+        pytest.skip(f"no frontend case for {md['prompt_wav']}")
+    t, f = tensors(case), tensors(fe)
+    traces = list(stream_token2wav(flow, hift, t["speech_token"], f["zs_flow_prompt_speech_token"],
+                                   f["zs_prompt_speech_feat"], f["embedding"], stream=False))
+    assert len(traces) == 1 and traces[0].job.finalize and not traces[0].job.streaming
+    _check(f"{case} offline mel", traces[0].flow_mel, t["mel"])
+    _check(f"{case} offline speech", traces[0].speech, t["speech"])
+    slow = list(stream_token2wav(flow, hift, t["speech_token"], f["zs_flow_prompt_speech_token"],
+                                 f["zs_prompt_speech_feat"], f["embedding"], stream=False, speed=2.0))
+    assert slow[0].hift_mel.shape[-1] == int(t["mel"].shape[-1] / 2.0)
+    with pytest.raises(ValueError, match="speed"):
+        list(stream_token2wav(flow, hift, t["speech_token"], f["zs_flow_prompt_speech_token"],
+                              f["zs_prompt_speech_feat"], f["embedding"], stream=True, speed=2.0))
+
+
 def test_schedule_waits_and_grows():
     """Pure schedule logic: nothing is due before hop + look-ahead tokens, hops double up to the
     maximum, the final chunk comes only when the LM is done, and nothing after it."""

@@ -34,8 +34,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-__all__ = ["CV3StreamSchedule", "CV3StreamState", "CV3ChunkJob", "new_stream", "plan_chunk", "after_flow",
-           "after_hift", "token2wav_step", "stream_token2wav"]
+__all__ = ["CV3StreamSchedule", "CV3StreamState", "CV3ChunkJob", "CV3ChunkTrace", "new_stream", "plan_chunk",
+           "after_flow", "after_hift", "speed_mel", "token2wav_step", "stream_token2wav"]
 
 
 @dataclass(frozen=True)
@@ -151,27 +151,47 @@ class CV3ChunkTrace:
     speech: Tensor
 
 
+def speed_mel(mel: Tensor, job: CV3ChunkJob, speed: float) -> Tensor:
+    """HiFT's input for a tempo change (upstream ``token2wav(speed=...)``): the mel ``[1, C, T]``
+    linearly resampled to ``int(T / speed)`` frames. Only for a whole utterance in one call
+    (``token_offset == 0`` and ``finalize``, upstream asserts the same): ValueError otherwise."""
+    if speed == 1.0:
+        return mel
+    if job.token_offset != 0 or not job.finalize:
+        raise ValueError("speed change is only supported without streaming (one final call)")
+    if not speed > 0:
+        raise ValueError(f"speed must be positive, got {speed}")
+    return torch.nn.functional.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
+
+
 def token2wav_step(flow, hift, state: CV3StreamState, job: CV3ChunkJob, tokens: Tensor, prompt_token: Tensor,
-                   prompt_feat: Tensor, embedding: Tensor) -> tuple[CV3ChunkTrace, CV3StreamState]:
+                   prompt_feat: Tensor, embedding: Tensor, speed: float = 1.0) -> tuple[CV3ChunkTrace, CV3StreamState]:
     """Run one job for one request: ``flow`` a :class:`~cosyserve.models.cv3_flow.CV3FlowModel`,
     ``hift`` a :class:`~cosyserve.models.hift.CausalHiFTGenerator`; ``tokens [1, >= n_tokens]``,
-    ``prompt_token [1, P]``, ``prompt_feat [1, F, n_mels]``, ``embedding [1, spk_embed_dim]``.
+    ``prompt_token [1, P]``, ``prompt_feat [1, F, n_mels]``, ``embedding [1, spk_embed_dim]``;
+    ``speed``: tempo factor (:func:`speed_mel`, non-streaming only).
     Returns the chunk's trace (``speech [1, n]`` float32 at the HiFT's rate) and the new state."""
     flow_mel = flow.inference(tokens[:, :job.n_tokens], prompt_token, prompt_feat, embedding,
                               streaming=job.streaming, finalize=job.finalize)
     hift_mel, state = after_flow(state, job, flow_mel)
+    hift_mel = speed_mel(hift_mel, job, speed)
     raw, _ = hift.inference(hift_mel, finalize=job.finalize)
     speech, state = after_hift(state, job, raw)
     return CV3ChunkTrace(job=job, flow_mel=flow_mel, hift_mel=hift_mel, speech=speech), state
 
 
 def stream_token2wav(flow, hift, tokens: Tensor, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor,
-                     stream: bool = True, schedule: CV3StreamSchedule | None = None) -> Iterator[CV3ChunkTrace]:
+                     stream: bool = True, schedule: CV3StreamSchedule | None = None,
+                     speed: float = 1.0) -> Iterator[CV3ChunkTrace]:
     """All chunks of a request whose speech tokens ``[1, N]`` are all known (upstream's
-    ``tts(source_speech_token=..., stream=...)`` path), as :class:`CV3ChunkTrace` in order."""
+    ``tts(source_speech_token=..., stream=...)`` path), as :class:`CV3ChunkTrace` in order;
+    ``speed`` only with ``stream=False`` (upstream ignores it when streaming; here that is a
+    ValueError rather than a silent no-op)."""
+    if stream and speed != 1.0:
+        raise ValueError("speed change is only supported without streaming")
     state = new_stream(prompt_token.shape[1], schedule)
     n = tokens.shape[1]
     while not state.finished:
         job = plan_chunk(state, n, llm_done=True, stream=stream)
-        trace, state = token2wav_step(flow, hift, state, job, tokens, prompt_token, prompt_feat, embedding)
+        trace, state = token2wav_step(flow, hift, state, job, tokens, prompt_token, prompt_feat, embedding, speed)
         yield trace
