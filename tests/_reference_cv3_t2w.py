@@ -34,7 +34,10 @@ def cv3_reference_dir() -> Path | None:
     env = os.environ.get("COSYSERVE_REFERENCE_DIR")
     if env and _is_root(Path(env).expanduser()):
         return Path(env).expanduser().resolve()
-    base = reference_dir()
+    try:
+        base = reference_dir()
+    except RuntimeError:  # COSYSERVE_REFERENCE_DIR names a folder without cases/ (and no CV3 root)
+        return None
     if base is not None and _is_root(base / "cosyvoice3"):
         return (base / "cosyvoice3").resolve()
     return None
