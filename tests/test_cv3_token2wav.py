@@ -211,7 +211,8 @@ def test_stream_token2wav(flow, hift, case, one_thread):
     t, md = tensors(case), meta(case)
     sched = _schedule(md, flow)
     if "prompt_token_pad" in md.get("schedule_rules", {}):
-        assert new_stream(t["prompt_token"].shape[1], sched).prompt_token_pad == md["schedule_rules"]["prompt_token_pad"]
+        pad = md["schedule_rules"]["prompt_token_pad"]
+        assert new_stream(t["prompt_token"].shape[1], sched).prompt_token_pad == pad
     traces = list(stream_token2wav(flow, hift, t["source_speech_token"], t["prompt_token"], t["prompt_feat"],
                                    t["embedding"], stream=True, schedule=sched))
     assert len(traces) == len(md["chunks"])

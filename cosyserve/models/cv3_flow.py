@@ -43,7 +43,6 @@ padded keys per item, so valid frames equal single-item results up to float summ
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -189,7 +188,8 @@ def parse_cv3_flow(data: dict) -> CV3FlowConfig:
          "(mu is the look-ahead layer's output)"),
         (dit.spk_dim == out_size and cfm.spk_emb_dim == out_size,
          f"DiT spk_dim {dit.spk_dim} / decoder spk_emb_dim {cfm.spk_emb_dim} must equal flow.output_size {out_size}"),
-        (dit.dim_head % 2 == 0 and dit.heads >= 1 and dit.depth >= 1, "DiT needs an even dim_head, heads >= 1, depth >= 1"),
+        (dit.dim_head % 2 == 0 and dit.heads >= 1 and dit.depth >= 1,
+         "DiT needs an even dim_head, heads >= 1, depth >= 1"),
         (ratio >= 1 and pre_len >= 0, "flow.token_mel_ratio must be >= 1 and pre_lookahead_len >= 0"),
     ]
     for ok, msg in checks:

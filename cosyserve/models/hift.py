@@ -1263,7 +1263,8 @@ class CausalHiFTGenerator(HiFTGenerator):
         bsz, _, t = mel.shape
         spf, look = self.samples_per_frame, self.cfg.conv_pre_look_right
         if source.dim() != 3 or source.shape[0] != bsz or source.shape[1] != 1 or source.shape[2] != t * spf:
-            raise ValueError(f"source must be [{bsz}, 1, {t * spf}] for mel {tuple(mel.shape)}, got {tuple(source.shape)}")
+            raise ValueError(f"source must be [{bsz}, 1, {t * spf}] for mel {tuple(mel.shape)}, "
+                             f"got {tuple(source.shape)}")
         if not finalize and t <= look + 1:
             raise ValueError(f"a non-final causal HiFT decode needs more than {look + 1} mel frames, got {t}")
         tdt = self.trunk_dtype
@@ -1345,7 +1346,9 @@ class CausalHiFTGenerator(HiFTGenerator):
         return res
 
     @torch.inference_mode()
-    def inference(self, mel: torch.Tensor, finalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+    def inference(  # type: ignore[override]
+        self, mel: torch.Tensor, finalize: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Mel -> ``(speech, source)``, upstream ``CausalHiFTGenerator.inference``.
 
         ``mel`` ``[B, in_channels, T]`` natural-log mel (50 frames/s). ``finalize=True``: speech
@@ -1359,8 +1362,9 @@ class CausalHiFTGenerator(HiFTGenerator):
         return self.decode(body, source, finalize=finalize), source
 
     @torch.inference_mode()
-    def inference_batch(self, mels: Sequence[torch.Tensor], finalize: Sequence[bool] | bool = True,  # type: ignore[override]
-                        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def inference_batch(  # type: ignore[override]
+        self, mels: Sequence[torch.Tensor], finalize: Sequence[bool] | bool = True,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """:meth:`inference` for several items: ``mels`` B tensors ``[1, in_channels, T_b]``,
         ``finalize`` one bool or one per item. F0 and excitation are computed item by item with the
         single-item kernels (the excitation phase integrates F0, see :class:`HiFTGenerator`), the
