@@ -35,7 +35,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["CV3StreamSchedule", "CV3StreamState", "CV3ChunkJob", "CV3ChunkTrace", "new_stream", "plan_chunk",
-           "after_flow", "after_hift", "speed_mel", "token2wav_step", "stream_token2wav"]
+           "after_flow", "after_hift", "speed_mel", "token2wav_step", "CV3BatchItem", "token2wav_batch",
+           "stream_token2wav"]
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,45 @@ def token2wav_step(flow, hift, state: CV3StreamState, job: CV3ChunkJob, tokens: 
     raw, _ = hift.inference(hift_mel, finalize=job.finalize)
     speech, state = after_hift(state, job, raw)
     return CV3ChunkTrace(job=job, flow_mel=flow_mel, hift_mel=hift_mel, speech=speech), state
+
+
+@dataclass(frozen=True)
+class CV3BatchItem:
+    """One request's share of :func:`token2wav_batch`: its state and due job, its speech tokens
+    ``[1, >= job.n_tokens]``, flow prompt tokens ``[1, P]``, prompt mel ``[1, F, n_mels]``,
+    speaker embedding ``[1, spk_embed_dim]`` and tempo ``speed`` (non-streaming only)."""
+
+    state: CV3StreamState
+    job: CV3ChunkJob
+    tokens: Tensor
+    prompt_token: Tensor
+    prompt_feat: Tensor
+    embedding: Tensor
+    speed: float = 1.0
+
+
+def token2wav_batch(flow, hift, items: list[CV3BatchItem]) -> list[tuple[CV3ChunkTrace, CV3StreamState]]:
+    """:func:`token2wav_step` for several requests at once: one padded flow pass
+    (``FlowModel.inference_batch``, per-item streaming/finalize) and one HiFT pass
+    (``CausalHiFTGenerator.inference_batch``). Returns ``(trace, new_state)`` per item, equal to
+    the single-request steps up to float rounding of differently shaped kernels (~1e-6).
+    Raises ValueError as the single-request functions do."""
+    if not items:
+        return []
+    mels = flow.inference_batch([it.tokens[:, :it.job.n_tokens] for it in items], [it.prompt_token for it in items],
+                                [it.prompt_feat for it in items], torch.cat([it.embedding for it in items]),
+                                [it.job.streaming for it in items], [it.job.finalize for it in items])
+    hift_in, states = [], []
+    for it, mel in zip(items, mels):
+        m, st = after_flow(it.state, it.job, mel)
+        hift_in.append(speed_mel(m, it.job, it.speed))
+        states.append(st)
+    raws, _ = hift.inference_batch(hift_in, [it.job.finalize for it in items])
+    out = []
+    for it, mel, m, st, raw in zip(items, mels, hift_in, states, raws):
+        speech, st = after_hift(st, it.job, raw)
+        out.append((CV3ChunkTrace(job=it.job, flow_mel=mel, hift_mel=m, speech=speech), st))
+    return out
 
 
 def stream_token2wav(flow, hift, tokens: Tensor, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor,

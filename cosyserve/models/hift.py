@@ -1233,6 +1233,7 @@ class CausalHiFTGenerator(HiFTGenerator):
         computed in float64, returned in ``mel.dtype``. Raises ValueError on a bad shape or a
         non-final mel of at most 3 frames."""
         self._check_mel(mel)
+        _check_flag(finalize)
         if not finalize and mel.shape[-1] <= self.f0_lookahead:
             raise ValueError(f"a non-final causal HiFT call needs more than {self.f0_lookahead} mel frames")
         self.f0_predictor.to(torch.float64)
@@ -1248,6 +1249,19 @@ class CausalHiFTGenerator(HiFTGenerator):
         rand_ini = self.noise.rand_ini(f0.device).expand(f0.shape[0], -1)
         noise = self.noise.sine_waves(n, f0.device).expand(f0.shape[0], -1, -1)
         return self.source_from_draws(f0_up, rand_ini, noise)[2]
+
+    def excitation_padded(self, f0: torch.Tensor, lengths: Sequence[int],
+                          generators: Sequence[torch.Generator | None] | None = None) -> torch.Tensor:
+        """Excitation of a padded batch ``f0 [B, T_max]`` with ``lengths`` (frames): item b equals
+        :meth:`excitation` of ``f0[b:b+1, :lengths[b]]`` (fixed noise: every item starts at the
+        noise tensors' first sample), zero beyond. ``generators`` are not used."""
+        bsz, t_max = f0.shape
+        lengths = [int(n) for n in lengths]
+        if len(lengths) != bsz or any(n < 1 or n > t_max for n in lengths):
+            raise ValueError(f"lengths {lengths} do not fit f0 of shape {tuple(f0.shape)}")
+        spf = self.samples_per_frame
+        return torch.cat([F.pad(self.excitation(f0[b:b + 1, :n]), (0, (t_max - n) * spf))
+                          for b, n in enumerate(lengths)])
 
     def decode(self, mel: torch.Tensor, source: torch.Tensor, lengths: torch.Tensor | None = None,
                finalize: bool = True) -> torch.Tensor:
@@ -1356,6 +1370,7 @@ class CausalHiFTGenerator(HiFTGenerator):
         first ``T - 3`` frames, speech ``[B, (T - 3 - conv_pre_look_right - 1) * spf]``.
         Deterministic. Raises ValueError on bad shapes or too short non-final mels.
         """
+        _check_flag(finalize)
         f0 = self.predict_f0(mel, finalize)
         source = self.excitation(f0)
         body = mel if finalize else mel[:, :, :-self.f0_lookahead]
@@ -1382,6 +1397,12 @@ class CausalHiFTGenerator(HiFTGenerator):
             sources.append(self.excitation(self.predict_f0(m, f)))
             bodies.append(m if f else m[:, :, :-self.f0_lookahead])
         return self.decode_batch(bodies, sources, flags), sources
+
+
+def _check_flag(finalize) -> None:
+    if not isinstance(finalize, bool):
+        raise TypeError(f"causal HiFT: finalize must be a bool, got {type(finalize).__name__} (CosyVoice2's "
+                        "cache_source / lengths arguments do not apply; stream with engine.token2wav_cv3)")
 
 
 def parse_causal_hift(data: dict) -> HiFTConfig:
