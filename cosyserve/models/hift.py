@@ -29,6 +29,15 @@ https://arxiv.org/abs/1908.10256) excitation:
    magnitude (clipped at 100), ``sin`` of the rest is the phase; an inverse STFT (n_fft 16, hop 4)
    gives ``T*samples_per_frame`` samples, clamped to ``±audio_limit``.
 
+CosyVoice3 (:class:`CausalHiFTGenerator`, :func:`parse_causal_hift`): the same family with causal
+convolutions (left zero padding; ``conv_pre`` and the F0 predictor's first convolution read right
+context), nearest-upsampling convolutions instead of transposed ones, the excitation phase
+upsampled with "nearest", the F0 predictor in float64 and the excitation noise fixed at
+construction (:class:`CausalSourceNoise`); upstream ``CausalHiFTGenerator`` and
+``CausalConvRNNF0Predictor`` (``cosyvoice/hifigan/f0_predictor.py``), ``CausalConv1d*`` in
+``cosyvoice/transformer/convolution.py``. Its streaming re-runs it over the whole accumulated mel
+(:mod:`cosyserve.engine.token2wav_cv3`); the CosyVoice2 stream cache below does not apply.
+
 Upstream reference: ``cosyvoice/hifigan/generator.py`` (``HiFTGenerator``, ``ResBlock``,
 ``SineGen2``, ``SourceModuleHnNSF``), ``cosyvoice/hifigan/f0_predictor.py``,
 ``cosyvoice/transformer/activation.py`` (``Snake``) and the streaming glue of
