@@ -320,6 +320,19 @@ class HiFTConfig:
     f0_num_class: int
     f0_in_channels: int
     f0_cond_channels: int
+    # ---- causal variant (CosyVoice3 ``CausalHiFTGenerator`` + ``CausalConvRNNF0Predictor``);
+    # the defaults describe CosyVoice2's non-causal HiFT (parse with hift.parse_causal_hift)
+    causal: bool = False
+    #: right-context mel frames of ``conv_pre`` (kernel ``conv_pre_look_right + 1``); causal only
+    conv_pre_look_right: int = 0
+    #: random draws made from the construction generator before the source module's noise
+    #: (``(kind, shape)`` with kind ``randn`` / ``embedding`` / ``linear`` / ``conv1d``), in order;
+    #: the F0 predictor's own layers follow implicitly (see ``hift.CausalSourceNoise``)
+    noise_preamble: tuple = ()
+    #: seed of the construction generator (upstream ``set_all_random_seed(0)`` in the CFM)
+    noise_seed: int = 0
+    #: length of the fixed noise tensors in samples (upstream literal ``300 * 24000``)
+    noise_samples: int = 300 * 24000
 
     @property
     def samples_per_frame(self) -> int:

@@ -114,7 +114,9 @@ class FlowInputs:
 class CausalFlowMatching(nn.Module):
     """Conditional flow matching sampler (upstream ``CausalConditionalCFM`` at inference).
 
-    Holds the :class:`~cosyserve.models.flow_estimator.FlowEstimator` (``estimator``) and
+    Holds the velocity estimator (``estimator``: CosyVoice2's
+    :class:`~cosyserve.models.flow_estimator.FlowEstimator`, or a module given to the
+    constructor with the same ``attention_plan`` / ``forward_btc`` methods) and
     the fixed start noise ``rand_noise`` ``[1, n_mels, noise_frames]`` (non-persistent
     buffer, not in ``flow.pt``; drawn on CPU with a private ``torch.Generator`` seeded
     ``noise_seed``, so the global RNG is never touched, then placed on the construction
@@ -122,13 +124,22 @@ class CausalFlowMatching(nn.Module):
     ``load_state_dict(assign=True)``, and it follows the parameters on first use).
     """
 
-    def __init__(self, cfm: CFMConfig, estimator: EstimatorConfig, n_mels: int):
+    def __init__(self, cfm: CFMConfig, estimator: EstimatorConfig | nn.Module, n_mels: int,
+                 exact_cfg: bool = False):
         super().__init__()
+        #: True: the CFG update in upstream's exact arithmetic, ``x + dt * ((1 + r) v_c - r v_u)``
+        #: (two kernels more per step). CosyVoice3 needs it: its HiFT re-runs over the whole mel and
+        #: integrates F0 into the excitation phase, which turns the ~1e-7 rounding difference of the
+        #: fused ``lerp`` form into ~1e-4 on the speech. False (CosyVoice2): ``lerp`` (see :meth:`step`).
+        self.exact_cfg = exact_cfg
         if cfm.t_scheduler not in ("cosine", "linear"):
             raise ConfigError(f"flow decoder: t_scheduler {cfm.t_scheduler!r} unsupported")
         self.cfm = cfm
         self.n_mels = n_mels
-        self.estimator = FlowEstimator(estimator)
+        # an EstimatorConfig builds CosyVoice2's U-Net; any module with the same two methods
+        # (``attention_plan(mask, streaming)``, ``forward_btc(packed, plan, t)``) may be given
+        # instead (CosyVoice3's DiT, :mod:`cosyserve.models.cv3_flow`)
+        self.estimator = estimator if isinstance(estimator, nn.Module) else FlowEstimator(estimator)
         gen = torch.Generator(device="cpu").manual_seed(cfm.noise_seed)
         noise = torch.randn(1, n_mels, cfm.noise_frames, generator=gen, device="cpu")
         target = torch.empty(0).device  # honours an enclosing `with torch.device(...)`
@@ -204,7 +215,11 @@ class CausalFlowMatching(nn.Module):
         b, frames, n_mels = s.xt.shape
         s.inp.view(2, b, frames, -1)[..., :n_mels].copy_(s.xt.unsqueeze(0).expand(2, -1, -1, -1))
         v = self.estimator.forward_btc(s.inp, s.plan, s.t.view(1))  # [2B, T, n_mels]
-        s.xt.addcmul_(torch.lerp(v[b:], v[:b], 1.0 + self.cfm.inference_cfg_rate), s.dt)
+        r = self.cfm.inference_cfg_rate
+        if self.exact_cfg:
+            s.xt.add_(s.dt * ((1.0 + r) * v[:b] - r * v[b:]))
+        else:
+            s.xt.addcmul_(torch.lerp(v[b:], v[:b], 1.0 + r), s.dt)
         s.t.add_(s.dt)
         s.k.add_(1)
         nxt = torch.clamp(s.k + 1, max=s.n).view(1)  # the last step's dt is never used
@@ -343,6 +358,9 @@ class FlowModel(nn.Module):
     def _model_dtype(self) -> torch.dtype:
         return self.encoder_proj.weight.dtype
 
+    def _model_device(self) -> torch.device:
+        return self.encoder_proj.weight.device
+
     def _speaker_rows(self, embeddings: Tensor | Sequence[Tensor], b: int) -> Tensor:
         """``[B, spk_embed_dim]`` from a tensor of that shape or ``B`` tensors of ``spk_embed_dim`` values."""
         dim = self.cfg.spk_embed_dim
@@ -454,7 +472,7 @@ class FlowModel(nn.Module):
     @torch.inference_mode()
     def condition_inputs(self, inp: FlowInputs) -> FlowConditioning:
         """:meth:`encode` of a prepared batch (moved to the model's device without host waits)."""
-        device = self.encoder_proj.weight.device
+        device = self._model_device()
         dev = [to_device(x, device) for x in (inp.ids, inp.lengths, inp.streaming, inp.embeddings, inp.feats)]
         h, mu, spks, cond, mask = self.encode(*dev, inp.max_encoder_len)
         return FlowConditioning(
@@ -514,7 +532,7 @@ class FlowModel(nn.Module):
         queue short and stay responsive: see :class:`~cosyserve.engine.token2wav.Token2Wav`).
         Uses the CUDA graphs of :attr:`graph` when set (CUDA, default number of steps)."""
         default_steps = n_timesteps in (None, self.cfg.cfm.n_timesteps)
-        if self.graph is not None and self.encoder_proj.weight.is_cuda and default_steps:
+        if self.graph is not None and self._model_device().type == "cuda" and default_steps:
             run = self.graph.start(inputs)
             if run is not None:
                 return run

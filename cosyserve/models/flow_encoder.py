@@ -216,11 +216,14 @@ class PreLookaheadLayer(nn.Module):
     are meaningful).
     """
 
-    def __init__(self, channels: int, lookahead: int):
+    def __init__(self, channels: int, lookahead: int, hidden: int | None = None):
         super().__init__()
         self.lookahead = lookahead
-        self.conv1 = nn.Conv1d(channels, channels, kernel_size=lookahead + 1)
-        self.conv2 = nn.Conv1d(channels, channels, kernel_size=3)
+        # ``hidden``: conv1's output / conv2's input channels (CosyVoice3: 80 -> 1024 -> 80);
+        # CosyVoice2 keeps ``channels`` throughout
+        hidden = channels if hidden is None else hidden
+        self.conv1 = nn.Conv1d(channels, hidden, kernel_size=lookahead + 1)
+        self.conv2 = nn.Conv1d(hidden, channels, kernel_size=3)
 
     def forward(self, x: Tensor) -> Tensor:
         h = F.pad(x.transpose(1, 2), (0, self.lookahead))

@@ -29,6 +29,15 @@ https://arxiv.org/abs/1908.10256) excitation:
    magnitude (clipped at 100), ``sin`` of the rest is the phase; an inverse STFT (n_fft 16, hop 4)
    gives ``T*samples_per_frame`` samples, clamped to ``±audio_limit``.
 
+CosyVoice3 (:class:`CausalHiFTGenerator`, :func:`parse_causal_hift`): the same family with causal
+convolutions (left zero padding; ``conv_pre`` and the F0 predictor's first convolution read right
+context), nearest-upsampling convolutions instead of transposed ones, the excitation phase
+upsampled with "nearest", the F0 predictor in float64 and the excitation noise fixed at
+construction (:class:`CausalSourceNoise`); upstream ``CausalHiFTGenerator`` and
+``CausalConvRNNF0Predictor`` (``cosyvoice/hifigan/f0_predictor.py``), ``CausalConv1d*`` in
+``cosyvoice/transformer/convolution.py``. Its streaming re-runs it over the whole accumulated mel
+(:mod:`cosyserve.engine.token2wav_cv3`); the CosyVoice2 stream cache below does not apply.
+
 Upstream reference: ``cosyvoice/hifigan/generator.py`` (``HiFTGenerator``, ``ResBlock``,
 ``SineGen2``, ``SourceModuleHnNSF``), ``cosyvoice/hifigan/f0_predictor.py``,
 ``cosyvoice/transformer/activation.py`` (``Snake``) and the streaming glue of
@@ -120,6 +129,9 @@ __all__ = [
     "fade_in_with_cache",
     "load_hift",
     "DEFAULT_MEL_CACHE_LEN",
+    "CausalHiFTGenerator",
+    "CausalSourceNoise",
+    "parse_causal_hift",
 ]
 
 #: Mel frames carried over between streaming chunks (upstream ``CosyVoice2Model.mel_cache_len``).
@@ -175,6 +187,11 @@ def _hamming_f64(n: int) -> np.ndarray:
 
 def _padding(kernel: int, dilation: int = 1) -> int:
     return (kernel * dilation - dilation) // 2
+
+
+def _left_pad(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x [B, C, T]`` with ``n`` zeros prepended in time (identity for n == 0)."""
+    return F.pad(x, (n, 0)) if n else x
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,14 +251,21 @@ class _SnakeResBlock(nn.Module):
     conv input beyond each item's end, so padded batches equal single-item runs.
     """
 
-    def __init__(self, channels: int, kernel_size: int, dilations: Sequence[int]):
+    def __init__(self, channels: int, kernel_size: int, dilations: Sequence[int], causal: bool = False):
         super().__init__()
+        # causal (CosyVoice3): no padding inside the convs, ``(k - 1) * d`` zeros on the left instead
+        # (upstream ``CausalConv1d(causal_type='left')``)
+        self.causal = causal
+        self.left1 = [(kernel_size - 1) * d if causal else 0 for d in dilations]
+        self.left2 = [(kernel_size - 1) if causal else 0 for _ in dilations]
         self.convs1 = nn.ModuleList(
-            weight_norm(nn.Conv1d(channels, channels, kernel_size, 1, dilation=d, padding=_padding(kernel_size, d)))
+            weight_norm(nn.Conv1d(channels, channels, kernel_size, 1, dilation=d,
+                                  padding=0 if causal else _padding(kernel_size, d)))
             for d in dilations
         )
         self.convs2 = nn.ModuleList(
-            weight_norm(nn.Conv1d(channels, channels, kernel_size, 1, dilation=1, padding=_padding(kernel_size)))
+            weight_norm(nn.Conv1d(channels, channels, kernel_size, 1, dilation=1,
+                                  padding=0 if causal else _padding(kernel_size)))
             for _ in dilations
         )
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
@@ -251,9 +275,10 @@ class _SnakeResBlock(nn.Module):
         """``x [B, C, T]`` -> ``[B, C, T]``. Each convolution's bias is added by the fused op that
         follows it (``convs1``' by the second Snake, ``convs2``' by the residual add): the same
         sums as upstream's ``conv(x) + bias`` then Snake / ``+ x``, two kernels fewer per dilation."""
-        for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
-            y = _bias_snake(_conv_without_bias(c1, a1(x, mask)), c1.bias, a2.alpha, mask)
-            x = _bias_residual(_conv_without_bias(c2, y), c2.bias, x)
+        for c1, c2, a1, a2, l1, l2 in zip(self.convs1, self.convs2, self.activations1, self.activations2,
+                                          self.left1, self.left2):
+            y = _bias_snake(_conv_without_bias(c1, _left_pad(a1(x, mask), l1)), c1.bias, a2.alpha, mask)
+            x = _bias_residual(_conv_without_bias(c2, _left_pad(y, l2)), c2.bias, x)
         return x
 
 
@@ -276,6 +301,90 @@ class _F0Predictor(nn.Module):
         x = mel
         for layer in self.condnet:
             x = layer(_zero_outside(x, mask)) if isinstance(layer, nn.Conv1d) else layer(x)
+        return torch.abs(self.classifier(x.transpose(1, 2)).squeeze(-1))
+
+
+class _CausalConv1d(nn.Conv1d):
+    """Length-preserving causal convolution (upstream ``CausalConv1d``, stride 1).
+
+    ``right=False``: ``(k - 1) * dilation`` zeros are prepended (output ``t`` reads inputs ``<= t``).
+    ``right=True``: the ``(k - 1) * dilation`` frames after the input are read instead — the given
+    ``context`` ``[B, C, k - 1]`` (a non-final streaming chunk's look-ahead frames) or zeros.
+    ``[B, C_in, T] -> [B, C_out, T]``.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1,
+                 right: bool = False):
+        super().__init__(in_channels, out_channels, kernel_size, 1, padding=0, dilation=dilation)
+        self.pad_len = (kernel_size - 1) * dilation
+        self.right = right
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        if self.right:
+            if context is not None:
+                if context.shape[-1] != self.pad_len:
+                    raise ValueError(f"right context must have {self.pad_len} frames, got {context.shape[-1]}")
+                x = torch.cat([x, context], dim=2)
+            else:
+                x = F.pad(x, (0, self.pad_len))
+        else:
+            x = _left_pad(x, self.pad_len)
+        return super().forward(x)
+
+
+class _CausalUpsampleConv(nn.Conv1d):
+    """Nearest-neighbour upsampling by ``stride``, ``kernel - 1`` zeros on the left, conv
+    (upstream ``CausalConv1dUpsample``): ``[B, C_in, T] -> [B, C_out, stride * T]``."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int):
+        super().__init__(in_channels, out_channels, kernel_size, 1, padding=0)
+        self.up_stride = stride
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.interpolate(x, scale_factor=float(self.up_stride), mode="nearest")
+        return super().forward(_left_pad(x, self.kernel_size[0] - 1))
+
+
+class _CausalDownsampleConv(nn.Conv1d):
+    """``stride - 1`` zeros on the left, then a strided conv (upstream ``CausalConv1dDownSample``):
+    ``[B, C_in, T] -> [B, C_out, floor((T + stride - 1 - kernel) / stride) + 1]``."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int):
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(_left_pad(x, self.stride[0] - 1))
+
+
+class _CausalF0Predictor(nn.Module):
+    """Upstream ``CausalConvRNNF0Predictor``: weight-normed causal convs (the first of kernel 4
+    reading 3 frames of right context, then four of kernel 3 reading the past) each followed by
+    ELU, then Linear; ``|.|``. ``[B, in_channels, T]`` log-mel -> ``[B, T]`` Hz
+    (``finalize=True``: zeros as right context) or ``[B, T - 3]`` (``finalize=False``: the last
+    3 frames are only right context). Runs in the dtype of its parameters (float64 in
+    :class:`CausalHiFTGenerator`)."""
+
+    def __init__(self, in_channels: int, cond_channels: int, num_class: int):
+        super().__init__()
+        layers: list[nn.Module] = [weight_norm(_CausalConv1d(in_channels, cond_channels, 4, right=True)), nn.ELU()]
+        for _ in range(4):
+            layers += [weight_norm(_CausalConv1d(cond_channels, cond_channels, 3)), nn.ELU()]
+        self.condnet = nn.Sequential(*layers)
+        self.classifier = nn.Linear(cond_channels, num_class)
+
+    @property
+    def lookahead(self) -> int:
+        """Right-context frames of the first convolution (3)."""
+        return self.condnet[0].pad_len
+
+    def forward(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor:
+        la = self.lookahead
+        if finalize:
+            x = self.condnet[0](mel)
+        else:
+            x = self.condnet[0](mel[:, :, :-la], mel[:, :, -la:])
+        for layer in list(self.condnet)[1:]:
+            x = layer(x)
         return torch.abs(self.classifier(x.transpose(1, 2)).squeeze(-1))
 
 
@@ -337,11 +446,16 @@ class HiFTGenerator(nn.Module):
         n_src = self.n_fft + 2  # real + imaginary STFT bins of the excitation
         base = cfg.base_channels
 
+        causal = cfg.causal
         self.m_source = _HarmonicSource(cfg.nb_harmonics + 1)
-        self.conv_pre = weight_norm(nn.Conv1d(cfg.in_channels, base, 7, 1, padding=3))
+        if causal:
+            self.conv_pre = weight_norm(_CausalConv1d(cfg.in_channels, base, cfg.conv_pre_look_right + 1, right=True))
+        else:
+            self.conv_pre = weight_norm(nn.Conv1d(cfg.in_channels, base, 7, 1, padding=3))
 
         self.ups = nn.ModuleList(
-            weight_norm(nn.ConvTranspose1d(base // 2**i, base // 2 ** (i + 1), k, u, padding=(k - u) // 2))
+            weight_norm(_CausalUpsampleConv(base // 2**i, base // 2 ** (i + 1), k, u) if causal else
+                        nn.ConvTranspose1d(base // 2**i, base // 2 ** (i + 1), k, u, padding=(k - u) // 2))
             for i, (u, k) in enumerate(zip(cfg.upsample_rates, cfg.upsample_kernel_sizes))
         )
 
@@ -355,18 +469,24 @@ class HiFTGenerator(nn.Module):
             stride = math.prod(rates[i + 1:])
             if stride == 1:
                 self.source_downs.append(nn.Conv1d(n_src, ch, 1, 1))
+            elif causal:
+                self.source_downs.append(_CausalDownsampleConv(n_src, ch, stride * 2, stride))
             else:
                 self.source_downs.append(nn.Conv1d(n_src, ch, stride * 2, stride, padding=stride // 2))
-            self.source_resblocks.append(_SnakeResBlock(ch, k, d))
+            self.source_resblocks.append(_SnakeResBlock(ch, k, d, causal=causal))
 
         self.resblocks = nn.ModuleList()
         for i in range(self.num_upsamples):
             ch = base // 2 ** (i + 1)
             for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes):
-                self.resblocks.append(_SnakeResBlock(ch, k, d))
+                self.resblocks.append(_SnakeResBlock(ch, k, d, causal=causal))
 
-        self.conv_post = weight_norm(nn.Conv1d(ch, n_src, 7, 1, padding=3))
-        self.f0_predictor = _F0Predictor(cfg.f0_in_channels, cfg.f0_cond_channels, cfg.f0_num_class)
+        if causal:
+            self.conv_post = weight_norm(_CausalConv1d(ch, n_src, 7))
+            self.f0_predictor = _CausalF0Predictor(cfg.f0_in_channels, cfg.f0_cond_channels, cfg.f0_num_class)
+        else:
+            self.conv_post = weight_norm(nn.Conv1d(ch, n_src, 7, 1, padding=3))
+            self.f0_predictor = _F0Predictor(cfg.f0_in_channels, cfg.f0_cond_channels, cfg.f0_num_class)
 
         # Constant, not part of the checkpoint; created on CPU explicitly so that building the module
         # under a meta-device context still yields a usable window.
@@ -458,6 +578,8 @@ class HiFTGenerator(nn.Module):
         self, f0_up: torch.Tensor, rand_ini: torch.Tensor, std_noise: torch.Tensor,
         frame_lengths: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # (causal HiFT: ``std_noise`` is the fixed uniform ``sine_waves`` tensor and the phase is
+        # upsampled with "nearest" instead of "linear", as upstream SineGen2(causal=True))
         """Deterministic part of the excitation (SineGen2 + harmonic merge) given the random draws.
 
         ``f0_up`` ``[B, N, 1]`` Hz at the sample rate (N = frames * spf), ``rand_ini`` ``[B, H+1]``
@@ -489,7 +611,8 @@ class HiFTGenerator(nn.Module):
             t = phase.shape[1]
             idx = torch.minimum(torch.arange(t, device=phase.device)[None, :], (frame_lengths - 1)[:, None])
             phase = phase.gather(1, idx[:, :, None].expand(-1, -1, phase.shape[2]))
-        phase = F.interpolate(phase.transpose(1, 2) * spf, scale_factor=float(spf), mode="linear").transpose(1, 2)
+        mode = "nearest" if self.cfg.causal else "linear"
+        phase = F.interpolate(phase.transpose(1, 2) * spf, scale_factor=float(spf), mode=mode).transpose(1, 2)
         sine_waves = torch.sin(phase) * self.cfg.nsf_alpha
 
         uv = (f0_up > self.cfg.nsf_voiced_threshold).to(work)
@@ -901,9 +1024,467 @@ def load_hift(
     """
     from .checkpoint import load_strict, normalize_weight_norm_keys, read_state_dict
 
-    model = HiFTGenerator(cfg)
+    model = CausalHiFTGenerator(cfg) if cfg.causal else HiFTGenerator(cfg)
     sd = normalize_weight_norm_keys(read_state_dict(checkpoint), strip_prefix="generator.")
     load_strict(model, sd, str(checkpoint))
     if fold_weight_norm:
         model.remove_weight_norm()
     return model.to(device=device, dtype=dtype).eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# CosyVoice3: causal HiFT (upstream CausalHiFTGenerator + CausalConvRNNF0Predictor)
+# ----------------------------------------------------------------------------------------------
+
+
+class CausalSourceNoise:
+    """The excitation noise the causal HiFT draws once, at construction (not in ``hift.pt``).
+
+    Upstream (``CausalHiFTGenerator``, eval mode) does not draw noise per call: ``SineGen2``
+    holds ``rand_ini`` ``[1, H+1]`` (uniform, column 0 set to 0: initial phases) and
+    ``sine_waves`` ``[1, noise_samples, H+1]`` (uniform [0, 1), used as ``noise_amp *
+    sine_waves[:, :N]``), and ``SourceModuleHnNSF`` holds ``uv`` ``[1, noise_samples, 1]``
+    (uniform; its noise branch, not part of the excitation). They come from torch's global CPU
+    generator while the yaml is instantiated, right after ``CausalConditionalCFM.__init__``
+    reseeded it (``set_all_random_seed(0)``) and drew its own noise; the draws in between are
+    the default initialisations of the layers built before ``SineGen2`` (the flow's
+    ``input_embedding`` and ``spk_embed_affine_layer``, then the F0 predictor's convs and
+    classifier). This class replays exactly that sequence on a private ``torch.Generator``
+    (``HiFTConfig.noise_seed``, ``noise_preamble``; the global generator is never touched),
+    then ``rand(1, H+1)``, then ``sine_waves``, then ``Linear(H+1, 1)``'s initialisation, then
+    ``uv``. CPU torch draws uniforms element by element from mt19937, so a prefix of a large draw
+    equals a draw of the prefix: the tensors are materialised lazily, only as far as requested
+    (the full ones would take 290 MB), from saved generator states.
+    """
+
+    def __init__(self, cfg: HiFTConfig):
+        self.cfg = cfg
+        self.h = cfg.nb_harmonics + 1
+        self._rand_ini: torch.Tensor | None = None
+        self._sine_state: torch.Tensor | None = None
+        self._uv_state: torch.Tensor | None = None
+        self._cache: dict[tuple[str, str], torch.Tensor] = {}
+
+    # -- the replay
+    @staticmethod
+    def _init_linear(g: torch.Generator, fan_in: int, weight_shape: tuple[int, ...]) -> None:
+        """What ``nn.Linear`` / ``nn.Conv1d.reset_parameters`` draw: kaiming_uniform_(a=sqrt(5))
+        on the weight, then uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) on the bias."""
+        w = torch.empty(weight_shape, device="cpu")
+        nn.init.kaiming_uniform_(w, a=math.sqrt(5), generator=g)
+        bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+        nn.init.uniform_(torch.empty(weight_shape[0], device="cpu"), -bound, bound, generator=g)
+
+    def _replay(self) -> None:
+        cfg = self.cfg
+        g = torch.Generator(device="cpu").manual_seed(cfg.noise_seed)
+        for kind, shape in cfg.noise_preamble:
+            shape = tuple(int(v) for v in shape)
+            if kind == "randn":
+                torch.randn(shape, generator=g, device="cpu")
+            elif kind == "embedding":  # nn.Embedding(num, dim): normal_ on [num, dim]
+                nn.init.normal_(torch.empty(shape, device="cpu"), generator=g)
+            elif kind == "linear":  # (in_features, out_features)
+                self._init_linear(g, shape[0], (shape[1], shape[0]))
+            elif kind == "conv1d":  # (in_channels, out_channels, kernel)
+                self._init_linear(g, shape[0] * shape[2], (shape[1], shape[0], shape[2]))
+            else:
+                raise ValueError(f"unknown construction-noise step {kind!r}")
+        # the F0 predictor (built before the generator): conv k4, 4 x conv k3, classifier
+        c_in, c = cfg.f0_in_channels, cfg.f0_cond_channels
+        self._init_linear(g, c_in * 4, (c, c_in, 4))
+        for _ in range(4):
+            self._init_linear(g, c * 3, (c, c, 3))
+        self._init_linear(g, c, (cfg.f0_num_class, c))
+        # SineGen2.__init__
+        rand_ini = torch.rand(1, self.h, generator=g, device="cpu")
+        rand_ini[:, 0] = 0
+        self._rand_ini = rand_ini
+        self._sine_state = g.get_state()
+
+    def _uv_generator(self) -> torch.Generator:
+        """A generator in the state upstream's ``uv`` draw starts from (skips ``sine_waves`` and
+        ``l_linear``'s initialisation; ~0.2 s for the full-size 64.8 M uniforms, done once)."""
+        if self._uv_state is None:
+            g = torch.Generator(device="cpu")
+            g.set_state(self.sine_state())
+            left = self.cfg.noise_samples * self.h
+            buf = torch.empty(min(left, 1 << 22), device="cpu")
+            while left > 0:
+                k = min(left, buf.numel())
+                buf[:k].uniform_(generator=g)
+                left -= k
+            self._init_linear(g, self.h, (1, self.h))
+            self._uv_state = g.get_state()
+        g = torch.Generator(device="cpu")
+        g.set_state(self._uv_state)
+        return g
+
+    def sine_state(self) -> torch.Tensor:
+        if self._sine_state is None:
+            self._replay()
+        return self._sine_state
+
+    # -- the tensors
+    def rand_ini(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``SineGen2.rand_ini`` ``[1, H+1]`` float32 on ``device``."""
+        if self._rand_ini is None:
+            self._replay()
+        return self._cached("rand_ini", device, lambda n: self._rand_ini, 0)
+
+    def _cached(self, name: str, device, build, n: int) -> torch.Tensor:
+        key = (name, str(torch.device(device)))
+        t = self._cache.get(key)
+        if t is None or (name != "rand_ini" and t.shape[1] < n):
+            if name == "rand_ini":
+                t = build(0).to(device)
+            else:
+                grow = max(n, 2 * (t.shape[1] if t is not None else 0), 24000)
+                t = build(min(grow, self.cfg.noise_samples)).to(device)
+            self._cache[key] = t
+        return t
+
+    def _check(self, n: int) -> None:
+        if n > self.cfg.noise_samples:
+            raise ValueError(f"causal HiFT: {n} samples exceed the fixed noise of {self.cfg.noise_samples} samples "
+                             f"({self.cfg.noise_samples / self.cfg.sampling_rate:.0f} s)")
+
+    def sine_waves(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``SineGen2.sine_waves[:, :n]`` ``[1, n, H+1]`` float32 (uniform [0, 1)) on ``device``.
+        Raises ValueError past ``noise_samples``."""
+        self._check(n)
+
+        def build(m: int) -> torch.Tensor:
+            g = torch.Generator(device="cpu")
+            g.set_state(self.sine_state())
+            return torch.rand(1, m, self.h, generator=g, device="cpu")
+
+        return self._cached("sine_waves", device, build, n)[:, :n]
+
+    def uv(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``SourceModuleHnNSF.uv[:, :n]`` ``[1, n, 1]`` float32 (uniform [0, 1)) on ``device``."""
+        self._check(n)
+        return self._cached("uv", device, lambda m: torch.rand(1, m, 1, generator=self._uv_generator(),
+                                                                device="cpu"), n)[:, :n]
+
+
+class CausalHiFTGenerator(HiFTGenerator):
+    """CosyVoice3's causal HiFT (upstream ``CausalHiFTGenerator`` with
+    ``CausalConvRNNF0Predictor``), a variant of :class:`HiFTGenerator` built from a
+    :class:`~cosyserve.models.config.HiFTConfig` with ``causal=True`` (:func:`parse_causal_hift`).
+
+    Same network family and parameter names (``state_dict()`` = official CV3 ``hift.pt``), with:
+    every convolution causal (left zero padding; ``conv_pre`` (kernel ``conv_pre_look_right + 1``)
+    and the F0 predictor's first conv (kernel 4) read *right* context instead), nearest-upsampling
+    convolutions instead of transposed ones, strided causal source downsampling; the excitation
+    phase upsampled with "nearest"; the excitation noise fixed at construction
+    (:class:`CausalSourceNoise`: deterministic, no generator); the F0 predictor kept and run in
+    float64 as upstream (cast in place at the first inference as upstream does, or by
+    :meth:`remove_weight_norm`, which folds its weight norm in float64; from then on ``.to(dtype)``
+    of the whole module leaves it float64; ``state_dict()`` of a fresh build is float32 like
+    ``hift.pt``).
+
+    :meth:`inference` ``(mel, finalize)``: ``finalize=True`` -> ``480 * T`` samples (zeros as right
+    context). ``finalize=False`` (a non-final streaming call over the accumulated mel): the last 3
+    frames are only the F0 predictor's right context, of the remaining ``T - 3`` the last
+    ``conv_pre_look_right`` only ``conv_pre``'s, and the last ``samples_per_frame`` samples are
+    dropped: ``480 * (T - 3 - conv_pre_look_right - 1)`` samples, which equal the first samples of
+    the final call up to float rounding.
+
+    :meth:`inference_batch`: F0 and excitation item by item, the decoder as one padded pass
+    (:meth:`decode_batch`; everything after ``conv_pre`` is causal, so no masks are needed).
+    The CUDA-graph decoder (``graph_decode``) and ``lengths`` masks of :class:`HiFTGenerator`
+    are not used by this variant.
+    """
+
+    def __init__(self, cfg: HiFTConfig):
+        if not cfg.causal:
+            raise ValueError("CausalHiFTGenerator needs a HiFTConfig with causal=True (parse_causal_hift)")
+        super().__init__(cfg)
+        #: fixed excitation noise (see :class:`CausalSourceNoise`), a plain attribute as upstream
+        self.noise = CausalSourceNoise(cfg)
+
+    def _apply(self, fn, recurse=True):
+        # ``.to(dtype)`` / ``.half()`` / ``.cuda()`` on the whole module: once the F0 predictor is
+        # float64 (after the first inference or :meth:`remove_weight_norm`, as upstream casts it at
+        # every inference call) it follows the device but stays float64 — rounding its weights
+        # through float32 would change F0 and hence the excitation phase. Before that (a fresh
+        # build: float32 parameters, as in ``hift.pt``) it is converted like everything else.
+        ref = next(self.f0_predictor.parameters(), None)
+        if ref is None or ref.dtype != torch.float64:
+            return super()._apply(fn, recurse)
+        f0 = self._modules.pop("f0_predictor")
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._modules["f0_predictor"] = f0
+        # the target device: what ``fn`` does to a tensor on the predictor's current device (its
+        # dtype conversion, if any, is not applied: a float32 round trip would round the weights)
+        ref = next(f0.parameters(), None)
+        if ref is not None:
+            device = fn(torch.empty(0, dtype=ref.dtype, device=ref.device)).device
+            f0.to(device=device, dtype=torch.float64)
+        return self
+
+    def remove_weight_norm(self) -> None:
+        """As :meth:`HiFTGenerator.remove_weight_norm`; the F0 predictor's weights are folded in
+        float64 (what upstream's parametrization computes after its float64 cast)."""
+        self.f0_predictor.to(torch.float64)
+        super().remove_weight_norm()
+
+    @property
+    def f0_lookahead(self) -> int:
+        """Mel frames the F0 predictor reads past a non-final call's output (3)."""
+        return self.f0_predictor.lookahead
+
+    def predict_f0(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor:  # type: ignore[override]
+        """``[B, in_channels, T]`` log-mel -> F0 ``[B, T]`` Hz (``[B, T - 3]`` with ``finalize=False``),
+        computed in float64, returned in ``mel.dtype``. Raises ValueError on a bad shape or a
+        non-final mel of at most 3 frames."""
+        self._check_mel(mel)
+        _check_flag(finalize)
+        if not finalize and mel.shape[-1] <= self.f0_lookahead:
+            raise ValueError(f"a non-final causal HiFT call needs more than {self.f0_lookahead} mel frames")
+        self.f0_predictor.to(torch.float64)
+        return self.f0_predictor(mel.to(torch.float64), finalize=finalize).to(mel.dtype)
+
+    def excitation(self, f0: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """NSF excitation from F0 ``[B, T]`` Hz -> ``[B, 1, T * spf]`` (dtype of ``f0``) with the fixed
+        construction noise (``generator`` is not used: nothing is drawn)."""
+        if f0.dim() != 2:
+            raise ValueError(f"f0 must be [B, T] (Hz), got {tuple(f0.shape)}")
+        f0_up = self.upsample_f0(f0)
+        n = f0_up.shape[1]
+        rand_ini = self.noise.rand_ini(f0.device).expand(f0.shape[0], -1)
+        noise = self.noise.sine_waves(n, f0.device).expand(f0.shape[0], -1, -1)
+        return self.source_from_draws(f0_up, rand_ini, noise)[2]
+
+    def excitation_padded(self, f0: torch.Tensor, lengths: Sequence[int],
+                          generators: Sequence[torch.Generator | None] | None = None) -> torch.Tensor:
+        """Excitation of a padded batch ``f0 [B, T_max]`` with ``lengths`` (frames): item b equals
+        :meth:`excitation` of ``f0[b:b+1, :lengths[b]]`` (fixed noise: every item starts at the
+        noise tensors' first sample), zero beyond. ``generators`` are not used."""
+        bsz, t_max = f0.shape
+        lengths = [int(n) for n in lengths]
+        if len(lengths) != bsz or any(n < 1 or n > t_max for n in lengths):
+            raise ValueError(f"lengths {lengths} do not fit f0 of shape {tuple(f0.shape)}")
+        spf = self.samples_per_frame
+        return torch.cat([F.pad(self.excitation(f0[b:b + 1, :n]), (0, (t_max - n) * spf))
+                          for b, n in enumerate(lengths)])
+
+    def decode(self, mel: torch.Tensor, source: torch.Tensor, lengths: torch.Tensor | None = None,
+               finalize: bool = True) -> torch.Tensor:
+        """Waveform from mel ``[B, in_channels, T]`` and excitation ``[B, 1, T * spf]`` (upstream
+        ``CausalHiFTGenerator.decode``): ``[B, T * spf]`` with ``finalize=True``; with
+        ``finalize=False`` the last ``conv_pre_look_right`` frames are right context only and the
+        last ``spf`` samples are dropped: ``[B, (T - conv_pre_look_right - 1) * spf]``. Clamped to
+        ``±audio_limit``. ``lengths`` (padded batches) is not supported for the causal variant
+        (ValueError). No host synchronisation."""
+        if lengths is not None:
+            raise ValueError("causal HiFT decode: padded batches (lengths) are not supported; decode items one by one")
+        self._check_mel(mel)
+        bsz, _, t = mel.shape
+        spf, look = self.samples_per_frame, self.cfg.conv_pre_look_right
+        if source.dim() != 3 or source.shape[0] != bsz or source.shape[1] != 1 or source.shape[2] != t * spf:
+            raise ValueError(f"source must be [{bsz}, 1, {t * spf}] for mel {tuple(mel.shape)}, "
+                             f"got {tuple(source.shape)}")
+        if not finalize and t <= look + 1:
+            raise ValueError(f"a non-final causal HiFT decode needs more than {look + 1} mel frames, got {t}")
+        tdt = self.trunk_dtype
+        s_stft = self._source_stft(source.squeeze(1), None).to(tdt)
+        mel_t = mel.to(tdt)
+        if finalize:
+            x = self.conv_pre(mel_t)
+        else:
+            x = self.conv_pre(mel_t[:, :, :-look], mel_t[:, :, -look:])
+            s_stft = s_stft[:, :, :-(math.prod(self.cfg.upsample_rates) * look)]
+        speech = self._trunk_istft(x, s_stft, mel.dtype, None)
+        if not finalize:
+            speech = speech[:, :-spf]
+        return torch.clamp(speech, -self.cfg.audio_limit, self.cfg.audio_limit)
+
+    def _trunk_istft(self, x: torch.Tensor, s_stft: torch.Tensor, io_dtype: torch.dtype,
+                     n_frames: torch.Tensor | None) -> torch.Tensor:
+        """Everything after ``conv_pre``: ``x [B, base, T]`` (trunk dtype), ``s_stft [B, n_fft+2,
+        T * prod(upsample_rates) + 1]`` -> speech ``[B, hop * T * prod(upsample_rates)]`` in
+        ``io_dtype`` before trimming and clamping. Every layer here is causal, so frames past an
+        item's end in a padded batch never reach its valid frames; ``n_frames`` (int tensor [B])
+        limits the inverse STFT's overlap-add and envelope to each item's own STFT frames."""
+        for i in range(self.num_upsamples):
+            x = F.leaky_relu(x, self.cfg.lrelu_slope)
+            x = self.ups[i](x)
+            if i == self.num_upsamples - 1:
+                x = F.pad(x, (1, 0), mode="reflect")
+            x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
+            xs = None
+            for j in range(self.num_kernels):
+                r = self.resblocks[i * self.num_kernels + j](x)
+                xs = r if xs is None else xs + r
+            x = xs / self.num_kernels
+        x = F.leaky_relu(x)  # default slope 0.01, as upstream
+        x = self.conv_post(x).to(io_dtype)
+        nb = self.n_fft // 2 + 1
+        return self._istft(torch.exp(x[:, :nb, :]), torch.sin(x[:, nb:, :]), n_frames)
+
+    def decode_batch(self, mels: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
+                     finalize: Sequence[bool]) -> list[torch.Tensor]:
+        """:meth:`decode` of several items of different lengths in one padded pass: item b's mel
+        ``[1, in_channels, T_b]``, excitation ``[1, 1, T_b * spf]`` and ``finalize[b]``; returns the
+        B speeches :meth:`decode` returns for them (up to float rounding of differently shaped
+        kernels). Only ``conv_pre`` reads the right (its ``conv_pre_look_right`` context frames,
+        or zeros) and the source STFT reflects at each item's end: those two are built per item;
+        the rest is one causal pass. Raises ValueError on inconsistent arguments."""
+        bsz = len(mels)
+        if not (bsz == len(sources) == len(finalize)) or bsz == 0:
+            raise ValueError(f"decode_batch needs equally many (>= 1) mels, sources and flags, got "
+                             f"{len(mels)}, {len(sources)}, {len(finalize)}")
+        spf, look = self.samples_per_frame, self.cfg.conv_pre_look_right
+        up = math.prod(self.cfg.upsample_rates)
+        tdt = self.trunk_dtype
+        rows, stfts, outs = [], [], []
+        for mel, src, fin in zip(mels, sources, finalize):
+            self._check_mel(mel)
+            t = mel.shape[-1]
+            if mel.shape[0] != 1 or src.shape != (1, 1, t * spf):
+                raise ValueError(f"each item needs mel [1, C, T] and source [1, 1, T*{spf}], got "
+                                 f"{tuple(mel.shape)} and {tuple(src.shape)}")
+            if not fin and t <= look + 1:
+                raise ValueError(f"a non-final causal HiFT decode needs more than {look + 1} mel frames, got {t}")
+            o = t if fin else t - look  # output frames
+            s = self._source_stft(src.squeeze(1), None)
+            stfts.append(s[:, :, : up * o + 1])
+            # conv_pre input: the output frames, then the right context (zeros when final)
+            rows.append(F.pad(mel, (0, look)) if fin else mel)
+            outs.append(o)
+        o_max = max(outs)
+        x_in = torch.cat([F.pad(r, (0, o_max + look - r.shape[-1])) for r in rows]).to(tdt)
+        s_stft = torch.cat([F.pad(s, (0, up * o_max + 1 - s.shape[-1])) for s in stfts]).to(tdt)
+        x = F.conv1d(x_in, self.conv_pre.weight, self.conv_pre.bias)  # no padding: o_max frames out
+        n_fr = _int_tensor([up * o + 1 for o in outs], x.device)
+        speech = self._trunk_istft(x, s_stft, mels[0].dtype, n_fr)
+        res = []
+        for b, (o, fin) in enumerate(zip(outs, finalize)):
+            n = o * spf - (0 if fin else spf)
+            res.append(torch.clamp(speech[b:b + 1, :n], -self.cfg.audio_limit, self.cfg.audio_limit))
+        return res
+
+    @torch.inference_mode()
+    def inference(  # type: ignore[override]
+        self, mel: torch.Tensor, finalize: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mel -> ``(speech, source)``, upstream ``CausalHiFTGenerator.inference``.
+
+        ``mel`` ``[B, in_channels, T]`` natural-log mel (50 frames/s). ``finalize=True``: speech
+        ``[B, T * spf]``, source ``[B, 1, T * spf]``. ``finalize=False``: F0 and source over the
+        first ``T - 3`` frames, speech ``[B, (T - 3 - conv_pre_look_right - 1) * spf]``.
+        Deterministic. Raises ValueError on bad shapes or too short non-final mels.
+        """
+        _check_flag(finalize)
+        f0 = self.predict_f0(mel, finalize)
+        source = self.excitation(f0)
+        body = mel if finalize else mel[:, :, :-self.f0_lookahead]
+        return self.decode(body, source, finalize=finalize), source
+
+    @torch.inference_mode()
+    def inference_batch(  # type: ignore[override]
+        self, mels: Sequence[torch.Tensor], finalize: Sequence[bool] | bool = True,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`inference` for several items: ``mels`` B tensors ``[1, in_channels, T_b]``,
+        ``finalize`` one bool or one per item. F0 and excitation are computed item by item with the
+        single-item kernels (the excitation phase integrates F0, see :class:`HiFTGenerator`), the
+        decoder runs as one padded pass (:meth:`decode_batch`). Returns (speeches, sources) lists
+        equal to the single-item calls up to float rounding. Raises ValueError on bad arguments."""
+        flags = [bool(finalize)] * len(mels) if isinstance(finalize, bool) else [bool(f) for f in finalize]
+        if len(flags) != len(mels):
+            raise ValueError(f"{len(flags)} finalize flags for {len(mels)} mels")
+        if not mels:
+            return [], []
+        bodies, sources = [], []
+        for m, f in zip(mels, flags):
+            if m.dim() != 3 or m.shape[0] != 1:
+                raise ValueError(f"each mel must be [1, {self.cfg.in_channels}, T], got {tuple(m.shape)}")
+            sources.append(self.excitation(self.predict_f0(m, f)))
+            bodies.append(m if f else m[:, :, :-self.f0_lookahead])
+        return self.decode_batch(bodies, sources, flags), sources
+
+
+def _check_flag(finalize) -> None:
+    if not isinstance(finalize, bool):
+        raise TypeError(f"causal HiFT: finalize must be a bool, got {type(finalize).__name__} (CosyVoice2's "
+                        "cache_source / lengths arguments do not apply; stream with engine.token2wav_cv3)")
+
+
+def parse_causal_hift(data: dict) -> HiFTConfig:
+    """:class:`~cosyserve.models.config.HiFTConfig` (``causal=True``) of a CosyVoice3 yaml.
+
+    ``data``: the whole dict of :func:`cosyserve.models.config.load_hyperpyyaml` (``cosyvoice3.yaml``).
+    Checks the classes (``hift: CausalHiFTGenerator``, ``f0_predictor: CausalConvRNNF0Predictor``)
+    and reads the construction-noise recipe from the ``flow`` section (its ``CausalConditionalCFM``
+    reseeds and draws ``[1, 80, 15000]`` normals, then ``input_embedding`` ``(vocab_size,
+    input_size)`` and ``spk_embed_affine_layer`` ``(spk_embed_dim -> output_size)`` are initialised;
+    see :class:`CausalSourceNoise`), which requires ``flow`` to come before ``hift`` in the file as
+    upstream's does. Raises :class:`~cosyserve.errors.ConfigError`.
+    """
+    from ..errors import ConfigError
+    from .config import _get, _int_tuple, _nested_int_tuple, Tagged
+
+    def expect(node, key: str, cls: str) -> dict:
+        if not isinstance(node, Tagged) or node.kind != "new" or node.class_name != cls:
+            raise ConfigError(f"yaml key '{key}' must be '!new:...{cls}' (CosyVoice3), found {node!r:.80}")
+        return node.kwargs()
+
+    hift = expect(data.get("hift"), "hift", "CausalHiFTGenerator")
+    f0 = expect(hift.get("f0_predictor"), "hift.f0_predictor", "CausalConvRNNF0Predictor")
+    flow = expect(data.get("flow"), "flow", "CausalMaskedDiffWithDiT")
+    dec = expect(flow.get("decoder"), "flow.decoder", "CausalConditionalCFM")
+    keys = list(data.keys())
+    if keys.index("flow") > keys.index("hift"):
+        raise ConfigError("yaml: 'hift' comes before 'flow'; the causal HiFT's construction noise is only "
+                          "reproducible in upstream's order (flow, then hift)")
+    del dec
+    w = "hift"
+    istft = _get(hift, "istft_params", w, {"n_fft": 16, "hop_len": 4})
+    fw = "flow"
+    preamble = (
+        ("randn", (1, 80, 50 * 300)),  # CausalConditionalCFM.rand_noise (literal shape upstream)
+        ("embedding", (_get(flow, "vocab_size", fw, 4096, int), _get(flow, "input_size", fw, 512, int))),
+        ("linear", (_get(flow, "spk_embed_dim", fw, 192, int), _get(flow, "output_size", fw, 80, int))),
+    )
+    cfg = HiFTConfig(
+        in_channels=_get(hift, "in_channels", w, 80, int),
+        base_channels=_get(hift, "base_channels", w, 512, int),
+        nb_harmonics=_get(hift, "nb_harmonics", w, 8, int),
+        sampling_rate=_get(hift, "sampling_rate", w, 22050, int),
+        nsf_alpha=_get(hift, "nsf_alpha", w, 0.1, float),
+        nsf_sigma=_get(hift, "nsf_sigma", w, 0.003, float),
+        nsf_voiced_threshold=_get(hift, "nsf_voiced_threshold", w, 10, float),
+        upsample_rates=_get(hift, "upsample_rates", w, (8, 8), _int_tuple),
+        upsample_kernel_sizes=_get(hift, "upsample_kernel_sizes", w, (16, 16), _int_tuple),
+        istft_n_fft=int(istft["n_fft"]),
+        istft_hop_len=int(istft["hop_len"]),
+        resblock_kernel_sizes=_get(hift, "resblock_kernel_sizes", w, (3, 7, 11), _int_tuple),
+        resblock_dilation_sizes=_get(hift, "resblock_dilation_sizes", w, ((1, 3, 5),) * 3, _nested_int_tuple),
+        source_resblock_kernel_sizes=_get(hift, "source_resblock_kernel_sizes", w, (7, 11), _int_tuple),
+        source_resblock_dilation_sizes=_get(hift, "source_resblock_dilation_sizes", w, ((1, 3, 5),) * 2,
+                                            _nested_int_tuple),
+        lrelu_slope=_get(hift, "lrelu_slope", w, 0.1, float),
+        audio_limit=_get(hift, "audio_limit", w, 0.99, float),
+        f0_num_class=_get(f0, "num_class", "hift.f0_predictor", 1, int),
+        f0_in_channels=_get(f0, "in_channels", "hift.f0_predictor", 80, int),
+        f0_cond_channels=_get(f0, "cond_channels", "hift.f0_predictor", 512, int),
+        causal=True,
+        conv_pre_look_right=_get(hift, "conv_pre_look_right", w, 4, int),
+        noise_preamble=preamble,
+        noise_seed=0,
+        noise_samples=300 * 24000,
+    )
+    if cfg.sampling_rate == 22050:
+        raise ConfigError("hift.sampling_rate 22050 selects upstream's SineGen v1, which the causal HiFT does not use")
+    if not (len(cfg.upsample_rates) == len(cfg.upsample_kernel_sizes) == len(cfg.source_resblock_kernel_sizes)):
+        raise ConfigError("hift: upsample_rates, upsample_kernel_sizes and source_resblock_kernel_sizes "
+                          "must have equal length")
+    if cfg.conv_pre_look_right < 1:
+        raise ConfigError(f"hift.conv_pre_look_right must be >= 1, got {cfg.conv_pre_look_right}")
+    if cfg.f0_num_class != 1:
+        raise ConfigError(f"hift.f0_predictor.num_class must be 1, got {cfg.f0_num_class}")
+    return cfg

@@ -1,0 +1,237 @@
+"""CosyVoice3 token2wav streaming: the chunk schedule, the flow-mel trim and the HiFT re-run.
+
+Upstream: ``CosyVoice2Model.tts`` (the chunk loop, inherited) and ``CosyVoice3Model.token2wav``
+(``cosyvoice/cli/model.py``, CosyVoice commit ace7c47). Pure state: :class:`CV3StreamState` is
+immutable and the three functions below return new states, so an engine can keep one per request
+and batch the model calls of several requests however it likes; :func:`token2wav_step` and
+:func:`stream_token2wav` run the models for one request (tests, CLI).
+
+Schedule (per request; upstream keeps ``token_hop_len`` on the *model* and never resets it
+between requests — here it is per stream, starting at ``token_hop_len``):
+
+* ``prompt_token_pad = ceil(P / hop0) * hop0 - P`` for ``P`` flow prompt tokens (``hop0`` = 25):
+  the first chunk ends on a multiple of the DiT's chunk (50 frames) counted from the prompt start.
+* A non-final chunk is due when ``n_tokens - token_offset >= hop + pre_lookahead_len`` with
+  ``hop = token_hop_len (+ prompt_token_pad for the first chunk)``; it passes
+  ``tokens[:token_offset + hop + pre_lookahead_len]`` to ``flow.inference(streaming=True,
+  finalize=False)`` (the last 3 tokens are right context only), then ``token_offset += hop`` and
+  ``token_hop_len = min(token_max_hop_len, token_hop_len * stream_scale_factor)``.
+* When the LM has finished and no non-final chunk is due, the final chunk passes all tokens to
+  ``flow.inference(streaming=False, finalize=True)``. A non-streaming request is just that call
+  with ``token_offset = 0``.
+* Every chunk: ``new_mel = flow_mel[:, :, token_mel_ratio * token_offset:]``; the accumulated mel
+  (all frames so far) grows by ``new_mel``; HiFT runs over the *whole* accumulated mel
+  (``finalize`` as the flow call) and the samples already emitted (``speech_offset``) are cut off;
+  no cross-fade (unlike CosyVoice2).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+__all__ = ["CV3StreamSchedule", "CV3StreamState", "CV3ChunkJob", "CV3ChunkTrace", "new_stream", "plan_chunk",
+           "after_flow", "after_hift", "speed_mel", "token2wav_step", "CV3BatchItem", "token2wav_batch",
+           "stream_token2wav"]
+
+
+@dataclass(frozen=True)
+class CV3StreamSchedule:
+    """Chunking constants of ``CosyVoice3Model`` (upstream literals; ``token_hop_len`` must match the
+    DiT's ``static_chunk_size / token_mel_ratio``, the yaml's ``chunk_size``)."""
+
+    token_hop_len: int = 25
+    token_max_hop_len: int = 100
+    stream_scale_factor: int = 2
+    pre_lookahead_len: int = 3
+    token_mel_ratio: int = 2
+
+    def __post_init__(self):
+        if self.token_hop_len < 1 or self.token_max_hop_len < self.token_hop_len or self.stream_scale_factor < 1:
+            raise ValueError(f"invalid CosyVoice3 stream schedule {self}")
+
+
+@dataclass(frozen=True)
+class CV3StreamState:
+    """One request's token2wav progress (immutable).
+
+    ``token_offset``: speech tokens whose mel was already produced; ``hop_len``: the current
+    ``token_hop_len``; ``prompt_token_pad``: extra tokens of the first chunk; ``mel``: the
+    accumulated mel ``[1, n_mels, frames]`` (None before the first chunk); ``speech_offset``:
+    samples already emitted; ``finished``: the final chunk was emitted.
+    """
+
+    schedule: CV3StreamSchedule
+    prompt_token_pad: int
+    hop_len: int
+    token_offset: int = 0
+    mel: Tensor | None = None
+    speech_offset: int = 0
+    finished: bool = False
+
+
+@dataclass(frozen=True)
+class CV3ChunkJob:
+    """One token2wav call: ``tokens[:n_tokens]`` through the flow with ``streaming``/``finalize``,
+    mel frames from ``token_mel_ratio * token_offset`` on are new; ``hop``: tokens this chunk
+    advances ``token_offset`` by (0 for the final chunk)."""
+
+    n_tokens: int
+    token_offset: int
+    streaming: bool
+    finalize: bool
+    hop: int
+
+
+def new_stream(prompt_tokens: int, schedule: CV3StreamSchedule | None = None) -> CV3StreamState:
+    """The state before the first chunk of a request with ``prompt_tokens`` flow prompt tokens."""
+    s = schedule or CV3StreamSchedule()
+    if prompt_tokens < 0:
+        raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
+    pad = int(math.ceil(prompt_tokens / s.token_hop_len) * s.token_hop_len - prompt_tokens)
+    return CV3StreamState(schedule=s, prompt_token_pad=pad, hop_len=s.token_hop_len)
+
+
+def plan_chunk(state: CV3StreamState, n_tokens: int, llm_done: bool, stream: bool = True) -> CV3ChunkJob | None:
+    """The next call for a request that has ``n_tokens`` speech tokens so far, or None (wait for
+    more tokens). ``stream=False``: only the final (offline) call, once ``llm_done``.
+    Raises ValueError after the final chunk or if tokens disappeared."""
+    if state.finished:
+        raise ValueError("the stream already emitted its final chunk")
+    if n_tokens < state.token_offset:
+        raise ValueError(f"{n_tokens} tokens but {state.token_offset} were already synthesised")
+    s = state.schedule
+    if stream:
+        hop = state.hop_len + (state.prompt_token_pad if state.token_offset == 0 else 0)
+        if n_tokens - state.token_offset >= hop + s.pre_lookahead_len:
+            return CV3ChunkJob(n_tokens=state.token_offset + hop + s.pre_lookahead_len,
+                               token_offset=state.token_offset, streaming=True, finalize=False, hop=hop)
+    if llm_done:
+        if n_tokens == 0:
+            raise ValueError("no speech tokens to synthesise")
+        return CV3ChunkJob(n_tokens=n_tokens, token_offset=state.token_offset, streaming=False, finalize=True, hop=0)
+    return None
+
+
+def after_flow(state: CV3StreamState, job: CV3ChunkJob, flow_mel: Tensor) -> tuple[Tensor, CV3StreamState]:
+    """Trim the flow output of ``job`` (``[1, n_mels, frames]``, prompt frames already removed) to
+    its new frames and append them to the accumulated mel. Returns ``(hift_mel, state)``: the
+    whole accumulated mel, HiFT's input for this chunk, and the state holding it."""
+    if flow_mel.dim() != 3 or flow_mel.shape[0] != 1:
+        raise ValueError(f"flow_mel must be [1, n_mels, frames], got {tuple(flow_mel.shape)}")
+    new = flow_mel[:, :, job.token_offset * state.schedule.token_mel_ratio:]
+    mel = new if state.mel is None else torch.cat([state.mel.to(new), new], dim=2)
+    return mel, replace(state, mel=mel)
+
+
+def after_hift(state: CV3StreamState, job: CV3ChunkJob, speech: Tensor) -> tuple[Tensor, CV3StreamState]:
+    """``speech`` ``[1, samples]``: HiFT's output over the accumulated mel for ``job``. Returns the
+    samples not yet emitted and the state advanced past ``job`` (``token_offset += hop``, hop
+    grown; or ``finished``)."""
+    out = speech[:, state.speech_offset:]
+    s = state.schedule
+    if job.finalize:
+        return out, replace(state, speech_offset=state.speech_offset + out.shape[1], finished=True)
+    return out, replace(
+        state, speech_offset=state.speech_offset + out.shape[1], token_offset=state.token_offset + job.hop,
+        hop_len=min(s.token_max_hop_len, state.hop_len * s.stream_scale_factor),
+    )
+
+
+@dataclass
+class CV3ChunkTrace:
+    """What one :func:`token2wav_step` computed (for tests and debugging)."""
+
+    job: CV3ChunkJob
+    flow_mel: Tensor
+    hift_mel: Tensor
+    speech: Tensor
+
+
+def speed_mel(mel: Tensor, job: CV3ChunkJob, speed: float) -> Tensor:
+    """HiFT's input for a tempo change (upstream ``token2wav(speed=...)``): the mel ``[1, C, T]``
+    linearly resampled to ``int(T / speed)`` frames. Only for a whole utterance in one call
+    (``token_offset == 0`` and ``finalize``, upstream asserts the same): ValueError otherwise."""
+    if speed == 1.0:
+        return mel
+    if job.token_offset != 0 or not job.finalize:
+        raise ValueError("speed change is only supported without streaming (one final call)")
+    if not speed > 0:
+        raise ValueError(f"speed must be positive, got {speed}")
+    return torch.nn.functional.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
+
+
+def token2wav_step(flow, hift, state: CV3StreamState, job: CV3ChunkJob, tokens: Tensor, prompt_token: Tensor,
+                   prompt_feat: Tensor, embedding: Tensor, speed: float = 1.0) -> tuple[CV3ChunkTrace, CV3StreamState]:
+    """Run one job for one request: ``flow`` a :class:`~cosyserve.models.cv3_flow.CV3FlowModel`,
+    ``hift`` a :class:`~cosyserve.models.hift.CausalHiFTGenerator`; ``tokens [1, >= n_tokens]``,
+    ``prompt_token [1, P]``, ``prompt_feat [1, F, n_mels]``, ``embedding [1, spk_embed_dim]``;
+    ``speed``: tempo factor (:func:`speed_mel`, non-streaming only).
+    Returns the chunk's trace (``speech [1, n]`` float32 at the HiFT's rate) and the new state."""
+    flow_mel = flow.inference(tokens[:, :job.n_tokens], prompt_token, prompt_feat, embedding,
+                              streaming=job.streaming, finalize=job.finalize)
+    hift_mel, state = after_flow(state, job, flow_mel)
+    hift_mel = speed_mel(hift_mel, job, speed)
+    raw, _ = hift.inference(hift_mel, finalize=job.finalize)
+    speech, state = after_hift(state, job, raw)
+    return CV3ChunkTrace(job=job, flow_mel=flow_mel, hift_mel=hift_mel, speech=speech), state
+
+
+@dataclass(frozen=True)
+class CV3BatchItem:
+    """One request's share of :func:`token2wav_batch`: its state and due job, its speech tokens
+    ``[1, >= job.n_tokens]``, flow prompt tokens ``[1, P]``, prompt mel ``[1, F, n_mels]``,
+    speaker embedding ``[1, spk_embed_dim]`` and tempo ``speed`` (non-streaming only)."""
+
+    state: CV3StreamState
+    job: CV3ChunkJob
+    tokens: Tensor
+    prompt_token: Tensor
+    prompt_feat: Tensor
+    embedding: Tensor
+    speed: float = 1.0
+
+
+def token2wav_batch(flow, hift, items: list[CV3BatchItem]) -> list[tuple[CV3ChunkTrace, CV3StreamState]]:
+    """:func:`token2wav_step` for several requests at once: one padded flow pass
+    (``FlowModel.inference_batch``, per-item streaming/finalize) and one HiFT pass
+    (``CausalHiFTGenerator.inference_batch``). Returns ``(trace, new_state)`` per item, equal to
+    the single-request steps up to float rounding of differently shaped kernels (~1e-6).
+    Raises ValueError as the single-request functions do."""
+    if not items:
+        return []
+    mels = flow.inference_batch([it.tokens[:, :it.job.n_tokens] for it in items], [it.prompt_token for it in items],
+                                [it.prompt_feat for it in items], torch.cat([it.embedding for it in items]),
+                                [it.job.streaming for it in items], [it.job.finalize for it in items])
+    hift_in, states = [], []
+    for it, mel in zip(items, mels):
+        m, st = after_flow(it.state, it.job, mel)
+        hift_in.append(speed_mel(m, it.job, it.speed))
+        states.append(st)
+    raws, _ = hift.inference_batch(hift_in, [it.job.finalize for it in items])
+    out = []
+    for it, mel, m, st, raw in zip(items, mels, hift_in, states, raws):
+        speech, st = after_hift(st, it.job, raw)
+        out.append((CV3ChunkTrace(job=it.job, flow_mel=mel, hift_mel=m, speech=speech), st))
+    return out
+
+
+def stream_token2wav(flow, hift, tokens: Tensor, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor,
+                     stream: bool = True, schedule: CV3StreamSchedule | None = None,
+                     speed: float = 1.0) -> Iterator[CV3ChunkTrace]:
+    """All chunks of a request whose speech tokens ``[1, N]`` are all known (upstream's
+    ``tts(source_speech_token=..., stream=...)`` path), as :class:`CV3ChunkTrace` in order;
+    ``speed`` only with ``stream=False`` (upstream ignores it when streaming; here that is a
+    ValueError rather than a silent no-op)."""
+    if stream and speed != 1.0:
+        raise ValueError("speed change is only supported without streaming")
+    state = new_stream(prompt_token.shape[1], schedule)
+    n = tokens.shape[1]
+    while not state.finished:
+        job = plan_chunk(state, n, llm_done=True, stream=stream)
+        trace, state = token2wav_step(flow, hift, state, job, tokens, prompt_token, prompt_feat, embedding, speed)
+        yield trace
