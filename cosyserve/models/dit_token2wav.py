@@ -138,12 +138,18 @@ def align_prompt(prompt_tokens: torch.Tensor, prompt_mel: torch.Tensor, ratio: i
 
 @dataclass(frozen=True)
 class DitT2WStreamState:
-    """Per-stream state of :class:`DitToken2Wav` streaming: the flow caches and the HiFT cache;
-    ``started``: a chunk was already emitted (the first non-final chunk gets the leading zeros)."""
+    """Per-stream state of :class:`DitToken2Wav` streaming: the flow caches (None before the set-up)
+    and the HiFT cache; ``started``: a chunk was already emitted (the first non-final chunk gets the
+    leading zeros)."""
 
-    flow: DitStreamState
+    flow: DitStreamState | None = None
     hift: HiFTStreamState = HiFTStreamState()
     started: bool = False
+
+    @property
+    def empty(self) -> bool:
+        """Not started yet (or over): no flow caches."""
+        return self.flow is None
 
 
 class DitToken2Wav:
