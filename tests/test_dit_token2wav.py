@@ -444,3 +444,75 @@ def test_engine_batches_streams_of_the_dit_backend(dit_model_dirs):
         # flow batching noise (~1e-7, test_batched_streaming_equals_single_streams) amplified by HiFT's F0
         # phase integration; the CosyVoice2 path's engine tests use the same bound (test_pipeline WAVE_TOL)
         assert rel_l2(got, ref) <= 2e-3
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+def _gpu_streams(flow, t: dict, chunks: int = 5):
+    """Two streams (different prompts and chunk sizes) set up and run for ``chunks`` batched calls on
+    the flow's device; returns every call's mels."""
+    dev = next(flow.parameters()).device
+    p1 = (t["prompt_token"][0], t["prompt_feat"][0].to(dev), t["embedding"][0].to(dev))
+    p2 = tuple(x.to(dev) for x in _second_prompt(t))
+    states = flow.setup_batch([p1, p2])
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for k in range(chunks):
+        last = k == chunks - 1
+        toks = [torch.randint(0, 6561, (28,), generator=g), torch.randint(0, 6561, (19 if not last else 7,), generator=g)]
+        res = flow.chunk_batch(states, toks, [last, last])
+        states = [s for _, s in res]
+        out += [m for m, _ in res]
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_equal_eager(t2w):
+    import copy
+
+    names = STREAM_FLOW or E2E_STREAM
+    t = dit_tensors(names[0])
+    flow = copy.deepcopy(t2w.flow).cuda()
+    eager = _gpu_streams(flow, t)
+    graph = flow.enable_cuda_graphs()
+    graphed = _gpu_streams(flow, t)
+    again = _gpu_streams(flow, t)  # replays of already-captured graphs
+    assert graph.captures > 0 and graph.replays > graph.captures
+    for e, g, a in zip(eager, graphed, again):
+        assert e.shape == g.shape
+        assert rel_l2(g, e) < 1e-5, rel_l2(g, e)
+        assert torch.equal(g, a)
+    # sanity: the CUDA result is the CPU one (cuDNN's default TF32 convolutions round differently)
+    cpu = _gpu_streams(t2w.flow, t, chunks=2)
+    for c, e in zip(cpu, eager[:2]):
+        assert rel_l2(e.cpu(), c) < 1e-2
+
+
+#: half-precision flow vs float32 (tiny fixture model, offline + streaming mels), relative L2. Measured
+#: on CPU with the same code: bfloat16 5.7e-3 .. 6.5e-3, float16 7.3e-4 .. 7.6e-4 (ODE state and time
+#: grid stay float32); the bounds leave ~3x for GPU kernels (docs/architecture.md, "Step-Audio2 DiT token2wav")
+HALF_BOUND = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_half_precision_within_bound(t2w, dtype):
+    import copy
+
+    t = dit_tensors((OFFLINE_FLOW or E2E_OFFLINE)[0])
+    ref_flow = copy.deepcopy(t2w.flow).cuda()
+    half = copy.deepcopy(t2w.flow).cuda().to(dtype)
+    half.set_noise(t2w.flow.rand_noise)  # the same float32 noise (the cast rounded the buffer)
+    args = (t["token"][0], t["prompt_token"][0], t["prompt_feat"][0].cuda(), t["embedding"][0].cuda())
+    ref, got = ref_flow.inference(*args), half.inference(*args)
+    assert got.dtype == torch.float32
+    err = rel_l2(got, ref)
+    print(f"{dtype} offline mel vs float32: {err:.2e}")
+    assert err < HALF_BOUND[dtype]
+    s = dit_tensors((STREAM_FLOW or E2E_STREAM)[0])
+    half.enable_cuda_graphs()
+    for a, b in zip(_gpu_streams(half, s, chunks=3), _gpu_streams(ref_flow, s, chunks=3)):
+        e = rel_l2(a, b)
+        print(f"{dtype} streaming mel vs float32: {e:.2e}")
+        assert e < HALF_BOUND[dtype]

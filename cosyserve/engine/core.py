@@ -301,7 +301,9 @@ class EngineCore:
             self.prefill_graphs = GraphedPrefill(self.lm, self.cache, pool=self.decoder.pool,
                                                  max_batch=config.max_active, max_tokens=config.max_prefill_tokens)
             ratio = models.cfg.token_mel_ratio
-            if getattr(models, "dit", None) is None and models.flow.graph is None:
+            if getattr(models, "dit", None) is not None and models.flow.graph is None:
+                models.flow.enable_cuda_graphs()  # DiT estimator steps, captured on first use per shape
+            elif getattr(models, "dit", None) is None and models.flow.graph is None:
                 models.flow.graph = GraphedFlow(models.flow, config.max_t2w_batch, max_tokens=config.kv_max_len,
                                                 max_area=config.max_t2w_tokens,
                                                 max_quad=config.max_t2w_tokens * T2W_ATTENTION_LEN)

@@ -406,6 +406,8 @@ class DitFlowModel(nn.Module):
         except RuntimeError:  # pragma: no cover
             pass
         self.register_buffer("rand_noise", noise, persistent=False)
+        #: optional :class:`GraphedDiTStep` (CUDA graphs of the estimator call), see :meth:`enable_cuda_graphs`
+        self.graph = None
 
     # ------------------------------------------------------------------ basics
 
@@ -420,6 +422,12 @@ class DitFlowModel(nn.Module):
     @property
     def up_rate(self) -> int:
         return self.cfg.encoder.upsample_stride
+
+    def enable_cuda_graphs(self, frames_bucket: int = 32, cache_bucket: int = 64, max_graphs: int = 256) -> "GraphedDiTStep":
+        """Replay each estimator call of the CUDA solve from a CUDA graph (captured on first use per
+        (rows, padded frames, padded cache) shape; see :class:`GraphedDiTStep`). Returns it."""
+        self.graph = GraphedDiTStep(self.decoder.estimator, frames_bucket, cache_bucket, max_graphs)
+        return self.graph
 
     def set_noise(self, noise: Tensor) -> None:
         """Replace the CFM start-noise buffer (``[1, 80, F]``, any F >= the frames a stream needs)."""
@@ -574,39 +582,48 @@ class DitFlowModel(nn.Module):
     # ------------------------------------------------------------------ CFM with the DiT
 
     def _solve(self, items: Sequence[DitItem], mu: Tensor, mlen: list[int], n_timesteps: int):
-        """Euler/CFG solve over the batch; returns (mel [B, 80, Mmax], per-item (est_att, est_cnn))."""
+        """Euler/CFG solve over the batch; returns (mel [B, 80, Mmax], per-item (est_att, est_cnn)).
+
+        The ODE state ``x`` and the time grid stay float32 (the estimator runs in the module's dtype).
+        With :attr:`graph` set and CUDA tensors, frames and cache lengths are padded to the graph's
+        buckets (masked) and each estimator call replays a CUDA graph.
+        """
         est = self.decoder.estimator
         dcfg = est.cfg
-        b, mmax, n_mels = mu.shape
+        b, m_real, n_mels = mu.shape
         dev, dtype = mu.device, mu.dtype
         n = 2 * b
         ce = [0 if it.state is None else it.state.cache_frames for it in items]
-        cmax = max(ce)
         for i, it in enumerate(items):
             if it.state is not None and it.state.est_att.shape[0] < n_timesteps:
                 raise ValueError(f"stream state holds caches for {it.state.est_att.shape[0]} steps, {n_timesteps} asked")
             if ce[i] + mlen[i] > self.rand_noise.size(-1):
                 raise ValueError(f"DiT flow: {ce[i] + mlen[i]} frames exceed the noise buffer of {self.rand_noise.size(-1)}")
+        graph = self.graph if (self.graph is not None and dev.type == "cuda") else None
+        mmax, cmax = m_real, max(ce)
+        if graph is not None:
+            mmax, cmax = graph.frames_bucket(mmax), graph.cache_bucket(cmax)
+            mu = F.pad(mu, (0, 0, 0, mmax - m_real))
 
         # inputs: rows (2i, 2i+1) = (conditional, unconditional) of item i
         if self.rand_noise.device != dev:
             self.rand_noise = self.rand_noise.to(dev)
-        x = torch.zeros(b, n_mels, mmax, device=dev, dtype=dtype)
+        x = torch.zeros(b, n_mels, mmax, device=dev, dtype=torch.float32)
         cond = torch.zeros(b, n_mels, mmax, device=dev, dtype=dtype)
         for i, it in enumerate(items):
-            x[i, :, : mlen[i]] = self.rand_noise[0, :, ce[i]: ce[i] + mlen[i]].to(dtype)
+            x[i, :, : mlen[i]] = self.rand_noise[0, :, ce[i]: ce[i] + mlen[i]]
             if it.cond is not None:
                 f = min(int(it.cond.shape[0]), mlen[i])
                 cond[i, :, :f] = it.cond[:f].to(device=dev, dtype=dtype).transpose(0, 1)
         spk = torch.cat([it.spk.to(device=dev, dtype=dtype) for it in items])  # [B, 80]
         mu_t = mu.transpose(1, 2)
-        z = torch.zeros_like(mu_t)
-        mu_in = torch.stack([mu_t, z], dim=1).reshape(n, n_mels, mmax)
+        mu_in = torch.stack([mu_t, torch.zeros_like(mu_t)], dim=1).reshape(n, n_mels, mmax)
         spk_in = torch.stack([spk, torch.zeros_like(spk)], dim=1).reshape(n, n_mels)
         cond_in = torch.stack([cond, torch.zeros_like(cond)], dim=1).reshape(n, n_mels, mmax)
         spk_in = spk_in.unsqueeze(-1).expand(-1, -1, mmax)
+        static_in = torch.cat([mu_in, spk_in, cond_in], dim=1)  # [N, 240, M]: constant during the solve
 
-        uniform = len(set(ce)) == 1 and len(set(mlen)) == 1
+        uniform = graph is None and len(set(ce)) == 1 and len(set(mlen)) == 1
         row_len = torch.tensor(mlen, device=dev).repeat_interleave(2)
         mask = None
         if not uniform:
@@ -629,17 +646,18 @@ class DitFlowModel(nn.Module):
             if it.state is not None:
                 cnn[:, :, 2 * i: 2 * i + 2] = it.state.est_cnn[:n_timesteps].to(dtype)
 
-        t_span = torch.linspace(0, 1, n_timesteps + 1, device=dev, dtype=dtype)
+        t_span = torch.linspace(0, 1, n_timesteps + 1, device=dev, dtype=torch.float32)
         t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
         t = t_span[0:1]
         dt = t_span[1] - t_span[0]
         r = self.cfg.inference_cfg_rate
+        call = graph if graph is not None else est
         new_cnn, new_att = [], []
         for step in range(1, n_timesteps + 1):
-            x_in = x.repeat_interleave(2, dim=0)
-            inp = torch.cat([x_in, mu_in, spk_in, cond_in], dim=1)
-            v, nc, na = est(inp, t.expand(n), None if att is None else att[step - 1], cnn[step - 1], mask, new_len)
-            v = v.view(b, 2, n_mels, mmax)
+            inp = torch.cat([x.to(dtype).repeat_interleave(2, dim=0), static_in], dim=1)
+            v, nc, na = call(inp, t.to(dtype).expand(n), None if att is None else att[step - 1], cnn[step - 1],
+                             mask, new_len)
+            v = v.float().view(b, 2, n_mels, mmax)
             v = (1.0 + r) * v[:, 0] - r * v[:, 1]
             x = x + dt * v
             t = t + dt
@@ -773,3 +791,70 @@ class DitFlowModel(nn.Module):
         (see :meth:`inference_batch`)."""
         return self.inference_batch([(tokens.reshape(-1), prompt_tokens.reshape(-1), prompt_mel, embedding)],
                                     n_timesteps)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA graphs
+# ----------------------------------------------------------------------------------------------
+
+
+class GraphedDiTStep:
+    """CUDA graphs of one DiT estimator call (the ``depth`` blocks: hundreds of small kernels per
+    Euler step), one graph per (rows, frames, cache frames) shape.
+
+    :meth:`DitFlowModel._solve` pads a batch's chunk frames to a multiple of ``frames_bucket`` and its
+    cache frames to a multiple of ``cache_bucket`` (padded positions are masked keys and ignored rows:
+    results equal eager up to float summation order), so a stream in steady state (its cache trimmed
+    to ``P + 100`` frames) reuses one graph per chunk size. Graphs are captured lazily on first use
+    (one warm-up call, then capture, on a side stream; all share one memory pool); at most
+    ``max_graphs`` are kept (then the call runs eagerly). Not thread-safe: one solve at a time.
+    """
+
+    def __init__(self, est: DiT, frames_bucket: int = 32, cache_bucket: int = 64, max_graphs: int = 256):
+        if frames_bucket < 1 or cache_bucket < 1:
+            raise ValueError("graph buckets must be positive")
+        self.est = est
+        self.fb, self.cb, self.max_graphs = frames_bucket, cache_bucket, max_graphs
+        self.graphs: dict[tuple, tuple] = {}
+        self.pool = None
+        self.captures = 0
+        self.replays = 0
+
+    def frames_bucket(self, m: int) -> int:
+        return -(-m // self.fb) * self.fb
+
+    def cache_bucket(self, c: int) -> int:
+        return -(-c // self.cb) * self.cb if c > 0 else 0
+
+    def _capture(self, args: tuple) -> tuple:
+        static = tuple(a.clone() if isinstance(a, Tensor) else a for a in args)
+        side = torch.cuda.Stream(device=static[0].device)
+        side.wait_stream(torch.cuda.current_stream(static[0].device))
+        with torch.cuda.stream(side):
+            self.est(*static)
+        torch.cuda.current_stream(static[0].device).wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = self.est(*static)
+        self.captures += 1
+        return g, static, out
+
+    def __call__(self, inp: Tensor, t: Tensor, att: Tensor | None, cnn: Tensor, mask: Tensor | None,
+                 new_len: Tensor | None):
+        """Same arguments and results as :meth:`DiT.forward` (results are fresh tensors)."""
+        args = (inp, t, att, cnn, mask, new_len)
+        key = tuple(None if a is None else (tuple(a.shape), a.dtype) for a in args)
+        entry = self.graphs.get(key)
+        if entry is None:
+            if len(self.graphs) >= self.max_graphs:
+                return self.est(*args)
+            entry = self.graphs[key] = self._capture(args)
+        g, static, out = entry
+        for s_, a in zip(static, args):
+            if isinstance(s_, Tensor):
+                s_.copy_(a)
+        g.replay()
+        self.replays += 1
+        return tuple(o.clone() for o in out)
