@@ -585,8 +585,8 @@ class DitFlowModel(nn.Module):
         """Euler/CFG solve over the batch; returns (mel [B, 80, Mmax], per-item (est_att, est_cnn)).
 
         The ODE state ``x`` and the time grid stay float32 (the estimator runs in the module's dtype).
-        With :attr:`graph` set and CUDA tensors, frames and cache lengths are padded to the graph's
-        buckets (masked) and each estimator call replays a CUDA graph.
+        With :attr:`graph` set, frames and cache lengths are padded to the graph's buckets (masked) and
+        each estimator call replays a CUDA graph (on CUDA; elsewhere the padded call runs eagerly).
         """
         est = self.decoder.estimator
         dcfg = est.cfg
@@ -599,7 +599,7 @@ class DitFlowModel(nn.Module):
                 raise ValueError(f"stream state holds caches for {it.state.est_att.shape[0]} steps, {n_timesteps} asked")
             if ce[i] + mlen[i] > self.rand_noise.size(-1):
                 raise ValueError(f"DiT flow: {ce[i] + mlen[i]} frames exceed the noise buffer of {self.rand_noise.size(-1)}")
-        graph = self.graph if (self.graph is not None and dev.type == "cuda") else None
+        graph = self.graph
         mmax, cmax = m_real, max(ce)
         if graph is not None:
             mmax, cmax = graph.frames_bucket(mmax), graph.cache_bucket(cmax)
@@ -843,8 +843,10 @@ class GraphedDiTStep:
 
     def __call__(self, inp: Tensor, t: Tensor, att: Tensor | None, cnn: Tensor, mask: Tensor | None,
                  new_len: Tensor | None):
-        """Same arguments and results as :meth:`DiT.forward` (results are fresh tensors)."""
+        """Same arguments and results as :meth:`DiT.forward` (results are fresh tensors); eager off CUDA."""
         args = (inp, t, att, cnn, mask, new_len)
+        if not inp.is_cuda:
+            return self.est(*args)
         key = tuple(None if a is None else (tuple(a.shape), a.dtype) for a in args)
         entry = self.graphs.get(key)
         if entry is None:
