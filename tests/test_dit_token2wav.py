@@ -87,9 +87,14 @@ def test_flow_yaml_parses_and_checks_class_names(tmp_path):
 
 
 def test_noise_recipe_matches_recorded_prefix(t2w):
+    import copy
+
     for name in dit_discover("dit_flow", has=("rand_noise_prefix",)):
         ref = dit_tensors(name)["rand_noise_prefix"]
         assert torch.equal(t2w.flow.rand_noise[:, :, : ref.shape[2]], ref)
+    half = copy.deepcopy(t2w.flow).to(torch.bfloat16)  # the noise stays float32 in a half-precision model
+    assert half.rand_noise.dtype == torch.float32 and torch.equal(half.rand_noise, t2w.flow.rand_noise)
+    assert half.decoder.estimator.in_proj.weight.dtype == torch.bfloat16
 
 
 # ---------------------------------------------------------------------------------------------- flow parity

@@ -423,6 +423,14 @@ class DitFlowModel(nn.Module):
     def up_rate(self) -> int:
         return self.cfg.encoder.upsample_stride
 
+    def _apply(self, fn, recurse=True):
+        # .to(device, dtype) moves the noise buffer but keeps it float32 (the ODE state is float32)
+        noise = self.rand_noise
+        super()._apply(fn, recurse)
+        if noise.device.type != "meta" and self.rand_noise.device.type != "meta":
+            self.rand_noise = noise.to(self.rand_noise.device)
+        return self
+
     def enable_cuda_graphs(self, frames_bucket: int = 32, cache_bucket: int = 64, max_graphs: int = 256) -> "GraphedDiTStep":
         """Replay each estimator call of the CUDA solve from a CUDA graph (captured on first use per
         (rows, padded frames, padded cache) shape; see :class:`GraphedDiTStep`). Returns it."""
