@@ -536,3 +536,37 @@ def test_gpu_half_precision_within_bound(t2w, dtype):
         e = rel_l2(a, b)
         print(f"{dtype} streaming mel vs float32: {e:.2e}")
         assert e < HALF_BOUND[dtype]
+
+
+def test_backend_jobs_and_setup_cache(t2w):
+    """DitToken2WavBackend: offline and streaming jobs in one batch equal DitToken2Wav's own calls; a second
+    stream of the same prompt reuses the cached set-up."""
+    from types import SimpleNamespace
+
+    from cosyserve.engine.token2wav import Token2WavJob
+    from cosyserve.engine.token2wav_dit import DitToken2WavBackend
+    from cosyserve.models.hift import HiFTStreamState
+
+    t = dit_tensors((STREAM_FLOW or E2E_STREAM)[0])
+    voice = SimpleNamespace(flow_speech_token=t["prompt_token"][0], speech_feat=t["prompt_feat"][0],
+                            flow_embedding=t["embedding"][0])
+    be = DitToken2WavBackend(t2w)
+    toks = t["stream_token"][0]
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 1, 2)]
+    jobs = [Token2WavJob(voice, toks[:28], 0, False, True, HiFTStreamState(), gens[0]),
+            Token2WavJob(voice, toks[:20], 0, True, False, HiFTStreamState(), gens[1])]
+    r1, r2 = be.run(jobs)
+    assert be.setup_hits == 0 and len(be._setups) == 1
+    st = t2w.stream_setup(t["prompt_token"][0], t["prompt_feat"][0], t["embedding"][0])
+    ref1, _ = t2w.stream_step(st, toks[:28], False, gens[2])
+    ref2 = t2w.offline(toks[:20], t["prompt_token"][0], t["prompt_feat"][0], t["embedding"][0], gens[3])
+    # flow batching noise (~1e-7) amplified by HiFT's F0 phase: the waveform tolerance of the engine tests
+    assert r1.speech.shape == ref1[0].shape and rel_l2(r1.speech, ref1[0]) <= 2e-3
+    assert r2.speech.shape == ref2[0].shape and rel_l2(r2.speech, ref2[0]) <= 2e-3
+    assert not r1.hift_state.empty and r2.hift_state.empty
+    # the stream goes on (state from the result); a new stream of the same voice hits the cache
+    g3 = torch.Generator().manual_seed(3)
+    r3, r4 = be.run([Token2WavJob(voice, toks[:40], 25, True, False, r1.hift_state, g3),
+                     Token2WavJob(voice, toks[:28], 0, False, True, HiFTStreamState(), torch.Generator())])
+    assert be.setup_hits == 1
+    assert r3.speech.shape == (2 * 15 * 480 + 3840,) and r3.hift_state.empty
