@@ -238,7 +238,7 @@ def test_mixed_batch_offline_setup_and_chunk(t2w, name):
     p = (t["prompt_token"][0], t["prompt_feat"][0], t["embedding"][0])
     tok = t["token"][0]
     st = flow.setup(*p)
-    offline_item = flow._prompt_item(p[0], p[1], p[2], tok, last=True)
+    offline_item = flow.prompt_item(p[0], p[1], p[2], tok, last=True)
     setup_item = flow.setup_item(*_second_prompt(t))
     chunk_item = DitItem(tokens=tok[:12], spk=st.spk, last=False, state=st)
     res = flow.forward_items([offline_item, setup_item, chunk_item])

@@ -172,7 +172,7 @@ class DitToken2WavBackend:
             for j, s, off in zip(jobs, states, offline):
                 if off:
                     pt, pm, emb = self._prompt(j)
-                    items.append(flow._prompt_item(pt, pm, emb, j.tokens, last=True))
+                    items.append(flow.prompt_item(pt, pm, emb, j.tokens, last=True))
                     prompt_frames.append(pm.shape[0])
                 else:
                     items.append(DitItem(tokens=j.tokens[j.token_offset:], spk=s.flow.spk, last=j.finalize,

@@ -73,7 +73,8 @@ from ..errors import ConfigError
 from .config import DiTConfig, DitFlowConfig
 from .flow_encoder import UpsampleConformerEncoder, relative_position_table
 
-__all__ = ["DiT", "DitFlowModel", "DitStreamState", "DitItem", "DitItemResult", "SILENCE_TOKEN", "TRIM_KEEP"]
+__all__ = ["DiT", "DitFlowModel", "DitStreamState", "DitItem", "DitItemResult", "GraphedDiTStep", "trim_state",
+           "SILENCE_TOKEN", "TRIM_KEEP"]
 
 #: the silence token Step-Audio2's ``Token2wav.set_stream_cache`` appends (three times) to the prompt
 SILENCE_TOKEN = 4218
@@ -712,7 +713,12 @@ class DitFlowModel(nn.Module):
             out.append(DitItemResult(mel=mel[i: i + 1, :, : mlen[i]].float(), state=st))
         return out
 
-    def _prompt_item(self, prompt_tokens: Tensor, prompt_mel: Tensor, embedding: Tensor, extra: Tensor, last: bool):
+    def prompt_item(self, prompt_tokens: Tensor, prompt_mel: Tensor, embedding: Tensor, extra: Tensor,
+                    last: bool) -> DitItem:
+        """An item of :meth:`forward_items` starting a stream: ``prompt_tokens`` ``[P_tok]`` followed by
+        ``extra`` tokens, ``prompt_mel`` ``[F, 80]`` as ``cond``, raw ``embedding`` ``[192]``. With
+        ``last=True`` and ``extra`` the target tokens it is an offline utterance (its mel's first F
+        frames are the prompt's); :meth:`setup_item` builds set-ups. Raises ValueError on bad shapes."""
         pt = self._check_tokens(prompt_tokens.reshape(-1))
         if prompt_mel.dim() == 3:
             if prompt_mel.shape[0] != 1:
@@ -734,7 +740,7 @@ class DitFlowModel(nn.Module):
         if n < 1 or f != n * self.up_rate:
             raise ValueError(f"prompt of {n} tokens needs {n * self.up_rate} mel frames, got {f}")
         extra = torch.full((self.pre_lookahead_len,), silence_token, dtype=torch.long)
-        return self._prompt_item(prompt_tokens, prompt_mel, embedding, extra, last=False)
+        return self.prompt_item(prompt_tokens, prompt_mel, embedding, extra, last=False)
 
     @torch.inference_mode()
     def setup_batch(self, prompts: Sequence[tuple[Tensor, Tensor, Tensor]], n_timesteps: int | None = None,
@@ -783,7 +789,7 @@ class DitFlowModel(nn.Module):
         ``cond``, the first F frames dropped)."""
         items = []
         for tok, pt, pm, emb in requests:
-            items.append(self._prompt_item(pt, pm, emb, tok, last=True))
+            items.append(self.prompt_item(pt, pm, emb, tok, last=True))
         res = self.forward_items(items, n_timesteps)
         out = []
         for it, r in zip(items, res):
