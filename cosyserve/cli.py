@@ -55,6 +55,12 @@ def _add_dtype_args(p: argparse.ArgumentParser) -> None:
                         "type on CUDA, else float32; F0, excitation and STFTs always run in float32)")
 
 
+def _add_token2wav_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token2wav-dir", default=None,
+                   help="Step-Audio2 token2wav directory (e.g. Step-Audio-2-mini/token2wav: flow.yaml, flow.pt, "
+                        "hift.pt, ...): its DiT flow + HiFT replace the model's; LM, frontend and voices stay")
+
+
 def _add_model_args(p: argparse.ArgumentParser, need_model: bool = True) -> None:
     p.add_argument("--model-dir", required=need_model, help="official CosyVoice2 model directory")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
@@ -199,7 +205,7 @@ def cmd_synthesize(args) -> int:
     store = VoiceStore(args.voices_dir) if (args.voice or args.voices_dir_given) else None
     params = _params(args, stream=args.stream)
     syn = Synthesizer(args.model_dir, device=device, dtype=_dtype(args.dtype, device), normalizer=args.normalizer,
-                      hift_dtype=args.hift_dtype)
+                      hift_dtype=args.hift_dtype, token2wav_dir=args.token2wav_dir)
     if syn.is_demo:
         print("note: demo model with RANDOM weights: the audio is noise, not speech", file=sys.stderr)
     voice = _voice_from_args(syn, args, store)
@@ -254,6 +260,14 @@ def cmd_voices(args) -> int:
 def cmd_demo_model(args) -> int:
     from .models.demo import write_demo_model
 
+    if args.dit_token2wav:
+        from .models.dit_token2wav import FULL_SIZE, TINY_SIZE, write_token2wav_dir
+
+        size = FULL_SIZE if args.dit_size == "full" else TINY_SIZE
+        t = write_token2wav_dir(args.dir, size, seed=args.seed, weights=not args.no_weight_files, force=args.force)
+        print(f"wrote a {args.dit_size} Step-Audio2 DiT token2wav directory (RANDOM weights, the audio is noise) to {t}"
+              + (" (no weight files: networks are built when loaded)" if args.no_weight_files else ""))
+        return 0
     out = write_demo_model(args.dir, seed=args.seed, force=args.force)
     print(f"wrote demo model (RANDOM weights, the audio is noise) to {out}")
     return 0
@@ -478,7 +492,12 @@ def cmd_serve(args) -> int:
         raise CLIError("--model-dir (or --demo, or --random-weights YAML) is required")
     from .models.loader import open_model_dir
 
-    open_model_dir(args.model_dir)  # fail fast with a clear message
+    open_model_dir(args.model_dir, need=("llm", "onnx", "qwen") if args.token2wav_dir else
+                   ("llm", "flow", "hift", "onnx", "qwen"))  # fail fast with a clear message
+    if args.token2wav_dir:
+        from .models.dit_token2wav import open_token2wav_dir
+
+        open_token2wav_dir(args.token2wav_dir)
     if args.workers > 1 or args.gpus:
         return _serve_router(args)
     cfg = ServerConfig(
@@ -490,7 +509,7 @@ def cmd_serve(args) -> int:
         max_text_chars=args.max_text_chars, max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
         normalizer=args.normalizer, chunk_policy=args.chunk_policy,
         min_token_text_ratio=args.min_token_text_ratio, max_token_text_ratio=args.max_token_text_ratio,
-        warmup=not args.no_warmup, llm_only=args.llm_only,
+        warmup=not args.no_warmup, llm_only=args.llm_only, token2wav_dir=args.token2wav_dir,
     )
     try:
         asyncio.run(serve(cfg, args.log_format))
@@ -524,6 +543,8 @@ def cmd_bench(args) -> int:
         if args.protocol:
             raise CLIError("--protocol applies to a server (--url), not to --in-process")
         protocol = "in-process"
+    if args.token2wav_dir and not args.in_process:
+        raise CLIError("--token2wav-dir applies to --in-process (for a server: cosyserve serve --token2wav-dir)")
     if args.random_weights and not args.in_process:
         raise CLIError("--random-weights applies to --in-process (for a server: cosyserve serve --random-weights)")
     _resolve_random_weights(args)
@@ -538,7 +559,7 @@ def cmd_bench(args) -> int:
         demo=args.demo, device=device, dtype=str(_dtype(args.dtype, device)).replace("torch.", ""),
         hift_dtype=args.hift_dtype, voices_dir=args.voices_dir or DEFAULT_VOICES_DIR,
         engine=_engine_config(args) if args.in_process else None, chunk_policy=args.chunk_policy,
-        metrics_url=args.metrics_url)
+        metrics_url=args.metrics_url, token2wav_dir=args.token2wav_dir)
     report = run_bench(opts)
     failed = sum(lv["failed"] for lv in report["levels"])
     return 1 if failed and not any(lv["ok"] for lv in report["levels"]) else 0
@@ -618,7 +639,8 @@ def cmd_batch(args) -> int:
         min_token_text_ratio=args.min_token_text_ratio, max_token_text_ratio=args.max_token_text_ratio,
         llm_url=args.llm_url, llm_model=args.llm_model, llm_checkpoint=args.llm_checkpoint,
         logit_bias=args.logit_bias, llm_api_key=args.llm_api_key or os.environ.get("COSYSERVE_LLM_API_KEY") or None,
-        llm_extra=args.llm_extra, normalizer=args.normalizer, progress=False if args.no_progress else None)
+        llm_extra=args.llm_extra, normalizer=args.normalizer, progress=False if args.no_progress else None,
+        token2wav_dir=args.token2wav_dir)
     report = run_batch(opts)
     return 1 if report["failed"] else 0
 
@@ -654,6 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("synthesize", help="text + voice -> wav")
     _add_model_args(s)
+    _add_token2wav_arg(s)
     s.add_argument("--voice", help="registered voice id")
     s.add_argument("--voices-dir", default=None, help=f"voice store (default {DEFAULT_VOICES_DIR})")
     s.add_argument("--prompt-wav", help="reference recording (1-30 s)")
@@ -692,6 +715,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("dir")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--force", action="store_true", help="rewrite an existing demo model")
+    d.add_argument("--dit-token2wav", action="store_true",
+                   help="write a Step-Audio2 DiT token2wav directory into DIR instead (for --token2wav-dir)")
+    d.add_argument("--dit-size", choices=["tiny", "full"], default="tiny",
+                   help="--dit-token2wav sizes: tiny (default) or the released full size (GPU benchmarks)")
+    d.add_argument("--no-weight-files", action="store_true",
+                   help="--dit-token2wav: write no .pt files; the random networks are built when loaded")
     d.set_defaults(func=cmd_demo_model)
 
     dm = sub.add_parser("demo", help="build the demo model and synthesize a Chinese and an English sentence")
@@ -702,6 +731,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="run the streaming TTS server (OpenAI, KServe v2 HTTP/gRPC, metrics)")
     sv.add_argument("--model-dir", help="official CosyVoice2 model directory")
+    _add_token2wav_arg(sv)
     sv.add_argument("--demo", action="store_true", help="serve the random-weight demo model (audio is noise)")
     sv.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     _add_dtype_args(sv)
@@ -762,6 +792,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--in-process", action="store_true",
                    help="drive an engine in this process instead of a server (same workload and report)")
     b.add_argument("--model-dir", help="model directory (--in-process)")
+    _add_token2wav_arg(b)
     b.add_argument("--demo", action="store_true", help="the random-weight demo model (--in-process)")
     _add_random_weights_args(b)
     b.add_argument("--device", default="auto")
@@ -782,6 +813,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--out", default="batch_out", help="output folder: wavs/<id>.wav and batch_report.json")
     bt.add_argument("--limit", type=int, help="use only the first N items")
     bt.add_argument("--model-dir", help="model directory (frontend, flow, HiFT; and the LM unless --llm-url)")
+    _add_token2wav_arg(bt)
     bt.add_argument("--demo", action="store_true", help="the random-weight demo model")
     _add_random_weights_args(bt)
     bt.add_argument("--device", default="auto")

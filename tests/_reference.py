@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+#: the optional Step-Audio2 DiT token2wav fixture, a folder of the reference directory
+DIT_FOLDER = "tiny_dit_token2wav"
 
 
 @functools.lru_cache(maxsize=None)
@@ -25,8 +27,8 @@ def reference_dir() -> Path | None:
     env = os.environ.get("COSYSERVE_REFERENCE_DIR")
     if env:
         p = Path(env).expanduser().resolve()
-        if not (p / "cases").is_dir():
-            raise RuntimeError(f"COSYSERVE_REFERENCE_DIR={env} has no cases/ folder")
+        if not (p / "cases").is_dir() and not (p / DIT_FOLDER).is_dir():
+            raise RuntimeError(f"COSYSERVE_REFERENCE_DIR={env} has no cases/ (or {DIT_FOLDER}/) folder")
         return p
     candidates = [REPO.parent / "shared" / "reference"]
     try:
@@ -37,7 +39,7 @@ def reference_dir() -> Path | None:
     except (OSError, subprocess.SubprocessError):
         pass
     for c in candidates:
-        if (c / "cases").is_dir():
+        if (c / "cases").is_dir() or (c / DIT_FOLDER).is_dir():
             return c.resolve()
     return None
 
@@ -48,6 +50,8 @@ def require_reference_dir() -> Path:
     d = reference_dir()
     if d is None:
         pytest.skip("reference data not found: set COSYSERVE_REFERENCE_DIR (default ../shared/reference)")
+    if not (d / "cases").is_dir():
+        pytest.skip(f"{d} holds no CosyVoice2 reference cases (cases/ folder)")
     return d
 
 
@@ -57,6 +61,8 @@ def _sidecars() -> tuple[tuple[str, dict], ...]:
     if d is None:
         return ()
     out = []
+    if not (d / "cases").is_dir():
+        return ()
     for j in sorted((d / "cases").glob("*.json")):
         try:
             meta = json.loads(j.read_text(encoding="utf-8"))
@@ -165,3 +171,54 @@ def manifest(component: str) -> dict:
 def manifest_shapes(component: str) -> dict[str, list[int]]:
     """``{key: shape}`` of the full-size checkpoint ``component``."""
     return {e["key"]: list(e["shape"]) for e in manifest(component)["tensors"]}
+
+
+# ---------------------------------------------------------------- Step-Audio2 DiT token2wav fixture
+
+
+def dit_dir() -> Path | None:
+    """``<reference>/tiny_dit_token2wav`` if present (also when the reference directory holds only it)."""
+    d = reference_dir()
+    if d is None or not (d / DIT_FOLDER / "cases").is_dir():
+        return None
+    return d / DIT_FOLDER
+
+
+def require_dit_dir() -> Path:
+    import pytest
+
+    d = dit_dir()
+    if d is None:
+        pytest.skip(f"reference data has no {DIT_FOLDER}/ folder (set COSYSERVE_REFERENCE_DIR)")
+    return d
+
+
+def dit_discover(kind: str, has: tuple[str, ...] = ()) -> list[str]:
+    """Names of the DiT fixture's cases of ``kind`` whose sidecar lists all tensors in ``has``."""
+    d = dit_dir()
+    if d is None:
+        return []
+    names = []
+    for j in sorted((d / "cases").glob("*.json")):
+        try:
+            m = json.loads(j.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            continue
+        if isinstance(m, dict) and m.get("kind") == kind and all(t in m.get("tensors", {}) for t in has):
+            names.append(j.stem)
+    return names
+
+
+def dit_meta(name: str) -> dict:
+    return json.loads((require_dit_dir() / "cases" / f"{name}.json").read_text(encoding="utf-8"))
+
+
+def dit_tensors(name: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(require_dit_dir() / "cases" / f"{name}.safetensors"))
+
+
+def dit_index() -> dict:
+    p = require_dit_dir() / "cases" / "index.json"
+    return json.loads(p.read_text(encoding="utf-8")) if p.is_file() else {}

@@ -55,6 +55,7 @@ class BatchOptions:
     device: str = "cpu"
     dtype: str = "float32"
     hift_dtype: str = "auto"
+    token2wav_dir: str | None = None  # Step-Audio2 DiT token2wav directory (replaces flow + HiFT)
     batch_size: int = 16
     token2wav_batch_size: int = 8
     seed: int = 0
@@ -84,7 +85,8 @@ def _synthesizer(o: BatchOptions):
         model_dir = write_demo_model(cache / "demo-model")
     else:
         model_dir = o.model_dir
-    return Synthesizer(model_dir, device=o.device, dtype=DTYPES[o.dtype], normalizer=o.normalizer, hift_dtype=o.hift_dtype)
+    return Synthesizer(model_dir, device=o.device, dtype=DTYPES[o.dtype], normalizer=o.normalizer, hift_dtype=o.hift_dtype,
+                       token2wav_dir=o.token2wav_dir)
 
 
 def _remote_lm(o: BatchOptions, synth):
@@ -205,7 +207,8 @@ def run_batch(opts: BatchOptions, echo=print) -> dict:
     import torch
 
     from ..engine.request import HIFT_SEED_SALT, SynthesisParams
-    from ..engine.token2wav import Token2Wav, Token2WavJob
+    from ..engine.token2wav import Token2WavJob
+    from ..engine.token2wav_dit import make_token2wav
     from ..models.hift import HiFTStreamState
 
     o = opts
@@ -272,7 +275,7 @@ def run_batch(opts: BatchOptions, echo=print) -> dict:
 
     # 3. token2wav
     t0 = time.perf_counter()
-    t2w = Token2Wav(synth.models.flow, synth.models.hift, synth.cfg.token_mel_ratio)
+    t2w = make_token2wav(synth.models)  # CosyVoice2's flow + HiFT, or the DiT token2wav (--token2wav-dir)
     hift_device = t2w.hift_device  # excitation noise is drawn where HiFT runs
     jobs: list[tuple[dict, int, Token2WavJob]] = []
     for r in rows:

@@ -120,6 +120,7 @@ class BenchOptions:
     device: str = "cpu"
     dtype: str = "float32"
     hift_dtype: str = "auto"
+    token2wav_dir: str | None = None  # --in-process: Step-Audio2 DiT token2wav directory
     voices_dir: str | None = None
     #: the in-process engine's options (default: EngineConfig's); its max_queue is set to fit the levels
     engine: EngineConfig | None = None
@@ -437,7 +438,8 @@ class _Setup:
             model_dir = o.model_dir
         else:
             raise ClientError("--in-process needs --model-dir DIR or --demo")
-        synth = Synthesizer(model_dir, device=o.device, dtype=DTYPES[o.dtype], hift_dtype=o.hift_dtype)
+        synth = Synthesizer(model_dir, device=o.device, dtype=DTYPES[o.dtype], hift_dtype=o.hift_dtype,
+                            token2wav_dir=o.token2wav_dir)
         synth.frontend.warmup()
         if synth.is_demo and o.voice == "default":  # demo / random-weight models: the shipped prompt
             from ..models.demo import shipped_prompt

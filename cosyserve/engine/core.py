@@ -66,7 +66,7 @@ from .request import (
     RequestState,
     SegmentState,
 )
-from .token2wav import Token2Wav, Token2WavJob, Token2WavWorker
+from .token2wav import Token2WavJob, Token2WavWorker
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +270,9 @@ class EngineCore:
         self.observer = observer or EngineObserver()
         self.lm = models.llm
         self.sample_rate = models.cfg.sample_rate
-        self.t2w = Token2Wav(models.flow, models.hift, models.cfg.token_mel_ratio)
+        from .token2wav_dit import make_token2wav  # the DiT backend with --token2wav-dir
+
+        self.t2w = make_token2wav(models)
         self._marks = _Marks(self.lm.llm_decoder.weight.is_cuda)
         if self.lm.max_positions < config.kv_max_len:
             self.lm.setup_rope(config.kv_max_len)
@@ -299,7 +301,9 @@ class EngineCore:
             self.prefill_graphs = GraphedPrefill(self.lm, self.cache, pool=self.decoder.pool,
                                                  max_batch=config.max_active, max_tokens=config.max_prefill_tokens)
             ratio = models.cfg.token_mel_ratio
-            if models.flow.graph is None:
+            if getattr(models, "dit", None) is not None and models.flow.graph is None:
+                models.flow.enable_cuda_graphs()  # DiT estimator steps, captured on first use per shape
+            elif getattr(models, "dit", None) is None and models.flow.graph is None:
                 models.flow.graph = GraphedFlow(models.flow, config.max_t2w_batch, max_tokens=config.kv_max_len,
                                                 max_area=config.max_t2w_tokens,
                                                 max_quad=config.max_t2w_tokens * T2W_ATTENTION_LEN)
@@ -312,7 +316,8 @@ class EngineCore:
             if config.graph_warmup:  # every reachable prefill bucket now, none while serving
                 self.prefill_graphs.warmup()
             if config.t2w_graph_warmup:  # captured by the first step(), on the stepping thread
-                self._pending_warmup = [g for g in (models.flow.graph, models.hift.graph_decode) if g is not None]
+                self._pending_warmup = [g for g in (getattr(models.flow, "graph", None), models.hift.graph_decode)
+                                        if g is not None]
         self._free_slots = list(range(config.max_active))
         # on CUDA, token2wav batches run on their own CUDA stream while LM decoding continues;
         # launched from this thread (default) or from a worker thread (EngineConfig.t2w_thread)
@@ -910,7 +915,7 @@ class EngineCore:
         tokens, within ``max_t2w_tokens`` (rows x tokens) and its attention budget (rows x
         tokens², ``max_t2w_tokens x T2W_ATTENTION_LEN``)? Padded shapes with CUDA graphs (the
         flow graph's bucket: what runs, and exactly the buckets captured at start-up)."""
-        graph = self.models.flow.graph
+        graph = getattr(self.models.flow, "graph", None)
         if graph is not None:
             return graph.grid.fits(rows, n_tokens)
         budget = self.cfg.max_t2w_tokens

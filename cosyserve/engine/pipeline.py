@@ -84,6 +84,10 @@ class Synthesizer:
       normalizer: ``auto`` / ``wetext`` / ``rules`` / ``none`` (see :mod:`cosyserve.frontend.text`).
       models: already loaded networks (e.g. :func:`cosyserve.models.loader.build_random`).
       max_text_chars: longest accepted input text.
+      token2wav_dir: a Step-Audio2 token2wav directory (``flow.yaml``, ``flow.pt``, ``hift.pt``, ...):
+        its DiT flow + HiFT replace the model directory's flow + HiFT (which are then not loaded);
+        the LM, frontend and voices stay those of ``model_dir``
+        (:mod:`cosyserve.engine.token2wav_dit`).
     Raises :class:`~cosyserve.errors.ModelDirError` for an unusable model directory.
     """
 
@@ -98,16 +102,23 @@ class Synthesizer:
         onnx_providers: list[str] | None = None,
         max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
         hift_dtype: str | torch.dtype = "auto",
+        token2wav_dir: str | Path | None = None,
     ):
         random_dir = models is None and is_random_weights_dir(model_dir)
-        md = open_model_dir(model_dir, need=("onnx", "qwen") if models is not None else
-                            ("llm", "flow", "hift", "onnx", "qwen"))
+        need = ("llm", "onnx", "qwen") if token2wav_dir is not None else ("llm", "flow", "hift", "onnx", "qwen")
+        md = open_model_dir(model_dir, need=("onnx", "qwen") if models is not None else need)
         self.is_demo = is_demo_model(md.root)
         if self.is_demo:
             log.warning("%s is a DEMO model with random weights: its audio is noise", md.root)
+        parts = ("llm",) if token2wav_dir is not None else ("llm", "flow", "hift")
         if random_dir:  # a --random-weights directory: full-size networks from the yaml alone
-            models = build_random(md.yaml, device=device, dtype=dtype, seed=random_weights_seed(md.root))
-        self.models = models or load_models(md.root, device=device, dtype=dtype)
+            models = build_random(md.yaml, device=device, dtype=dtype, seed=random_weights_seed(md.root),
+                                  components=parts)
+        self.models = models or load_models(md.root, device=device, dtype=dtype, components=parts)
+        if token2wav_dir is not None:
+            from ..models.loader import attach_dit_token2wav
+
+            attach_dit_token2wav(self.models, token2wav_dir, device=device, dtype=dtype)
         if self.models.hift is not None:
             # "auto" follows where the networks are, also for models passed in (device/dtype unused then)
             ref = next((m for m in (self.models.flow, self.models.llm) if m is not None), None)

@@ -649,3 +649,169 @@ def load_config(yaml_path: str | Path, qwen_config_path: str | Path | None = Non
         return parse_config(data, qwen)
     except ConfigError as exc:
         raise ConfigError(f"{yaml_path}: {exc}") from None
+
+
+# --------------------------------------------------------------------------------------
+# Step-Audio2 token2wav (DiT flow): flow.yaml of a token2wav directory
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    """``DiT`` velocity estimator of the Step-Audio2 token2wav CFM (``cosyvoice2.flow.decoder_dit.DiT``).
+
+    ``in_channels`` = 4 x mel bins (x, mu, speaker, cond stacked on channels); ``hidden_size`` the
+    transformer width; attention has ``num_heads`` heads of ``head_dim`` (``num_heads * head_dim``
+    need not equal ``hidden_size``); the MLP is ``int(hidden_size * mlp_ratio)`` wide.
+    """
+
+    in_channels: int
+    out_channels: int
+    hidden_size: int
+    depth: int
+    num_heads: int
+    head_dim: int
+    mlp_ratio: float
+    frequency_embedding_size: int = 256  # TimestepEmbedder default (not in the yaml)
+    conv_kernel_size: int = 3  # CausalConvBlock kernel (literal 3 upstream)
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(self.hidden_size * self.mlp_ratio)
+
+
+@dataclass(frozen=True)
+class DitFlowConfig:
+    """Step-Audio2 ``CausalMaskedDiffWithXvec`` (encoder v2 + causal CFM with a DiT estimator).
+
+    ``encoder`` reuses :class:`EncoderConfig` (``static_chunk_size`` 0: the v2 encoder has no chunk
+    mask; ``upsample_stride`` = ``up_stride``). CFM: ``n_timesteps`` Euler steps on the cosine
+    schedule, classifier-free guidance ``inference_cfg_rate``; the noise buffer holds
+    ``noise_frames`` frames (upstream ``50 * 600``) drawn from a private generator seeded with
+    ``noise_seed`` (see :mod:`cosyserve.models.dit_flow`).
+    """
+
+    input_size: int
+    output_size: int
+    spk_embed_dim: int
+    vocab_size: int
+    encoder: EncoderConfig
+    estimator: DiTConfig
+    inference_cfg_rate: float
+    n_timesteps: int = 10  # Token2wav's n_timesteps default
+    noise_frames: int = 30000
+    noise_seed: int = 0
+
+    @property
+    def token_mel_ratio(self) -> int:
+        return self.encoder.upsample_stride
+
+    @property
+    def pre_lookahead_len(self) -> int:
+        return self.encoder.pre_lookahead_len
+
+
+#: class names of the Step-Audio2 token2wav flow.yaml (tags ``!new:cosyvoice2.flow....``)
+STEPAUDIO2_FLOW_CLASSES = {
+    "flow": "CausalMaskedDiffWithXvec",
+    "flow.encoder": "UpsampleConformerEncoderV2",
+    "flow.decoder": "CausalConditionalCFM",
+    "flow.decoder.estimator": "DiT",
+}
+
+
+def parse_dit_flow_config(data: dict) -> DitFlowConfig:
+    """Build a :class:`DitFlowConfig` from a parsed Step-Audio2 token2wav ``flow.yaml``.
+
+    Class names are checked against :data:`STEPAUDIO2_FLOW_CLASSES`; every size comes from the yaml
+    (defaults are those of the upstream constructors). Raises :class:`ConfigError` naming the key.
+    """
+    flow = _expect(data.get("flow"), "flow", STEPAUDIO2_FLOW_CLASSES["flow"]).kwargs()
+    enc = _expect(flow.get("encoder"), "flow.encoder", STEPAUDIO2_FLOW_CLASSES["flow.encoder"]).kwargs()
+    w = "flow.encoder"
+    _require(_get(enc, "input_layer", w, "linear") == "linear", f"yaml '{w}.input_layer' must be 'linear'")
+    _require(_get(enc, "pos_enc_layer_type", w, "rel_pos_espnet") == "rel_pos_espnet",
+             f"yaml '{w}.pos_enc_layer_type' must be 'rel_pos_espnet'")
+    _require(_get(enc, "selfattention_layer_type", w, "rel_selfattn") == "rel_selfattn",
+             f"yaml '{w}.selfattention_layer_type' must be 'rel_selfattn'")
+    _require(_get(enc, "normalize_before", w, True), f"yaml '{w}.normalize_before' must be True")
+    activation = _get(enc, "activation_type", w, "swish")
+    _require(activation in ("swish", "relu", "gelu", "tanh"), f"yaml '{w}.activation_type' {activation!r} unsupported")
+    stride = _get(enc, "up_stride", w, 2, int)
+    scale = _get(enc, "up_scale_factor", w, stride, float)
+    _require(scale == stride, f"yaml '{w}.up_scale_factor' {scale} must equal up_stride {stride}")
+    encoder_cfg = EncoderConfig(
+        input_size=_get(enc, "input_size", w, conv=int),
+        output_size=_get(enc, "output_size", w, 256, int),
+        attention_heads=_get(enc, "attention_heads", w, 4, int),
+        linear_units=_get(enc, "linear_units", w, 2048, int),
+        num_blocks=_get(enc, "num_blocks", w, 6, int),
+        num_up_blocks=_get(enc, "num_up_blocks", w, 4, int),
+        static_chunk_size=0,
+        pre_lookahead_len=_get(enc, "pre_lookahead_len", w, 3, int),
+        upsample_stride=stride,
+        activation=activation,
+        key_bias=bool(_get(enc, "key_bias", w, True)),
+    )
+    _require(encoder_cfg.pre_lookahead_len >= 1, f"yaml '{w}.pre_lookahead_len' must be >= 1")
+    dec = _expect(flow.get("decoder"), "flow.decoder", STEPAUDIO2_FLOW_CLASSES["flow.decoder"]).kwargs()
+    est = _expect(dec.get("estimator"), "flow.decoder.estimator", STEPAUDIO2_FLOW_CLASSES["flow.decoder.estimator"]).kwargs()
+    w = "flow.decoder.estimator"
+    dit = DiTConfig(
+        in_channels=_get(est, "in_channels", w, conv=int),
+        out_channels=_get(est, "out_channels", w, conv=int),
+        hidden_size=_get(est, "hidden_size", w, 256, int),
+        depth=_get(est, "depth", w, 28, int),
+        num_heads=_get(est, "num_heads", w, 8, int),
+        head_dim=_get(est, "head_dim", w, 64, int),
+        mlp_ratio=_get(est, "mlp_ratio", w, 4.0, float),
+    )
+    cfg = DitFlowConfig(
+        input_size=_get(flow, "input_size", "flow", 512, int),
+        output_size=_get(flow, "output_size", "flow", 80, int),
+        spk_embed_dim=_get(flow, "spk_embed_dim", "flow", 192, int),
+        vocab_size=_get(flow, "vocab_size", "flow", 5121, int),
+        encoder=encoder_cfg,
+        estimator=dit,
+        inference_cfg_rate=_get(dec, "inference_cfg_rate", "flow.decoder", 0.7, float),
+    )
+    _require(_get(flow, "output_type", "flow", "mel") == "mel", "yaml 'flow.output_type' must be 'mel'")
+    _require(cfg.input_size == encoder_cfg.input_size,
+             f"yaml flow.input_size={cfg.input_size} differs from flow.encoder.input_size={encoder_cfg.input_size}")
+    _require(dit.out_channels == cfg.output_size,
+             f"yaml estimator out_channels={dit.out_channels} must equal flow output_size={cfg.output_size}")
+    _require(dit.in_channels == 4 * cfg.output_size,
+             f"yaml estimator in_channels={dit.in_channels} must be 4 x flow output_size={cfg.output_size}"
+             " (x, mu, speaker, cond)")
+    _require(cfg.inference_cfg_rate > 0, "yaml 'flow.decoder.inference_cfg_rate' must be > 0 (as upstream asserts)")
+    _require(min(dit.hidden_size, dit.depth, dit.num_heads, dit.head_dim) > 0, f"yaml '{w}' sizes must be positive")
+    return cfg
+
+
+def load_dit_flow_config(yaml_path: str | Path) -> DitFlowConfig:
+    """Load a Step-Audio2 token2wav ``flow.yaml`` as data (nothing executed) -> :class:`DitFlowConfig`.
+
+    Raises :class:`ConfigError` naming the file on unreadable or unsupported content.
+    """
+    yaml_path = Path(yaml_path)
+    data = load_hyperpyyaml(yaml_path)
+    try:
+        return parse_dit_flow_config(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{yaml_path}: {exc}") from None
+
+
+def stepaudio2_hift_config(base_channels: int = 512, f0_cond_channels: int = 512) -> HiFTConfig:
+    """The vocoder of a Step-Audio2 token2wav directory: ``HiFTGenerator()`` of
+    ``stepaudio2.flashcosyvoice.modules.hifigan`` with its constructor defaults (24 kHz, 8 harmonics,
+    upsampling [8, 5, 3] / kernels [16, 11, 7], iSTFT 16/4, source resblocks [7, 7, 11]). The
+    directory has no yaml for it; the two widths are read from ``hift.pt``'s tensor shapes by the
+    loader (512/512 in the release)."""
+    return HiFTConfig(
+        in_channels=80, base_channels=base_channels, nb_harmonics=8, sampling_rate=24000,
+        nsf_alpha=0.1, nsf_sigma=0.003, nsf_voiced_threshold=10.0,
+        upsample_rates=(8, 5, 3), upsample_kernel_sizes=(16, 11, 7), istft_n_fft=16, istft_hop_len=4,
+        resblock_kernel_sizes=(3, 7, 11), resblock_dilation_sizes=((1, 3, 5),) * 3,
+        source_resblock_kernel_sizes=(7, 7, 11), source_resblock_dilation_sizes=((1, 3, 5),) * 3,
+        lrelu_slope=0.1, audio_limit=0.99, f0_num_class=1, f0_in_channels=80, f0_cond_channels=f0_cond_channels,
+    )

@@ -116,6 +116,9 @@ class CosyVoice2Models:
     llm: SpeechLM | None
     flow: "torch.nn.Module | None"
     hift: "torch.nn.Module | None"
+    #: a Step-Audio2 DiT token2wav (``--token2wav-dir``, :class:`~cosyserve.models.dit_token2wav.DitToken2Wav`);
+    #: when set, ``flow``/``hift`` are its networks and the engine uses the DiT token2wav backend
+    dit: "object | None" = None
 
 
 def _flow_cls():
@@ -181,6 +184,24 @@ def load_models(
         flow=load_flow(md, cfg, device, dtype) if "flow" in components else None,
         hift=load_hift(md, cfg, device) if "hift" in components else None,
     )
+
+
+def attach_dit_token2wav(models: CosyVoice2Models, token2wav_dir: str | Path, device="cpu",
+                         dtype=torch.float32) -> CosyVoice2Models:
+    """Use the Step-Audio2 DiT token2wav of ``token2wav_dir`` as the models' flow + HiFT (the LM and
+    the frontend stay CosyVoice2's). Raises :class:`ModelDirError` / :class:`CheckpointError` /
+    ``ConfigError`` naming the file, or :class:`ModelDirError` when the two models disagree on the
+    sample rate or the speech-token vocabulary."""
+    from .dit_token2wav import load_dit_token2wav
+
+    t2w = load_dit_token2wav(token2wav_dir, device=device, dtype=dtype)
+    if t2w.sample_rate != models.cfg.sample_rate:
+        raise ModelDirError(f"{token2wav_dir}: HiFT produces {t2w.sample_rate} Hz, the model {models.cfg.sample_rate} Hz")
+    if t2w.flow.cfg.vocab_size < models.cfg.llm.speech_token_size:
+        raise ModelDirError(f"{token2wav_dir}: flow vocabulary {t2w.flow.cfg.vocab_size} is smaller than the LM's "
+                            f"{models.cfg.llm.speech_token_size} speech tokens")
+    models.flow, models.hift, models.dit = t2w.flow, t2w.hift, t2w
+    return models
 
 
 def build_random(

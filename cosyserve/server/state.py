@@ -69,6 +69,7 @@ class ServerConfig:
     max_token_text_ratio: float = 20.0
     warmup: bool = True
     llm_only: bool = False
+    token2wav_dir: str | None = None  # Step-Audio2 DiT token2wav directory (replaces flow + HiFT)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -98,7 +99,8 @@ class ServerState:
     def _load_sync(self) -> None:
         c = self.config
         synth = Synthesizer(c.model_dir, device=c.device, dtype=DTYPES[c.dtype], voices_dir=None,
-                            normalizer=c.normalizer, max_text_chars=c.max_text_chars, hift_dtype=c.hift_dtype)
+                            normalizer=c.normalizer, max_text_chars=c.max_text_chars, hift_dtype=c.hift_dtype,
+                            token2wav_dir=c.token2wav_dir)
         synth.frontend.warmup()
         self.synth = synth
         md = synth.frontend.model_dir

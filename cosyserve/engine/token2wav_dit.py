@@ -1,0 +1,232 @@
+"""token2wav backend for a Step-Audio2 DiT token2wav directory (``--token2wav-dir``).
+
+Same job/launch/finish interface as :class:`cosyserve.engine.token2wav.Token2Wav`, so the engine
+(:class:`~cosyserve.engine.core.EngineCore`) and ``cosyserve batch`` drive it unchanged. What differs
+is the flow: the DiT flow streams with **per-stream caches** (:mod:`cosyserve.models.dit_flow`)
+instead of recomputing the whole utterance per chunk, so a chunk costs only its new frames.
+
+Per job (one ``Token2WavJob``):
+
+* the stream's state rides in ``job.hift_state`` / ``Token2WavResult.hift_state`` as a
+  :class:`~cosyserve.models.dit_token2wav.DitT2WStreamState` (flow caches + HiFT cache); an empty state
+  (the engine's initial ``HiFTStreamState()``, or ``DitT2WStreamState()``) means "not started";
+* streaming chunk (``streaming`` or a final job of a started stream): the new tokens are
+  ``job.tokens[job.token_offset:]`` (for a non-final chunk they end with the 3 look-ahead tokens,
+  which the next chunk sends again, as Step-Audio2's drivers do). A stream's first job first runs the
+  prompt set-up (prompt tokens + three silence tokens, the voice's prompt mel and speaker embedding);
+  the set-ups of all new streams of a batch run as one pass, then all chunks as one pass;
+* offline job (``finalize`` and not ``streaming`` with an empty state): flow ``inference`` over prompt
+  + all tokens, in the same pass as the chunks;
+* then one HiFT batch for every job (8-frame mel / 3840-sample caches, Hamming cross-fade, held-back
+  tail; 3840 leading zeros before a stream's first non-final chunk, as ``Token2wav.stream``).
+
+Set-ups depend only on the prompt (the noise is fixed), so the set-up states of the last
+``setup_cache_size`` prompts are kept (keyed by a hash of the prompt tensors; states are immutable, so
+streams share them safely): a stream of a voice seen recently starts without the prompt pass. A set-up
+state holds the prompt's DiT keys/values for every Euler step (full size, bfloat16: about 0.65 MB per
+prompt frame, ~200 MB for a 6 s prompt), hence the small default.
+
+Voices are the CosyVoice2 frontend's (the same S3Tokenizer v2 tokens, CAM++ embedding and 24 kHz
+prompt mel); the prompt mel is replicate-padded/cropped to 2 frames per prompt token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+
+from ..models.dit_flow import DitItem, trim_state
+from ..models.dit_token2wav import DitT2WStreamState, DitToken2Wav
+from ..models.hift import HiFTStreamState, hift_stream_step_batch
+from .token2wav import Token2Wav, Token2WavJob, Token2WavResult
+
+
+def make_token2wav(models):
+    """The token2wav backend for ``models`` (:class:`~cosyserve.models.loader.CosyVoice2Models`): the DiT
+    backend when a token2wav directory was loaded (``models.dit``), else the CosyVoice2 one."""
+    dit = getattr(models, "dit", None)
+    if dit is not None:
+        return DitToken2WavBackend(dit)
+    return Token2Wav(models.flow, models.hift, models.cfg.token_mel_ratio)
+
+
+def _stream_state(state) -> DitT2WStreamState:
+    if isinstance(state, DitT2WStreamState):
+        return state
+    if isinstance(state, HiFTStreamState) and state.empty:
+        return DitT2WStreamState()
+    raise TypeError(f"a DiT token2wav job needs a DitT2WStreamState, got {type(state).__name__}")
+
+
+class _Done:
+    """A finished (or, on CUDA, enqueued) batch: the :class:`PendingToken2Wav` interface the engine polls."""
+
+    def __init__(self, jobs, speech, states, event, stamps, keep=()):
+        self.jobs, self.speech, self.states, self.event, self.stamps = jobs, speech, states, event, stamps
+        self.issued = True
+        self.keep = keep
+
+    @property
+    def marks(self) -> tuple:
+        return tuple(self.stamps)
+
+    def advance(self, queue_steps=None) -> bool:
+        return True
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+class DitToken2WavBackend:
+    """Batched DiT flow + HiFT over :class:`~cosyserve.engine.token2wav.Token2WavJob` (see module doc)."""
+
+    def __init__(self, t2w: DitToken2Wav, setup_cache_size: int = 4):
+        self.t2w = t2w
+        self.flow = t2w.flow
+        self.hift = t2w.hift
+        self.setup_cache_size = setup_cache_size
+        self._setups: OrderedDict[str, object] = OrderedDict()  # prompt hash -> DitStreamState
+        self.setup_hits = 0
+
+    @staticmethod
+    def _prompt_key(pt: torch.Tensor, pm: torch.Tensor, emb: torch.Tensor) -> str:
+        h = hashlib.sha1()
+        for t in (pt, pm, emb):
+            t = t.detach().to("cpu").contiguous()
+            h.update(str((t.dtype, tuple(t.shape))).encode())
+            h.update(t.numpy().tobytes() if t.dtype != torch.bfloat16 else t.float().numpy().tobytes())
+        return h.hexdigest()
+
+    def length_bucket(self, n_tokens: int) -> int:
+        return -(-n_tokens // 32) * 32
+
+    def batch_bucket(self, n_jobs: int) -> int:
+        return n_jobs
+
+    @property
+    def hift_device(self) -> torch.device:
+        return next(self.hift.parameters()).device
+
+    @torch.inference_mode()
+    def run(self, jobs: list[Token2WavJob]) -> list[Token2WavResult]:
+        return self.finish(self.launch(jobs))
+
+    def run_each(self, jobs: list[Token2WavJob], stream=None) -> list:
+        out = []
+        for job in jobs:
+            try:
+                out.append(self.finish(self.launch([job], stream=stream))[0])
+            except Exception as exc:  # noqa: BLE001 - isolate the failing job
+                out.append(exc)
+        return out
+
+    def _prompt(self, job: Token2WavJob):
+        v = job.voice
+        pt, pm = self.t2w.prompt(v.flow_speech_token.reshape(-1), v.speech_feat)
+        return pt, pm, v.flow_embedding.reshape(-1)
+
+    @torch.inference_mode()
+    def launch(self, jobs: list[Token2WavJob], stream=None, marks=None, queue_steps=None) -> _Done:
+        """Run ``jobs`` (set-ups, then flow, then HiFT), on ``stream`` when given; never waits for the
+        GPU (speech is copied to pinned host buffers and an event marks completion)."""
+        stamps: list = []
+        if not jobs:
+            return _Done(jobs, [], [], None, stamps)
+        ctx = torch.cuda.stream(stream) if stream is not None else _null()
+        with ctx:
+            if marks is not None:
+                stamps.append(marks.mark(stream))
+            states = [_stream_state(j.hift_state) for j in jobs]
+            flow = self.flow
+            offline = [j.finalize and not j.streaming and s.flow is None for j, s in zip(jobs, states)]
+            # 1. set-ups of streams starting now, as one pass
+            new = [i for i, j in enumerate(jobs) if not offline[i] and states[i].flow is None]
+            todo: dict[str, list[int]] = {}
+            prompts = {}
+            for i in new:
+                p = self._prompt(jobs[i])
+                key = self._prompt_key(*p) if self.setup_cache_size > 0 else str(i)
+                cached = self._setups.get(key)
+                if cached is not None:
+                    self._setups.move_to_end(key)
+                    self.setup_hits += 1
+                    states[i] = DitT2WStreamState(flow=cached)
+                else:
+                    todo.setdefault(key, []).append(i)
+                    prompts[key] = p
+            if todo:
+                keys = list(todo)
+                set_up = flow.forward_items([flow.setup_item(*prompts[k]) for k in keys])
+                for k, r in zip(keys, set_up):
+                    for i in todo[k]:
+                        states[i] = DitT2WStreamState(flow=r.state)
+                    if self.setup_cache_size > 0:
+                        self._setups[k] = r.state
+                        while len(self._setups) > self.setup_cache_size:
+                            self._setups.popitem(last=False)
+            # 2. every chunk and offline utterance, as one pass
+            items, prompt_frames = [], []
+            for j, s, off in zip(jobs, states, offline):
+                if off:
+                    pt, pm, emb = self._prompt(j)
+                    items.append(flow.prompt_item(pt, pm, emb, j.tokens, last=True))
+                    prompt_frames.append(pm.shape[0])
+                else:
+                    items.append(DitItem(tokens=j.tokens[j.token_offset:], spk=s.flow.spk, last=j.finalize,
+                                         state=s.flow))
+                    prompt_frames.append(0)
+            res = flow.forward_items(items)
+            if marks is not None:
+                stamps.append(marks.mark(stream))
+            dev = self.hift_device
+            mels, hstates = [], []
+            for j, s, off, r, p in zip(jobs, states, offline, res, prompt_frames):
+                m = r.mel[:, :, p:].to(dev, torch.float32)
+                if j.finalize and j.speed != 1.0 and s.hift.empty:
+                    m = F.interpolate(m, size=max(1, int(m.shape[2] / j.speed)), mode="linear")
+                mels.append(m)
+                hstates.append(s.hift)
+            out = hift_stream_step_batch(self.hift, hstates, mels, [j.finalize for j in jobs],
+                                         [j.generator for j in jobs], self.t2w.mel_cache_len,
+                                         self.t2w.source_cache_len)
+            speech, new_states = [], []
+            for j, s, off, r, (sp, hs) in zip(jobs, states, offline, res, out):
+                if not j.finalize and not s.started:
+                    sp = torch.cat([sp.new_zeros(1, self.t2w.source_cache_len), sp], dim=1)
+                speech.append(sp[0].float())
+                if j.finalize:
+                    new_states.append(DitT2WStreamState())  # stream over: drop the caches
+                else:
+                    new_states.append(DitT2WStreamState(flow=trim_state(r.state), hift=hs, started=True))
+            if marks is not None:
+                stamps.append(marks.mark(stream))
+            event = None
+            if stream is not None:
+                host = [torch.empty(s.shape, dtype=torch.float32, pin_memory=True) for s in speech]
+                for h, s in zip(host, speech):
+                    h.copy_(s, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+                keep = (speech, mels)
+                speech = host
+            else:
+                keep = ()
+        return _Done(jobs, speech, new_states, event, stamps, keep)
+
+    def finish(self, pending: _Done) -> list[Token2WavResult]:
+        """Wait for ``pending`` and return its results (speech on the CPU)."""
+        if pending.event is not None:
+            pending.event.synchronize()
+        return [Token2WavResult(s.cpu() if s.device.type != "cpu" else s, st)
+                for s, st in zip(pending.speech, pending.states)]
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,876 @@
+"""Step-Audio2 token2wav flow: speech tokens (25/s) -> 80-bin natural-log mel (50 frames/s) with a DiT.
+
+Algorithm source: PyPI ``token2wav-cosyvoice-stepaudio2==0.1.3`` (the code of GitHub
+stepfun-ai/Step-Audio2's token2wav): ``stepaudio2.cosyvoice2.flow.flow.CausalMaskedDiffWithXvec``
+(``inference``, ``setup_cache``, ``inference_chunk``), ``flow.flow_matching.CausalConditionalCFM``,
+``flow.decoder_dit.DiT`` and ``transformer.upsample_encoder_v2.UpsampleConformerEncoderV2``, and the
+driver ``stepaudio2.token2wav.Token2wav`` (``set_stream_cache``/``stream``: three silence tokens,
+cache trimming). Independent plain-torch re-implementation; ``DitFlowModel.state_dict()`` has exactly
+the keys and shapes of the released token2wav ``flow.pt``.
+
+Pieces
+------
+* Encoder (v2): the modules of the CosyVoice2 encoder (:mod:`cosyserve.models.flow_encoder`: embed,
+  pre-look-ahead layer, ``num_blocks`` relative-position conformer layers, x2 repeat-upsampling,
+  ``num_up_blocks`` conformer layers, final LayerNorm) without any chunk mask. Streaming keeps
+  per-stream caches: the look-ahead layer's 2 frames, the upsampler's ``2 * stride`` frames and every
+  conformer layer's keys/values (oldest first). A non-final chunk's last ``pre_lookahead_len`` tokens
+  are look-ahead context only; a final chunk is followed by ``pre_lookahead_len`` zero frames.
+* Estimator (``DiT``): ``in_proj`` of ``[x, mu, spk, cond]`` (4 x 80 channels), ``depth`` blocks of
+  adaLN-modulated (9 modulation vectors from the timestep embedding) attention with per-head
+  LayerNorm on q and k (no positional encoding, full attention over cache + chunk), a causal
+  conv block (kernel 3 conv, LayerNorm, Mish, kernel 3 conv) and a tanh-GELU MLP; final adaLN layer.
+  Streaming caches per block: keys/values stored **newest first** (``cat([k_new, k_cache])``) and
+  the two convolutions' last 2 input frames, separately for each of the ``n_timesteps`` Euler steps
+  and for the conditional and unconditional CFG rows.
+* CFM: ``n_timesteps`` Euler steps on ``t_k = 1 - cos(k/n * pi/2)`` with upstream's accumulated
+  ``t <- t + dt``, ``dt = t_span[k+1] - t``; CFG ``v = (1 + r) v_cond - r v_uncond`` with the
+  unconditional rows' ``mu``, speaker and ``cond`` zeroed. Start noise: frames
+  ``[offset, offset + T)`` of a fixed buffer ``[1, 80, noise_frames]`` where ``offset`` is the
+  estimator cache length (0 offline). Upstream draws that buffer from the *global* torch generator
+  when the module is constructed; here it is ``torch.randn(1, 80, noise_frames, generator=g)`` with
+  a private CPU ``torch.Generator`` seeded ``DitFlowConfig.noise_seed`` (so seed 4322 reproduces
+  ``torch.manual_seed(4322); torch.randn(1, 80, 30000)``); :meth:`DitFlowModel.set_noise` injects
+  any other buffer.
+
+Streaming protocol (as ``Token2wav`` drives it)
+-----------------------------------------------
+:meth:`DitFlowModel.setup` runs the prompt tokens followed by ``silence_tokens`` (three 4218 tokens,
+the look-ahead of the prompt's last token) with the prompt mel as ``cond`` and keeps only the caches
+(:class:`DitStreamState`, immutable, one per stream; nothing is stored on the module).
+:meth:`DitFlowModel.chunk` takes new tokens (a non-final chunk ends with ``pre_lookahead_len``
+look-ahead tokens, which the next chunk must send again), returns the chunk's mel
+(``2 * (n - lookahead)`` frames, ``2 * n`` on the last chunk) and the next state. After each chunk
+the attention caches are trimmed as the driver does: when longer than ``P + keep`` (``P`` prompt
+frames, ``keep`` = 100) they become ``cache[:P] ++ cache[-keep:]`` along time. For the DiT cache
+(newest first) that keeps the newest ``P`` and the oldest ``keep`` frames; for the conformer cache
+(oldest first, the first-stage layers stored twice as ``cat([c, c])`` upstream) the rule is applied to
+that doubled layout (see :func:`_trim_index`). Caches are therefore bounded (``P + keep`` frames plus
+one chunk) and a chunk's cost does not grow with the stream's length.
+
+Batching: :meth:`DitFlowModel.forward_items` runs any mix of offline items, set-ups and chunks of
+different streams (different token counts and cache lengths) in one padded pass. Conformer caches
+are left-aligned to a common end so that one relative-position table serves every stream (query
+``i`` of stream ``b`` sits at position ``C_max + i``, its cached keys at ``C_max - C_b ..``); padded
+keys are masked; convolutions are causal so right padding never reaches valid frames. Results equal
+the one-stream results up to float summation order (~1e-7 relative).
+
+Numerics: float32 by default; the module may be cast to bfloat16/float16, then every computation
+including the time grid runs in that dtype (upstream runs under autocast); mel is returned as float32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import ConfigError
+from .config import DiTConfig, DitFlowConfig
+from .flow_encoder import UpsampleConformerEncoder, relative_position_table
+
+__all__ = ["DiT", "DitFlowModel", "DitStreamState", "DitItem", "DitItemResult", "GraphedDiTStep", "trim_state",
+           "SILENCE_TOKEN", "TRIM_KEEP"]
+
+#: the silence token Step-Audio2's ``Token2wav.set_stream_cache`` appends (three times) to the prompt
+SILENCE_TOKEN = 4218
+#: frames kept past the prompt when the driver trims the attention caches (``[:P] ++ [-100:]``)
+TRIM_KEEP = 100
+
+
+# ----------------------------------------------------------------------------------------------
+# DiT estimator
+# ----------------------------------------------------------------------------------------------
+
+
+class _DiTAttention(nn.Module):
+    """Multi-head attention with per-head LayerNorm on q and k (``decoder_dit.Attention``, qk_norm)."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        inner = num_heads * head_dim
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(dim, inner)
+        self.to_v = nn.Linear(dim, inner)
+        self.q_norm = nn.LayerNorm(head_dim)
+        self.k_norm = nn.LayerNorm(head_dim)
+        self.proj = nn.Linear(inner, dim)
+
+    def _heads(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: Tensor, cache: Tensor | None, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``x [N, T, dim]``; ``cache [N, H, C, 2*head_dim]`` (k ‖ v, newest first) or None;
+        ``mask [N, 1, T, T + C]`` bool (True = attend) or None -> ``([N, T, dim], new cache
+        [N, H, T + C, 2*head_dim] = cat([new, cache]))``."""
+        b, t, _ = x.shape
+        q = self.q_norm(self._heads(self.to_q(x)))
+        k = self.k_norm(self._heads(self.to_k(x)))
+        v = self._heads(self.to_v(x))
+        if cache is not None and cache.size(2) > 0:
+            kc, vc = cache.chunk(2, dim=3)
+            k = torch.cat([k, kc], dim=2)
+            v = torch.cat([v, vc], dim=2)
+        new_cache = torch.cat([k, v], dim=3)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(out.transpose(1, 2).reshape(b, t, -1)), new_cache
+
+
+class _CausalConv(nn.Conv1d):
+    """Conv1d applied to ``cat([cache, x])`` (cache: the previous ``kernel - 1`` input frames)."""
+
+    def step(self, x: Tensor, cache: Tensor, new_len: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``x [N, C_in, T]``, ``cache [N, C_in, k-1]`` -> ``([N, C_out, T], new cache [N, C_in, k-1])``;
+        the new cache is the last ``k-1`` frames before each row's ``new_len`` (None: ``T``)."""
+        xx = torch.cat([cache, x], dim=2)
+        return super().forward(xx), _last_frames(xx, cache.size(2), new_len)
+
+
+def _last_frames(xx: Tensor, n: int, new_len: Tensor | None) -> Tensor:
+    """From ``xx [N, C, n + T]`` (n cached frames + T new, padded) the last ``n`` valid frames per row."""
+    if n == 0:
+        return xx[:, :, :0]
+    if new_len is None:
+        return xx[:, :, -n:]
+    idx = new_len.view(-1, 1) + torch.arange(n, device=xx.device).view(1, -1)  # [N, n]
+    return torch.gather(xx, 2, idx.unsqueeze(1).expand(-1, xx.size(1), -1))
+
+
+class _CausalConvBlock(nn.Module):
+    """``decoder_dit.CausalConvBlock``: causal conv, LayerNorm, Mish, causal conv (``[N, T, C]``)."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        # keys block.1 / block.3 / block.6 as upstream's Sequential (the others hold no weights)
+        self.block = nn.ModuleDict({
+            "1": _CausalConv(channels, channels, kernel),
+            "3": nn.LayerNorm(channels),
+            "6": _CausalConv(channels, channels, kernel),
+        })
+        self.channels = channels
+
+    def forward(self, x: Tensor, cache: Tensor, new_len: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``x [N, T, C]``, ``cache [N, 2C, k-1]`` -> ``([N, T, C], new cache [N, 2C, k-1])``."""
+        c1, c2 = cache.split(self.channels, dim=1)
+        h, n1 = self.block["1"].step(x.transpose(1, 2), c1, new_len)
+        h = F.mish(self.block["3"](h.transpose(1, 2))).transpose(1, 2)
+        h, n2 = self.block["6"].step(h, c2, new_len)
+        return h.transpose(1, 2), torch.cat([n1, n2], dim=1)
+
+
+def _modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    return x * (1 + scale) + shift
+
+
+class _DiTBlock(nn.Module):
+    """adaLN-Zero DiT block with a causal conv branch (``decoder_dit.DiTBlock``)."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.attn = _DiTAttention(h, cfg.num_heads, cfg.head_dim)
+        self.mlp = nn.Module()
+        self.mlp.fc1 = nn.Linear(h, cfg.mlp_hidden)
+        self.mlp.fc2 = nn.Linear(cfg.mlp_hidden, h)
+        self.conv = _CausalConvBlock(h, cfg.conv_kernel_size)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(h, 9 * h))
+        self.hidden = h
+
+    def _norm(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, (self.hidden,), eps=1e-6)
+
+    def forward(self, x: Tensor, c: Tensor, att_cache: Tensor | None, cnn_cache: Tensor, mask: Tensor | None,
+                new_len: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """``x [N, T, hidden]``, ``c [N, 1, hidden]`` -> ``(x, new cnn cache, new att cache)``."""
+        (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
+         shift_conv, scale_conv, gate_conv) = self.adaLN_modulation(c).chunk(9, dim=-1)
+        a, new_att = self.attn(_modulate(self._norm(x), shift_msa, scale_msa), att_cache, mask)
+        x = x + gate_msa * a
+        cv, new_cnn = self.conv(_modulate(self._norm(x), shift_conv, scale_conv), cnn_cache, new_len)
+        x = x + gate_conv * cv
+        m = self.mlp.fc2(F.gelu(self.mlp.fc1(_modulate(self._norm(x), shift_mlp, scale_mlp)), approximate="tanh"))
+        return x + gate_mlp * m, new_cnn, new_att
+
+
+class _FinalLayer(nn.Module):
+    def __init__(self, hidden: int, out_channels: int):
+        super().__init__()
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden))
+        self.linear = nn.Linear(hidden, out_channels)
+        self.hidden = hidden
+
+    def forward(self, x: Tensor, c: Tensor) -> Tensor:
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
+        return self.linear(_modulate(F.layer_norm(x, (self.hidden,), eps=1e-6), shift, scale))
+
+
+class _TimestepEmbedder(nn.Module):
+    """Sinusoidal embedding of ``1000 t`` (``frequency_embedding_size`` channels, cos then sin), MLP."""
+
+    def __init__(self, hidden: int, freq: int):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(freq, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+        self.freq = freq
+
+    def forward(self, t: Tensor) -> Tensor:
+        """``t [N]`` -> ``[N, hidden]``."""
+        half = self.freq // 2
+        freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half).to(t)
+        args = (t * 1000)[:, None] * freqs[None]
+        emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        if self.freq % 2:
+            emb = torch.cat([emb, torch.zeros_like(emb[:, :1])], dim=-1)
+        return self.mlp(emb)
+
+
+class DiT(nn.Module):
+    """The DiT velocity estimator, streaming form (``DiT.forward_chunk``; offline = no cache).
+
+    Built from :class:`~cosyserve.models.config.DiTConfig`; keys equal upstream's
+    (``t_embedder``, ``in_proj``, ``blocks.i.{attn,mlp,conv,adaLN_modulation}``, ``final_layer``).
+    """
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.t_embedder = _TimestepEmbedder(cfg.hidden_size, cfg.frequency_embedding_size)
+        self.in_proj = nn.Linear(cfg.in_channels, cfg.hidden_size)
+        self.blocks = nn.ModuleList(_DiTBlock(cfg) for _ in range(cfg.depth))
+        self.final_layer = _FinalLayer(cfg.hidden_size, cfg.out_channels)
+
+    def forward(self, x: Tensor, t: Tensor, att_cache: Tensor | None, cnn_cache: Tensor, mask: Tensor | None,
+                new_len: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """One velocity evaluation.
+
+        Args:
+            x: ``[N, in_channels, T]`` stacked ``[x, mu, spk, cond]`` (right-padded rows).
+            t: ``[N]`` time in [0, 1].
+            att_cache: ``[depth, N, H, C, 2*head_dim]`` (newest first) or None.
+            cnn_cache: ``[depth, N, 2*hidden, kernel-1]`` (zeros at the start of a stream).
+            mask: ``[N, 1, T, T + C]`` bool or None (no padding).
+            new_len: ``[N]`` valid frames per row or None (all ``T``).
+
+        Returns ``(velocity [N, out_channels, T], new cnn cache [depth, N, 2*hidden, k-1],
+        new att cache [depth, N, H, T + C, 2*head_dim] = per row cat([new, cache]) in padded layout)``.
+        """
+        c = self.t_embedder(t).unsqueeze(1)
+        h = self.in_proj(x.transpose(1, 2))
+        cnn_out, att_out = [], []
+        for i, blk in enumerate(self.blocks):
+            h, nc, na = blk(h, c, None if att_cache is None else att_cache[i], cnn_cache[i], mask, new_len)
+            cnn_out.append(nc)
+            att_out.append(na)
+        return self.final_layer(h, c).transpose(1, 2), torch.stack(cnn_out), torch.stack(att_out)
+
+
+# ----------------------------------------------------------------------------------------------
+# streaming state
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DitStreamState:
+    """Per-stream caches of :class:`DitFlowModel` (immutable; every step returns a new one).
+
+    Shapes (``H``/``dk`` encoder heads/head size, ``h``/``hd`` DiT heads/head size, ``S`` Euler steps):
+
+    * ``spk``: ``[1, 80]`` projected speaker embedding.
+    * ``enc_att1``: ``[num_blocks, 1, H, C1, 2*dk]`` first-stage conformer keys ‖ values (token rate,
+      oldest first); ``enc_att2``: ``[num_up_blocks, 1, H, 2*C1, 2*dk]`` (mel rate).
+    * ``enc_lookahead``: ``[1, D, 2]`` look-ahead layer cache; ``enc_up``: ``[1, D, 2*stride]``.
+    * ``est_att``: ``[S, depth, 2, h, C, 2*hd]`` DiT keys ‖ values per step, rows (cond, uncond),
+      newest first; ``est_cnn``: ``[S, depth, 2, 2*hidden, 2]``.
+    * ``prompt_frames``: ``P``, mel frames of the prompt (the trimming rule keeps them).
+
+    ``noise_offset`` (= ``C``) is where the next chunk's start noise begins.
+    """
+
+    spk: Tensor
+    prompt_frames: int
+    enc_att1: Tensor
+    enc_att2: Tensor
+    enc_lookahead: Tensor
+    enc_up: Tensor
+    est_att: Tensor
+    est_cnn: Tensor
+
+    @property
+    def noise_offset(self) -> int:
+        return int(self.est_att.shape[4])
+
+    @property
+    def cache_frames(self) -> int:
+        return int(self.est_att.shape[4])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (
+            self.spk, self.enc_att1, self.enc_att2, self.enc_lookahead, self.enc_up, self.est_att, self.est_cnn))
+
+
+def _trim_index(length: int, prompt: int, keep: int, device) -> Tensor | None:
+    """Indices of upstream's trim ``[:prompt] ++ [-keep:]`` on a time axis of ``length``; None if no trim."""
+    if length <= prompt + keep:
+        return None
+    return torch.cat([torch.arange(prompt, device=device), torch.arange(length - keep, length, device=device)])
+
+
+def trim_state(state: DitStreamState, keep: int = TRIM_KEEP) -> DitStreamState:
+    """Bound the attention caches as Step-Audio2's ``Token2wav.stream`` does after each chunk.
+
+    When a cache is longer than ``P + keep`` frames it becomes ``[:P] ++ [-keep:]`` along time: the DiT
+    cache directly; the conformer cache on upstream's layout ``cat([c1, c1])`` (first stage, doubled) /
+    ``c2`` (second stage), whose first half is then the new first-stage cache (so ``c1`` keeps the
+    entries ``idx[:(P + keep)/2] mod C1``). Returns ``state`` itself when nothing is trimmed.
+    """
+    p = state.prompt_frames
+    est_att, enc_att1, enc_att2 = state.est_att, state.enc_att1, state.enc_att2
+    idx = _trim_index(est_att.shape[4], p, keep, est_att.device)
+    if idx is not None:
+        est_att = est_att.index_select(4, idx)
+    length = enc_att2.shape[3]
+    idx = _trim_index(length, p, keep, enc_att2.device)
+    if idx is not None:
+        c1 = enc_att1.shape[3]
+        enc_att2 = enc_att2.index_select(3, idx)
+        enc_att1 = enc_att1.index_select(3, idx[: (p + keep) // 2] % c1)
+    if est_att is state.est_att and enc_att2 is state.enc_att2:
+        return state
+    return DitStreamState(state.spk, p, enc_att1, enc_att2, state.enc_lookahead, state.enc_up, est_att, state.est_cnn)
+
+
+# ----------------------------------------------------------------------------------------------
+# the flow model
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DitItem:
+    """One row of :meth:`DitFlowModel.forward_items`.
+
+    ``tokens`` ``[L]`` int speech tokens; ``spk`` ``[1, 80]`` *projected* speaker embedding;
+    ``last``: no look-ahead context at the end (pad with zeros); ``state``: caches or None (start);
+    ``cond`` ``[F, 80]`` mel for the first F frames of the conditional rows (prompt) or None;
+    ``prompt_frames``: stored in the new state (P).
+    """
+
+    tokens: Tensor
+    spk: Tensor
+    last: bool
+    state: DitStreamState | None = None
+    cond: Tensor | None = None
+    prompt_frames: int = 0
+
+
+@dataclass
+class DitItemResult:
+    """``mel`` ``[1, 80, M]`` float32 (all frames of the item, prompt frames included) and the new state."""
+
+    mel: Tensor
+    state: DitStreamState
+
+
+class DitFlowModel(nn.Module):
+    """Step-Audio2 ``CausalMaskedDiffWithXvec`` (see the module docstring for the algorithm).
+
+    Built from :class:`~cosyserve.models.config.DitFlowConfig`. Public entry points: :meth:`inference`
+    (offline), :meth:`setup` / :meth:`chunk` (streaming, one stream), :meth:`setup_batch` /
+    :meth:`chunk_batch` / :meth:`forward_items` (several streams in one pass). Raises ValueError on
+    bad shapes, out-of-range tokens, chunks too short to produce a frame, or streams longer than the
+    noise buffer.
+    """
+
+    def __init__(self, cfg: DitFlowConfig):
+        super().__init__()
+        if cfg.encoder.upsample_stride != 2:
+            # upstream packs the token-rate caches as repeat(..., 2, ...) next to the mel-rate ones
+            raise ConfigError(f"DiT flow: up_stride {cfg.encoder.upsample_stride} unsupported (the cache layout needs 2)")
+        self.cfg = cfg
+        self.input_embedding = nn.Embedding(cfg.vocab_size, cfg.input_size)
+        self.spk_embed_affine_layer = nn.Linear(cfg.spk_embed_dim, cfg.output_size)
+        self.encoder = UpsampleConformerEncoder(cfg.encoder)
+        self.encoder_proj = nn.Linear(cfg.encoder.output_size, cfg.output_size)
+        self.decoder = nn.Module()
+        self.decoder.estimator = DiT(cfg.estimator)
+        gen = torch.Generator(device="cpu").manual_seed(cfg.noise_seed)
+        noise = torch.randn(1, cfg.output_size, cfg.noise_frames, generator=gen, device="cpu")
+        try:
+            target = torch.empty(0).device
+            if target.type != "meta":
+                noise = noise.to(target)
+        except RuntimeError:  # pragma: no cover
+            pass
+        self.register_buffer("rand_noise", noise, persistent=False)
+        #: optional :class:`GraphedDiTStep` (CUDA graphs of the estimator call), see :meth:`enable_cuda_graphs`
+        self.graph = None
+
+    # ------------------------------------------------------------------ basics
+
+    @property
+    def n_mels(self) -> int:
+        return self.cfg.output_size
+
+    @property
+    def pre_lookahead_len(self) -> int:
+        return self.cfg.encoder.pre_lookahead_len
+
+    @property
+    def up_rate(self) -> int:
+        return self.cfg.encoder.upsample_stride
+
+    def _apply(self, fn, recurse=True):
+        # .to(device, dtype) moves the noise buffer but keeps it float32 (the ODE state is float32)
+        noise = self.rand_noise
+        super()._apply(fn, recurse)
+        if noise.device.type != "meta" and self.rand_noise.device.type != "meta":
+            self.rand_noise = noise.to(self.rand_noise.device)
+        return self
+
+    def enable_cuda_graphs(self, frames_bucket: int = 32, cache_bucket: int = 64, max_graphs: int = 256) -> "GraphedDiTStep":
+        """Replay each estimator call of the CUDA solve from a CUDA graph (captured on first use per
+        (rows, padded frames, padded cache) shape; see :class:`GraphedDiTStep`). Returns it."""
+        self.graph = GraphedDiTStep(self.decoder.estimator, frames_bucket, cache_bucket, max_graphs)
+        return self.graph
+
+    def set_noise(self, noise: Tensor) -> None:
+        """Replace the CFM start-noise buffer (``[1, 80, F]``, any F >= the frames a stream needs)."""
+        if noise.dim() != 3 or noise.shape[:2] != (1, self.n_mels):
+            raise ValueError(f"noise must be [1, {self.n_mels}, frames], got {tuple(noise.shape)}")
+        self.rand_noise = noise.to(device=self.rand_noise.device, dtype=torch.float32)
+
+    def project_speaker(self, embedding: Tensor) -> Tensor:
+        """``[B, spk_embed_dim]`` raw speaker embedding (CAM++) -> ``[B, 80]`` (L2-normalise, affine)."""
+        if embedding.dim() != 2 or embedding.shape[1] != self.cfg.spk_embed_dim:
+            raise ValueError(f"speaker embedding must be [B, {self.cfg.spk_embed_dim}], got {tuple(embedding.shape)}")
+        p = self.spk_embed_affine_layer.weight
+        return self.spk_embed_affine_layer(F.normalize(embedding.to(device=p.device, dtype=p.dtype), dim=1))
+
+    def _check_tokens(self, tokens: Tensor) -> Tensor:
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens must be 1-D, got {tuple(tokens.shape)}")
+        if tokens.numel() and (int(tokens.max()) >= self.cfg.vocab_size or int(tokens.min()) < 0):
+            raise ValueError(f"speech token out of range [0, {self.cfg.vocab_size})")
+        return tokens.to(device=self.input_embedding.weight.device, dtype=torch.long)
+
+    # ------------------------------------------------------------------ encoder (streaming form)
+
+    def _rel_attention(self, attn, x: Tensor, cache: Tensor | None, pos: Tensor, bias_mask: Tensor | None):
+        """Relative-position attention of ``x [B, T, D]`` over ``cache ++ x``.
+
+        ``cache [B, H, C, 2dk]`` left-aligned to a common end (oldest first), ``pos [1, 2(C+T)-1, D]``,
+        ``bias_mask [B, 1, T, C+T]`` bool or None. Query ``i`` sits at position ``C + i``: the
+        positional score of key ``j`` is column ``T - 1 - i + j`` of ``q_v . p`` (ESPnet rel_shift
+        generalised to T != C + T, as upstream computes it). Returns ``(out, new kv [B, H, C+T, 2dk])``.
+        """
+        b, t, _ = x.shape
+        h, dk = attn.h, attn.d_k
+        q = attn.linear_q(x).view(b, t, h, dk)
+        k = attn.linear_k(x).view(b, t, h, dk).transpose(1, 2)
+        v = attn.linear_v(x).view(b, t, h, dk).transpose(1, 2)
+        if cache is not None and cache.size(2) > 0:
+            kc, vc = cache.split(dk, dim=-1)
+            k = torch.cat([kc, k], dim=2)
+            v = torch.cat([vc, v], dim=2)
+        new_kv = torch.cat([k, v], dim=-1)
+        s = k.size(2)
+        p = attn.linear_pos(pos).view(1, -1, h, dk).transpose(1, 2)
+        q_u = (q + attn.pos_bias_u).transpose(1, 2)
+        q_v = (q + attn.pos_bias_v).transpose(1, 2)
+        scale = 1.0 / math.sqrt(dk)
+        bd = torch.matmul(q_v, p.transpose(-2, -1)).contiguous()  # [B, H, T, 2S-1]
+        st = bd.stride()
+        bd = bd.as_strided(bd.shape[:-1] + (s,), st[:-2] + (st[-2] - 1, 1), bd.storage_offset() + t - 1)
+        bias = bd * scale
+        if bias_mask is not None:
+            bias = bias.masked_fill(~bias_mask, float("-inf"))
+        out = F.scaled_dot_product_attention(q_u, k, v, attn_mask=bias, scale=scale)
+        return attn.linear_out(out.transpose(1, 2).reshape(b, t, h * dk)), new_kv
+
+    def _conformer_stack(self, layers, x: Tensor, caches: list[Tensor | None], cache_len: list[int], new_len: list[int]):
+        """Run conformer ``layers`` on ``x [B, Tmax, D]`` with per-stream caches; returns x and the new
+        per-layer kv ``[B, H, Cmax + Tmax, 2dk]`` (padded layout) plus (Cmax, Tmax)."""
+        b, tmax, d = x.shape
+        cmax = max(cache_len)
+        uniform = len(set(cache_len)) == 1 and len(set(new_len)) == 1
+        mask = None
+        if not uniform:
+            j = torch.arange(cmax + tmax, device=x.device).view(1, -1)
+            lo = torch.tensor([cmax - c for c in cache_len], device=x.device).view(-1, 1)
+            hi = torch.tensor([cmax + n for n in new_len], device=x.device).view(-1, 1)
+            mask = ((j >= lo) & (j < hi)).view(b, 1, 1, -1)
+        pos = relative_position_table(cmax + tmax, d, x.device, x.dtype)
+        new = []
+        for layer, cache in zip(layers, caches):
+            a, kv = self._rel_attention(layer.self_attn, layer.norm_mha(x), cache, pos, mask)
+            x = x + a
+            x = x + layer.feed_forward(layer.norm_ff(x))
+            new.append(kv)
+        return x, new
+
+    @staticmethod
+    def _left_pad(caches: list[Tensor], cmax: int) -> Tensor:
+        """Stack ``[1, H, C_b, E]`` caches into ``[B, H, cmax, E]`` aligned at the end (zeros before)."""
+        return torch.cat([F.pad(c, (0, 0, cmax - c.size(2), 0)) for c in caches], dim=0)
+
+    def _encode(self, items: Sequence[DitItem]):
+        """Encoder + projection for a batch of items -> (mu [B, Mmax, 80], frames per item, new enc caches)."""
+        enc = self.encoder
+        la = self.pre_lookahead_len
+        stride = self.up_rate
+        dev = self.input_embedding.weight.device
+        lens = [int(it.tokens.numel()) for it in items]
+        tlen = [n if it.last else n - la for n, it in zip(lens, items)]
+        for n, t, it in zip(lens, tlen, items):
+            if t < 1:
+                raise ValueError(f"a {'final' if it.last else 'non-final'} chunk of {n} tokens produces no frame "
+                                 f"(non-final chunks need more than the {la} look-ahead tokens)")
+        b = len(items)
+        lmax, tmax = max(lens), max(tlen)
+        tok = torch.zeros(b, lmax, dtype=torch.long, device=dev)
+        for i, it in enumerate(items):
+            tok[i, : lens[i]] = it.tokens
+        x = enc.embed(self.input_embedding(tok))  # [B, Lmax, D] (padded rows hold garbage past L_b)
+        keep = torch.arange(lmax, device=dev).view(1, -1) < torch.tensor(lens, device=dev).view(-1, 1)
+        x = torch.where(keep.unsqueeze(-1), x, x.new_zeros(()))
+        d = x.size(-1)
+
+        # look-ahead layer (a final item reads la zeros past its end)
+        pl = enc.pre_lookahead_layer
+        xp = F.pad(x, (0, 0, 0, la)).transpose(1, 2)  # [B, D, Lmax + la]
+        h1 = F.leaky_relu(pl.conv1(xp))  # [B, D, Lmax]; item b valid for its first tlen[b] frames
+        la_cache = torch.cat([it.state.enc_lookahead if it.state is not None else x.new_zeros(1, d, 2) for it in items])
+        tl = torch.tensor(tlen, device=dev)
+        h1c = torch.cat([la_cache.to(h1), h1], dim=2)
+        new_la = _last_frames(h1c, 2, None if len(set(tlen)) == 1 and tlen[0] == h1.size(2) else tl)
+        h = pl.conv2(h1c).transpose(1, 2)[:, :tmax] + x[:, :tmax]
+
+        # first conformer stage
+        c1 = [0 if it.state is None else int(it.state.enc_att1.shape[3]) for it in items]
+        c1max = max(c1)
+        caches = [None] * len(enc.encoders)
+        if c1max > 0:
+            caches = [self._left_pad([it.state.enc_att1[l] if it.state is not None else
+                                      x.new_zeros(1, enc.encoders[l].self_attn.h, 0, 2 * enc.encoders[l].self_attn.d_k)
+                                      for it in items], c1max) for l in range(len(enc.encoders))]
+        h, kv1 = self._conformer_stack(enc.encoders, h, caches, c1, tlen)
+
+        # upsampling (nearest x stride, causal conv with a 2*stride cache)
+        up = enc.up_layer
+        hu = F.interpolate(h.transpose(1, 2), scale_factor=float(stride), mode="nearest")
+        up_cache = torch.cat([it.state.enc_up if it.state is not None else x.new_zeros(1, d, 2 * stride) for it in items])
+        huc = torch.cat([up_cache.to(hu), hu], dim=2)
+        mlen = [stride * t for t in tlen]
+        new_up = _last_frames(huc, 2 * stride, None if len(set(mlen)) == 1 and mlen[0] == hu.size(2)
+                              else torch.tensor(mlen, device=dev))
+        h = enc.up_embed(up.conv(huc).transpose(1, 2))
+
+        c2 = [stride * c for c in c1]
+        c2max = max(c2)
+        caches = [None] * len(enc.up_encoders)
+        if c2max > 0:
+            caches = [self._left_pad([it.state.enc_att2[l] if it.state is not None else
+                                      x.new_zeros(1, enc.up_encoders[l].self_attn.h, 0,
+                                                  2 * enc.up_encoders[l].self_attn.d_k)
+                                      for it in items], c2max) for l in range(len(enc.up_encoders))]
+        h, kv2 = self._conformer_stack(enc.up_encoders, h, caches, c2, mlen)
+        mu = self.encoder_proj(enc.after_norm(h))
+
+        new_caches = []
+        for i in range(b):
+            a1 = torch.stack([kv[i:i + 1, :, c1max - c1[i]: c1max + tlen[i]] for kv in kv1])
+            a2 = torch.stack([kv[i:i + 1, :, c2max - c2[i]: c2max + mlen[i]] for kv in kv2])
+            new_caches.append((a1, a2, new_la[i:i + 1], new_up[i:i + 1]))
+        return mu, mlen, new_caches
+
+    # ------------------------------------------------------------------ CFM with the DiT
+
+    def _solve(self, items: Sequence[DitItem], mu: Tensor, mlen: list[int], n_timesteps: int):
+        """Euler/CFG solve over the batch; returns (mel [B, 80, Mmax], per-item (est_att, est_cnn)).
+
+        The ODE state ``x`` and the time grid stay float32 (the estimator runs in the module's dtype).
+        With :attr:`graph` set, frames and cache lengths are padded to the graph's buckets (masked) and
+        each estimator call replays a CUDA graph (on CUDA; elsewhere the padded call runs eagerly).
+        """
+        est = self.decoder.estimator
+        dcfg = est.cfg
+        b, m_real, n_mels = mu.shape
+        dev, dtype = mu.device, mu.dtype
+        n = 2 * b
+        ce = [0 if it.state is None else it.state.cache_frames for it in items]
+        for i, it in enumerate(items):
+            if it.state is not None and it.state.est_att.shape[0] < n_timesteps:
+                raise ValueError(f"stream state holds caches for {it.state.est_att.shape[0]} steps, {n_timesteps} asked")
+            if ce[i] + mlen[i] > self.rand_noise.size(-1):
+                raise ValueError(f"DiT flow: {ce[i] + mlen[i]} frames exceed the noise buffer of {self.rand_noise.size(-1)}")
+        graph = self.graph
+        mmax, cmax = m_real, max(ce)
+        if graph is not None:
+            mmax, cmax = graph.frames_bucket(mmax), graph.cache_bucket(cmax)
+            mu = F.pad(mu, (0, 0, 0, mmax - m_real))
+
+        # inputs: rows (2i, 2i+1) = (conditional, unconditional) of item i
+        if self.rand_noise.device != dev:
+            self.rand_noise = self.rand_noise.to(dev)
+        x = torch.zeros(b, n_mels, mmax, device=dev, dtype=torch.float32)
+        cond = torch.zeros(b, n_mels, mmax, device=dev, dtype=dtype)
+        for i, it in enumerate(items):
+            x[i, :, : mlen[i]] = self.rand_noise[0, :, ce[i]: ce[i] + mlen[i]]
+            if it.cond is not None:
+                f = min(int(it.cond.shape[0]), mlen[i])
+                cond[i, :, :f] = it.cond[:f].to(device=dev, dtype=dtype).transpose(0, 1)
+        spk = torch.cat([it.spk.to(device=dev, dtype=dtype) for it in items])  # [B, 80]
+        mu_t = mu.transpose(1, 2)
+        mu_in = torch.stack([mu_t, torch.zeros_like(mu_t)], dim=1).reshape(n, n_mels, mmax)
+        spk_in = torch.stack([spk, torch.zeros_like(spk)], dim=1).reshape(n, n_mels)
+        cond_in = torch.stack([cond, torch.zeros_like(cond)], dim=1).reshape(n, n_mels, mmax)
+        spk_in = spk_in.unsqueeze(-1).expand(-1, -1, mmax)
+        static_in = torch.cat([mu_in, spk_in, cond_in], dim=1)  # [N, 240, M]: constant during the solve
+
+        uniform = graph is None and len(set(ce)) == 1 and len(set(mlen)) == 1
+        row_len = torch.tensor(mlen, device=dev).repeat_interleave(2)
+        mask = None
+        if not uniform:
+            j = torch.arange(mmax + cmax, device=dev).view(1, -1)
+            rl = row_len.view(-1, 1)
+            rc = torch.tensor(ce, device=dev).repeat_interleave(2).view(-1, 1)
+            mask = ((j < rl) | ((j >= mmax) & (j < mmax + rc))).view(n, 1, 1, -1)
+        new_len = None if uniform and mlen[0] == mmax else row_len
+
+        k1 = dcfg.conv_kernel_size - 1
+        att = None
+        if cmax > 0:
+            e = 2 * dcfg.head_dim
+            att = torch.zeros(n_timesteps, dcfg.depth, n, dcfg.num_heads, cmax, e, device=dev, dtype=dtype)
+            for i, it in enumerate(items):
+                if it.state is not None:
+                    att[:, :, 2 * i: 2 * i + 2, :, : ce[i]] = it.state.est_att[:n_timesteps].to(dtype)
+        cnn = torch.zeros(n_timesteps, dcfg.depth, n, 2 * dcfg.hidden_size, k1, device=dev, dtype=dtype)
+        for i, it in enumerate(items):
+            if it.state is not None:
+                cnn[:, :, 2 * i: 2 * i + 2] = it.state.est_cnn[:n_timesteps].to(dtype)
+
+        t_span = torch.linspace(0, 1, n_timesteps + 1, device=dev, dtype=torch.float32)
+        t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
+        t = t_span[0:1]
+        dt = t_span[1] - t_span[0]
+        r = self.cfg.inference_cfg_rate
+        call = graph if graph is not None else est
+        new_cnn, new_att = [], []
+        for step in range(1, n_timesteps + 1):
+            inp = torch.cat([x.to(dtype).repeat_interleave(2, dim=0), static_in], dim=1)
+            v, nc, na = call(inp, t.to(dtype).expand(n), None if att is None else att[step - 1], cnn[step - 1],
+                             mask, new_len)
+            v = v.float().view(b, 2, n_mels, mmax)
+            v = (1.0 + r) * v[:, 0] - r * v[:, 1]
+            x = x + dt * v
+            t = t + dt
+            if step < n_timesteps:
+                dt = t_span[step + 1] - t
+            new_cnn.append(nc)
+            new_att.append(na)
+        cnn_all = torch.stack(new_cnn)  # [S, depth, N, 2h, k-1]
+        att_all = torch.stack(new_att)  # [S, depth, N, H, Mmax + Cmax, E]
+        per_item = []
+        for i in range(b):
+            rows = slice(2 * i, 2 * i + 2)
+            if uniform:
+                a = att_all[:, :, rows]
+            else:
+                a = torch.cat([att_all[:, :, rows, :, : mlen[i]], att_all[:, :, rows, :, mmax: mmax + ce[i]]], dim=4)
+            per_item.append((a, cnn_all[:, :, rows]))
+        return x, per_item
+
+    # ------------------------------------------------------------------ public API
+
+    @torch.inference_mode()
+    def forward_items(self, items: Sequence[DitItem], n_timesteps: int | None = None) -> list[DitItemResult]:
+        """Run offline items, set-ups and chunks of several streams in one padded pass.
+
+        Each item's result holds its mel ``[1, 80, M]`` (float32; ``M = 2 * T`` with ``T`` the
+        encoder frames: token count, minus the look-ahead for non-final items) and the new
+        (untrimmed) state. Items are independent; results equal one-item calls.
+        """
+        if not items:
+            return []
+        n_timesteps = n_timesteps or self.cfg.n_timesteps
+        for it in items:
+            it.tokens = self._check_tokens(it.tokens)
+        mu, mlen, enc_caches = self._encode(items)
+        mel, est_caches = self._solve(items, mu, mlen, n_timesteps)
+        out = []
+        for i, it in enumerate(items):
+            a1, a2, la, up = enc_caches[i]
+            ea, ec = est_caches[i]
+            p = it.prompt_frames if it.state is None else it.state.prompt_frames
+            st = DitStreamState(spk=it.spk, prompt_frames=p, enc_att1=a1, enc_att2=a2, enc_lookahead=la, enc_up=up,
+                                est_att=ea, est_cnn=ec)
+            out.append(DitItemResult(mel=mel[i: i + 1, :, : mlen[i]].float(), state=st))
+        return out
+
+    def prompt_item(self, prompt_tokens: Tensor, prompt_mel: Tensor, embedding: Tensor, extra: Tensor,
+                    last: bool) -> DitItem:
+        """An item of :meth:`forward_items` starting a stream: ``prompt_tokens`` ``[P_tok]`` followed by
+        ``extra`` tokens, ``prompt_mel`` ``[F, 80]`` as ``cond``, raw ``embedding`` ``[192]``. With
+        ``last=True`` and ``extra`` the target tokens it is an offline utterance (its mel's first F
+        frames are the prompt's); :meth:`setup_item` builds set-ups. Raises ValueError on bad shapes."""
+        pt = self._check_tokens(prompt_tokens.reshape(-1))
+        if prompt_mel.dim() == 3:
+            if prompt_mel.shape[0] != 1:
+                raise ValueError(f"prompt_mel must be [F, {self.n_mels}] or [1, F, {self.n_mels}]")
+            prompt_mel = prompt_mel[0]
+        if prompt_mel.dim() != 2 or prompt_mel.shape[1] != self.n_mels:
+            raise ValueError(f"prompt_mel must be [F, {self.n_mels}], got {tuple(prompt_mel.shape)}")
+        spk = self.project_speaker(embedding.reshape(1, -1))
+        return DitItem(tokens=torch.cat([pt, self._check_tokens(extra.reshape(-1))]), spk=spk, last=last,
+                       cond=prompt_mel, prompt_frames=int(prompt_mel.shape[0]))
+
+    def setup_item(self, prompt_tokens: Tensor, prompt_mel: Tensor, embedding: Tensor,
+                   silence_token: int = SILENCE_TOKEN) -> DitItem:
+        """The set-up item of a stream: prompt tokens ``[P_tok]`` + ``pre_lookahead_len`` x ``silence_token``,
+        ``prompt_mel`` ``[F, 80]`` with ``F = up_rate * P_tok`` (upstream asserts it), raw ``embedding``
+        ``[192]``. Raises ValueError if the prompt mel length does not match."""
+        n = int(prompt_tokens.numel())
+        f = int(prompt_mel.shape[-2])
+        if n < 1 or f != n * self.up_rate:
+            raise ValueError(f"prompt of {n} tokens needs {n * self.up_rate} mel frames, got {f}")
+        extra = torch.full((self.pre_lookahead_len,), silence_token, dtype=torch.long)
+        return self.prompt_item(prompt_tokens, prompt_mel, embedding, extra, last=False)
+
+    @torch.inference_mode()
+    def setup_batch(self, prompts: Sequence[tuple[Tensor, Tensor, Tensor]], n_timesteps: int | None = None,
+                    silence_token: int = SILENCE_TOKEN) -> list[DitStreamState]:
+        """:meth:`setup` for several streams ``(prompt_tokens, prompt_mel, embedding)`` in one pass."""
+        items = [self.setup_item(pt, pm, emb, silence_token) for pt, pm, emb in prompts]
+        return [r.state for r in self.forward_items(items, n_timesteps)]
+
+    def setup(self, prompt_tokens: Tensor, prompt_mel: Tensor, embedding: Tensor, n_timesteps: int | None = None,
+              silence_token: int = SILENCE_TOKEN) -> DitStreamState:
+        """Start a stream (upstream ``set_stream_cache`` -> ``flow.setup_cache``).
+
+        ``prompt_tokens`` ``[P_tok]`` (or ``[1, P_tok]``) int, ``prompt_mel`` ``[2 * P_tok, 80]`` (or
+        ``[1, ., 80]``) natural-log mel, ``embedding`` ``[192]`` raw CAM++ embedding. The prompt is
+        followed by ``pre_lookahead_len`` silence tokens (4218) as its look-ahead. Returns the caches.
+        """
+        return self.setup_batch([(prompt_tokens, prompt_mel, embedding)], n_timesteps, silence_token)[0]
+
+    @torch.inference_mode()
+    def chunk_batch(self, states: Sequence[DitStreamState], tokens: Sequence[Tensor], last: Sequence[bool],
+                    n_timesteps: int | None = None, trim_keep: int | None = TRIM_KEEP) -> list[tuple[Tensor, DitStreamState]]:
+        """:meth:`chunk` for several streams in one padded pass: ``[(mel [1, 80, M_b], new_state)]``."""
+        if not (len(states) == len(tokens) == len(last)):
+            raise ValueError("states, tokens and last must have the same length")
+        items = [DitItem(tokens=tk.reshape(-1), spk=st.spk, last=bool(lf), state=st)
+                 for st, tk, lf in zip(states, tokens, last)]
+        res = self.forward_items(items, n_timesteps)
+        return [(r.mel, trim_state(r.state, trim_keep) if trim_keep is not None else r.state) for r in res]
+
+    def chunk(self, state: DitStreamState, tokens: Tensor, last: bool, n_timesteps: int | None = None,
+              trim_keep: int | None = TRIM_KEEP) -> tuple[Tensor, DitStreamState]:
+        """One streaming step (upstream ``inference_chunk`` + the driver's cache trimming).
+
+        ``tokens`` ``[n]`` int: new tokens; a non-final chunk ends with ``pre_lookahead_len`` look-ahead
+        tokens that the next chunk sends again. Returns ``(mel [1, 80, 2*(n - la)] or [1, 80, 2*n]
+        when last, float32, new state)``; ``state`` is unchanged. ``trim_keep=None`` disables trimming.
+        """
+        return self.chunk_batch([state], [tokens], [last], n_timesteps, trim_keep)[0]
+
+    @torch.inference_mode()
+    def inference_batch(self, requests: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]],
+                        n_timesteps: int | None = None) -> list[Tensor]:
+        """Offline mel for several requests ``(tokens [N], prompt_tokens [P_tok], prompt_mel [F, 80],
+        embedding [192])`` in one pass; returns ``[1, 80, 2*(P_tok + N) - F]`` float32 each (upstream
+        ``CausalMaskedDiffWithXvec.inference``: prompt and target encoded together, the prompt mel as
+        ``cond``, the first F frames dropped)."""
+        items = []
+        for tok, pt, pm, emb in requests:
+            items.append(self.prompt_item(pt, pm, emb, tok, last=True))
+        res = self.forward_items(items, n_timesteps)
+        out = []
+        for it, r in zip(items, res):
+            if r.mel.shape[-1] <= it.prompt_frames:
+                raise ValueError(f"prompt mel of {it.prompt_frames} frames is not shorter than the "
+                                 f"{r.mel.shape[-1]} frames of prompt + target")
+            out.append(r.mel[:, :, it.prompt_frames:])
+        return out
+
+    def inference(self, tokens: Tensor, prompt_tokens: Tensor, prompt_mel: Tensor, embedding: Tensor,
+                  n_timesteps: int | None = None) -> Tensor:
+        """Offline mel ``[1, 80, 2*(P_tok + N) - F]`` (float32) for ``tokens`` ``[N]`` after the prompt
+        (see :meth:`inference_batch`)."""
+        return self.inference_batch([(tokens.reshape(-1), prompt_tokens.reshape(-1), prompt_mel, embedding)],
+                                    n_timesteps)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA graphs
+# ----------------------------------------------------------------------------------------------
+
+
+class GraphedDiTStep:
+    """CUDA graphs of one DiT estimator call (the ``depth`` blocks: hundreds of small kernels per
+    Euler step), one graph per (rows, frames, cache frames) shape.
+
+    :meth:`DitFlowModel._solve` pads a batch's chunk frames to a multiple of ``frames_bucket`` and its
+    cache frames to a multiple of ``cache_bucket`` (padded positions are masked keys and ignored rows:
+    results equal eager up to float summation order), so a stream in steady state (its cache trimmed
+    to ``P + 100`` frames) reuses one graph per chunk size. Graphs are captured lazily on first use
+    (one warm-up call, then capture, on a side stream; all share one memory pool); at most
+    ``max_graphs`` are kept (then the call runs eagerly). Not thread-safe: one solve at a time.
+    """
+
+    def __init__(self, est: DiT, frames_bucket: int = 32, cache_bucket: int = 64, max_graphs: int = 256):
+        if frames_bucket < 1 or cache_bucket < 1:
+            raise ValueError("graph buckets must be positive")
+        self.est = est
+        self.fb, self.cb, self.max_graphs = frames_bucket, cache_bucket, max_graphs
+        self.graphs: dict[tuple, tuple] = {}
+        self.pool = None
+        self.captures = 0
+        self.replays = 0
+
+    def frames_bucket(self, m: int) -> int:
+        return -(-m // self.fb) * self.fb
+
+    def cache_bucket(self, c: int) -> int:
+        return -(-c // self.cb) * self.cb if c > 0 else 0
+
+    def _capture(self, args: tuple) -> tuple:
+        static = tuple(a.clone() if isinstance(a, Tensor) else a for a in args)
+        side = torch.cuda.Stream(device=static[0].device)
+        side.wait_stream(torch.cuda.current_stream(static[0].device))
+        with torch.cuda.stream(side):
+            self.est(*static)
+        torch.cuda.current_stream(static[0].device).wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = self.est(*static)
+        self.captures += 1
+        return g, static, out
+
+    def __call__(self, inp: Tensor, t: Tensor, att: Tensor | None, cnn: Tensor, mask: Tensor | None,
+                 new_len: Tensor | None):
+        """Same arguments and results as :meth:`DiT.forward` (results are fresh tensors); eager off CUDA."""
+        args = (inp, t, att, cnn, mask, new_len)
+        if not inp.is_cuda:
+            return self.est(*args)
+        key = tuple(None if a is None else (tuple(a.shape), a.dtype) for a in args)
+        entry = self.graphs.get(key)
+        if entry is None:
+            if len(self.graphs) >= self.max_graphs:
+                return self.est(*args)
+            entry = self.graphs[key] = self._capture(args)
+        g, static, out = entry
+        for s_, a in zip(static, args):
+            if isinstance(s_, Tensor):
+                s_.copy_(a)
+        g.replay()
+        self.replays += 1
+        return tuple(o.clone() for o in out)

@@ -1,0 +1,572 @@
+"""Step-Audio2 DiT token2wav (cosyserve.models.dit_flow / dit_token2wav) against the tiny_dit_token2wav fixture.
+
+Cases are discovered from ``<reference>/tiny_dit_token2wav/cases`` by kind (``dit_flow``,
+``dit_token2wav_e2e``) and by the tensors their sidecars list; tolerance 1e-4 relative L2 (float32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from _reference import dit_discover, dit_index, dit_meta, dit_tensors, one_thread, rel_l2, require_dit_dir
+from cosyserve.errors import CheckpointError, ConfigError, ModelDirError
+from cosyserve.models.checkpoint import load_strict, normalize_weight_norm_keys, read_state_dict
+from cosyserve.models.config import load_dit_flow_config, parse_dit_flow_config, load_hyperpyyaml
+from cosyserve.models.dit_flow import DitFlowModel, DitItem, trim_state
+from cosyserve.models.dit_token2wav import (FULL_SIZE, TINY_SIZE, DitToken2Wav, dit_flow_yaml,
+                                            hift_config_from_state_dict, load_dit_token2wav, write_token2wav_dir)
+from cosyserve.models.hift import HiFTGenerator
+
+TOL = 1e-4
+
+OFFLINE_FLOW = dit_discover("dit_flow", has=("mel", "token", "prompt_token", "prompt_feat", "embedding"))
+STREAM_FLOW = dit_discover("dit_flow", has=("stream_token", "prompt_token", "prompt_feat", "embedding"))
+E2E_OFFLINE = dit_discover("dit_token2wav_e2e", has=("token", "mel", "source", "wav"))
+E2E_STREAM = dit_discover("dit_token2wav_e2e", has=("stream_token", "prompt_token", "prompt_feat", "embedding"))
+
+
+def _noise_seed() -> int:
+    """The seed of the fixture's noise recipe (``torch.manual_seed(S); torch.randn(1, 80, N)``)."""
+    recipe = dit_index().get("flow", {}).get("noise_recipe", "")
+    m = re.search(r"manual_seed\((\d+)\)", recipe)
+    if m is None:
+        pytest.skip("the DiT fixture's index.json has no noise recipe")
+    return int(m.group(1))
+
+
+def _report(name: str, got: torch.Tensor, ref: torch.Tensor) -> float:
+    err = rel_l2(got, ref)
+    print(f"{name}: rel L2 {err:.3e}, bit-exact {torch.equal(got.float(), ref.float())}")
+    return err
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    # the fixture was produced with one thread; one thread is also the fastest for these tiny shapes
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def t2w() -> DitToken2Wav:
+    d = require_dit_dir()
+    cfg = dataclasses.replace(load_dit_flow_config(d / "flow.yaml"), noise_seed=_noise_seed())
+    flow = DitFlowModel(cfg)
+    load_strict(flow, read_state_dict(d / "flow.pt"), "flow.pt")
+    sd = normalize_weight_norm_keys(read_state_dict(d / "hift.pt"), strip_prefix="generator.")
+    hift = HiFTGenerator(hift_config_from_state_dict(sd, "hift.pt"))
+    load_strict(hift, sd, "hift.pt")
+    hift.remove_weight_norm()
+    return DitToken2Wav(flow.eval(), hift.eval())
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+def test_flow_yaml_parses_and_checks_class_names(tmp_path):
+    d = require_dit_dir()
+    cfg = load_dit_flow_config(d / "flow.yaml")
+    raw = load_hyperpyyaml(d / "flow.yaml")["flow"]
+    est = raw.kwargs()["decoder"].kwargs()["estimator"].kwargs()
+    assert cfg.estimator.hidden_size == est["hidden_size"] and cfg.estimator.depth == est["depth"]
+    assert cfg.encoder.num_up_blocks == raw.kwargs()["encoder"].kwargs()["num_up_blocks"]
+    text = (d / "flow.yaml").read_text().replace("decoder_dit.DiT", "decoder.ConditionalDecoder")
+    (tmp_path / "flow.yaml").write_text(text)
+    with pytest.raises(ConfigError, match="flow.decoder.estimator"):
+        load_dit_flow_config(tmp_path / "flow.yaml")
+    data = load_hyperpyyaml(d / "flow.yaml")
+    data["flow"].args["decoder"].args["estimator"].args["in_channels"] = 321
+    with pytest.raises(ConfigError, match="in_channels"):
+        parse_dit_flow_config(data)
+
+
+def test_noise_recipe_matches_recorded_prefix(t2w):
+    import copy
+
+    for name in dit_discover("dit_flow", has=("rand_noise_prefix",)):
+        ref = dit_tensors(name)["rand_noise_prefix"]
+        assert torch.equal(t2w.flow.rand_noise[:, :, : ref.shape[2]], ref)
+    half = copy.deepcopy(t2w.flow).to(torch.bfloat16)  # the noise stays float32 in a half-precision model
+    assert half.rand_noise.dtype == torch.float32 and torch.equal(half.rand_noise, t2w.flow.rand_noise)
+    assert half.decoder.estimator.in_proj.weight.dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------- flow parity
+
+
+@pytest.mark.parametrize("name", OFFLINE_FLOW)
+def test_offline_mel(t2w, name):
+    t = dit_tensors(name)
+    flow = t2w.flow
+    saved = flow.rand_noise
+    if "rand_noise_prefix" in t:  # inject the recorded noise
+        flow.set_noise(t["rand_noise_prefix"])
+    try:
+        with one_thread():
+            mel = flow.inference(t["token"][0], t["prompt_token"][0], t["prompt_feat"][0], t["embedding"][0])
+    finally:
+        flow.rand_noise = saved
+    assert _report(name, mel, t["mel"]) < TOL
+
+
+def _stream_windows(meta: dict) -> list[tuple[int, int, bool]]:
+    return [(c["token_slice"][0], c["token_slice"][1], bool(c["last_chunk"])) for c in meta["chunks"]]
+
+
+@pytest.mark.parametrize("name", STREAM_FLOW)
+def test_stream_flow_mel_every_call(t2w, name):
+    t, meta = dit_tensors(name), dit_meta(name)
+    flow = t2w.flow
+    with one_thread():
+        st = flow.setup(t["prompt_token"][0], t["prompt_feat"][0], t["embedding"][0])
+    shapes = meta["setup_cache_shapes"]
+    assert list(st.est_att.shape[1:]) == shapes["estimator_att_cache"][1:]
+    assert st.enc_att1.shape[3] * 2 == shapes["conformer_att_cache"][3] == st.enc_att2.shape[3]
+    if "setup_conformer_cnn_cache" in t:
+        assert _report("setup conformer cnn", torch.cat([st.enc_lookahead, st.enc_up], 2),
+                       t["setup_conformer_cnn_cache"]) < TOL
+    if "setup_estimator_cnn_cache" in t:
+        ref = t["setup_estimator_cnn_cache"]
+        steps = st.est_cnn.shape[0]
+        assert _report("setup estimator cnn", st.est_cnn, ref[:steps]) < TOL
+        assert not ref[steps:].any()  # upstream's scratch buffer: unused steps stay zero
+    key = "flow_mel" if any(k.endswith("_flow_mel") for k in t) else "mel"
+    for i, (a, b, last) in enumerate(_stream_windows(meta)):
+        c = meta["chunks"][i]
+        if "noise_offset" in c:
+            assert st.noise_offset == c["noise_offset"]
+        with one_thread():
+            mel, st = flow.chunk(st, t["stream_token"][0, a:b], last)
+        assert _report(f"{name} call {i}", mel, t[f"c{i}_{key}"]) < TOL
+        after = c.get("flow_cache_shapes_after")
+        if after is not None:
+            assert st.est_att.shape[4] == after["estimator_att_cache"][4]
+            assert st.enc_att2.shape[3] == after["conformer_att_cache"][3]
+
+
+# ---------------------------------------------------------------------------------------------- e2e parity
+
+
+@pytest.mark.parametrize("name", E2E_OFFLINE)
+def test_e2e_offline(t2w, name):
+    t = dit_tensors(name)
+    tok, pt, pm = t["token"][0], t["prompt_token"][0], t["prompt_feat"][0]
+    ptok, pmel = t2w.prompt(pt, pm)
+    assert torch.equal(pmel, pm[: ptok.numel() * 2])
+    with one_thread():
+        mel = t2w.flow.inference(tok, ptok, pmel, t["embedding"][0])
+        assert _report(f"{name} mel", mel, t["mel"]) < TOL
+        wav = t2w.hift.decode(t["mel"], t["source"])
+    assert _report(f"{name} hift.decode(mel, source)", wav, t["wav"]) < TOL
+
+
+@pytest.mark.parametrize("name", E2E_STREAM)
+def test_e2e_stream_every_call(t2w, name, monkeypatch):
+    """The whole DitToken2Wav.stream_step (flow, trimming, HiFT caches, cross-fade, leading zeros) with
+    HiFT's random excitation replaced by the recorded source of each call."""
+    t, meta = dit_tensors(name), dit_meta(name)
+    recorded: list[torch.Tensor] = []
+    monkeypatch.setattr(t2w.hift, "excitation_padded", lambda f0, lengths, gens=None: recorded.pop(0).clone())
+    with one_thread():
+        st = t2w.stream_setup(t["prompt_token"][0], t["prompt_feat"][0], t["embedding"][0])
+    assert st.flow.prompt_frames == meta.get("prompt_frames", st.flow.prompt_frames)
+    total = 0
+    for i, (a, b, last) in enumerate(_stream_windows(meta)):
+        recorded.append(t[f"c{i}_source"])
+        with one_thread():
+            mel, _ = t2w.flow.chunk(st.flow, t["stream_token"][0, a:b], last)
+            assert _report(f"{name} call {i} flow mel", mel, t[f"c{i}_flow_mel"]) < TOL
+            speech, st = t2w.stream_step(st, t["stream_token"][0, a:b], last)
+        assert not recorded
+        assert speech.shape == t[f"c{i}_wav"].shape
+        assert _report(f"{name} call {i} wav", speech, t[f"c{i}_wav"]) < TOL
+        # HiFT alone on the recorded input
+        with one_thread():
+            hs = t2w.hift.decode(t[f"c{i}_hift_mel"], t[f"c{i}_source"])
+        assert _report(f"{name} call {i} hift_speech", hs, t[f"c{i}_hift_speech"]) < TOL
+        total += speech.shape[-1]
+    if "total_wav_samples" in meta:
+        assert total == meta["total_wav_samples"]
+
+
+# ---------------------------------------------------------------------------------------------- batching
+
+
+def _second_prompt(t: dict, frac: float = 0.6):
+    n = max(4, int(t["prompt_token"].shape[1] * frac))
+    return t["prompt_token"][0, :n], t["prompt_feat"][0, : 2 * n], t["embedding"][0] * 0.5 + 0.1
+
+
+@pytest.mark.parametrize("name", STREAM_FLOW[:1])
+def test_batched_streaming_equals_single_streams(t2w, name):
+    """Streams with different prompts, cache lengths, chunk sizes and last flags in one padded pass."""
+    t, meta = dit_tensors(name), dit_meta(name)
+    flow = t2w.flow
+    toks = t["stream_token"][0]
+    p1 = (t["prompt_token"][0], t["prompt_feat"][0], t["embedding"][0])
+    p2 = _second_prompt(t)
+    s1, s2 = flow.setup_batch([p1, p2])
+    r1, r2 = flow.setup(*p1), flow.setup(*p2)
+    assert rel_l2(s1.est_att, r1.est_att) < 1e-5 and rel_l2(s2.enc_att2, r2.enc_att2) < 1e-5
+    # stream 1 one chunk ahead: different cache lengths in the next batched call
+    a, b, _ = _stream_windows(meta)[0]
+    _, s1 = flow.chunk(s1, toks[a:b], False)
+    _, r1 = flow.chunk(r1, toks[a:b], False)
+    calls = [((toks[10:30], False), (toks[:20], False)), ((toks[30:41], True), (toks[17:30], True))]
+    for (t1, l1), (t2, l2) in calls:
+        (m1, s1), (m2, s2) = flow.chunk_batch([s1, s2], [t1, t2], [l1, l2])
+        g1, r1 = flow.chunk(r1, t1, l1)
+        g2, r2 = flow.chunk(r2, t2, l2)
+        assert m1.shape == g1.shape and m2.shape == g2.shape
+        assert rel_l2(m1, g1) < 1e-5 and rel_l2(m2, g2) < 1e-5, (rel_l2(m1, g1), rel_l2(m2, g2))
+        for f in ("enc_att1", "enc_att2", "enc_lookahead", "enc_up", "est_att", "est_cnn"):
+            assert getattr(s1, f).shape == getattr(r1, f).shape
+            assert rel_l2(getattr(s1, f), getattr(r1, f)) < 1e-5, f
+            assert rel_l2(getattr(s2, f), getattr(r2, f)) < 1e-5, f
+
+
+@pytest.mark.parametrize("name", OFFLINE_FLOW[:1])
+def test_mixed_batch_offline_setup_and_chunk(t2w, name):
+    t = dit_tensors(name)
+    flow = t2w.flow
+    p = (t["prompt_token"][0], t["prompt_feat"][0], t["embedding"][0])
+    tok = t["token"][0]
+    st = flow.setup(*p)
+    offline_item = flow.prompt_item(p[0], p[1], p[2], tok, last=True)
+    setup_item = flow.setup_item(*_second_prompt(t))
+    chunk_item = DitItem(tokens=tok[:12], spk=st.spk, last=False, state=st)
+    res = flow.forward_items([offline_item, setup_item, chunk_item])
+    ref_off = flow.inference(tok, *p)
+    assert rel_l2(res[0].mel[:, :, p[1].shape[0]:], ref_off) < 1e-5
+    ref_setup = flow.setup(*_second_prompt(t))
+    assert rel_l2(res[1].state.est_att, ref_setup.est_att) < 1e-5
+    ref_mel, _ = flow.chunk(st, tok[:12], False)
+    assert rel_l2(res[2].mel, ref_mel) < 1e-5
+
+
+@pytest.mark.parametrize("name", STREAM_FLOW[:1])
+def test_graph_bucket_padding_equals_unpadded(t2w, name):
+    """The padding to CUDA-graph buckets (frames, cache frames; masked) leaves every result unchanged
+    (on CPU the padded estimator call runs eagerly: this checks the padding, the GPU test the graphs)."""
+    import copy
+
+    t = dit_tensors(name)
+    padded = copy.deepcopy(t2w.flow)
+    padded.enable_cuda_graphs(frames_bucket=16, cache_bucket=48)
+    ref = _gpu_streams(t2w.flow, t, chunks=3)
+    got = _gpu_streams(padded, t, chunks=3)
+    for a, b in zip(got, ref):
+        assert a.shape == b.shape and rel_l2(a, b) < 1e-5
+
+
+def test_caches_stay_bounded_and_chunk_cost_constant(t2w):
+    names = STREAM_FLOW or E2E_STREAM
+    if not names:
+        pytest.skip("no streaming case")
+    t = dit_tensors(names[0])
+    flow = t2w.flow
+    st = flow.setup(t["prompt_token"][0], t["prompt_feat"][0], t["embedding"][0])
+    p = st.prompt_frames
+    g = torch.Generator().manual_seed(0)
+    lens = []
+    for _ in range(6):
+        mel, st = flow.chunk(st, torch.randint(0, 6561, (15,), generator=g), False)
+        assert mel.shape[-1] == 24
+        lens.append(st.cache_frames)
+    assert max(lens) <= p + 100 and lens[-1] == lens[-2] == p + 100
+    assert st.enc_att2.shape[3] == p + 100 and st.enc_att1.shape[3] == (p + 100) // 2
+    assert trim_state(st) is st
+
+
+def test_bad_inputs_raise_clear_errors(t2w):
+    flow = t2w.flow
+    names = STREAM_FLOW or OFFLINE_FLOW
+    if not names:
+        pytest.skip("no case")
+    t = dit_tensors(names[0])
+    st = flow.setup(t["prompt_token"][0], t["prompt_feat"][0], t["embedding"][0])
+    with pytest.raises(ValueError, match="no frame"):
+        flow.chunk(st, torch.tensor([1, 2, 3]), False)
+    with pytest.raises(ValueError, match="out of range"):
+        flow.chunk(st, torch.tensor([1, 2, 3, 99999]), False)
+    with pytest.raises(ValueError, match="mel frames"):
+        flow.setup(t["prompt_token"][0], t["prompt_feat"][0, :-2], t["embedding"][0])
+
+
+# ---------------------------------------------------------------------------------------------- full size, loading
+
+
+def _block_pattern(key: str) -> str:
+    return re.sub(r"\.(encoders|up_encoders|blocks)\.\d+\.", r".\1.N.", key)
+
+
+def test_full_size_modules_on_meta_device(tmp_path):
+    d = require_dit_dir()
+    (tmp_path / "flow.yaml").write_text(dit_flow_yaml(FULL_SIZE))
+    cfg = load_dit_flow_config(tmp_path / "flow.yaml")
+    with torch.device("meta"):
+        flow = DitFlowModel(cfg)
+    sd = flow.state_dict()
+    tiny = read_state_dict(d / "flow.pt")
+    assert {_block_pattern(k) for k in sd} == {_block_pattern(k) for k in tiny}
+    s = FULL_SIZE
+    assert sum(k.startswith("encoder.encoders.") and k.endswith("linear_q.weight") for k in sd) == s.enc_blocks
+    assert sum(k.startswith("encoder.up_encoders.") and k.endswith("linear_q.weight") for k in sd) == s.enc_up_blocks
+    assert sum(k.endswith("adaLN_modulation.1.weight") and ".blocks." in k for k in sd) == s.dit_depth
+    assert tuple(sd["decoder.estimator.blocks.0.adaLN_modulation.1.weight"].shape) == (9 * s.dit_hidden, s.dit_hidden)
+    assert tuple(sd["decoder.estimator.blocks.0.attn.to_q.weight"].shape) == (s.dit_heads * s.dit_head_dim, s.dit_hidden)
+    assert tuple(sd["decoder.estimator.blocks.0.attn.q_norm.weight"].shape) == (s.dit_head_dim,)
+    assert tuple(sd["encoder.encoders.0.feed_forward.w_1.weight"].shape) == (s.enc_linear, s.enc_dim)
+    assert tuple(sd["encoder.encoders.0.self_attn.pos_bias_u"].shape) == (s.enc_heads, s.enc_dim // s.enc_heads)
+    n = sum(v.numel() for v in sd.values())
+    print(f"full-size DiT flow: {n / 1e6:.1f} M parameters")
+    # the tiny fixture's keys/shapes follow the same rule at its size
+    tiny_cfg = load_dit_flow_config(d / "flow.yaml")
+    with torch.device("meta"):
+        tiny_model = DitFlowModel(tiny_cfg)
+    assert {k: tuple(v.shape) for k, v in tiny_model.state_dict().items()} == {k: tuple(v.shape) for k, v in tiny.items()}
+    with torch.device("meta"):
+        hift = HiFTGenerator(hift_config_from_state_dict({"conv_pre.weight": torch.empty(s.hift_channels, 80, 7),
+                                                          "f0_predictor.condnet.0.weight": torch.empty(s.hift_f0_channels, 80, 3)},
+                                                         "meta"))
+    nh = sum(v.numel() for v in hift.parameters())
+    print(f"full-size HiFT: {nh / 1e6:.2f} M parameters")
+    assert 20e6 < nh < 21.5e6  # the fixture README: about 20.8 M
+
+
+def test_tiny_hift_matches_fixture_shapes():
+    d = require_dit_dir()
+    sd = normalize_weight_norm_keys(read_state_dict(d / "hift.pt"), strip_prefix="generator.")
+    hift = HiFTGenerator(hift_config_from_state_dict(sd, "hift.pt"))
+    assert {k: tuple(v.shape) for k, v in hift.state_dict().items()} == {k: tuple(v.shape) for k, v in sd.items()}
+
+
+def test_token2wav_dir_loading_and_errors(tmp_path):
+    d = require_dit_dir()
+    out = write_token2wav_dir(tmp_path / "t2w", TINY_SIZE, seed=3)
+    t2w = load_dit_token2wav(out)
+    assert t2w.flow.cfg.estimator.depth == TINY_SIZE.dit_depth
+    st = t2w.stream_setup(torch.arange(10), torch.randn(20, 80), torch.randn(192))
+    sp, st = t2w.stream_step(st, torch.arange(28), False)
+    assert sp.shape == (1, 3840 + 50 * 480 - 3840)
+    sp2, st = t2w.stream_step(st, torch.arange(25, 40), True)
+    assert sp2.shape == (1, 30 * 480 + 3840)
+    # a fixture-like directory: the fixture's flow/hift + the stand-in ONNX files
+    fx = tmp_path / "fixture"
+    fx.mkdir()
+    for f in ("flow.yaml", "flow.pt", "hift.pt"):
+        shutil.copy(d / f, fx / f)
+    with pytest.raises(ModelDirError, match="campplus.onnx"):
+        load_dit_token2wav(fx)
+    for f in ("campplus.onnx", "speech_tokenizer_v2_25hz.onnx"):
+        shutil.copy(out / f, fx / f)
+    assert load_dit_token2wav(fx).hift.cfg.base_channels == 64
+    # mismatched checkpoint: the error names the file and the key
+    shutil.copy(out / "flow.pt", fx / "flow.pt")
+    (fx / "flow.yaml").write_text((d / "flow.yaml").read_text().replace("depth: 2", "depth: 3"))
+    with pytest.raises(CheckpointError, match=r"flow\.pt.*blocks\.2"):
+        load_dit_token2wav(fx)
+    # random-weights directory (no .pt files): networks built at load time
+    rnd = write_token2wav_dir(tmp_path / "rnd", TINY_SIZE, seed=1, weights=False)
+    assert not (rnd / "flow.pt").exists()
+    assert load_dit_token2wav(rnd).hift.cfg.base_channels == TINY_SIZE.hift_channels
+
+
+# ---------------------------------------------------------------------------------------------- engine / CLI
+
+
+@pytest.fixture(scope="module")
+def dit_model_dirs(tmp_path_factory):
+    """(tiny CosyVoice2 model dir, tiny DiT token2wav dir: the fixture's flow/hift + the ONNX stand-ins)."""
+    from _reference import model_dir, reference_dir
+
+    d = require_dit_dir()
+    ref = reference_dir()
+    if not (ref / "cases").is_dir() or not model_dir().is_dir():
+        pytest.skip("needs the tiny CosyVoice2 model directory of the reference data too")
+    root = tmp_path_factory.mktemp("dit")
+    stub = write_token2wav_dir(root / "stub", TINY_SIZE)
+    t2w = root / "t2w"
+    t2w.mkdir()
+    for f in ("flow.yaml", "flow.pt", "hift.pt"):
+        shutil.copy(d / f, t2w / f)
+    for f in ("campplus.onnx", "speech_tokenizer_v2_25hz.onnx"):
+        shutil.copy(stub / f, t2w / f)
+    return model_dir(), t2w
+
+
+def test_cli_synthesize_with_token2wav_dir(tmp_path, capsys, dit_model_dirs):
+    import numpy as np
+    import soundfile as sf
+
+    from _reference import reference_dir
+    from cosyserve.cli import main
+
+    md, t2w = dit_model_dirs
+    prompt = reference_dir() / "audio" / "zero_shot_prompt.wav"
+    outs = {}
+    for mode in ("--stream", None):
+        out = tmp_path / f"{mode or 'offline'}.wav"
+        argv = ["synthesize", "--model-dir", md, "--token2wav-dir", t2w, "--prompt-wav", prompt, "--prompt-text",
+                "希望你以后能够做的比我还好呦。", "--text", "你好，世界。", "--seed", "3", "-o", out, "--device", "cpu",
+                "--min-token-text-ratio", "8", "--max-token-text-ratio", "9", "-q"] + ([mode] if mode else [])
+        code = main([str(a) for a in argv])
+        err = capsys.readouterr().err
+        assert code == 0, err
+        audio, sr = sf.read(out)
+        assert sr == 24000 and audio.size > 0 and np.isfinite(audio).all() and np.abs(audio).max() > 0
+        outs[mode] = audio
+    # same tokens (same seed): the stream is the offline length + the 3840 leading zeros (160 ms)
+    assert outs["--stream"].size == outs[None].size + 3840
+    code = main(["synthesize", "--model-dir", str(md), "--token2wav-dir", str(tmp_path / "missing"), "--voice", "x",
+                 "--text", "x", "-o", str(tmp_path / "x.wav")])
+    err = capsys.readouterr().err
+    assert code != 0 and "missing" in err and "Traceback" not in err
+
+
+def test_engine_batches_streams_of_the_dit_backend(dit_model_dirs):
+    """Several streaming requests in one engine: chunks of different streams share token2wav batches and each
+    request's audio equals its audio when run alone."""
+    from _reference import reference_dir
+    from cosyserve.engine.chunking import ChunkPolicy
+    from cosyserve.engine.core import EngineConfig
+    from cosyserve.engine.pipeline import Synthesizer
+    from cosyserve.engine.request import SynthesisParams
+
+    md, t2w = dit_model_dirs
+    syn = Synthesizer(md, token2wav_dir=t2w, normalizer="none")
+    voice = syn.make_voice("v", reference_dir() / "audio" / "zero_shot_prompt.wav", "希望你以后能够做的比我还好呦。")
+    params = [SynthesisParams(stream=True, seed=s, min_token_text_ratio=6, max_token_text_ratio=7,
+                              chunk_policy=ChunkPolicy.parse("fixed:15")) for s in (1, 2)]
+    alone = [syn.synthesize("你好，世界。", voice, p).audio for p in params]
+    engine = syn.new_engine(EngineConfig(max_active=2))
+    try:
+        reqs = [syn.build_request("你好，世界。", voice, p) for p in params]
+        for r in reqs:
+            engine.add_request(r)
+        chunks = {r.request_id: [] for r in reqs}
+        while engine.has_work():
+            for ev in engine.step():
+                if hasattr(ev, "samples"):
+                    chunks[ev.request_id].append(ev.samples)
+    finally:
+        engine.close()
+    assert max(engine.stats.t2w_batches) >= 2  # chunks of both streams ran together
+    for r, ref in zip(reqs, alone):
+        got = torch.from_numpy(np.concatenate(chunks[r.request_id]))
+        assert got.shape == ref.shape
+        # flow batching noise (~1e-7, test_batched_streaming_equals_single_streams) amplified by HiFT's F0
+        # phase integration; the CosyVoice2 path's engine tests use the same bound (test_pipeline WAVE_TOL)
+        assert rel_l2(got, ref) <= 2e-3
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+def _gpu_streams(flow, t: dict, chunks: int = 5):
+    """Two streams (different prompts and chunk sizes) set up and run for ``chunks`` batched calls on
+    the flow's device; returns every call's mels."""
+    dev = next(flow.parameters()).device
+    p1 = (t["prompt_token"][0], t["prompt_feat"][0].to(dev), t["embedding"][0].to(dev))
+    p2 = tuple(x.to(dev) for x in _second_prompt(t))
+    states = flow.setup_batch([p1, p2])
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for k in range(chunks):
+        last = k == chunks - 1
+        toks = [torch.randint(0, 6561, (28,), generator=g), torch.randint(0, 6561, (19 if not last else 7,), generator=g)]
+        res = flow.chunk_batch(states, toks, [last, last])
+        states = [s for _, s in res]
+        out += [m for m, _ in res]
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_equal_eager(t2w):
+    import copy
+
+    names = STREAM_FLOW or E2E_STREAM
+    t = dit_tensors(names[0])
+    flow = copy.deepcopy(t2w.flow).cuda()
+    eager = _gpu_streams(flow, t)
+    graph = flow.enable_cuda_graphs()
+    graphed = _gpu_streams(flow, t)
+    again = _gpu_streams(flow, t)  # replays of already-captured graphs
+    assert graph.captures > 0 and graph.replays > graph.captures
+    for e, g, a in zip(eager, graphed, again):
+        assert e.shape == g.shape
+        assert rel_l2(g, e) < 1e-5, rel_l2(g, e)
+        assert torch.equal(g, a)
+    # sanity: the CUDA result is the CPU one (cuDNN's default TF32 convolutions round differently)
+    cpu = _gpu_streams(t2w.flow, t, chunks=2)
+    for c, e in zip(cpu, eager[:2]):
+        assert rel_l2(e.cpu(), c) < 1e-2
+
+
+#: half-precision flow vs float32 (tiny fixture model, offline + streaming mels), relative L2. Measured
+#: on CPU with the same code: bfloat16 5.7e-3 .. 6.5e-3, float16 7.3e-4 .. 7.6e-4 (ODE state and time
+#: grid stay float32); the bounds leave ~3x for GPU kernels (docs/architecture.md, "Step-Audio2 DiT token2wav")
+HALF_BOUND = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_half_precision_within_bound(t2w, dtype):
+    import copy
+
+    t = dit_tensors((OFFLINE_FLOW or E2E_OFFLINE)[0])
+    ref_flow = copy.deepcopy(t2w.flow).cuda()
+    half = copy.deepcopy(t2w.flow).cuda().to(dtype)
+    half.set_noise(t2w.flow.rand_noise)  # the same float32 noise (the cast rounded the buffer)
+    args = (t["token"][0], t["prompt_token"][0], t["prompt_feat"][0].cuda(), t["embedding"][0].cuda())
+    ref, got = ref_flow.inference(*args), half.inference(*args)
+    assert got.dtype == torch.float32
+    err = rel_l2(got, ref)
+    print(f"{dtype} offline mel vs float32: {err:.2e}")
+    assert err < HALF_BOUND[dtype]
+    s = dit_tensors((STREAM_FLOW or E2E_STREAM)[0])
+    half.enable_cuda_graphs()
+    for a, b in zip(_gpu_streams(half, s, chunks=3), _gpu_streams(ref_flow, s, chunks=3)):
+        e = rel_l2(a, b)
+        print(f"{dtype} streaming mel vs float32: {e:.2e}")
+        assert e < HALF_BOUND[dtype]
+
+
+def test_backend_jobs_and_setup_cache(t2w):
+    """DitToken2WavBackend: offline and streaming jobs in one batch equal DitToken2Wav's own calls; a second
+    stream of the same prompt reuses the cached set-up."""
+    from types import SimpleNamespace
+
+    from cosyserve.engine.token2wav import Token2WavJob
+    from cosyserve.engine.token2wav_dit import DitToken2WavBackend
+    from cosyserve.models.hift import HiFTStreamState
+
+    t = dit_tensors((STREAM_FLOW or E2E_STREAM)[0])
+    voice = SimpleNamespace(flow_speech_token=t["prompt_token"][0], speech_feat=t["prompt_feat"][0],
+                            flow_embedding=t["embedding"][0])
+    be = DitToken2WavBackend(t2w)
+    toks = t["stream_token"][0]
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 1, 2)]
+    jobs = [Token2WavJob(voice, toks[:28], 0, False, True, HiFTStreamState(), gens[0]),
+            Token2WavJob(voice, toks[:20], 0, True, False, HiFTStreamState(), gens[1])]
+    r1, r2 = be.run(jobs)
+    assert be.setup_hits == 0 and len(be._setups) == 1
+    st = t2w.stream_setup(t["prompt_token"][0], t["prompt_feat"][0], t["embedding"][0])
+    ref1, _ = t2w.stream_step(st, toks[:28], False, gens[2])
+    ref2 = t2w.offline(toks[:20], t["prompt_token"][0], t["prompt_feat"][0], t["embedding"][0], gens[3])
+    # flow batching noise (~1e-7) amplified by HiFT's F0 phase: the waveform tolerance of the engine tests
+    assert r1.speech.shape == ref1[0].shape and rel_l2(r1.speech, ref1[0]) <= 2e-3
+    assert r2.speech.shape == ref2[0].shape and rel_l2(r2.speech, ref2[0]) <= 2e-3
+    assert not r1.hift_state.empty and r2.hift_state.empty
+    # the stream goes on (state from the result); a new stream of the same voice hits the cache
+    g3 = torch.Generator().manual_seed(3)
+    r3, r4 = be.run([Token2WavJob(voice, toks[:40], 25, True, False, r1.hift_state, g3),
+                     Token2WavJob(voice, toks[:28], 0, False, True, HiFTStreamState(), torch.Generator())])
+    assert be.setup_hits == 1
+    assert r3.speech.shape == (2 * 15 * 480 + 3840,) and r3.hift_state.empty
