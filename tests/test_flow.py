@@ -13,8 +13,8 @@ import torch
 
 from _reference import PARITY_TOL as TOL
 from _reference import SELF_TOL as BATCH_TOL
-from _reference import (check_close, discover, full_size_config, manifest, manifest_shapes, meta, model_dir, reference_dir,
-                        rel_l2, require_reference_dir, tensors)
+from _reference import (check_close, discover, full_size_config, manifest, manifest_shapes, meta, model_dir,
+                        reference_dir, rel_l2, require_reference_dir, tensors)
 from cosyserve.errors import CheckpointError
 from cosyserve.models import fused
 from cosyserve.models.checkpoint import load_strict, read_state_dict
