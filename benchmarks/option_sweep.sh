@@ -7,7 +7,7 @@
 #   (default $OUT if set, else benchmarks/results/sweep-<option>-<UTC time>; the tables also go to
 #   OUT_DIR/sweep.log)
 # env: OFFLINE_REQUESTS (512: 8 per client, so the in-flight throughput has a steady middle)
-# (install the carried wheels first, as benchmarks/gpu.sh does; docs/perf.md run 26 used it)
+# (install the carried wheels first, as benchmarks/gpu.sh does; docs/perf-history.md run 26 used it)
 set -u
 cd "$(dirname "$0")/.."
 OUTDIR=${1:-${OUT:-benchmarks/results/sweep${OPTION#-}-$(date -u +%Y%m%d-%H%M%S)}}
