@@ -36,6 +36,10 @@ SELF_TOL = 1e-5
 """Two of our own float32 code paths whose summation order differs with the input (batch vs
 single item, padded vs unpadded, cached vs full pass); where exactness holds by construction for
 any input (same kernels on the same data), tests keep ``torch.equal``."""
+HALF_TOL = {"logp": 2e-2, "mel": 5e-2, "speech_float16": 5e-3, "speech_bfloat16": 4e-2}
+"""Half precision against float32 on the same weights (tests/test_gpu.py; documented in
+docs/perf.md, "Half precision"; measured about a third of these). speech_*: HiFT's convolution
+trunk in float16 / bfloat16 (F0, excitation and STFTs stay float32)."""
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,13 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _reference import HALF_TOL  # documented errors of half precision against float32
 from cosyserve.models.demo import DemoSize, demo_qwen_config, demo_yaml
 
 pytestmark = pytest.mark.gpu
-
-# Documented errors of half precision against float32 (docs/perf.md); measured ~1/3 of these.
-# speech_*: HiFT's convolution trunk in float16 / bfloat16 (F0, excitation, STFTs in float32).
-HALF_TOL = {"logp": 2e-2, "mel": 5e-2, "speech_float16": 5e-3, "speech_bfloat16": 4e-2}
 
 
 def rel(a, b):
