@@ -13,14 +13,15 @@
 #   5. the same streaming and offline workload on the in-process engine (no HTTP/gRPC), so the
 #      serving overhead is the difference
 #
-# Usage:  benchmarks/gpu.sh [OUT_DIR]
+# Usage:  benchmarks/gpu.sh [OUT_DIR]    (default $OUT if set, else benchmarks/results/gpu-sh-<UTC time>)
 #   env: RATIO (6), LEVELS (1,2,4,8,16,32), OFFLINE_REQUESTS (512), DTYPE (bfloat16), DEVICE (cuda), YAML, QWEN_CONFIG,
 #        SKIP_IN_PROCESS=1, NO_WHEELS=1 (use the installed packages), COSYSERVE_COMMIT (default: git),
 #        SERVE_ARGS (extra `cosyserve serve` options, e.g. --token2wav-thread)
-# Tables go to stdout and OUT_DIR/*/report.md; server log in OUT_DIR/server.log.
+# Tables go to stdout (a copy in OUT_DIR/gpu-sh.log) and OUT_DIR/*/report.md; server log in
+# OUT_DIR/server.log. Logs worth keeping are committed as benchmarks/results/<gpu>-gpu-sh-<run>.log.
 set -u
 cd "$(dirname "$0")/.."
-OUTDIR=${1:-${OUT:-bench_gpu_out}}
+OUTDIR=${1:-${OUT:-benchmarks/results/gpu-sh-$(date -u +%Y%m%d-%H%M%S)}}
 RATIO=${RATIO:-6}
 LEVELS=${LEVELS:-1,2,4,8,16,32}
 # offline: 8 requests per client, so that the in-flight figure (Little's law over the requests
@@ -31,6 +32,7 @@ DEVICE=${DEVICE:-cuda}
 YAML=${YAML:-benchmarks/configs/cosyvoice2-0.5b.yaml}
 QWEN_CONFIG=${QWEN_CONFIG:-benchmarks/configs/CosyVoice-BlankEN-config.json}
 mkdir -p "$OUTDIR"
+exec > >(tee -a "$OUTDIR/gpu-sh.log") 2>&1
 
 if [ -z "${NO_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

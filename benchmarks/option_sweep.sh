@@ -3,13 +3,16 @@
 # full-size architecture, bf16), warm up, then bench 8 and 32 streams and offline at 64 clients
 # over KServe gRPC (about 2 minutes per value on one H100, most of it the start-up graph capture).
 #
-# Usage:  OPTION=--t2w-queue-steps VALUES="2 1" benchmarks/option_sweep.sh OUT_DIR
+# Usage:  OPTION=--t2w-queue-steps VALUES="2 1" benchmarks/option_sweep.sh [OUT_DIR]
+#   (default $OUT if set, else benchmarks/results/sweep-<option>-<UTC time>; the tables also go to
+#   OUT_DIR/sweep.log)
 # env: OFFLINE_REQUESTS (512: 8 per client, so the in-flight throughput has a steady middle)
-# (install the carried wheels first, as benchmarks/gpu.sh does; docs/perf.md run 26 used it)
+# (install the carried wheels first, as benchmarks/gpu.sh does; docs/perf-history.md run 26 used it)
 set -u
 cd "$(dirname "$0")/.."
-OUTDIR=${1:-${OUT:-sweep_out}}
+OUTDIR=${1:-${OUT:-benchmarks/results/sweep${OPTION#-}-$(date -u +%Y%m%d-%H%M%S)}}
 mkdir -p "$OUTDIR"
+exec > >(tee -a "$OUTDIR/sweep.log") 2>&1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 COSYSERVE_CACHE_DIR=${COSYSERVE_CACHE_DIR:-/tmp/cosyserve-cache}
 CS="python3 -m cosyserve.cli"

@@ -8,7 +8,7 @@ CFG) at batch x frames, the flow encoder (``FlowModel.condition``, eager, host w
 
     python benchmarks/stage_probe.py --device cuda --dtype bfloat16
 
-(docs/perf.md run 8 used it with a since-removed ``torch.compile`` variant of each stage.)
+(docs/perf-history.md run 8 used it with a since-removed ``torch.compile`` variant of each stage.)
 """
 
 from __future__ import annotations

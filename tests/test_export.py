@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from _reference import discover, model_dir, rel_l2, tensors
+from _reference import check_close, discover, model_dir, tensors
 from cosyserve.models.export import BIAS_FILE, SpeechVocab, export_llm
 
 CASES = discover("llm", has=("text_ids", "prompt_text_ids", "prompt_speech_token", "target_speech_token", "logp"))
@@ -56,4 +56,4 @@ def test_exported_logprobs_equal_native(exported, case):
     logits = model(input_ids=ids).logits[0, len(prefix) - 1:]
     lo, hi = sv.speech_token_offset, sv.speech_token_offset + bias.numel()
     logp = (logits[:, lo:hi] + bias).log_softmax(-1)
-    assert rel_l2(logp, d["logp"]) <= 1e-4
+    check_close(logp, d["logp"], f"{case} exported logp")

@@ -11,8 +11,10 @@ import dataclasses
 import pytest
 import torch
 
-from _reference import (discover, full_size_config, manifest, manifest_shapes, meta, model_dir, reference_dir, rel_l2,
-                        require_reference_dir, tensors)
+from _reference import PARITY_TOL as TOL
+from _reference import SELF_TOL as BATCH_TOL
+from _reference import (check_close, discover, full_size_config, manifest, manifest_shapes, meta, model_dir,
+                        reference_dir, rel_l2, require_reference_dir, tensors)
 from cosyserve.errors import CheckpointError
 from cosyserve.models import fused
 from cosyserve.models.checkpoint import load_strict, read_state_dict
@@ -21,8 +23,6 @@ from cosyserve.models.flow import FlowModel
 
 pytestmark = pytest.mark.parity
 
-TOL = 1e-4
-BATCH_TOL = 1e-5
 FLOW_INPUTS = ("token", "prompt_token", "prompt_feat", "embedding")
 INTERMEDIATES = ("encoder_out", "mu", "spks", "cond", "noise", "estimator_step0_out")
 STREAM_TOKEN_NAMES = ("source_speech_token", "speech_token", "token")
@@ -96,8 +96,7 @@ def test_offline_flow_case(flow, name):
 def test_noise_buffer(flow, name):
     ref = tensors(name)["rand_noise_prefix"]
     got = flow.rand_noise[..., : ref.size(-1)]
-    assert got.shape == ref.shape
-    assert (got - ref).abs().max().item() <= 1e-7
+    check_close(got, ref, f"{name} rand_noise prefix")
     assert "decoder.rand_noise" not in flow.state_dict()
     assert flow.rand_noise.shape == (1, flow.n_mels, flow.cfg.cfm.noise_frames)
 
@@ -112,7 +111,7 @@ def test_noise_does_not_touch_global_rng():
     torch.manual_seed(54321)
     b = _build(model_dir() / "cosyvoice2.yaml").rand_noise
     assert torch.initial_seed() == 54321
-    assert torch.equal(a, b)
+    assert torch.equal(a, b)  # the same seeded draw twice: exact by construction
 
 
 # ---------------------------------------------------------------------------------------
@@ -423,5 +422,6 @@ def test_models_built_in_inference_mode_run(tmp_path):
     with torch.inference_mode():
         inside = m.flow.inference_batch(*inputs)[0]
         h2 = lm.forward_cached(emb, KVCache.allocate(lm, 1, 64), torch.tensor([0]), torch.tensor([0]))
+    # the same kernels on the same inputs, only the autograd mode differs: exact by construction
     assert torch.equal(outside, inside) and torch.isfinite(outside).all()
     assert torch.equal(h1, h2)

@@ -9,13 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _reference import HALF_TOL  # documented errors of half precision against float32
 from cosyserve.models.demo import DemoSize, demo_qwen_config, demo_yaml
 
 pytestmark = pytest.mark.gpu
-
-# Documented errors of half precision against float32 (docs/perf.md); measured ~1/3 of these.
-# speech_*: HiFT's convolution trunk in float16 / bfloat16 (F0, excitation, STFTs in float32).
-HALF_TOL = {"logp": 2e-2, "mel": 5e-2, "speech_float16": 5e-3, "speech_bfloat16": 4e-2}
 
 
 def rel(a, b):
@@ -70,14 +67,17 @@ def test_graphed_decode_equals_eager(yaml_dir):
         ref = lm.logprobs(lm.forward_cached(lm.embed_speech(toks[:, None]), eager_cache, slots, start)[:, -1])
         assert rel(got, ref) < 1e-5
     idle = graphs.rows.idle_pos  # idle rows (the captures' warm-up runs too) write only there
-    assert torch.equal(cache.k[:, :3, :, :idle], eager_cache.k[:, :3, :, :idle])  # slots written identically
+    # Slots written alike. Not torch.equal: the graph multiplies a bucket of rows, eager only the
+    # rows asked for, and cuBLAS may pick another kernel (summation order) for another row count.
+    # A stray write from a padding row (a whole K/V vector) would be ~1e-1, far above this.
+    assert rel(cache.k[:, :3, :, :idle], eager_cache.k[:, :3, :, :idle]) < 1e-5
     # rows are slots: slot 1 idle between two decoding slots, results in the order asked for
     toks, slots, start = torch.randint(0, 6561, (2,)), torch.tensor([2, 0]), torch.tensor([lens[2], lens[0]]) + 4
     got = graphs(toks, slots, start).clone()
     ref = lm.logprobs(lm.forward_cached(lm.embed_speech(toks[:, None]), eager_cache, slots, start)[:, -1])
     assert rel(got, ref) < 1e-5
-    assert torch.equal(cache.k[:, :3, :, :idle], eager_cache.k[:, :3, :, :idle])
-    assert torch.equal(cache.v[:, :3, :, :idle], eager_cache.v[:, :3, :, :idle])
+    assert rel(cache.k[:, :3, :, :idle], eager_cache.k[:, :3, :, :idle]) < 1e-5
+    assert rel(cache.v[:, :3, :, :idle], eager_cache.v[:, :3, :, :idle]) < 1e-5
 
 
 @torch.inference_mode()
@@ -168,6 +168,7 @@ def test_graphed_flow_equals_eager(yaml_dir):
         finally:
             flow.graph = None
         for a, b, c, d in zip(got, got2, ref, got3):
+            # replays of one captured graph on the same inputs: exact by construction
             assert a.shape == c.shape and rel(a, c) < 1e-5 and torch.equal(a, b) and torch.equal(a, d)
         assert got_one[0].shape == ref_one[0].shape and rel(got_one[0], ref_one[0]) < 1e-5
 

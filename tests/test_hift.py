@@ -2,9 +2,10 @@
 
 Cases are discovered from ``../shared/reference/cases`` by kind and by the tensors they carry.
 Deterministic checks (F0, decode, fade/trim, caches, source module from stored draws) use a relative
-L2 tolerance of 1e-4; seeded checks (random excitation drawn from a ``torch.Generator`` seeded like
-upstream's global generator) are expected to be bit-exact and are asserted to the same tolerance,
-with exactness reported in the test output (``-s``).
+L2 tolerance of 1e-4 (``PARITY_TOL``, tests/_reference.py); seeded checks (random excitation drawn
+from a ``torch.Generator`` seeded like upstream's global generator) are bit-exact in the reference
+environment and are asserted to the same tolerance, with exactness reported in the test output
+(``-s``). Only discrete values (the voiced flags) are compared exactly.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from cosyserve.models.hift import (
     stream_hift_output,
 )
 
-from _reference import discover, full_size_config, manifest_shapes, meta, model_dir, rel_l2, require_reference_dir, tensors
-
-TOL = 1e-4
-BATCH_TOL = 1e-5
+from _reference import PARITY_TOL as TOL
+from _reference import SELF_TOL as BATCH_TOL
+from _reference import (check_close, discover, full_size_config, manifest_shapes, meta, model_dir, rel_l2,
+                        require_reference_dir, tensors)
 
 HIFT_CASES = discover("hift", has=("mel", "f0", "source", "speech"))
 INTERNALS_CASES = discover("hift", has=("mel", "f0_upsampled", "rand_ini", "sine_std_noise", "sine_waves", "uv", "source"))
@@ -116,24 +117,25 @@ def test_source_internals(hift, case, one_thread):
     t, md = tensors(case), meta(case)
     with torch.no_grad():
         f0_up = hift.upsample_f0(t["f0"])
-        assert torch.equal(f0_up, t["f0_upsampled"])
+        check_close(f0_up, t["f0_upsampled"], f"{case} f0_upsampled")
 
         sine, uv, source = hift.source_from_draws(t["f0_upsampled"], t["rand_ini"], t["sine_std_noise"])
-        assert torch.equal(uv, t["uv"])
+        assert torch.equal(uv, t["uv"])  # 0/1 voiced flags of the reference's own f0_upsampled: discrete
         for name, got in (("sine_waves", sine), ("source", source)):
             err = rel_l2(got, t[name])
             _report(f"{case} {name} from stored draws", err, torch.equal(got, t[name]))
             assert err <= TOL
 
-    # the draws themselves: same generator consumption as upstream
+    # the draws themselves: same generator consumption as upstream (a wrong order or layout gives
+    # unrelated numbers, relative L2 ~1.4; vectorised normal draws may differ in the last bit)
     gen = torch.Generator().manual_seed(int(md["seed"]))
     rand_ini, std_noise = hift.draw_excitation_noise(1, t["sine_std_noise"].shape[1], gen)
-    assert torch.equal(rand_ini, t["rand_ini"])
-    assert torch.equal(std_noise, t["sine_std_noise"])
+    check_close(rand_ini, t["rand_ini"], f"{case} rand_ini draw")
+    check_close(std_noise, t["sine_std_noise"], f"{case} sine_std_noise draw")
     # and they are NOT randn(1, N, H+1): the transposed layout matters
     gen = torch.Generator().manual_seed(int(md["seed"]))
     torch.rand(t["rand_ini"].shape, generator=gen)
-    assert not torch.equal(torch.randn(t["sine_std_noise"].shape, generator=gen), t["sine_std_noise"])
+    assert rel_l2(torch.randn(t["sine_std_noise"].shape, generator=gen), t["sine_std_noise"]) > 100 * TOL
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,12 +175,14 @@ def test_stream_deterministic(hift, full_cfg, case, one_thread):
     for i, ch in enumerate(chunks):
         fin = bool(ch["finalize"])
         mel, cache_source = stream_hift_input(hift, state, _chunk_mel(t, md, full_cfg, i), fin)
-        assert torch.equal(mel, t[f"c{i}_hift_mel_in"]), f"chunk {i}: mel fed to HiFT"
+        # copies of reference tensors (flow mel, previous source): exact when the reference is
+        # self-consistent, asserted to the tolerance
+        check_close(mel, t[f"c{i}_hift_mel_in"], f"{case} c{i} mel fed to HiFT")
         ref_cache = t[f"c{i}_cache_source"]
         if ref_cache.shape[-1] == 0:
             assert cache_source is None
         else:
-            assert torch.equal(cache_source, ref_cache), f"chunk {i}: cache_source"
+            check_close(cache_source, ref_cache, f"{case} c{i} cache_source")
 
         with torch.no_grad():
             speech = hift.decode(t[f"c{i}_hift_mel_in"], t[f"c{i}_source"])
@@ -187,7 +191,8 @@ def test_stream_deterministic(hift, full_cfg, case, one_thread):
         assert err <= TOL
         # the excitation used starts with the cached source
         n = ref_cache.shape[-1]
-        assert torch.equal(t[f"c{i}_source"][..., :n], ref_cache)
+        if n:
+            check_close(t[f"c{i}_source"][..., :n], ref_cache, f"{case} c{i} source starts with the cache")
 
         out, state = stream_hift_output(state, t[f"c{i}_hift_speech"], t[f"c{i}_source"], mel, fin)
         err = rel_l2(out, t[f"c{i}_out_speech"])
@@ -195,9 +200,9 @@ def test_stream_deterministic(hift, full_cfg, case, one_thread):
         assert err <= TOL
         outs.append(out)
         if i + 1 < len(chunks):
-            assert torch.equal(state.source, t[f"c{i + 1}_cache_source"]), f"chunk {i}: new source cache"
+            check_close(state.source, t[f"c{i + 1}_cache_source"], f"{case} c{i} new source cache")
             n_mel = state.mel.shape[-1]
-            assert torch.equal(state.mel, t[f"c{i + 1}_hift_mel_in"][:, :, :n_mel]), f"chunk {i}: new mel cache"
+            check_close(state.mel, t[f"c{i + 1}_hift_mel_in"][:, :, :n_mel], f"{case} c{i} new mel cache")
         else:
             assert state.empty
     err = rel_l2(torch.cat(outs, dim=1), t["speech_concat"])
@@ -235,7 +240,7 @@ def test_fade_float64_semantics():
     ref = new.clone()
     ref[..., :40] = new[..., :40] * torch.from_numpy(w[:40]) + old[..., -40:] * torch.from_numpy(w[40:])
     got = fade_in_with_cache(new, old, 40)
-    assert got.dtype == torch.float32 and torch.equal(got, ref)
+    assert got.dtype == torch.float32 and torch.equal(got, ref)  # the same float64 formula: exact by construction
     with pytest.raises(ValueError):
         fade_in_with_cache(new[:, :10], old, 40)
 
@@ -353,7 +358,7 @@ def test_legacy_weight_norm_keys(full_cfg, hift_sd, hift):
     mel = tensors(HIFT_CASES[0])["mel"] if HIFT_CASES else torch.zeros(1, full_cfg.hift.in_channels, 10)
     a = hift.inference(mel, generator=torch.Generator().manual_seed(3))
     b = m.inference(mel, generator=torch.Generator().manual_seed(3))
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # same weights, same kernels: exact by construction
 
 
 @parity
@@ -493,7 +498,7 @@ def test_fused_snake_runs_eagerly_on_cpu():
     mask = (torch.arange(9)[None] < torch.tensor([9, 5])[:, None])[:, None]
     a = alpha[None, :, None]
     want = (x + (1.0 / (a + 1e-9)) * torch.sin(x * a) ** 2).masked_fill(~mask, 0.0)
-    assert torch.equal(_snake(x, alpha, mask), want)
+    assert torch.equal(_snake(x, alpha, mask), want)  # the same eager formula: exact by construction
     assert not _snake.compiled
 
 
