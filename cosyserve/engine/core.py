@@ -91,7 +91,7 @@ class EngineConfig:
     ``t2w_batch_target``: while the LM is busy, jobs not yet due (offline utterances, later
     chunks well ahead of their playback) gather until this many are ready, then run as one
     batch of at most this many (with the jobs that are due): a flow/HiFT batch costs a fixed
-    part plus a part per job, so a full batch costs less per job (docs/perf.md run 23); a batch
+    part plus a part per job, so a full batch costs less per job (docs/perf-history.md run 23); a batch
     bucket (:func:`~cosyserve.models.graphs.half_octave_buckets`: 8, 12, 16, 24, ...) is filled
     exactly; ``t2w_gather_s``: the longest an offline
     utterance waits for others to join its batch (its deadline is this plus ``t2w_slack_s``
@@ -100,27 +100,27 @@ class EngineConfig:
     or to fill rows of its CUDA-graph batch bucket that would otherwise be padding: a job much
     shorter than the batch would pay for the batch's length (every row is computed at the
     padded length), so it waits for a batch of its own length (0: any shorter job joins;
-    docs/perf.md run 35);
+    docs/perf-history.md run 35);
     ``t2w_slack_s``: seconds before its deadline a job longer than the batch's most urgent
     one is added anyway (see the module doc); ``None``: adaptive, three times the recent
     token2wav batch duration (a job left out now runs after the batch in flight and the next
     one), between ``T2W_SLACK_MIN_S`` and ``T2W_SLACK_MAX_S`` (measured: lower first-chunk
-    latency at 32 streams but stalled streams, docs/perf.md run 18; not the default);
+    latency at 32 streams but stalled streams, docs/perf-history.md run 18; not the default);
     ``cuda_graphs``: LM decode and prefill, flow and HiFT as CUDA graphs on CUDA devices;
     ``graph_warmup``: capture every LM prefill bucket the limits above can reach when the engine
     starts (~6 s at full size; a capture while serving stalls every stream for 0.1-0.4 s,
-    docs/perf.md run 20), otherwise on first use; ``t2w_graph_warmup``: the same for the flow
+    docs/perf-history.md run 20), otherwise on first use; ``t2w_graph_warmup``: the same for the flow
     and HiFT grids (~100 s at full size on an H100), done by :meth:`EngineCore.warmup` (or the first step) before any
     request's work; every stage captures on a CUDA stream of its own
     (:func:`~cosyserve.models.graphs.capture_stream`: graphs sharing a capture stream share a
-    cuBLAS workspace, and replayed concurrently they stopped the GPU, docs/perf.md "Runs 23–26");
+    cuBLAS workspace, and replayed concurrently they stopped the GPU, docs/perf-history.md "Runs 23–26");
     ``t2w_thread``: run token2wav on its own thread
     (:class:`~cosyserve.engine.token2wav.Token2WavWorker`; off by default: measured slower on
-    an H100 because both threads contend for the GIL, docs/perf.md runs 5 and 11);
+    an H100 because both threads contend for the GIL, docs/perf-history.md runs 5 and 11);
     ``t2w_queue_steps``: a token2wav batch on the side stream is issued a few flow steps at a
     time, between LM steps, keeping at most this many unfinished on the GPU (``None``: the
     whole batch at once, which can hold the scheduler in the driver until the GPU has worked
-    through most of it, docs/perf.md run 10); ``device_sampling`` (``None``: on when the LM
+    through most of it, docs/perf-history.md run 10); ``device_sampling`` (``None``: on when the LM
     is on CUDA): rows with the default sampler draw their next token on the device, inside
     the decode step
     (:func:`~cosyserve.models.sampling.ras_sample_device`: the same RAS rule with counter-based
@@ -133,13 +133,13 @@ class EngineConfig:
     ``pipeline_decode`` (``None``: on CUDA; needs device sampling): issue each LM step before
     reading the previous one's tokens (they stay on the device, :class:`DecodeState`), so the
     GPU decodes while the host hands out tokens, checks stops and feeds token2wav; a segment
-    that stopped costs one extra row-step, whose token is dropped (docs/perf.md run 24);
+    that stopped costs one extra row-step, whose token is dropped (docs/perf-history.md run 24);
     ``decode_lookahead``: with pipelined decoding, how many LM steps are issued beyond the one
     whose tokens the host reads next (1: the next step, as measured so far; N > 1 keeps the
     GPU decoding while the scheduler is held up for longer than a step, e.g. issuing a
     token2wav batch, at the cost of N dropped row-steps per stopped segment and the host
     learning each token N steps after it was sampled; experimental: 2 measured no better
-    than 1 on an H100, where the GPU is busy while the scheduler waits, docs/perf.md run 33).
+    than 1 on an H100, where the GPU is busy while the scheduler waits, docs/perf-history.md run 33).
     """
 
     max_active: int = 16

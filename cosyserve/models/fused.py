@@ -50,7 +50,7 @@ def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> to
     In float16/bfloat16 on CUDA (fused kernels on) the GELU runs in the GEMM's epilogue
     (``torch._addmm_activation``, cuBLASLt ``GELU_BIAS``), which saves a read and a write of the
     ``[..., N]`` activations (the flow estimator's feed-forward: 10 % of a flow solve as a separate
-    kernel, docs/perf.md run 34). That epilogue is GELU's tanh approximation, which differs from
+    kernel, docs/perf-history.md run 34). That epilogue is GELU's tanh approximation, which differs from
     the exact (erf) GELU by at most 4.7e-4 absolute (at |x| = 2.7), far below the half-precision
     rounding of the values there (bfloat16 ulp at 2-4: 1.6e-2); the GPU tests compare the result
     with float32. Everywhere else: the exact GELU after the GEMM (upstream's numerics)."""

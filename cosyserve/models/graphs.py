@@ -180,7 +180,7 @@ def capture_stream(device) -> torch.cuda.Stream:
     is kept per (cuBLAS handle, stream), and a captured GEMM keeps its address). Replayed
     concurrently on different streams — the LM's graphs on the LM stream, the flow's and
     HiFT's on the token2wav stream — such graphs race on that workspace: at full size the GPU
-    stopped (docs/perf.md run 21 and "Runs 23–26"; pytorch/pytorch#193402 describes the same sharing).
+    stopped (docs/perf-history.md run 21 and "Runs 23–26"; pytorch/pytorch#193402 describes the same sharing).
     So every graphed stage captures on a stream of its own. ``torch.cuda.Stream()`` hands out
     streams from a pool of 32 round-robin, so two stages could get the same one; the stream
     is created with ``cudaStreamCreate`` instead (``torch.cuda.Stream()`` only where the
@@ -573,7 +573,7 @@ class GraphedFlow(_BucketGraphs):
     Why a graph per step rather than one for the whole solve: a graph of ~11 000 kernels does not
     fit the stream's launch queue, so ``cudaGraphLaunch`` would hold the calling thread until
     the GPU had worked through most of it (measured: 85 ms of host time for a 16-item batch,
-    docs/perf.md run 10); issued step by step, the caller never waits.
+    docs/perf-history.md run 10); issued step by step, the caller never waits.
 
     :meth:`start` takes a :class:`~cosyserve.models.flow.FlowInputs` (host tensors) and returns
     a :class:`~cosyserve.models.flow.FlowRun` (or None when the batch exceeds every bucket: run

@@ -441,7 +441,7 @@ class HiFTGenerator(nn.Module):
         #: experimental, off: :meth:`decode` lays its trunk inputs out frame-major (``[B, C, T]``
         #: views of ``[B, T, C]`` memory, the layout cuDNN's NHWC half-precision convolutions read);
         #: same values, but measured no faster: cuDNN still transposes (``benchmarks/hift_probe.py
-        #: --frame-major``, docs/perf.md "Runs 33–36")
+        #: --frame-major``, docs/perf-history.md "Runs 33–36")
         self.frame_major = False
         n_src = self.n_fft + 2  # real + imaginary STFT bins of the excitation
         base = cfg.base_channels
