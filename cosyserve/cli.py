@@ -408,7 +408,7 @@ def _engine_args(p, in_process: bool = False) -> None:
     p.add_argument("--max-active-streams", type=_positive_int, default=16,
                    help="requests processed at once (KV-cache slots)" + note)
     p.add_argument("--token2wav-thread", action="store_true",
-                   help="run token2wav on its own thread (experimental; slower on the H100 measured, docs/perf.md)"
+                   help="run token2wav on its own thread (experimental; slower on the H100 measured, docs/perf-history.md)"
                         + note)
     p.add_argument("--t2w-queue-steps", type=int, default=4, metavar="N",
                    help="token2wav batches on the GPU are issued N flow steps ahead of the device, between LM "

@@ -5,7 +5,7 @@ which stops the scheduler thread and the server's event loop alike. After start-
 holds a great many long-lived objects that collections can never free — loaded modules,
 ``torch.compile``'s FX graphs and guards, transformers' tokenizer tables, CUDA-graph
 bookkeeping — and a full collection over them took about a third of a second on the
-benchmark server (docs/perf.md, run 27: a burst of 32 new streams waited ~360 ms before
+benchmark server (docs/perf-history.md, run 27: a burst of 32 new streams waited ~360 ms before
 reaching the engine). :func:`freeze_startup_heap` moves everything alive at that point into
 the permanent generation (``gc.freeze``, as CPython's documentation recommends for servers
 after initialisation), so later collections only walk objects created while serving.
