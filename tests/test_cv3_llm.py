@@ -271,3 +271,65 @@ def test_slots_in_one_batch_match_single_runs(lm):
     batched = torch.stack(batched, dim=1)
     for i in range(len(cases)):
         assert rel_l2(batched[i], singles[i]) <= 1e-5
+
+
+# ----------------------------------------------------------------------------- convert-llm
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    from cosyserve.models.export import export_llm
+
+    out = tmp_path_factory.mktemp("hf_cv3")
+    sv = export_llm(model_dir(), out, dtype=torch.float32)
+    return out, sv
+
+
+def test_export_layout_and_tokenizer(exported, cfg):
+    import json
+
+    from transformers import AutoTokenizer
+
+    from cosyserve.models.export import SpeechVocab
+
+    out, sv = exported
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["architectures"] == ["Qwen2ForCausalLM"] and conf["vocab_size"] % 128 == 0
+    assert SpeechVocab.from_config(conf) == sv and sv.family == "cosyvoice3"
+    s = cfg.llm.speech_token_size
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert sv.speech_token_offset == len(tok) - cfg.llm.num_speech_rows  # text vocab incl. CV3 tokens
+    assert tok.convert_tokens_to_ids(f"<|s_{s - 1}|>") == sv.speech_to_id(s - 1)
+    assert tok.convert_tokens_to_ids("<|sos|>") == sv.sos_token_id == sv.speech_to_id(cfg.llm.sos_token)
+    assert tok.convert_tokens_to_ids("<|eos1|>") == sv.eos_token_id == sv.speech_to_id(cfg.llm.eos_token)
+    assert tok.convert_tokens_to_ids("<|task_id|>") == sv.task_id_token_id == sv.speech_to_id(cfg.llm.task_id_token)
+    assert tok.convert_tokens_to_ids("<|fill|>") == sv.speech_to_id(cfg.llm.fill_token)
+    last = cfg.llm.num_speech_rows - 1
+    assert tok.convert_tokens_to_ids(f"<|s_{last}|>") == sv.speech_to_id(last)
+    assert conf["eos_token_id"] == [sv.speech_to_id(t) for t in cfg.llm.stop_token_ids]
+    assert conf["cosyserve"]["min_len_mask_token_id"] == sv.speech_to_id(cfg.llm.min_len_mask_id)
+    ids = tok.encode("<|sos|>你好<|endofprompt|><|task_id|><|s_12|>")
+    assert ids[0] == sv.sos_token_id and ids[-1] == sv.speech_to_id(12) and ids[-2] == sv.task_id_token_id
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("case", TEACHER_CASES)
+@torch.inference_mode()
+def test_exported_logprobs_equal_native(exported, case):
+    from safetensors.torch import load_file
+    from transformers import Qwen2ForCausalLM
+
+    from cosyserve.models.export import BIAS_FILE
+
+    out, sv = exported
+    model = Qwen2ForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    bias = load_file(str(out / BIAS_FILE))["bias"]
+    assert bias.numel() == sv.num_logit_rows and not bias.any()  # CosyVoice3's decoder has no bias
+    d = tensors(case)
+    prefix = sv.prompt_ids(d["text_ids"].reshape(-1).tolist(), d["prompt_text_ids"].reshape(-1).tolist(),
+                           d["prompt_speech_token"].reshape(-1).tolist())
+    targets = [sv.speech_to_id(t) for t in d["target_speech_token"].reshape(-1).tolist()]
+    logits = model(input_ids=torch.tensor([prefix + targets])).logits[0, len(prefix) - 1:]
+    lo = sv.speech_token_offset
+    logp = (logits[:, lo:lo + bias.numel()] + bias).log_softmax(-1)
+    assert rel_l2(logp, d["logp"]) <= 1e-4
