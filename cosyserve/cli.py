@@ -254,8 +254,9 @@ def cmd_voices(args) -> int:
 def cmd_demo_model(args) -> int:
     from .models.demo import write_demo_model
 
-    out = write_demo_model(args.dir, seed=args.seed, force=args.force)
-    print(f"wrote demo model (RANDOM weights, the audio is noise) to {out}")
+    family = "cosyvoice3" if getattr(args, "cosyvoice3", False) else "cosyvoice2"
+    out = write_demo_model(args.dir, seed=args.seed, force=args.force, family=family)
+    print(f"wrote {family} demo model (RANDOM weights, the audio is noise) to {out}")
     return 0
 
 
@@ -628,6 +629,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("dir")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--force", action="store_true", help="rewrite an existing demo model")
+    d.add_argument("--cosyvoice3", action="store_true",
+                   help="the CosyVoice3 layout (cosyvoice3.yaml, DiT flow, causal HiFT, speech_tokenizer_v3.onnx)")
     d.set_defaults(func=cmd_demo_model)
 
     dm = sub.add_parser("demo", help="build the demo model and synthesize a Chinese and an English sentence")

@@ -6,6 +6,8 @@ tensors; the full-size module is checked against ``manifests/llm_state_dict.json
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -108,7 +110,7 @@ def test_family_classes_do_not_mix(md, tmp_path):
 def test_open_model_dir_errors(tmp_path):
     from cosyserve.errors import ModelDirError
 
-    with pytest.raises(ModelDirError, match="no cosyvoice2.yaml or cosyvoice3.yaml"):
+    with pytest.raises(ModelDirError, match="missing cosyvoice2.yaml or cosyvoice3.yaml, llm.pt"):
         open_model_dir(tmp_path)
     (tmp_path / "cosyvoice3.yaml").write_text("a: 1\n")
     with pytest.raises(ModelDirError, match="complete CosyVoice3 model directory: missing .*speech_tokenizer_v3.onnx"):
@@ -408,3 +410,67 @@ def test_engine_cv3_lm_on_cuda_graphs_and_device_sampling(md, cfg):
             assert lo <= len(toks) <= hi and reason in ("stop", "length")
             assert (reason == "length") == (len(toks) == hi)
         core.close()
+
+
+# ----------------------------------------------------------------------------- demo / random weights
+
+
+def _structure(node):
+    """Class names and keys of a parsed yaml node (values dropped)."""
+    from cosyserve.models.config import Tagged
+
+    if isinstance(node, Tagged):
+        return (node.target, _structure(node.args))
+    if isinstance(node, dict):
+        return {k: _structure(v) for k, v in node.items()}
+    return None
+
+
+def test_demo_cv3_yaml_has_the_official_model_sections(md, tmp_path):
+    from cosyserve.models.demo import DemoSize, demo_yaml
+
+    size = DemoSize()
+    p = tmp_path / "cosyvoice3.yaml"
+    p.write_text(demo_yaml(size, family="cosyvoice3"), encoding="utf-8")
+    demo, ref = load_hyperpyyaml(p), load_hyperpyyaml(md.yaml)
+    for key in ("llm", "flow", "hift", "feat_extractor", "get_tokenizer"):
+        assert _structure(demo[key]) == _structure(ref[key]), key
+    cfg = load_config(p)
+    assert cfg.model_family == "cosyvoice3" and cfg.llm.llm_input_size == size.llm_hidden
+    with pytest.raises(ValueError, match="unknown model family"):
+        demo_yaml(size, family="cosyvoice9")
+
+
+def test_demo_model_cosyvoice3(tmp_path):
+    from cosyserve.errors import ModelDirError
+    from cosyserve.models.demo import write_demo_model
+    from cosyserve.models.loader import load_models
+
+    try:
+        out = write_demo_model(tmp_path / "demo3", family="cosyvoice3")
+    except ModelDirError as exc:  # this build lacks the CosyVoice3 flow / HiFT half
+        assert "CosyVoice3" in str(exc)
+        pytest.skip(str(exc))
+    md = open_model_dir(out)
+    assert md.family == "cosyvoice3" and md.speech_tokenizer.is_file()
+    m = load_models(out)
+    assert m.cfg.model_family == "cosyvoice3" and m.llm.cfg.is_cosyvoice3
+
+
+def test_random_weights_dir_for_the_real_cv3_yaml(tmp_path):
+    from _reference_cv3 import require_cv3_dir
+
+    from cosyserve.frontend.frontend import Frontend
+    from cosyserve.models.demo import is_random_weights_dir, prepare_random_weights_dir
+
+    man = require_cv3_dir() / "manifests"
+    if not (man / "cosyvoice3.real.yaml").is_file() or not (man / "CosyVoice-BlankEN_config.real.json").is_file():
+        pytest.skip("no full-size CosyVoice3 config")
+    out = prepare_random_weights_dir(man / "cosyvoice3.real.yaml", man / "CosyVoice-BlankEN_config.real.json",
+                                     tmp_path / "cache")
+    assert is_random_weights_dir(out)
+    md = open_model_dir(out)  # no weight files needed
+    assert md.family == "cosyvoice3" and md.yaml.name == "cosyvoice3.yaml"
+    fe = Frontend(md, normalizer="none")
+    assert fe.cfg.llm.qwen["hidden_size"] == fe.cfg.llm.llm_input_size
+    assert fe.tokenizer.version == "cosyvoice3" and len(fe.tokenizer) == fe.tokenizer.token_id("[ǜ]") + 1

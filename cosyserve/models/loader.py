@@ -109,10 +109,13 @@ def open_model_dir(path: str | Path, need: tuple[str, ...] = ("llm", "flow", "hi
     root = Path(path).expanduser()
     if not root.is_dir():
         raise ModelDirError(f"model directory {root} does not exist or is not a directory")
-    md = ModelDir(root.resolve(), detect_model_family(root))
+    yamls = [m["yaml"] for m in MODEL_FAMILIES.values()]
+    no_yaml = not any((root / y).is_file() for y in yamls)
+    # without a yaml, list what a CosyVoice2 directory lacks (naming both yamls)
+    md = ModelDir(root.resolve(), "cosyvoice2" if no_yaml else detect_model_family(root))
     if (root / RANDOM_WEIGHTS_MARKER).is_file():
         need = tuple(n for n in need if n not in ("llm", "flow", "hift")) + (("qwen",) if "llm" in need else ())
-    files = [md.yaml.name]
+    files = [" or ".join(yamls) if no_yaml else md.yaml.name]
     if "llm" in need:
         files.append(LLM_FILE)
     if "flow" in need:
