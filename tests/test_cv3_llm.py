@@ -474,3 +474,17 @@ def test_random_weights_dir_for_the_real_cv3_yaml(tmp_path):
     fe = Frontend(md, normalizer="none")
     assert fe.cfg.llm.qwen["hidden_size"] == fe.cfg.llm.llm_input_size
     assert fe.tokenizer.version == "cosyvoice3" and len(fe.tokenizer) == fe.tokenizer.token_id("[ǜ]") + 1
+
+
+def test_remote_lm_vocab_matches_the_export(cfg, exported):
+    """The clients' idea of the exported layout (served /v1/completions, cosyserve batch) equals what
+    convert-llm writes, and a CV3 extra id (any <|s_N|>, N >= S) ends the parsed output."""
+    from cosyserve.client.remote_lm import parse_speech_tokens, speech_vocab
+
+    _, sv = exported
+    assert speech_vocab(sv.speech_token_offset, cfg.llm.speech_token_size, cfg.model_family) == sv
+    s = cfg.llm.speech_token_size
+    toks, ignored = parse_speech_tokens(f"<|s_3|><|s_{s - 1}|><|s_{s + 150}|><|s_4|>", None, sv)
+    assert toks == [3, s - 1] and ignored == 0
+    toks, _ = parse_speech_tokens(None, [sv.speech_to_id(5), sv.speech_to_id(s + 150), sv.speech_to_id(6)], sv)
+    assert toks == [5]
