@@ -121,7 +121,7 @@ def model_dir() -> Path:
     return d / name
 
 
-def case_file(name: str, rel: str) -> Path:
+def set_file(rel: str) -> Path:
     """A file a sidecar names relative to the set (e.g. ``audio/zero_shot_prompt.wav``)."""
     return require_cv3_dir() / rel
 

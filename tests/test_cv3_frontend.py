@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _reference_cv3 import discover, meta, model_dir, rel_l2, require_cv3_dir, tensors
+from _reference_cv3 import discover, meta, model_dir, rel_l2, set_file, tensors
 from cosyserve.errors import InvalidInputError
 from cosyserve.frontend.audio import load_prompt_wav
 from cosyserve.frontend.features import speaker_fbank, whisper_log_mel
@@ -37,7 +37,7 @@ def frontend(mdir):
 
 
 def _wav(m: dict):
-    p = require_cv3_dir() / m["wav_file"]
+    p = set_file(m["wav_file"])
     if not p.is_file():
         pytest.skip(f"{p} not found")
     return p

@@ -6,8 +6,6 @@ tensors; the full-size module is checked against ``manifests/llm_state_dict.json
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
