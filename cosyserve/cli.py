@@ -268,8 +268,9 @@ def cmd_demo_model(args) -> int:
         print(f"wrote a {args.dit_size} Step-Audio2 DiT token2wav directory (RANDOM weights, the audio is noise) to {t}"
               + (" (no weight files: networks are built when loaded)" if args.no_weight_files else ""))
         return 0
-    out = write_demo_model(args.dir, seed=args.seed, force=args.force)
-    print(f"wrote demo model (RANDOM weights, the audio is noise) to {out}")
+    family = "cosyvoice3" if getattr(args, "cosyvoice3", False) else "cosyvoice2"
+    out = write_demo_model(args.dir, seed=args.seed, force=args.force, family=family)
+    print(f"wrote {family} demo model (RANDOM weights, the audio is noise) to {out}")
     return 0
 
 
@@ -721,6 +722,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--dit-token2wav sizes: tiny (default) or the released full size (GPU benchmarks)")
     d.add_argument("--no-weight-files", action="store_true",
                    help="--dit-token2wav: write no .pt files; the random networks are built when loaded")
+    d.add_argument("--cosyvoice3", action="store_true",
+                   help="the CosyVoice3 layout (cosyvoice3.yaml, DiT flow, causal HiFT, speech_tokenizer_v3.onnx)")
     d.set_defaults(func=cmd_demo_model)
 
     dm = sub.add_parser("demo", help="build the demo model and synthesize a Chinese and an English sentence")

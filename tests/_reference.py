@@ -51,6 +51,8 @@ def reference_dir() -> Path | None:
         p = Path(env).expanduser().resolve()
         if not (p / "cases").is_dir() and not (p / DIT_FOLDER).is_dir():
             raise RuntimeError(f"COSYSERVE_REFERENCE_DIR={env} has no cases/ (or {DIT_FOLDER}/) folder")
+        if (p / "cases").is_dir() and _cosyvoice3_only(p):  # a CosyVoice3 set: its tests use _reference_cv3, the CosyVoice2 ones skip
+            return None
         return p
     candidates = [REPO.parent / "shared" / "reference"]
     try:
@@ -64,6 +66,18 @@ def reference_dir() -> Path | None:
         if (c / "cases").is_dir() or (c / DIT_FOLDER).is_dir():
             return c.resolve()
     return None
+
+
+def _cosyvoice3_only(p: Path) -> bool:
+    """``p`` is a CosyVoice3 reference set (its model directory has cosyvoice3.yaml, no cosyvoice2.yaml)."""
+    name = "tiny_cosyvoice2"
+    idx = p / "cases" / "index.json"
+    if idx.is_file():
+        try:
+            name = json.loads(idx.read_text(encoding="utf-8")).get("model_dir", name)
+        except json.JSONDecodeError:
+            pass
+    return (p / name / "cosyvoice3.yaml").is_file() and not (p / name / "cosyvoice2.yaml").is_file()
 
 
 def require_reference_dir() -> Path:

@@ -96,7 +96,7 @@ def _remote_lm(o: BatchOptions, synth):
     if o.llm_checkpoint:
         sv, bias = load_checkpoint_info(o.llm_checkpoint)
     else:
-        sv = speech_vocab(len(synth.frontend.tokenizer), synth.cfg.llm.speech_token_size)
+        sv = speech_vocab(len(synth.frontend.tokenizer), synth.cfg.llm.speech_token_size, synth.cfg.model_family)
     if o.logit_bias:
         if bias is None:
             raise BatchError("--logit-bias needs --llm-checkpoint (the convert-llm folder with "

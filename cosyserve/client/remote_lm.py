@@ -50,13 +50,14 @@ class RemoteLMError(CosyServeError):
     """The completions server failed or answered something that is not speech tokens."""
 
 
-def speech_vocab(text_vocab_size: int, speech_token_size: int) -> SpeechVocab:
+def speech_vocab(text_vocab_size: int, speech_token_size: int, family: str = "cosyvoice2") -> SpeechVocab:
     """The exported-vocabulary layout of a model whose text tokenizer has
-    ``text_vocab_size`` ids (151663 for CosyVoice2) and ``speech_token_size`` speech tokens
-    (6561): the same numbers ``cosyserve convert-llm`` writes into ``config.json``."""
-    n_new = speech_token_size + 3 + 2
+    ``text_vocab_size`` ids (151663 for CosyVoice2, 151924 for CosyVoice3) and
+    ``speech_token_size`` speech tokens (6561): the same numbers ``cosyserve convert-llm``
+    writes into ``config.json``. ``family``: ``"cosyvoice2"`` / ``"cosyvoice3"``."""
+    n_new = speech_token_size + (200 if family == "cosyvoice3" else 3 + 2)
     vocab = -(-(text_vocab_size + n_new) // VOCAB_ALIGN) * VOCAB_ALIGN
-    return SpeechVocab(text_vocab_size, speech_token_size, vocab)
+    return SpeechVocab(text_vocab_size, speech_token_size, vocab, family)
 
 
 def load_checkpoint_info(checkpoint_dir: str | Path) -> tuple[SpeechVocab, list[float] | None]:
@@ -118,6 +119,8 @@ def parse_speech_tokens(text: str | None, token_ids: list[int] | None, sv: Speec
         t = int(m.group(2))
         if t < sv.speech_token_size:
             out.append(t)
+        elif sv.is_cosyvoice3:  # <|s_N|>, N >= S: one of CosyVoice3's 200 stop ids
+            return out, ignored
         else:
             ignored += 1
     if text[pos:].strip():

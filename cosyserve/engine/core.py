@@ -296,7 +296,7 @@ class EngineCore:
 
             sampling = models.cfg.llm.sampling if self._device_sampling else None
             self.decoder = GraphedDecoder(self.lm, self.cache, config.max_active, sampling=sampling,
-                                          eos_id=models.cfg.llm.eos_token, state=self._state)
+                                          eos_id=models.cfg.llm.min_len_mask_id, state=self._state)
             self.decoder.warmup()  # capture every (batch, KV length) bucket now, not mid-request
             self.prefill_graphs = GraphedPrefill(self.lm, self.cache, pool=self.decoder.pool,
                                                  max_batch=config.max_active, max_tokens=config.max_prefill_tokens)
@@ -345,7 +345,7 @@ class EngineCore:
     # ------------------------------------------------------------------ public API
     def _new_sampler(self) -> UpstreamSampler:
         c = self.models.cfg.llm
-        return UpstreamSampler(c.sampling, eos_id=c.eos_token)
+        return UpstreamSampler(c.sampling, eos_id=c.min_len_mask_id)
 
     def prefix_len(self, req: EngineRequest, seg_ids: torch.Tensor) -> int:
         v = req.voice

@@ -149,7 +149,7 @@ class Synthesizer:
     def build_request(self, text: str, voice: Voice, params: SynthesisParams = SynthesisParams(),
                       request_id: str | None = None) -> EngineRequest:
         """Normalise, split and tokenise ``text`` for ``voice``."""
-        return EngineRequest(request_id or uuid.uuid4().hex, self.frontend.token_ids(text), voice, params)
+        return EngineRequest(request_id or uuid.uuid4().hex, self.frontend.token_ids(text, voice), voice, params)
 
     def synthesize(self, text: str, voice: Voice, params: SynthesisParams = SynthesisParams(),
                    engine: EngineCore | None = None, on_chunk=None) -> SynthesisResult:

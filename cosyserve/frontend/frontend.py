@@ -20,7 +20,7 @@ from ..models.loader import ModelDir, open_model_dir
 from .audio import AudioSource
 from .prompt import PromptExtractor
 from .text import TextFrontend
-from .tokenizer import TextTokenizer
+from .tokenizer import ENDOFPROMPT, TextTokenizer
 from .voice import Voice, validate_voice_id
 
 DEFAULT_MAX_TEXT_CHARS = 5000
@@ -44,7 +44,7 @@ class Frontend:
         self.model_dir = model_dir if isinstance(model_dir, ModelDir) else open_model_dir(
             model_dir, need=("onnx", "qwen"))
         self.cfg = cfg or load_config(self.model_dir.yaml)
-        self.tokenizer = TextTokenizer(self.model_dir.qwen)
+        self.tokenizer = TextTokenizer(self.model_dir.qwen, version=self.cfg.model_family)
         self.text = TextFrontend(lambda s: len(self.tokenizer.encode(s)), normalizer)
         self.prompts = PromptExtractor(self.model_dir.root, self.cfg, providers=onnx_providers)
         self.max_text_chars = max_text_chars
@@ -70,6 +70,10 @@ class Frontend:
         if not isinstance(transcript, str) or not transcript.strip():
             raise InvalidInputError("the transcript of the reference audio (prompt text) is empty",
                                     field="prompt_text")
+        if self.requires_endofprompt and ENDOFPROMPT not in transcript:
+            raise InvalidInputError(
+                f"CosyVoice3 prompt text must contain {ENDOFPROMPT} after the instruction, e.g. "
+                f"'You are a helpful assistant.{ENDOFPROMPT}' followed by the transcript", field="prompt_text")
         if isinstance(audio, tuple):
             feats = self.prompts.extract(audio[0], int(audio[1]))
         else:
@@ -78,6 +82,47 @@ class Frontend:
         info = {"created": time.time(), "source": "zero-shot", **(meta or {})}
         return Voice.from_features(voice_id, transcript.strip(), ids, feats.speech_token, feats.speech_feat,
                                    feats.embedding, info)
+
+    @property
+    def requires_endofprompt(self) -> bool:
+        """CosyVoice3: the LM input (prompt text + text) must hold ``<|endofprompt|>``."""
+        return self.cfg.llm.requires_endofprompt
+
+    def check_lm_input(self, voice: Voice, segments: list[torch.Tensor]) -> None:
+        """Refuse what upstream ``CosyVoice3LM`` asserts against: for CosyVoice3 every segment's
+        LM text (``voice.prompt_text_ids`` + the segment's ids) must contain ``<|endofprompt|>``
+        (in the voice's prompt text / instruction, or, for a cross-lingual voice, in the input).
+        Raises :class:`InvalidInputError` (field ``input``); does nothing for CosyVoice2."""
+        if not self.requires_endofprompt:
+            return
+        eop = self.tokenizer.token_id(ENDOFPROMPT)
+        if bool((voice.prompt_text_ids == eop).any()):
+            return
+        if any(not bool((s == eop).any()) for s in segments):
+            raise InvalidInputError(
+                f"CosyVoice3 needs {ENDOFPROMPT} in the LM text: voice {voice.id!r} has none in its prompt text, "
+                f"so the input must start with an instruction ending in {ENDOFPROMPT}, e.g. "
+                f"'You are a helpful assistant.{ENDOFPROMPT}...'", field="input")
+
+    def cross_lingual_voice(self, voice: Voice, voice_id: str | None = None) -> Voice:
+        """The cross-lingual form of ``voice`` (upstream ``frontend_cross_lingual``: no prompt text and
+        no LM prompt speech; the flow keeps the prompt). For CosyVoice3 the input text must then hold
+        ``<|endofprompt|>`` (:meth:`check_lm_input`)."""
+        return voice.as_cross_lingual(voice_id)
+
+    def instruct2_voice(self, voice: Voice, instruct_text: str, voice_id: str | None = None) -> Voice:
+        """The instruct form of ``voice`` (upstream ``frontend_instruct2``): the LM gets
+        ``instruct_text`` as its prompt text and no prompt speech; the flow keeps the prompt.
+        CosyVoice3 instructions must end in ``<|endofprompt|>`` (e.g. ``'You are a helpful
+        assistant. 请用广东话表达。<|endofprompt|>'``). Raises :class:`InvalidInputError`
+        (field ``instructions``) for an empty instruction or a missing ``<|endofprompt|>``."""
+        if not isinstance(instruct_text, str) or not instruct_text.strip():
+            raise InvalidInputError("the instruction is empty", field="instructions")
+        if self.requires_endofprompt and ENDOFPROMPT not in instruct_text:
+            raise InvalidInputError(f"CosyVoice3 instructions must end with {ENDOFPROMPT}, e.g. "
+                                    f"'You are a helpful assistant. 请用广东话表达。{ENDOFPROMPT}'", field="instructions")
+        ids = torch.tensor(self.tokenizer.encode(self.text.prompt(instruct_text)), dtype=torch.int32)
+        return voice.as_instruct2(instruct_text, ids, voice_id)
 
     def segments(self, text: str) -> list[str]:
         """Normalised text segments to speak in order; raises :class:`InvalidInputError`
@@ -92,10 +137,13 @@ class Frontend:
             raise InvalidInputError("the text has nothing to speak (only punctuation or symbols)", field="input")
         return segs
 
-    def token_ids(self, text: str) -> list[torch.Tensor]:
-        """Token ids (1-D long tensors) of each normalised segment of ``text``."""
+    def token_ids(self, text: str, voice: Voice | None = None) -> list[torch.Tensor]:
+        """Token ids (1-D long tensors) of each normalised segment of ``text``; with ``voice``,
+        also checked with :meth:`check_lm_input`."""
         ids = [torch.tensor(self.tokenizer.encode(s), dtype=torch.long) for s in self.segments(text)]
         ids = [t for t in ids if t.numel()]
         if not ids:
             raise InvalidInputError("the text has nothing to speak", field="input")
+        if voice is not None:
+            self.check_lm_input(voice, ids)
         return ids

@@ -8,8 +8,8 @@
    (``cfg.sample_rate``, 24 kHz);
 3. ``speech_feat``: prompt mel of the model-rate audio (``feat_extractor`` of the yaml),
    ``[1, T_mel, 80]`` at 50 frames/s;
-4. ``speech_token``: whisper 128-bin log-mel of the 16 kHz audio -> ``speech_tokenizer_v2``,
-   ``[1, T_tok]`` at 25 tokens/s;
+4. ``speech_token``: whisper 128-bin log-mel of the 16 kHz audio -> ``speech_tokenizer_v2``
+   (CosyVoice3: ``speech_tokenizer_v3``), ``[1, T_tok]`` at 25 tokens/s;
 5. ``embedding``: Kaldi fbank (minus mean) of the 16 kHz audio -> CAM++, ``[1, 192]``;
 6. alignment: ``token_len = min(T_mel // token_mel_ratio, T_tok)``; keep the first
    ``token_len`` tokens and the first ``token_mel_ratio * token_len`` mel frames, so that
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidInputError, ModelDirError
-from ..models.config import CosyVoice2Config, load_config
+from ..models.config import MODEL_FAMILIES, CosyVoice2Config, load_config
 from .audio import (
     DEFAULT_FIELD,
     PROMPT_MIN_SAMPLE_RATE,
@@ -42,7 +42,7 @@ from .audio import (
 from .features import SPEAKER_FBANK, SPEECH_TOKENIZER_MEL, PromptMelExtractor, speaker_fbank, whisper_log_mel
 from .speech_models import (
     CAMPPLUS_FILE,
-    SPEECH_TOKENIZER_FILE,
+    SPEECH_TOKENIZER_FILES,
     TOKENIZER_MAX_SECONDS,
     SpeakerEncoder,
     SpeechTokenizer,
@@ -84,10 +84,11 @@ class PromptExtractor:
     """Compute :class:`PromptFeatures` from a prompt recording.
 
     Args:
-        model_dir: a CosyVoice2 model directory (``campplus.onnx``,
-            ``speech_tokenizer_v2.onnx``, ``cosyvoice2.yaml``).
-        cfg: the parsed config; ``None`` loads ``<model_dir>/cosyvoice2.yaml``. Its
-            ``feat`` (prompt mel), ``sample_rate`` and ``token_mel_ratio`` are used.
+        model_dir: a CosyVoice2 / CosyVoice3 model directory (``campplus.onnx``,
+            ``speech_tokenizer_v2.onnx`` / ``_v3.onnx``, ``cosyvoice2.yaml`` / ``cosyvoice3.yaml``).
+        cfg: the parsed config; ``None`` loads the directory's yaml. Its ``feat`` (prompt
+            mel), ``sample_rate``, ``token_mel_ratio`` and ``model_family`` (which speech
+            tokenizer file) are used.
         providers: onnxruntime providers for the two ONNX models (default CPU; e.g.
             ``"cuda"``); ``num_threads``: intra-op threads per ONNX session.
         min_seconds, max_seconds: accepted prompt durations (default 1 s .. 30 s; the
@@ -113,7 +114,12 @@ class PromptExtractor:
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise ModelDirError(f"model directory not found: '{self.model_dir}'")
-        self.cfg = cfg if cfg is not None else load_config(self.model_dir / "cosyvoice2.yaml")
+        if cfg is None:
+            yamls = [self.model_dir / m["yaml"] for m in MODEL_FAMILIES.values() if (self.model_dir / m["yaml"]).is_file()]
+            if not yamls:
+                raise ModelDirError(f"'{self.model_dir}' has no {' or '.join(m['yaml'] for m in MODEL_FAMILIES.values())}")
+            cfg = load_config(yamls[0])
+        self.cfg = cfg
         if not (0 < min_seconds <= max_seconds):
             raise ValueError(f"bad prompt duration limits {min_seconds}..{max_seconds} s")
         self.min_seconds = float(min_seconds)
@@ -123,7 +129,8 @@ class PromptExtractor:
         self.sample_rate = int(self.cfg.feat.sampling_rate)
         self.mel = PromptMelExtractor(self.cfg.feat)
         # the tokenizer keeps its own 30 s limit (a model property) whatever max_seconds says
-        self.speech_tokenizer = SpeechTokenizer(self.model_dir / SPEECH_TOKENIZER_FILE, providers=providers,
+        self.speech_tokenizer = SpeechTokenizer(self.model_dir / SPEECH_TOKENIZER_FILES[self.cfg.model_family],
+                                                providers=providers,
                                                 num_threads=num_threads)
         self.speaker_encoder = SpeakerEncoder(self.model_dir / CAMPPLUS_FILE, providers=providers,
                                               num_threads=num_threads)

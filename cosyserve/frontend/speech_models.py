@@ -3,7 +3,8 @@
 * :class:`SpeakerEncoder` wraps ``campplus.onnx`` (CAM++ speaker verification model):
   mean-normalised 80-bin Kaldi fbank ``[1, T, 80]`` (100 frames/s, 16 kHz audio) ->
   one 192-dimensional x-vector ``[1, 192]`` (unnormalised, as upstream passes it on).
-* :class:`SpeechTokenizer` wraps ``speech_tokenizer_v2.onnx`` (the S3 supervised
+* :class:`SpeechTokenizer` wraps ``speech_tokenizer_v2.onnx`` (CosyVoice3:
+  ``speech_tokenizer_v3.onnx``, same inputs and outputs) (the S3 supervised
   semantic tokenizer with an FSQ codebook of 3**8 = 6561 entries): whisper 128-bin
   log-mel ``[1, 128, T]`` (100 frames/s) plus its length -> speech tokens
   ``[1, ceil(T / 4)]`` at 25 tokens/s.
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 
 CAMPPLUS_FILE = "campplus.onnx"
 SPEECH_TOKENIZER_FILE = "speech_tokenizer_v2.onnx"
+#: the speech tokenizer of each model family (upstream ``CosyVoice2`` / ``CosyVoice3`` constructors)
+SPEECH_TOKENIZER_FILES = {"cosyvoice2": SPEECH_TOKENIZER_FILE, "cosyvoice3": "speech_tokenizer_v3.onnx"}
 
 #: Speaker embedding size of CAM++ as used by CosyVoice2 (``spk_embed_dim``).
 SPEAKER_EMBED_DIM = 192
@@ -150,7 +153,8 @@ class SpeakerEncoder(_OnnxModel):
 
 
 class SpeechTokenizer(_OnnxModel):
-    """S3 speech tokenizer v2 (``speech_tokenizer_v2.onnx``): 25 speech tokens per second.
+    """S3 speech tokenizer v2 / v3 (``speech_tokenizer_v2.onnx``, ``speech_tokenizer_v3.onnx``: the
+    same calling convention): 25 speech tokens per second.
 
     ``__call__(feats)``: ``feats`` float ``[1, 128, T]`` whisper log-mel of 16 kHz audio
     (:func:`~cosyserve.frontend.features.whisper_log_mel`, 100 frames/s); the model gets
@@ -166,6 +170,7 @@ class SpeechTokenizer(_OnnxModel):
     n_inputs = 2
 
     def __init__(self, onnx_path, providers=None, num_threads: int = 1, max_seconds: float = TOKENIZER_MAX_SECONDS):
+        self.file_hint = f"speech tokenizer {Path(onnx_path).name}"
         super().__init__(onnx_path, providers, num_threads)
         self.max_seconds = float(max_seconds)
 

@@ -1,4 +1,5 @@
-"""CosyVoice2's text tokenizer: the Qwen2 byte-level BPE of ``CosyVoice-BlankEN`` plus 17 tokens.
+"""CosyVoice2's / CosyVoice3's text tokenizer: the Qwen2 byte-level BPE of ``CosyVoice-BlankEN``
+plus CosyVoice's special tokens.
 
 Upstream (``cosyvoice.tokenizer.tokenizer.CosyVoice2Tokenizer``) loads the folder with
 ``transformers.AutoTokenizer`` and then calls ``add_special_tokens`` with
@@ -7,6 +8,11 @@ list ``<|im_start|>``/``<|im_end|>`` already exist (151644/151645); the other 17
 appended in list order, so ``<|endofprompt|>`` = 151646, ``[breath]`` = 151647, ...,
 ``[mn]`` = 151662. Encoding adds no BOS/EOS; decoding skips special tokens.
 :class:`TextTokenizer` does exactly that and checks the resulting ids.
+
+CosyVoice3 (upstream ``CosyVoice3Tokenizer``, ``get_qwen_tokenizer(version='cosyvoice3')``)
+appends, after the same 19, ``<|endofsystem|>`` (151663) and 260 pronunciation tokens
+(:data:`COSYVOICE3_PHONE_TOKENS`: ARPAbet phones ``[AA]``, ``[AA0]`` ... ``[ZH]`` and pinyin
+initials / finals ``[a]`` ... ``[ǜ]``), 151924 ids in all.
 
 Which files: the official ``merges.txt`` holds 134 935 merges, an order-preserving subset
 of the stock Qwen2 list (151 387). Tokenizing with a stock Qwen ``tokenizer.json``
@@ -53,6 +59,31 @@ COSYVOICE2_SPECIAL_TOKENS: tuple[str, ...] = (
     "[lipsmack]", "[mn]",
 )
 
+#: ARPAbet (CMUdict) vowels, each also with lexical stress 0/1/2, and consonants.
+_ARPABET_VOWELS = "AA AE AH AO AW AY EH ER EY IH IY OW OY UH UW".split()
+_ARPABET_CONSONANTS = "B CH D DH F G HH JH K L M N NG P R S SH T TH V W Y Z ZH".split()
+#: Pinyin units of CosyVoice3's vocabulary: initials and toneless finals, then toned finals.
+_PINYIN_TONELESS = ("a ai an ang ao b c ch d e ei en eng f g h i ian in ing iu j k l m n o ong ou "
+                    "p q r s sh t u uang ue un uo w x y z zh").split()
+_PINYIN_TONED = (
+    "ià iàn iàng iào iá ián iáng iáo iè ié iòng ióng iù iú iā iān iāng iāo iē iě iōng iū iǎ iǎn iǎng iǎo "
+    "iǒng iǔ uà uài uàn uàng uá uái uán uáng uè ué uì uí uò uó uā uāi uān uāng uē uě uī uō uǎ uǎi uǎn "
+    "uǎng uǐ uǒ vè à ài àn àng ào á ái án áng áo è èi èn èng èr é éi én éng ér ì ìn ìng í ín íng ò òng "
+    "òu ó óng óu ù ùn ú ún ā āi ān āng āo ē ēi ēn ēng ě ěi ěn ěng ěr ī īn īng ō ōng ōu ū ūn ǎ ǎi ǎn ǎng "
+    "ǎo ǐ ǐn ǐng ǒ ǒng ǒu ǔ ǔn ǘ ǚ ǜ"
+).split()
+#: CosyVoice3's pronunciation tokens in id order: ``[unit]`` for every unit, sorted by code point.
+COSYVOICE3_PHONE_TOKENS: tuple[str, ...] = tuple(
+    f"[{u}]" for u in sorted(
+        [v + s for v in _ARPABET_VOWELS for s in ("", "0", "1", "2")] + _ARPABET_CONSONANTS
+        + _PINYIN_TONELESS + _PINYIN_TONED))
+#: ``additional_special_tokens`` of upstream's CosyVoice3Tokenizer, in its order (order = ids).
+COSYVOICE3_SPECIAL_TOKENS: tuple[str, ...] = COSYVOICE2_SPECIAL_TOKENS + ("<|endofsystem|>",) + COSYVOICE3_PHONE_TOKENS
+#: the special tokens of each tokenizer version (upstream ``get_qwen_tokenizer(version=...)``)
+SPECIAL_TOKENS = {"cosyvoice2": COSYVOICE2_SPECIAL_TOKENS, "cosyvoice3": COSYVOICE3_SPECIAL_TOKENS}
+#: separates the instruction / prompt transcript from the text (CosyVoice3 requires it in its input)
+ENDOFPROMPT = "<|endofprompt|>"
+
 
 def _check_files(folder: Path) -> None:
     if not folder.is_dir():
@@ -83,13 +114,15 @@ def _check_files(folder: Path) -> None:
 
 
 class TextTokenizer:
-    """Text <-> Qwen2 token ids as CosyVoice2 uses them.
+    """Text <-> Qwen2 token ids as CosyVoice2 / CosyVoice3 use them.
 
     Args:
         blanken_dir: the ``CosyVoice-BlankEN`` folder of a model directory.
+        version: ``"cosyvoice2"`` (19 additional special tokens) or ``"cosyvoice3"`` (280),
+            the model family.
 
     Attributes:
-        special_token_ids: ``{token: id}`` of ``<|endoftext|>`` and all 19 additional
+        special_token_ids: ``{token: id}`` of ``<|endoftext|>`` and all additional
             special tokens.
 
     Raises:
@@ -100,7 +133,11 @@ class TextTokenizer:
     ``encode``/``decode`` are thread-safe (a lock guards the shared Rust tokenizer).
     """
 
-    def __init__(self, blanken_dir: str | os.PathLike):
+    def __init__(self, blanken_dir: str | os.PathLike, version: str = "cosyvoice2"):
+        if version not in SPECIAL_TOKENS:
+            raise ValueError(f"unknown tokenizer version {version!r} (known: {', '.join(SPECIAL_TOKENS)})")
+        self.version = version
+        self.special_tokens = SPECIAL_TOKENS[version]
         self.path = Path(blanken_dir)
         _check_files(self.path)
         self._lock = threading.Lock()
@@ -130,21 +167,21 @@ class TextTokenizer:
             tok.add_special_tokens({
                 "eos_token": ENDOFTEXT,
                 "pad_token": ENDOFTEXT,
-                "additional_special_tokens": list(COSYVOICE2_SPECIAL_TOKENS),
+                "additional_special_tokens": list(self.special_tokens),
             })
         except Exception as exc:
-            raise ModelDirError(f"cannot add CosyVoice2's special tokens to '{self.path}': {exc}") from None
+            raise ModelDirError(f"cannot add the {self.version} special tokens to '{self.path}': {exc}") from None
         return tok
 
     def _check_special_tokens(self) -> dict[str, int]:
-        names = (ENDOFTEXT,) + COSYVOICE2_SPECIAL_TOKENS
+        names = (ENDOFTEXT,) + self.special_tokens
         ids = {t: self._tok.convert_tokens_to_ids(t) for t in names}
-        seq = [ids[t] for t in COSYVOICE2_SPECIAL_TOKENS]
+        seq = [ids[t] for t in self.special_tokens]
         if any(not isinstance(i, int) for i in seq) or seq != list(range(seq[0], seq[0] + len(seq))) \
                 or ids[ENDOFTEXT] != seq[0] - 1:
             raise ModelDirError(
                 f"tokenizer in '{self.path}': special tokens got ids {ids}; expected <|endoftext|>, <|im_start|>, "
-                "<|im_end|> and the CosyVoice2 tokens on consecutive ids (is tokenizer_config.json the official one?)"
+                f"<|im_end|> and the {self.version} tokens on consecutive ids (is tokenizer_config.json the official one?)"
             )
         return ids
 
@@ -154,7 +191,7 @@ class TextTokenizer:
         return self._tok
 
     def __len__(self) -> int:
-        """Vocabulary size including added tokens (151663 for CosyVoice2)."""
+        """Vocabulary size including added tokens (151663 for CosyVoice2, 151924 for CosyVoice3)."""
         return len(self._tok)
 
     @property

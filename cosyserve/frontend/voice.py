@@ -102,6 +102,21 @@ class Voice:
         return cls(voice_id, prompt_text, torch.as_tensor(prompt_text_ids), speech_token.clone(), speech_token.clone(),
                    speech_feat, embedding.clone(), embedding.clone(), dict(meta or {}))
 
+    def as_cross_lingual(self, voice_id: str | None = None) -> "Voice":
+        """This voice without LM prompt (upstream ``frontend_cross_lingual`` deletes ``prompt_text`` and
+        ``llm_prompt_speech_token``); flow tokens, features and embeddings are kept."""
+        empty = torch.zeros(0, dtype=torch.int32)
+        return Voice(voice_id or self.id, "", empty, empty.clone(), self.flow_speech_token.clone(),
+                     self.speech_feat.clone(), self.llm_embedding.clone(), self.flow_embedding.clone(),
+                     {**self.meta, "mode": "cross_lingual"})
+
+    def as_instruct2(self, instruct_text: str, instruct_ids, voice_id: str | None = None) -> "Voice":
+        """This voice with ``instruct_ids`` (int ``[L]``) as the LM's prompt text and no LM prompt speech
+        (upstream ``frontend_instruct2``); flow tokens, features and embeddings are kept."""
+        return Voice(voice_id or self.id, instruct_text, torch.as_tensor(instruct_ids),
+                     torch.zeros(0, dtype=torch.int32), self.flow_speech_token.clone(), self.speech_feat.clone(),
+                     self.llm_embedding.clone(), self.flow_embedding.clone(), {**self.meta, "mode": "instruct2"})
+
     # ---- upstream spk2info entries
     def to_spk2info(self) -> dict:
         def ln(t: torch.Tensor, dim: int = 0) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Read ``cosyvoice2.yaml`` as data and turn it into typed model configurations.
+"""Read ``cosyvoice2.yaml`` / ``cosyvoice3.yaml`` as data and turn it into typed model configurations.
 
 The official model directory describes its modules with HyperPyYAML tags
 (``!new:cosyvoice.llm.llm.Qwen2LM``, ``!name:...``, ``!apply:...``, ``!ref <key>``).
@@ -9,11 +9,15 @@ with a tiny expression evaluator that only accepts numbers and ``+ - * / // %``,
 the values are copied into frozen dataclasses. Every dimension used by
 :mod:`cosyserve.models` comes from these dataclasses.
 
-Class names are checked against the architecture cosyserve implements (CosyVoice2:
-``Qwen2LM``, ``CausalMaskedDiffWithXvec``, ``UpsampleConformerEncoder``,
-``CausalConditionalCFM``, ``CausalConditionalDecoder``, ``HiFTGenerator``,
-``ConvRNNF0Predictor``); anything else fails with :class:`~cosyserve.errors.ConfigError`
-naming the yaml key and the class found.
+Class names are checked against the architecture cosyserve implements, per model family
+(:data:`MODEL_FAMILIES`). CosyVoice2: ``Qwen2LM``, ``CausalMaskedDiffWithXvec``,
+``UpsampleConformerEncoder``, ``CausalConditionalCFM``, ``CausalConditionalDecoder``,
+``HiFTGenerator``, ``ConvRNNF0Predictor``. CosyVoice3 (Fun-CosyVoice3-0.5B): ``CosyVoice3LM``,
+``CausalMaskedDiffWithDiT`` and ``CausalHiFTGenerator`` (their inner classes are checked by the
+flow/HiFT parsers). A yaml's family is that of its ``llm`` class (and of its file name when it
+is the official ``cosyvoice2.yaml`` / ``cosyvoice3.yaml``); the other classes must belong to the
+same family. Anything else fails with :class:`~cosyserve.errors.ConfigError` naming the yaml key
+and the class found.
 """
 
 from __future__ import annotations
@@ -194,13 +198,43 @@ class SamplingConfig:
     tau_r: float = 0.1
 
 
+#: Model families: the yaml file name of the official directory and the top-level classes.
+MODEL_FAMILIES: dict[str, dict[str, str]] = {
+    "cosyvoice2": {"yaml": "cosyvoice2.yaml", "llm": "Qwen2LM", "flow": "CausalMaskedDiffWithXvec",
+                   "hift": "HiFTGenerator"},
+    "cosyvoice3": {"yaml": "cosyvoice3.yaml", "llm": "CosyVoice3LM", "flow": "CausalMaskedDiffWithDiT",
+                   "hift": "CausalHiFTGenerator"},
+}
+
+#: CosyVoice3's "FSQ silent and breath" speech tokens (upstream ``CosyVoice3Model.silent_tokens``):
+#: ``llm_job`` passes at most :data:`MAX_SILENT_TOKENS` of them in a row on to token2wav.
+COSYVOICE3_SILENT_TOKENS: tuple[int, ...] = (1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323)
+#: upstream ``llm_job``'s ``max_silent_token_num`` (CosyVoice2Model and CosyVoice3Model).
+MAX_SILENT_TOKENS = 5
+
+
 @dataclass(frozen=True)
 class LLMConfig:
-    """Speech LM (``Qwen2LM``): Qwen2 backbone + CosyVoice2 heads.
+    """Speech LM: Qwen2 backbone + the CosyVoice heads of ``lm_class``.
 
-    ``qwen`` is the dict of ``CosyVoice-BlankEN/config.json``.
-    Speech-token ids: ``0 .. speech_token_size-1`` are speech tokens; ``eos_token =
-    speech_token_size``; ``speech_token_size+1`` and ``+2`` (``fill_token``) also stop.
+    ``qwen`` is the dict of ``CosyVoice-BlankEN/config.json``. Speech-token ids ``0 ..
+    speech_token_size-1`` (``S``) are speech tokens; the ids after them follow the upstream
+    class's rules (``cosyvoice/llm/llm.py``):
+
+    ==================  ===========================  =====================================
+    property            ``Qwen2LM`` (CosyVoice2)      ``CosyVoice3LM``
+    ==================  ===========================  =====================================
+    extra ids           3                            200
+    ``eos_token``       ``S``                        ``S + 1``
+    ``fill_token``      ``S + 2``                    ``S + 3``
+    sos / task id       ``llm_embedding`` rows 0, 1  ``speech_embedding`` rows ``S``, ``S + 2``
+    ``stop_token_ids``  ``S .. S+2``                 ``S .. S+199``
+    ``llm_decoder``     with bias                    without bias
+    ==================  ===========================  =====================================
+
+    Both classes mask id ``S`` (:attr:`min_len_mask_id`) during the first ``min_len`` steps
+    (``sampling_ids``: ``weighted_scores[speech_token_size] = -inf``; for CosyVoice3 that is the
+    sos id, not eos — an upstream quirk kept for parity).
     """
 
     llm_input_size: int
@@ -208,23 +242,76 @@ class LLMConfig:
     speech_token_size: int
     sampling: SamplingConfig
     qwen: dict = field(default_factory=dict, compare=False, hash=False)
+    #: the upstream class (``Qwen2LM`` or ``CosyVoice3LM``)
+    lm_class: str = "Qwen2LM"
+
+    @property
+    def is_cosyvoice3(self) -> bool:
+        return self.lm_class == "CosyVoice3LM"
+
+    @property
+    def num_extra_ids(self) -> int:
+        """Ids after the speech tokens (``speech_embedding`` rows / ``llm_decoder`` outputs)."""
+        return 200 if self.is_cosyvoice3 else 3
 
     @property
     def eos_token(self) -> int:
-        return self.speech_token_size
+        return self.speech_token_size + (1 if self.is_cosyvoice3 else 0)
 
     @property
     def fill_token(self) -> int:
-        return self.speech_token_size + 2
+        return self.speech_token_size + (3 if self.is_cosyvoice3 else 2)
+
+    @property
+    def sos_token(self) -> int | None:
+        """``speech_embedding`` row of the start-of-sequence input (CosyVoice3), else None
+        (CosyVoice2 uses ``llm_embedding`` row 0)."""
+        return self.speech_token_size if self.is_cosyvoice3 else None
+
+    @property
+    def task_id_token(self) -> int | None:
+        """``speech_embedding`` row of the task-id input (CosyVoice3), else None
+        (CosyVoice2 uses ``llm_embedding`` row 1)."""
+        return self.speech_token_size + 2 if self.is_cosyvoice3 else None
+
+    @property
+    def has_llm_embedding(self) -> bool:
+        """Whether the LM has the 2-row ``llm_embedding`` table (sos, task id): CosyVoice2 only."""
+        return not self.is_cosyvoice3
+
+    @property
+    def decoder_bias(self) -> bool:
+        return not self.is_cosyvoice3
+
+    @property
+    def min_len_mask_id(self) -> int:
+        """The id masked while fewer than ``min_len`` tokens were decoded (upstream masks index
+        ``speech_token_size``: CosyVoice2's eos, CosyVoice3's sos)."""
+        return self.speech_token_size
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        return tuple(self.speech_token_size + i for i in range(3))
+        return tuple(self.speech_token_size + i for i in range(self.num_extra_ids))
 
     @property
     def num_speech_rows(self) -> int:
-        """Rows of ``speech_embedding`` and outputs of ``llm_decoder`` (speech tokens + 3)."""
-        return self.speech_token_size + 3
+        """Rows of ``speech_embedding`` and outputs of ``llm_decoder`` (speech tokens + extra ids)."""
+        return self.speech_token_size + self.num_extra_ids
+
+    @property
+    def silent_tokens(self) -> tuple[int, ...]:
+        """Speech tokens of which at most :attr:`max_silent_tokens` in a row reach token2wav
+        (upstream ``llm_job``; the LM's own history keeps them). Empty for CosyVoice2."""
+        return COSYVOICE3_SILENT_TOKENS if self.is_cosyvoice3 else ()
+
+    @property
+    def max_silent_tokens(self) -> int:
+        return MAX_SILENT_TOKENS
+
+    @property
+    def requires_endofprompt(self) -> bool:
+        """CosyVoice3's LM input must contain ``<|endofprompt|>`` (upstream asserts it)."""
+        return self.is_cosyvoice3
 
     @property
     def text_vocab_size(self) -> int:
@@ -363,7 +450,15 @@ class MelConfig:
 
 @dataclass(frozen=True)
 class CosyVoice2Config:
-    """Everything cosyserve needs from ``cosyvoice2.yaml`` (+ the Qwen2 ``config.json``)."""
+    """Everything cosyserve needs from ``cosyvoice2.yaml`` / ``cosyvoice3.yaml`` (+ the Qwen2
+    ``config.json``).
+
+    ``model_family`` is ``"cosyvoice2"`` or ``"cosyvoice3"`` (:data:`MODEL_FAMILIES`). For
+    CosyVoice2 ``flow`` is a :class:`FlowConfig` and ``hift`` a :class:`HiFTConfig`; for
+    CosyVoice3 they are what ``cosyserve.models.cv3_flow.parse_cv3_flow`` and
+    ``parse_causal_hift`` return, or ``None`` where this build has no such parser (then only
+    the LM and the frontend can be built: :func:`cosyserve.models.loader.load_models` says so).
+    """
 
     sample_rate: int
     token_frame_rate: int
@@ -371,21 +466,35 @@ class CosyVoice2Config:
     chunk_size: int
     num_decoding_left_chunks: int
     llm: LLMConfig
-    flow: FlowConfig
-    hift: HiFTConfig
+    flow: Any
+    hift: Any
     feat: MelConfig
+    model_family: str = "cosyvoice2"
 
     @property
     def samples_per_token(self) -> int:
         return self.sample_rate // self.token_frame_rate
 
+    @property
+    def is_cosyvoice3(self) -> bool:
+        return self.model_family == "cosyvoice3"
 
-def _expect(node: Any, key: str, class_name: str) -> Tagged:
+    @property
+    def yaml_name(self) -> str:
+        """File name of this family's yaml in an official model directory."""
+        return MODEL_FAMILIES[self.model_family]["yaml"]
+
+
+#: any of the model configurations (one class for both families)
+ModelConfig = CosyVoice2Config
+
+
+def _expect(node: Any, key: str, class_name: str, family: str = "CosyVoice2") -> Tagged:
     if not isinstance(node, Tagged) or node.kind != "new":
         raise ConfigError(f"yaml key '{key}' must be '!new:...{class_name}', found {node!r:.80}")
     if node.class_name != class_name:
         raise ConfigError(
-            f"yaml key '{key}' instantiates {node.target}; cosyserve implements {class_name} (CosyVoice2) only"
+            f"yaml key '{key}' instantiates {node.target}; cosyserve implements {class_name} ({family}) there"
         )
     return node
 
@@ -418,22 +527,13 @@ def _nested_int_tuple(v) -> tuple[tuple[int, ...], ...]:
     return tuple(_int_tuple(x) for x in v)
 
 
-def parse_config(data: dict, qwen_config: dict | None = None) -> CosyVoice2Config:
-    """Build a :class:`CosyVoice2Config` from parsed yaml data (see :func:`load_hyperpyyaml`).
-
-    ``qwen_config`` is the dict of ``CosyVoice-BlankEN/config.json`` (may be ``None`` only
-    for callers that do not build the speech LM). Raises :class:`ConfigError`.
-    """
-    sample_rate = _get(data, "sample_rate", "<top>", conv=int)
-    token_frame_rate = _get(data, "token_frame_rate", "<top>", conv=int)
-    token_mel_ratio = _get(data, "token_mel_ratio", "<top>", conv=int)
-    chunk_size = _get(data, "chunk_size", "<top>", conv=int)
-    num_left = _get(data, "num_decoding_left_chunks", "<top>", -1, conv=int)
-
-    # ---- LLM
-    llm = _expect(data.get("llm"), "llm", "Qwen2LM").kwargs()
+def _parse_llm(data: dict, qwen_config: dict | None, family: str) -> LLMConfig:
+    """The ``llm`` section: ``Qwen2LM`` (CosyVoice2) or ``CosyVoice3LM`` + ``Qwen2Encoder``."""
+    fam = MODEL_FAMILIES[family]
+    lm_class = fam["llm"]
+    llm = _expect(data.get("llm"), "llm", lm_class, _FAMILY_NAMES[family]).kwargs()
     enc = llm.get("llm")
-    _expect(enc, "llm.llm", "Qwen2Encoder")
+    _expect(enc, "llm.llm", "Qwen2Encoder", _FAMILY_NAMES[family])
     samp = llm.get("sampling")
     if not (isinstance(samp, Tagged) and samp.class_name == "ras_sampling"):
         raise ConfigError(f"yaml 'llm.sampling' must be !name:...ras_sampling, found {samp!r:.80}")
@@ -450,6 +550,7 @@ def parse_config(data: dict, qwen_config: dict | None = None) -> CosyVoice2Confi
         speech_token_size=_get(llm, "speech_token_size", "llm", conv=int),
         sampling=sampling,
         qwen=dict(qwen_config or {}),
+        lm_class=lm_class,
     )
     if qwen_config is not None:
         hs = int(qwen_config.get("hidden_size", -1))
@@ -458,8 +559,11 @@ def parse_config(data: dict, qwen_config: dict | None = None) -> CosyVoice2Confi
             f"CosyVoice-BlankEN/config.json hidden_size={hs} does not match yaml llm_input_size="
             f"{llm_cfg.llm_input_size} / llm_output_size={llm_cfg.llm_output_size}",
         )
+    return llm_cfg
 
-    # ---- Flow
+
+def _parse_cv2_flow(data: dict, token_mel_ratio: int) -> FlowConfig:
+    """The CosyVoice2 ``flow`` section (``CausalMaskedDiffWithXvec``)."""
     flow = _expect(data.get("flow"), "flow", "CausalMaskedDiffWithXvec").kwargs()
     enc = _expect(flow.get("encoder"), "flow.encoder", "UpsampleConformerEncoder").kwargs()
     w = "flow.encoder"
@@ -548,8 +652,11 @@ def parse_config(data: dict, qwen_config: dict | None = None) -> CosyVoice2Confi
         f"yaml estimator in_channels={est_cfg.in_channels} must be 4 x flow output_size={flow_cfg.output_size}"
         " (x, mu, speaker, cond)",
     )
+    return flow_cfg
 
-    # ---- HiFT
+
+def _parse_cv2_hift(data: dict, sample_rate: int, token_frame_rate: int, token_mel_ratio: int) -> HiFTConfig:
+    """The CosyVoice2 ``hift`` section (``HiFTGenerator`` + ``ConvRNNF0Predictor``)."""
     hift = _expect(data.get("hift"), "hift", "HiFTGenerator").kwargs()
     w = "hift"
     f0 = _expect(hift.get("f0_predictor"), "hift.f0_predictor", "ConvRNNF0Predictor").kwargs()
@@ -591,8 +698,11 @@ def parse_config(data: dict, qwen_config: dict | None = None) -> CosyVoice2Confi
         f"hift produces {hift_cfg.samples_per_frame} samples per mel frame; with {token_frame_rate} tokens/s and "
         f"token_mel_ratio {token_mel_ratio} that is not sample_rate {sample_rate}",
     )
+    return hift_cfg
 
-    # ---- prompt mel extractor
+
+def _parse_feat(data: dict) -> MelConfig:
+    """``feat_extractor``: the prompt-mel settings (CosyVoice3 has ``fmax: null``, i.e. sr / 2)."""
     fe = data.get("feat_extractor")
     if not (isinstance(fe, Tagged) and fe.class_name == "mel_spectrogram"):
         raise ConfigError("yaml 'feat_extractor' must be !name:matcha.utils.audio.mel_spectrogram")
@@ -608,8 +718,109 @@ def parse_config(data: dict, qwen_config: dict | None = None) -> CosyVoice2Confi
         fmax=_get(fk, "fmax", w, None, float),
         center=bool(_get(fk, "center", w, False)),
     )
-    _require(feat.num_mels == flow_cfg.output_size == hift_cfg.in_channels,
-             f"mel bins disagree: feat_extractor {feat.num_mels}, flow {flow_cfg.output_size}, hift {hift_cfg.in_channels}")
+    return feat
+
+
+_FAMILY_NAMES = {"cosyvoice2": "CosyVoice2", "cosyvoice3": "CosyVoice3"}
+
+
+def detect_family(data: dict, yaml_name: str | None = None) -> str:
+    """The model family of parsed yaml ``data``: the family whose LM class ``llm`` instantiates.
+
+    ``yaml_name`` (the file name) must agree when it is an official name (``cosyvoice2.yaml`` /
+    ``cosyvoice3.yaml``): a CosyVoice3 class in ``cosyvoice2.yaml`` (or the reverse) is refused.
+    Raises :class:`ConfigError` naming the class found.
+    """
+    node = data.get("llm")
+    found = node.class_name if isinstance(node, Tagged) else None
+    by_class = [f for f, m in MODEL_FAMILIES.items() if m["llm"] == found]
+    by_name = [f for f, m in MODEL_FAMILIES.items() if m["yaml"] == yaml_name]
+    if by_name:
+        fam = by_name[0]
+        if by_class and by_class[0] != fam:
+            raise ConfigError(
+                f"{yaml_name} must describe a {_FAMILY_NAMES[fam]} model, but its 'llm' is {node.target} "
+                f"({_FAMILY_NAMES[by_class[0]]}); rename the file to {MODEL_FAMILIES[by_class[0]]['yaml']}"
+            )
+        return fam
+    if not by_class:
+        known = ", ".join(f"{m['llm']} ({_FAMILY_NAMES[f]})" for f, m in MODEL_FAMILIES.items())
+        what = node.target if isinstance(node, Tagged) else repr(node)[:80]
+        raise ConfigError(f"yaml key 'llm' instantiates {what}; cosyserve implements {known}")
+    return by_class[0]
+
+
+def _parse_cv3_token2wav(data: dict) -> tuple[Any, Any]:
+    """CosyVoice3's ``flow`` (``CausalMaskedDiffWithDiT``) and ``hift`` (``CausalHiFTGenerator``):
+    class names checked here, dimensions by ``parse_cv3_flow`` (``cosyserve.models.cv3_flow``)
+    and ``parse_causal_hift`` (``cosyserve.models.hift`` or this module); ``None`` for a part
+    whose parser this build lacks."""
+    fam = MODEL_FAMILIES["cosyvoice3"]
+    _expect(data.get("flow"), "flow", fam["flow"], "CosyVoice3")
+    _expect(data.get("hift"), "hift", fam["hift"], "CosyVoice3")
+    flow_cfg = hift_cfg = None
+    try:
+        from .cv3_flow import parse_cv3_flow
+    except ImportError:
+        parse_cv3_flow = None
+    parse_hift = globals().get("parse_causal_hift")
+    if parse_hift is None:
+        try:
+            from .hift import parse_causal_hift as parse_hift
+        except ImportError:
+            parse_hift = None
+    if parse_cv3_flow is not None:
+        flow_cfg = parse_cv3_flow(data)
+    if parse_hift is not None:
+        hift_cfg = parse_hift(data)
+    return flow_cfg, hift_cfg
+
+
+def _raw_kwargs(data: dict, key: str) -> dict:
+    node = data.get(key)
+    return node.kwargs() if isinstance(node, Tagged) else {}
+
+
+def parse_config(data: dict, qwen_config: dict | None = None, family: str | None = None) -> CosyVoice2Config:
+    """Build a :class:`CosyVoice2Config` from parsed yaml data (see :func:`load_hyperpyyaml`).
+
+    ``qwen_config`` is the dict of ``CosyVoice-BlankEN/config.json`` (may be ``None`` only
+    for callers that do not build the speech LM). ``family`` (``"cosyvoice2"`` /
+    ``"cosyvoice3"``) defaults to :func:`detect_family`; every class must belong to it.
+    Raises :class:`ConfigError`.
+    """
+    family = family or detect_family(data)
+    if family not in MODEL_FAMILIES:
+        raise ConfigError(f"unknown model family {family!r} (known: {', '.join(MODEL_FAMILIES)})")
+    sample_rate = _get(data, "sample_rate", "<top>", conv=int)
+    token_frame_rate = _get(data, "token_frame_rate", "<top>", conv=int)
+    token_mel_ratio = _get(data, "token_mel_ratio", "<top>", conv=int)
+    chunk_size = _get(data, "chunk_size", "<top>", conv=int)
+    num_left = _get(data, "num_decoding_left_chunks", "<top>", -1, conv=int)
+
+    llm_cfg = _parse_llm(data, qwen_config, family)
+    if family == "cosyvoice2":
+        flow_cfg = _parse_cv2_flow(data, token_mel_ratio)
+        hift_cfg = _parse_cv2_hift(data, sample_rate, token_frame_rate, token_mel_ratio)
+        flow_mels, hift_mels = flow_cfg.output_size, hift_cfg.in_channels
+    else:
+        flow_cfg, hift_cfg = _parse_cv3_token2wav(data)
+        # cross-checks on the raw sections, so they hold whichever parsers are present
+        fk, hk = _raw_kwargs(data, "flow"), _raw_kwargs(data, "hift")
+        flow_mels = _get(fk, "output_size", "flow", 80, int)
+        hift_mels = _get(hk, "in_channels", "hift", 80, int)
+        _require(_get(fk, "vocab_size", "flow", conv=int) == llm_cfg.speech_token_size,
+                 f"yaml flow.vocab_size {fk.get('vocab_size')} != llm.speech_token_size {llm_cfg.speech_token_size}")
+        istft = _get(hk, "istft_params", "hift")
+        per_frame = _get(istft if isinstance(istft, dict) else {}, "hop_len", "hift.istft_params", conv=int)
+        for r in _get(hk, "upsample_rates", "hift", conv=_int_tuple):
+            per_frame *= r
+        _require(per_frame * token_frame_rate * token_mel_ratio == sample_rate,
+                 f"hift produces {per_frame} samples per mel frame; with {token_frame_rate} tokens/s and "
+                 f"token_mel_ratio {token_mel_ratio} that is not sample_rate {sample_rate}")
+    feat = _parse_feat(data)
+    _require(feat.num_mels == flow_mels == hift_mels,
+             f"mel bins disagree: feat_extractor {feat.num_mels}, flow {flow_mels}, hift {hift_mels}")
     _require(feat.sampling_rate == sample_rate, f"feat_extractor.sampling_rate {feat.sampling_rate} != sample_rate {sample_rate}")
 
     return CosyVoice2Config(
@@ -622,6 +833,7 @@ def parse_config(data: dict, qwen_config: dict | None = None) -> CosyVoice2Confi
         flow=flow_cfg,
         hift=hift_cfg,
         feat=feat,
+        model_family=family,
     )
 
 
@@ -629,9 +841,11 @@ QWEN_DIR = "CosyVoice-BlankEN"
 
 
 def load_config(yaml_path: str | Path, qwen_config_path: str | Path | None = None) -> CosyVoice2Config:
-    """Load ``cosyvoice2.yaml`` and (if found) ``CosyVoice-BlankEN/config.json`` beside it.
+    """Load ``cosyvoice2.yaml`` / ``cosyvoice3.yaml`` and (if found) ``CosyVoice-BlankEN/config.json``
+    beside it.
 
-    ``qwen_config_path`` defaults to ``<yaml dir>/CosyVoice-BlankEN/config.json``.
+    ``qwen_config_path`` defaults to ``<yaml dir>/CosyVoice-BlankEN/config.json``. The family
+    comes from the LM class, checked against the file name (:func:`detect_family`).
     Raises :class:`ConfigError` if either file is unreadable or inconsistent.
     """
     yaml_path = Path(yaml_path)
@@ -646,7 +860,7 @@ def load_config(yaml_path: str | Path, qwen_config_path: str | Path | None = Non
     elif qwen_config_path is not None:
         raise ConfigError(f"{qpath} not found")
     try:
-        return parse_config(data, qwen)
+        return parse_config(data, qwen, detect_family(data, yaml_path.name))
     except ConfigError as exc:
         raise ConfigError(f"{yaml_path}: {exc}") from None
 

@@ -15,6 +15,11 @@ size and fixed-seed random weights:
   ``[1, 128, T]`` + length ``[1]`` -> int64 tokens ``[1, ceil(T/4)]`` in ``[0, 6561)``),
   computing simple fixed random functions of their input.
 
+``write_demo_model(..., family="cosyvoice3")`` (``cosyserve demo-model --cosyvoice3``) writes
+the CosyVoice3 layout instead: ``cosyvoice3.yaml`` (``CosyVoice3LM``,
+``CausalMaskedDiffWithDiT`` with ``PreLookaheadLayer`` + DiT, ``CausalHiFTGenerator``; small
+dimensions) and ``speech_tokenizer_v3.onnx`` (the same stand-in function).
+
 **Its output is noise.** It proves the plumbing, shapes, latency and streaming; it says
 nothing about speech quality. Every command that uses it says so.
 """
@@ -55,6 +60,12 @@ class DemoSize:
     dec_blocks: int = 1           # [4]
     dec_mid_blocks: int = 2       # [12]
     hift_channels: int = 64       # [512]
+    # CosyVoice3 (Fun-CosyVoice3-0.5B) flow: pre-look-ahead layer and DiT estimator
+    pre_lookahead_channels: int = 64  # [1024]
+    dit_dim: int = 64             # [1024]
+    dit_depth: int = 2            # [22]
+    dit_heads: int = 2            # [16]
+    dit_dim_head: int = 32        # [64]
 
 
 _YAML = """\
@@ -182,9 +193,136 @@ feat_extractor: !name:matcha.utils.audio.mel_spectrogram
 """
 
 
-def demo_yaml(size: DemoSize = DemoSize()) -> str:
-    """The demo ``cosyvoice2.yaml`` text for ``size``."""
-    return _YAML.format(**size.__dict__)
+_YAML_CV3 = """\
+# cosyserve DEMO MODEL: random weights, small dimensions. The audio it makes is noise.
+# Same model sections, classes and keys as the official Fun-CosyVoice3-0.5B cosyvoice3.yaml.
+__set_seed1: !apply:random.seed [1986]
+__set_seed2: !apply:numpy.random.seed [1986]
+__set_seed3: !apply:torch.manual_seed [1986]
+__set_seed4: !apply:torch.cuda.manual_seed_all [1986]
+
+sample_rate: 24000
+llm_input_size: {llm_hidden}
+llm_output_size: {llm_hidden}
+spk_embed_dim: 192
+qwen_pretrain_path: ''
+token_frame_rate: 25
+token_mel_ratio: 2
+
+chunk_size: 25
+num_decoding_left_chunks: -1
+
+llm: !new:cosyvoice.llm.llm.CosyVoice3LM
+    llm_input_size: !ref <llm_input_size>
+    llm_output_size: !ref <llm_output_size>
+    speech_token_size: 6561
+    length_normalized_loss: True
+    lsm_weight: 0
+    mix_ratio: [5, 15]
+    llm: !new:cosyvoice.llm.llm.Qwen2Encoder
+        pretrain_path: !ref <qwen_pretrain_path>
+    sampling: !name:cosyvoice.utils.common.ras_sampling
+        top_p: 0.8
+        top_k: 25
+        win_size: 10
+        tau_r: 0.1
+
+flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithDiT
+    input_size: 80
+    output_size: 80
+    spk_embed_dim: !ref <spk_embed_dim>
+    output_type: 'mel'
+    vocab_size: 6561
+    input_frame_rate: !ref <token_frame_rate>
+    only_mask_loss: True
+    token_mel_ratio: !ref <token_mel_ratio>
+    pre_lookahead_len: 3
+    pre_lookahead_layer: !new:cosyvoice.transformer.upsample_encoder.PreLookaheadLayer
+        in_channels: 80
+        channels: {pre_lookahead_channels}
+        pre_lookahead_len: 3
+    decoder: !new:cosyvoice.flow.flow_matching.CausalConditionalCFM
+        in_channels: 240
+        n_spks: 1
+        spk_emb_dim: 80
+        cfm_params: !new:omegaconf.DictConfig
+            content:
+                sigma_min: 1e-06
+                solver: 'euler'
+                t_scheduler: 'cosine'
+                training_cfg_rate: 0.2
+                inference_cfg_rate: 0.7
+                reg_loss_type: 'l1'
+        estimator: !new:cosyvoice.flow.DiT.dit.DiT
+            dim: {dit_dim}
+            depth: {dit_depth}
+            heads: {dit_heads}
+            dim_head: {dit_dim_head}
+            ff_mult: 2
+            mel_dim: 80
+            mu_dim: 80
+            spk_dim: 80
+            out_channels: 80
+            static_chunk_size: !ref <chunk_size> * <token_mel_ratio>
+            num_decoding_left_chunks: !ref <num_decoding_left_chunks>
+
+hift: !new:cosyvoice.hifigan.generator.CausalHiFTGenerator
+    in_channels: 80
+    base_channels: {hift_channels}
+    nb_harmonics: 8
+    sampling_rate: !ref <sample_rate>
+    nsf_alpha: 0.1
+    nsf_sigma: 0.003
+    nsf_voiced_threshold: 10
+    upsample_rates: [8, 5, 3]
+    upsample_kernel_sizes: [16, 11, 7]
+    istft_params:
+        n_fft: 16
+        hop_len: 4
+    resblock_kernel_sizes: [3, 7, 11]
+    resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5], [1, 3, 5]]
+    source_resblock_kernel_sizes: [7, 7, 11]
+    source_resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5], [1, 3, 5]]
+    lrelu_slope: 0.1
+    audio_limit: 0.99
+    conv_pre_look_right: 4
+    f0_predictor: !new:cosyvoice.hifigan.f0_predictor.CausalConvRNNF0Predictor
+        num_class: 1
+        in_channels: 80
+        cond_channels: {hift_channels}
+
+get_tokenizer: !name:cosyvoice.tokenizer.tokenizer.get_qwen_tokenizer
+    token_path: !ref <qwen_pretrain_path>
+    skip_special_tokens: True
+    version: cosyvoice3
+allowed_special: 'all'
+feat_extractor: !name:matcha.utils.audio.mel_spectrogram
+    n_fft: 1920
+    num_mels: 80
+    sampling_rate: !ref <sample_rate>
+    hop_size: 480
+    win_size: 1920
+    fmin: 0
+    fmax: null
+    center: False
+"""
+
+#: the demo yaml template, yaml file name and speech tokenizer file of each model family
+_FAMILY_FILES = {
+    "cosyvoice2": (_YAML, "cosyvoice2.yaml", "speech_tokenizer_v2.onnx"),
+    "cosyvoice3": (_YAML_CV3, "cosyvoice3.yaml", "speech_tokenizer_v3.onnx"),
+}
+
+
+def _family_files(family: str) -> tuple[str, str, str]:
+    if family not in _FAMILY_FILES:
+        raise ValueError(f"unknown model family {family!r} (known: {', '.join(_FAMILY_FILES)})")
+    return _FAMILY_FILES[family]
+
+
+def demo_yaml(size: DemoSize = DemoSize(), family: str = "cosyvoice2") -> str:
+    """The demo ``cosyvoice2.yaml`` (or, ``family="cosyvoice3"``, ``cosyvoice3.yaml``) text for ``size``."""
+    return _family_files(family)[0].format(**size.__dict__)
 
 
 def demo_qwen_config(size: DemoSize = DemoSize()) -> dict:
@@ -313,18 +451,22 @@ def shipped_prompt() -> tuple[Path, str]:
     return wav, meta["transcript"]
 
 
-def write_demo_model(out_dir: str | Path, seed: int = 0, size: DemoSize = DemoSize(), force: bool = False) -> Path:
+def write_demo_model(out_dir: str | Path, seed: int = 0, size: DemoSize = DemoSize(), force: bool = False,
+                     family: str = "cosyvoice2") -> Path:
     """Write the demo model directory (see module docstring); returns its path.
 
-    Existing files are kept unless ``force``; a directory that already holds a complete
-    demo model is returned as is.
+    ``family``: ``"cosyvoice2"`` or ``"cosyvoice3"`` (its yaml, classes and speech tokenizer
+    file). Existing files are kept unless ``force``; a directory that already holds a complete
+    demo model of that family is returned as is. Raises ValueError for an unknown family and
+    :class:`~cosyserve.errors.ModelDirError` if this build cannot build a part of the family.
     """
     import onnx
 
     from .loader import build_random
 
+    template, yaml_name, tokenizer_file = _family_files(family)
     out = Path(out_dir).expanduser()
-    if (out / DEMO_MARKER).is_file() and (out / "llm.pt").is_file() and not force:
+    if (out / DEMO_MARKER).is_file() and (out / "llm.pt").is_file() and (out / yaml_name).is_file() and not force:
         return out
     out.mkdir(parents=True, exist_ok=True)
     qdir = out / "CosyVoice-BlankEN"
@@ -332,17 +474,22 @@ def write_demo_model(out_dir: str | Path, seed: int = 0, size: DemoSize = DemoSi
     for f in ("vocab.json", "merges.txt", "tokenizer_config.json"):
         shutil.copyfile(_asset("blanken", f), qdir / f)
     (qdir / "config.json").write_text(json.dumps(demo_qwen_config(size), indent=2) + "\n")
-    (out / "cosyvoice2.yaml").write_text(demo_yaml(size))
+    for other, (_, name, _) in _FAMILY_FILES.items():  # one family's yaml only (the loader refuses both)
+        if other != family and (out / name).is_file():
+            (out / name).unlink()
+    (out / yaml_name).write_text(template.format(**size.__dict__))
 
-    models = build_random(out / "cosyvoice2.yaml", seed=seed, fold_weight_norm=False)
+    models = build_random(out / yaml_name, seed=seed, fold_weight_norm=False)
     torch.save(models.llm.state_dict(), out / "llm.pt")
     torch.save(models.flow.state_dict(), out / "flow.pt")
     torch.save(models.hift.state_dict(), out / "hift.pt")
     onnx.save(campplus_standin(seed), str(out / "campplus.onnx"))
-    onnx.save(speech_tokenizer_standin(seed + 1), str(out / "speech_tokenizer_v2.onnx"))
+    onnx.save(speech_tokenizer_standin(seed + 1), str(out / tokenizer_file))
+    official = "Fun-CosyVoice3-0.5B" if family == "cosyvoice3" else "CosyVoice2-0.5B"
+    arch = "CosyVoice3" if family == "cosyvoice3" else "CosyVoice2"
     (out / DEMO_MARKER).write_text(
-        "This is a cosyserve DEMO model: the real CosyVoice2 architecture at a small size with fixed-seed\n"
-        "RANDOM weights, and stand-in ONNX files. Its audio is noise. Use the official CosyVoice2-0.5B\n"
+        f"This is a cosyserve DEMO model: the real {arch} architecture at a small size with fixed-seed\n"
+        f"RANDOM weights, and stand-in ONNX files. Its audio is noise. Use the official {official}\n"
         "directory for real speech.\n"
     )
     return out
@@ -366,7 +513,8 @@ def write_frontend_dir(yaml_path: str | Path, qwen_config_path: str | Path, out_
                        seed: int = 0) -> Path:
     """A model directory for RANDOM-weight runs of a real-size yaml, without weight files.
 
-    Writes ``cosyvoice2.yaml`` (copied), ``CosyVoice-BlankEN/`` (the shipped tokenizer +
+    Writes ``cosyvoice2.yaml`` or ``cosyvoice3.yaml`` (copied; the family is that of the yaml's
+    LM class), ``CosyVoice-BlankEN/`` (the shipped tokenizer +
     ``qwen_config_path``), the two ONNX stand-ins and a marker; loading such a directory
     (:class:`cosyserve.engine.pipeline.Synthesizer`) builds the networks with
     :func:`cosyserve.models.loader.build_random` at the yaml's dimensions (weight seed
@@ -375,15 +523,18 @@ def write_frontend_dir(yaml_path: str | Path, qwen_config_path: str | Path, out_
     """
     import onnx
 
+    from .config import detect_family, load_hyperpyyaml
+
+    _, yaml_name, tokenizer_file = _family_files(detect_family(load_hyperpyyaml(yaml_path)))
     out = Path(out_dir).expanduser()
     qdir = out / "CosyVoice-BlankEN"
     qdir.mkdir(parents=True, exist_ok=True)
     for f in ("vocab.json", "merges.txt", "tokenizer_config.json"):
         shutil.copyfile(_asset("blanken", f), qdir / f)
     shutil.copyfile(qwen_config_path, qdir / "config.json")
-    shutil.copyfile(yaml_path, out / "cosyvoice2.yaml")
+    shutil.copyfile(yaml_path, out / yaml_name)
     onnx.save(campplus_standin(seed), str(out / "campplus.onnx"))
-    onnx.save(speech_tokenizer_standin(seed + 1), str(out / "speech_tokenizer_v2.onnx"))
+    onnx.save(speech_tokenizer_standin(seed + 1), str(out / tokenizer_file))
     (out / DEMO_MARKER).write_text("RANDOM-weight benchmark directory (no weight files): the audio is noise.\n")
     (out / RANDOM_WEIGHTS_MARKER).write_text(json.dumps({"seed": seed, "yaml": str(yaml_path)}) + "\n")
     return out
@@ -403,7 +554,8 @@ def prepare_random_weights_dir(yaml_path: str | Path, qwen_config_path: str | Pa
 
     yaml_path = Path(yaml_path).expanduser()
     if not yaml_path.is_file():
-        raise ModelDirError(f"--random-weights: {yaml_path} is not a file (give the model's cosyvoice2.yaml)")
+        raise ModelDirError(f"--random-weights: {yaml_path} is not a file (give the model's cosyvoice2.yaml "
+                            "or cosyvoice3.yaml)")
     if qwen_config_path is None:
         qwen_config_path = yaml_path.parent / "CosyVoice-BlankEN" / "config.json"
         if not Path(qwen_config_path).is_file():

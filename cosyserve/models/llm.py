@@ -1,15 +1,17 @@
-"""The CosyVoice2 speech language model (upstream ``Qwen2LM``) with a slot-based KV cache.
+"""The CosyVoice2 / CosyVoice3 speech language model with a slot-based KV cache.
 
-Architecture (upstream ``cosyvoice/llm/llm.py``, class ``Qwen2LM``): a Qwen2 decoder
-(``transformers.Qwen2ForCausalLM`` built from ``CosyVoice-BlankEN/config.json``; its text
-``lm_head`` is never used) plus three CosyVoice heads:
+Architecture (upstream ``cosyvoice/llm/llm.py``, classes ``Qwen2LM`` and ``CosyVoice3LM``): a
+Qwen2 decoder (``transformers.Qwen2ForCausalLM`` built from ``CosyVoice-BlankEN/config.json``;
+its text ``lm_head`` is never used) plus the CosyVoice heads:
 
-* ``llm_embedding``   ``[2, H]``: row 0 = sos, row 1 = task id;
-* ``speech_embedding`` ``[S+3, H]``: speech tokens ``0..S-1`` and the three extra ids;
-* ``llm_decoder``     ``Linear(H, S+3)``: next-speech-token logits.
+* ``llm_embedding``   ``[2, H]`` (CosyVoice2 only): row 0 = sos, row 1 = task id;
+* ``speech_embedding`` ``[S+E, H]``: speech tokens ``0..S-1`` and ``E`` extra ids (3 for
+  CosyVoice2; 200 for CosyVoice3, whose sos and task id are rows ``S`` and ``S+2`` here);
+* ``llm_decoder``     ``Linear(H, S+E)`` (no bias for CosyVoice3): next-speech-token logits.
 
-``S`` is ``speech_token_size`` (6561); ``S`` is end-of-speech, ``S+1`` and ``S+2`` (the
-fill token) also stop decoding. The input sequence of a request is::
+``S`` is ``speech_token_size`` (6561); every extra id stops decoding (CosyVoice2: ``S`` is
+end-of-speech, ``S+2`` the fill token; CosyVoice3: ``S+1`` end-of-speech, ``S+3`` fill). Id
+layouts come from :class:`~cosyserve.models.config.LLMConfig`. The input sequence of a request is::
 
     [sos] + embed_tokens(prompt_text + text) + [task_id] + speech_embedding(prompt_speech_tokens)
 
@@ -245,7 +247,8 @@ class _FusedLayer:
 
 
 class SpeechLM(nn.Module):
-    """CosyVoice2 speech LM (upstream ``Qwen2LM``); ``state_dict()`` keys equal ``llm.pt``'s.
+    """Speech LM (upstream ``Qwen2LM`` / ``CosyVoice3LM``, after ``cfg.lm_class``);
+    ``state_dict()`` keys equal ``llm.pt``'s.
 
     Build with :func:`cosyserve.models.loader.load_llm` (weights from ``llm.pt``) or on any
     device with random weights. Call :meth:`setup_rope` after the weights are in place
@@ -257,9 +260,10 @@ class SpeechLM(nn.Module):
         self.cfg = cfg
         self.qwen_config = _qwen2_config(cfg)
         h = cfg.llm_input_size
-        self.llm_embedding = nn.Embedding(2, h)
+        if cfg.has_llm_embedding:
+            self.llm_embedding = nn.Embedding(2, h)
         self.llm = _Qwen2Holder(self.qwen_config)
-        self.llm_decoder = nn.Linear(cfg.llm_output_size, cfg.num_speech_rows)
+        self.llm_decoder = nn.Linear(cfg.llm_output_size, cfg.num_speech_rows, bias=cfg.decoder_bias)
         self.speech_embedding = nn.Embedding(cfg.num_speech_rows, h)
         self._rope_cos: torch.Tensor | None = None
         self._rope_sin_signed: torch.Tensor | None = None
@@ -273,11 +277,19 @@ class SpeechLM(nn.Module):
 
     @property
     def sos_id(self) -> int:
-        return 0
+        """Row of the sos input in :attr:`prefix_table` (CosyVoice2: 0; CosyVoice3: ``S``)."""
+        return 0 if self.cfg.sos_token is None else self.cfg.sos_token
 
     @property
     def task_id(self) -> int:
-        return 1
+        """Row of the task-id input in :attr:`prefix_table` (CosyVoice2: 1; CosyVoice3: ``S + 2``)."""
+        return 1 if self.cfg.task_id_token is None else self.cfg.task_id_token
+
+    @property
+    def prefix_table(self) -> nn.Embedding:
+        """The table holding the sos / task-id rows: ``llm_embedding`` (CosyVoice2) or
+        ``speech_embedding`` (CosyVoice3)."""
+        return self.llm_embedding if self.cfg.has_llm_embedding else self.speech_embedding
 
     def reset_rotary(self, device=None) -> None:
         """Rebuild the backbone's rotary-embedding module (its buffers) on ``device``.
@@ -328,19 +340,22 @@ class SpeechLM(nn.Module):
     def embed_prefix(
         self, text_ids: torch.Tensor, prompt_text_ids: torch.Tensor, prompt_speech_tokens: torch.Tensor
     ) -> torch.Tensor:
-        """Input embeddings of a request's prefix, as upstream ``Qwen2LM.inference``.
+        """Input embeddings of a request's prefix, as upstream ``Qwen2LM.inference`` (sos and
+        task id from ``llm_embedding`` for CosyVoice2, from ``speech_embedding`` for CosyVoice3).
 
         Args: 1-D integer tensors ``text_ids [Lt]`` (text to speak), ``prompt_text_ids [Lp]``
         (prompt transcript or instruction, may be empty), ``prompt_speech_tokens [Ps]``
         (speech tokens of the prompt audio, may be empty).
-        Returns ``[1 + Lp + Lt + 1 + Ps, H]`` in the LM dtype.
+        Returns ``[1 + Lp + Lt + 1 + Ps, H]`` in the LM dtype. (CosyVoice3's requirement that
+        the text hold ``<|endofprompt|>`` is checked by the frontend, which knows its id.)
         """
-        dev = self.llm_embedding.weight.device
+        table = self.prefix_table.weight
+        dev = table.device
         text = torch.cat([prompt_text_ids.reshape(-1), text_ids.reshape(-1)]).to(dev, torch.long)
         parts = [
-            self.llm_embedding.weight[self.sos_id : self.sos_id + 1],
+            table[self.sos_id : self.sos_id + 1],
             self.backbone.embed_tokens(text),
-            self.llm_embedding.weight[self.task_id : self.task_id + 1],
+            table[self.task_id : self.task_id + 1],
         ]
         if prompt_speech_tokens.numel():
             parts.append(self.speech_embedding(prompt_speech_tokens.reshape(-1).to(dev, torch.long)))
@@ -454,12 +469,13 @@ class SpeechLM(nn.Module):
         (``slots``: device int64 ``[B]`` or a ``slice`` of ``B`` consecutive slots, see
         :meth:`forward_cached`), samples its next token with
         :func:`~cosyserve.models.sampling.ras_sample_device` (``seed``, ``step``, ``ignore_eos``
-        int64/bool ``[B]`` device tensors; the repetition window is ``state.recent[slots]``) and
+        int64/bool ``[B]`` device tensors; ``eos_id`` is the id masked where ``ignore_eos``,
+        ``cfg.min_len_mask_id``; the repetition window is ``state.recent[slots]``) and
         appends it to ``state`` — no host synchronisation (pass ``kv_len``), so it can be
         captured in a CUDA graph and the next step issued before this one's tokens are read.
         ``active`` (bool ``[B]``, default all): rows whose token is appended to ``state``; the
         others are computed and discarded (their cache writes must go where nothing reads).
-        Returns ``(log-probs [B, S+3] float32, tokens [B] int64)``.
+        Returns ``(log-probs [B, S+E] float32, tokens [B] int64)``.
         """
         toks = state.last[slots]
         recent = state.recent[slots]
@@ -479,7 +495,7 @@ class SpeechLM(nn.Module):
         return out.last_hidden_state
 
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``log_softmax(llm_decoder(hidden))`` in float32: ``[..., H] -> [..., S+3]``."""
+        """``log_softmax(llm_decoder(hidden))`` in float32: ``[..., H] -> [..., S+E]``."""
         return self.llm_decoder(hidden).float().log_softmax(dim=-1)
 
     # ------------------------------------------------------------------ reference decoding
@@ -500,14 +516,17 @@ class SpeechLM(nn.Module):
         """Decode speech tokens for one request, one at a time (upstream ``Qwen2LM.inference``).
 
         Lengths: ``min_len = int(len(text_ids) * min_token_text_ratio)`` steps during which
-        end-of-speech is masked, at most ``max_len = int(len(text_ids) * max_token_text_ratio)``
+        id ``cfg.min_len_mask_id`` is masked (CosyVoice2's end-of-speech; CosyVoice3's sos, as
+        upstream), at most ``max_len = int(len(text_ids) * max_token_text_ratio)``
         tokens (the prompt text does not count). Sampling: repetition-aware sampling with the
         yaml's top-p/top-k/window/tau_r, drawing from ``generator`` (CPU) exactly as upstream
         draws from torch's global generator, so a generator seeded with ``s`` reproduces
         upstream after ``torch.manual_seed(s)``.
-        Yields speech-token ids in ``[0, S)``; stops at a stop id or ``max_len``.
+        Yields speech-token ids in ``[0, S)``; stops at a stop id (any extra id) or ``max_len``.
+        Yields every token the LM decodes (upstream ``llm_job``'s silent-token dropping is a
+        token2wav-side filter: :class:`SilentTokenFilter`).
         """
-        sampler = sampler or UpstreamSampler(self.cfg.sampling, eos_id=self.cfg.eos_token)
+        sampler = sampler or UpstreamSampler(self.cfg.sampling, eos_id=self.cfg.min_len_mask_id)
         n_text = int(text_ids.numel())
         min_len = int(n_text * min_token_text_ratio)
         max_len = int(n_text * max_token_text_ratio)
@@ -532,3 +551,37 @@ class SpeechLM(nn.Module):
             emb = self.embed_speech(torch.tensor([[tok]]))
             hidden = self.forward_cached(emb, cache, slots, torch.tensor([length]))[:, -1]
             length += 1
+
+
+class SilentTokenFilter:
+    """Upstream ``llm_job``'s rule: of consecutive "silent" speech tokens (``cfg.silent_tokens``,
+    CosyVoice3's FSQ silence/breath codes) only the first ``cfg.max_silent_tokens`` go on to
+    token2wav; later ones in the run are dropped (any other token resets the run). The LM's own
+    history keeps every token (it conditions the repetition window and the next step).
+
+    One instance per decoded segment. ``keep(token) -> bool`` says whether ``token`` goes to
+    token2wav; with an empty ``silent_tokens`` (CosyVoice2) every token is kept.
+    Source: ``cosyvoice/cli/model.py`` ``CosyVoice2Model.llm_job`` / ``CosyVoice3Model.silent_tokens``.
+    """
+
+    __slots__ = ("silent", "max_run", "run")
+
+    def __init__(self, silent_tokens, max_run: int):
+        self.silent = frozenset(int(t) for t in silent_tokens)
+        self.max_run = int(max_run)
+        self.run = 0
+
+    @classmethod
+    def for_config(cls, cfg: LLMConfig) -> "SilentTokenFilter":
+        return cls(cfg.silent_tokens, cfg.max_silent_tokens)
+
+    def keep(self, token: int) -> bool:
+        if token in self.silent:
+            self.run += 1
+            return self.run <= self.max_run
+        self.run = 0
+        return True
+
+    def filter(self, tokens) -> list[int]:
+        """``[t for t in tokens if keep(t)]`` (advances the state)."""
+        return [int(t) for t in tokens if self.keep(int(t))]

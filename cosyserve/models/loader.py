@@ -1,6 +1,7 @@
-"""Load an official CosyVoice2 model directory, or build a random-weight model from a yaml.
+"""Load an official CosyVoice2 / CosyVoice3 model directory, or build a random-weight model from a yaml.
 
-Official layout (``CosyVoice2-0.5B``)::
+Official layout (``CosyVoice2-0.5B``; ``Fun-CosyVoice3-0.5B-2512`` has ``cosyvoice3.yaml`` and
+``speech_tokenizer_v3.onnx`` instead)::
 
     cosyvoice2.yaml            hyperparameters (parsed as data, see config.py)
     llm.pt  flow.pt  hift.pt   state dicts of the speech LM, flow and HiFT (float32)
@@ -8,6 +9,9 @@ Official layout (``CosyVoice2-0.5B``)::
     speech_tokenizer_v2.onnx   S3Tokenizer v2 (ONNX)
     CosyVoice-BlankEN/         Qwen2 config.json + tokenizer files (vocab.json, merges.txt, ...)
     spk2info.pt                optional speaker cache
+
+The family is recognised from the yaml present (as upstream ``AutoModel`` does); a directory
+with both yamls is refused as ambiguous.
 
 Everything is checked up front: a missing file, or a checkpoint whose keys/shapes differ
 from the architecture the yaml describes, fails with one :class:`ModelDirError` /
@@ -23,10 +27,12 @@ import torch
 
 from ..errors import ModelDirError
 from .checkpoint import load_strict, normalize_weight_norm_keys, read_state_dict
-from .config import QWEN_DIR, CosyVoice2Config, load_config
+from .config import MODEL_FAMILIES, QWEN_DIR, CosyVoice2Config, load_config
 from .llm import SpeechLM
 
 YAML_NAME = "cosyvoice2.yaml"
+#: the speech tokenizer file of each family
+SPEECH_TOKENIZER_FILES = {"cosyvoice2": "speech_tokenizer_v2.onnx", "cosyvoice3": "speech_tokenizer_v3.onnx"}
 #: marks a ``--random-weights`` directory: no weight files, networks built from the yaml
 RANDOM_WEIGHTS_MARKER = "RANDOM_WEIGHTS_NO_FILES.json"
 LLM_FILE = "llm.pt"
@@ -40,13 +46,14 @@ QWEN_FILES = ("config.json", "vocab.json", "merges.txt", "tokenizer_config.json"
 
 @dataclass(frozen=True)
 class ModelDir:
-    """Validated paths of a model directory."""
+    """Validated paths of a model directory; ``family`` is ``"cosyvoice2"`` or ``"cosyvoice3"``."""
 
     root: Path
+    family: str = "cosyvoice2"
 
     @property
     def yaml(self) -> Path:
-        return self.root / YAML_NAME
+        return self.root / MODEL_FAMILIES[self.family]["yaml"]
 
     @property
     def llm(self) -> Path:
@@ -66,7 +73,7 @@ class ModelDir:
 
     @property
     def speech_tokenizer(self) -> Path:
-        return self.root / SPEECH_TOKENIZER_FILE
+        return self.root / SPEECH_TOKENIZER_FILES[self.family]
 
     @property
     def qwen(self) -> Path:
@@ -78,9 +85,23 @@ class ModelDir:
         return p if p.is_file() else None
 
 
-def open_model_dir(path: str | Path, need: tuple[str, ...] = ("llm", "flow", "hift", "onnx", "qwen")) -> ModelDir:
-    """Check that ``path`` is a CosyVoice2 model directory; return its :class:`ModelDir`.
+def detect_model_family(root: Path) -> str:
+    """``"cosyvoice2"`` or ``"cosyvoice3"``: which official yaml ``root`` holds. Raises
+    :class:`ModelDirError` if it holds neither (or both)."""
+    found = [f for f, m in MODEL_FAMILIES.items() if (root / m["yaml"]).is_file()]
+    names = " or ".join(m["yaml"] for m in MODEL_FAMILIES.values())
+    if not found:
+        raise ModelDirError(f"{root} is not a CosyVoice model directory: it has no {names}")
+    if len(found) > 1:
+        raise ModelDirError(f"{root} holds both {names}; keep the one of the model whose weights are there")
+    return found[0]
 
+
+def open_model_dir(path: str | Path, need: tuple[str, ...] = ("llm", "flow", "hift", "onnx", "qwen")) -> ModelDir:
+    """Check that ``path`` is a CosyVoice2 or CosyVoice3 model directory; return its :class:`ModelDir`.
+
+    The family comes from the yaml present (``cosyvoice2.yaml`` / ``cosyvoice3.yaml``), and
+    with it the speech tokenizer's file name (``speech_tokenizer_v2.onnx`` / ``_v3``).
     ``need`` selects which parts must be present (``llm``, ``flow``, ``hift``, ``onnx``,
     ``qwen``); a random-weights directory (``RANDOM_WEIGHTS_MARKER``) needs no weight files.
     Raises :class:`ModelDirError` listing every missing file.
@@ -88,10 +109,13 @@ def open_model_dir(path: str | Path, need: tuple[str, ...] = ("llm", "flow", "hi
     root = Path(path).expanduser()
     if not root.is_dir():
         raise ModelDirError(f"model directory {root} does not exist or is not a directory")
-    md = ModelDir(root.resolve())
+    yamls = [m["yaml"] for m in MODEL_FAMILIES.values()]
+    no_yaml = not any((root / y).is_file() for y in yamls)
+    # without a yaml, list what a CosyVoice2 directory lacks (naming both yamls)
+    md = ModelDir(root.resolve(), "cosyvoice2" if no_yaml else detect_model_family(root))
     if (root / RANDOM_WEIGHTS_MARKER).is_file():
         need = tuple(n for n in need if n not in ("llm", "flow", "hift")) + (("qwen",) if "llm" in need else ())
-    files = [YAML_NAME]
+    files = [" or ".join(yamls) if no_yaml else md.yaml.name]
     if "llm" in need:
         files.append(LLM_FILE)
     if "flow" in need:
@@ -99,18 +123,19 @@ def open_model_dir(path: str | Path, need: tuple[str, ...] = ("llm", "flow", "hi
     if "hift" in need:
         files.append(HIFT_FILE)
     if "onnx" in need:
-        files += [CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE]
+        files += [CAMPPLUS_FILE, md.speech_tokenizer.name]
     if "qwen" in need or "llm" in need:
         files += [f"{QWEN_DIR}/{f}" for f in QWEN_FILES]
     missing = [f for f in files if not (root / f).is_file()]
     if missing:
-        raise ModelDirError(f"{root} is not a complete CosyVoice2 model directory: missing {', '.join(missing)}")
+        kind = "CosyVoice3" if md.family == "cosyvoice3" else "CosyVoice2"
+        raise ModelDirError(f"{root} is not a complete {kind} model directory: missing {', '.join(missing)}")
     return md
 
 
 @dataclass
 class CosyVoice2Models:
-    """The three networks of a CosyVoice2 model and the configuration they were built from."""
+    """The three networks of a CosyVoice2 / CosyVoice3 model and the configuration they were built from."""
 
     cfg: CosyVoice2Config
     llm: SpeechLM | None
@@ -121,13 +146,29 @@ class CosyVoice2Models:
     dit: "object | None" = None
 
 
-def _flow_cls():
+def _require_part(cfg: CosyVoice2Config, part: str) -> None:
+    if getattr(cfg, part) is None:
+        raise ModelDirError(f"this build of cosyserve cannot build the CosyVoice3 {part} "
+                            f"({'CausalMaskedDiffWithDiT' if part == 'flow' else 'CausalHiFTGenerator'}); "
+                            "load the LM / frontend only (components=('llm',))")
+
+
+def _flow_cls(cfg: CosyVoice2Config):
+    """The flow module class of ``cfg``'s family (CosyVoice3: ``cosyserve.models.cv3_flow``)."""
+    if cfg.is_cosyvoice3:
+        _require_part(cfg, "flow")
+        from . import cv3_flow
+
+        return cv3_flow.CV3FlowModel
     from .flow import FlowModel
 
     return FlowModel
 
 
-def _hift_cls():
+def _hift_cls(cfg: CosyVoice2Config):
+    """The vocoder class (one HiFT family: the causal CosyVoice3 variant is configured by ``cfg.hift``)."""
+    if cfg.is_cosyvoice3:
+        _require_part(cfg, "hift")
     from .hift import HiFTGenerator
 
     return HiFTGenerator
@@ -149,14 +190,14 @@ def load_llm(md: ModelDir, cfg: CosyVoice2Config, device="cpu", dtype=torch.floa
 
 def load_flow(md: ModelDir, cfg: CosyVoice2Config, device="cpu", dtype=torch.float32):
     """Build the flow model and load ``flow.pt`` strictly."""
-    flow = _flow_cls()(cfg.flow)
+    flow = _flow_cls(cfg)(cfg.flow)
     load_strict(flow, read_state_dict(md.flow), str(md.flow))
     return flow.to(device=device, dtype=dtype).eval()
 
 
 def load_hift(md: ModelDir, cfg: CosyVoice2Config, device="cpu", dtype=torch.float32, fold_weight_norm: bool = True):
     """Build HiFT and load ``hift.pt`` strictly (either weight-norm key spelling)."""
-    hift = _hift_cls()(cfg.hift)
+    hift = _hift_cls(cfg)(cfg.hift)
     sd = normalize_weight_norm_keys(read_state_dict(md.hift), strip_prefix="generator.")
     load_strict(hift, sd, str(md.hift))
     if fold_weight_norm:
@@ -170,7 +211,7 @@ def load_models(
     dtype: torch.dtype = torch.float32,
     components: tuple[str, ...] = ("llm", "flow", "hift"),
 ) -> CosyVoice2Models:
-    """Load the networks of an official CosyVoice2 model directory.
+    """Load the networks of an official CosyVoice2 or CosyVoice3 model directory.
 
     ``dtype`` applies to the LM and flow; HiFT always runs in float32 (its source
     excitation and iSTFT are precision-sensitive, as upstream keeps it in float32).
@@ -213,7 +254,7 @@ def build_random(
     components: tuple[str, ...] = ("llm", "flow", "hift"),
     fold_weight_norm: bool = True,
 ) -> CosyVoice2Models:
-    """Random-weight CosyVoice2 networks built from a yaml alone (for benchmarks/demos).
+    """Random-weight CosyVoice2 / CosyVoice3 networks built from a yaml alone (for benchmarks/demos).
 
     The Qwen2 config is read from ``qwen_config_path`` or ``<yaml dir>/CosyVoice-BlankEN/
     config.json``. Weights use each module's default initialisation under
@@ -229,8 +270,8 @@ def build_random(
         torch.manual_seed(seed)
         with torch.device(device):
             llm = SpeechLM(cfg.llm) if "llm" in components else None
-            flow = _flow_cls()(cfg.flow) if "flow" in components else None
-            hift = _hift_cls()(cfg.hift) if "hift" in components else None
+            flow = _flow_cls(cfg)(cfg.flow) if "flow" in components else None
+            hift = _hift_cls(cfg)(cfg.hift) if "hift" in components else None
     if llm is not None:
         llm.to(dtype=dtype).eval()
         llm.setup_rope()

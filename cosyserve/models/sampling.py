@@ -31,9 +31,10 @@ class UpstreamSampler:
     """Per-step RAS sampler for one request; draws from a (CPU) ``torch.Generator``.
 
     ``sample(logp, decoded, generator, ignore_eos)``: ``logp`` is the float32
-    log-probability vector ``[S+3]`` of one step, ``decoded`` the tokens emitted so far.
+    log-probability vector ``[S+E]`` of one step, ``decoded`` the tokens emitted so far.
     Returns the sampled id (an ``int``). ``ignore_eos`` masks ``eos_id`` (only that id,
-    as upstream) before sampling. ``logp`` is not modified.
+    as upstream) before sampling: pass ``LLMConfig.min_len_mask_id`` (upstream masks index
+    ``speech_token_size``: CosyVoice2's eos, CosyVoice3's sos). ``logp`` is not modified.
     """
 
     def __init__(self, cfg: SamplingConfig, eos_id: int):
@@ -88,7 +89,7 @@ class UpstreamSampler:
         consumption as ``B`` calls of :meth:`sample` (row ``b`` with ``decoded[b]``,
         ``generators[b]``, ``ignore_eos[b]``), at a fraction of the host time.
 
-        ``logp``: float ``[B, S+3]`` log-probabilities (CPU). The softmax is taken over the
+        ``logp``: float ``[B, S+E]`` log-probabilities (CPU). The softmax is taken over the
         whole batch (bitwise equal to per-row softmax on the CPU) and the nucleus is found with
         ``topk`` instead of a full sort: the ``top_k`` largest probabilities, ordered by value
         descending then index ascending, are exactly the head of the stable descending sort

@@ -118,7 +118,7 @@ def served_vocab(state: ServerState) -> SpeechVocab:
     from ..client.remote_lm import speech_vocab
 
     synth = state.synth
-    return speech_vocab(len(synth.frontend.tokenizer), synth.cfg.llm.speech_token_size)
+    return speech_vocab(len(synth.frontend.tokenizer), synth.cfg.llm.speech_token_size, synth.cfg.model_family)
 
 
 def prompt_ids_from(prompt, state: ServerState, sv: SpeechVocab) -> list[int]:
@@ -232,8 +232,8 @@ async def _complete_one(state: ServerState, body: CompletionRequest, prompt, sv:
     text, speech = split_prompt(ids, sv)
     core = state.engine.core
     cfg = state.synth.cfg.llm
-    bias = _bias_tensor(body.logit_bias, sv, cfg.speech_token_size + 3)
-    base = UpstreamSampler(cfg.sampling, eos_id=cfg.eos_token)
+    bias = _bias_tensor(body.logit_bias, sv, cfg.num_speech_rows)
+    base = UpstreamSampler(cfg.sampling, eos_id=cfg.min_len_mask_id)
 
     def factory():
         return CompletionSampler(base, body.temperature, body.top_p, body.top_k, bias)

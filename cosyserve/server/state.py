@@ -153,7 +153,10 @@ class ServerState:
             return
         wav = torch.zeros(1, 24000 * 2)
         wav[0, ::40] = 0.2
-        voice = await asyncio.to_thread(self.synth.make_voice, "warmup", (wav, 24000), "你好。")
+        # CosyVoice3 prompt texts carry an instruction ending in <|endofprompt|>
+        transcript = "You are a helpful assistant.<|endofprompt|>你好。" if self.synth.frontend.requires_endofprompt \
+            else "你好。"
+        voice = await asyncio.to_thread(self.synth.make_voice, "warmup", (wav, 24000), transcript)
         for stream in (True, False):
             req = self.synth.build_request("你好，世界。Hello.", voice, SynthesisParams(
                 seed=0, stream=stream, min_token_text_ratio=2, max_token_text_ratio=3), "warmup-" + str(stream))
