@@ -426,6 +426,13 @@ def _engine_args(p, in_process: bool = False) -> None:
                    help="token2wav jobs not yet due join a batch only if they need more than FRACTION of its "
                         "flow length, or fill rows its CUDA-graph bucket would pad (default 0.75; 0: any shorter "
                         "job joins)")
+    p.add_argument("--admission", default=None, metavar="auto|off|N",
+                   help="admission control: start a queued stream only while the admitted ones stay real time; "
+                        "'auto' = the capacity the engine measures (LM step and token2wav costs), N = at most N "
+                        "streams, 'off' = only --max-active-streams; default auto on CUDA, off on CPU" + note)
+    p.add_argument("--admission-target", type=float, default=0.8, metavar="FRACTION",
+                   help="auto admission: the share of the scheduler thread / GPU the admitted streams may need "
+                        "(default 0.8; headroom for jitter and prefills)" + note)
     p.add_argument("--lazy-graphs", action="store_true",
                    help="capture CUDA graphs (LM prefill, flow, HiFT) on first use instead of at start-up "
                         "(starts ~100 s faster; each capture while serving stalls every stream for 0.1-0.4 s)")
@@ -443,8 +450,11 @@ def _engine_config(args, **overrides):
                   max_t2w_tokens=args.max_t2w_tokens, t2w_batch_target=args.t2w_batch_target,
                   t2w_gather_s=args.t2w_gather, t2w_length_window=args.t2w_length_window,
                   graph_warmup=not lazy, t2w_graph_warmup=not lazy,
-                  decode_lookahead=args.decode_lookahead)
+                  decode_lookahead=args.decode_lookahead, admission=args.admission,
+                  admission_target=args.admission_target)
     fields.update(overrides)
+    if not 0 < fields["admission_target"] <= 1:
+        raise CLIError(f"--admission-target must be in (0, 1], got {fields['admission_target']}")
     try:
         return EngineConfig(**fields)
     except ValueError as exc:
