@@ -24,10 +24,11 @@ from _server import Server
 from cosyserve.client.bench import playback_stalls
 from cosyserve.engine.admission import AdmissionPolicy, CapacityEstimator, chunk_speedup
 from cosyserve.engine.chunking import ChunkPolicy
-from cosyserve.engine.core import EngineConfig, EngineObserver, QueueFullError
+from cosyserve.engine.core import EngineConfig, QueueFullError
 from cosyserve.engine.request import AudioChunk, RequestFinished, SynthesisParams
 from cosyserve.engine.token2wav import Token2Wav, Token2WavResult
 from cosyserve.models.hift import HiFTStreamState
+from cosyserve.server.metrics import Metrics
 
 # artificial costs (seconds): an LM step over b rows sleeps LM_FIXED + LM_ROW * b, a token2wav
 # batch T2W_FIXED + T2W_PER_AUDIO_S per second of audio it makes
@@ -150,14 +151,24 @@ class SlowToken2Wav(Token2Wav):
         return pending.results
 
 
-class Admissions(EngineObserver):
+class Admissions(Metrics):
+    """The server's observer (its admission hooks run too), recording the admission order and
+    the capacity changes."""
+
     def __init__(self):
+        super().__init__()
         self.order: list[str] = []
         self.in_order: list[bool] = []
+        self.changes: list[int] = []
 
     def admitted(self, request_id, waited_s, in_order):
+        super().admitted(request_id, waited_s, in_order)
         self.order.append(request_id)
         self.in_order.append(in_order)
+
+    def capacity_changed(self, streams, estimate):
+        super().capacity_changed(streams, estimate)
+        self.changes.append(streams)
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +191,7 @@ def slow_engine(synth, **cfg):
     syn, _ = synth
     obs = Admissions()
     core = syn.new_engine(EngineConfig(**cfg), observer=obs)
+    obs.attach(core)
     assert syn.models.cfg.sample_rate == 24000
     core.t2w = SlowToken2Wav(core.t2w, syn.models.cfg.sample_rate // syn.models.cfg.token_frame_rate,
                              ChunkPolicy.parse(POLICY).lookahead)
@@ -274,6 +286,10 @@ def test_auto_admission_estimates_the_artificial_capacity(synth):
     assert 1 <= core.capacity_streams <= math.floor(bound)
     assert stalled(res) == [] and all(r["done"].outcome.value == "ok" for r in res.values())
     assert obs.order == [f"r{i}" for i in range(6)]
+    # the server's gauges follow the engine (the hook the engine calls on a material change)
+    obs.capacity_changed(core.capacity_streams, est)
+    assert obs.capacity._value.get() == core.capacity_streams and obs.admitted_streams._value.get() == 0
+    assert obs.admissions._value.get() == 6
 
 
 # ---------------------------------------------------------------------------- /metrics

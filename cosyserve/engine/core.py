@@ -216,7 +216,7 @@ class EngineObserver:
         """A queued request became active after ``waited_s`` seconds; ``in_order``: no request
         that arrived later was admitted before it."""
 
-    def capacity(self, streams: int, estimate: float | None) -> None:
+    def capacity_changed(self, streams: int, estimate: float | None) -> None:
         """The admission limit changed materially (``estimate``: the raw model, streams)."""
 
     def host(self, phase: str, seconds: float) -> None:
@@ -570,7 +570,7 @@ class EngineCore:
                          "unmeasured" if est is None else f"{est:.1f}", self.admission,
                          extra={"event": "capacity", "capacity_streams": cap,
                                 "estimate": None if est is None else round(min(est, 1e9), 2)})
-                hook = getattr(self.observer, "capacity", None)  # observers may be duck-typed
+                hook = getattr(self.observer, "capacity_changed", None)  # observers may be duck-typed
                 if hook is not None:
                     hook(cap, est)
             self._logged_capacity = cap

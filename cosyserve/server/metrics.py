@@ -126,6 +126,9 @@ class Metrics(EngineObserver):
         self.stage_seconds.labels(name).observe(seconds)
         self.stage_items.labels(name).inc(batch_size)
 
+    def capacity_changed(self, streams: int, estimate: float | None) -> None:
+        self._gauges()
+
     def admitted(self, request_id: str, waited_s: float, in_order: bool) -> None:
         self.admissions.inc()
         if not in_order:
