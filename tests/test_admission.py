@@ -344,3 +344,17 @@ def test_metrics_expose_the_admission_gauges(tmp_path):
     finally:
         assert srv.stop() == 0
     assert "Traceback" not in srv.logs()
+
+
+def test_estimator_keeps_its_model_over_an_idle_gap():
+    """An hour without requests: the old measurements are aged by at most 5 half-lives, so the
+    model survives (no slow start again) and new measurements dominate at once."""
+    clock = Clock()
+    est = CapacityEstimator(25, target=0.8, clock=clock)
+    feed(est, clock, 0.004, 0.002, 0.2)
+    before = est.estimate()
+    clock.t += 3600
+    feed(est, clock, 0.004, 0.002, 0.2, n=1)
+    assert est.estimate() == pytest.approx(before, rel=0.1)
+    feed(est, clock, 0.008, 0.004, 0.4, n=100)  # then twice as slow: followed within ~2 s
+    assert est.estimate() == pytest.approx((0.8 - 25 * 0.008) / (25 * 0.004 + 0.4), rel=0.15)

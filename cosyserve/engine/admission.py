@@ -211,8 +211,9 @@ class CapacityEstimator:
     ``max_streams``: upper clamp (``EngineConfig.max_active``); ``initial``: the capacity
     before any measurement; ``growth``: the estimate is at most ``growth`` x the most
     streams measured admitted at once, + 1; ``half_life_s``: the weight of a measurement
-    halves every this many seconds. ``clock``: the time source (seconds; tests pass their own).
-    Not thread-safe: fed and read by the engine thread (readers elsewhere read
+    halves every this many seconds (an idle gap counts as at most 5 half-lives); ``clock``:
+    the time source (seconds; tests pass their own). Raises ValueError for settings out of
+    range. Not thread-safe: fed and read by the engine thread (readers elsewhere read
     :attr:`last` / :attr:`last_estimate`, plain attributes).
     """
 
@@ -237,9 +238,11 @@ class CapacityEstimator:
         self.last_estimate: float | None = None
 
     def _decay(self) -> None:
+        """Age the sums before a new measurement; an idle gap counts as at most 5 half-lives
+        (the old measurements then weigh 1/32 of a new one's, and never underflow to none)."""
         now = self.clock()
         if self._t is not None and now > self._t:
-            f = 0.5 ** ((now - self._t) / self.half_life_s)
+            f = 0.5 ** min(5.0, (now - self._t) / self.half_life_s)
             self.host.decay(f)
             self.device.decay(f)
         self._t = now
