@@ -112,7 +112,7 @@ def test_estimator_bounds_extrapolation_and_takes_the_tighter_resource():
     assert est4.estimate() == pytest.approx(2 * 1.0 / (25 * 0.01), rel=0.06)
 
 
-def test_policy_parsing_and_chunk_speedup():
+def test_policy_parsing_and_chunk_speedup(capsys):
     assert AdmissionPolicy.parse("auto").mode == "auto" and AdmissionPolicy.parse("off").mode == "off"
     assert AdmissionPolicy.parse("8") == AdmissionPolicy("fixed", 8) == AdmissionPolicy.parse(8)
     for bad in ("0", "-3", "many", "1.5"):
@@ -125,6 +125,14 @@ def test_policy_parsing_and_chunk_speedup():
     assert chunk_speedup(ChunkPolicy.parse("fixed:25")) == 1.0
     assert chunk_speedup(ChunkPolicy.parse("upstream")) == 2.0  # 25, 50, 100: 50 tokens while 25 play
     assert 1.9 < chunk_speedup(ChunkPolicy.parse("exponential")) < 2.0  # 15, 25, 50, 100, 200
+    # the CLI option: one clear line, no traceback
+    from cosyserve.cli import main
+
+    for argv, msg in ((["--admission", "bogus"], "--admission must be 'auto', 'off' or a number"),
+                      (["--admission-target", "1.5"], "--admission-target must be in (0, 1]")):
+        assert main(["bench", "--in-process", "--demo", *argv]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err
 
 
 # ---------------------------------------------------------------------------- the engine, slowed down
@@ -358,3 +366,32 @@ def test_estimator_keeps_its_model_over_an_idle_gap():
     assert est.estimate() == pytest.approx(before, rel=0.1)
     feed(est, clock, 0.008, 0.004, 0.4, n=100)  # then twice as slow: followed within ~2 s
     assert est.estimate() == pytest.approx((0.8 - 25 * 0.008) / (25 * 0.004 + 0.4), rel=0.15)
+
+
+@pytest.mark.gpu
+def test_auto_admission_on_cuda_measures_the_device(tmp_path):
+    """On CUDA admission is ``auto`` by default and the capacity model is fed with device time
+    (CUDA events of prefill/decode and flow/HiFT) as well as the scheduler thread's."""
+    from cosyserve.engine.pipeline import Synthesizer
+    from cosyserve.models.demo import shipped_prompt, write_demo_model
+
+    syn = Synthesizer(write_demo_model(tmp_path / "model"), device="cuda", normalizer="rules")
+    voice = syn.make_voice("v", *shipped_prompt())
+    obs = Admissions()
+    core = syn.new_engine(EngineConfig(max_active=8, max_queue=8), observer=obs)
+    assert core.admission.mode == "auto" and core.admission_limit == 2  # slow start
+    params = SynthesisParams(seed=0, chunk_policy=ChunkPolicy.parse("exponential"), min_token_text_ratio=RATIO,
+                             max_token_text_ratio=RATIO)
+    for i in range(8):
+        core.add_request(syn.build_request(TEXT, voice, params, f"g{i}"))
+    done, speedups = [], []
+    while core.has_work():
+        done += [e for e in core.step() if isinstance(e, RequestFinished)]
+        speedups.append(core.capacity_model.speedup)
+    assert sorted(e.request_id for e in done) == [f"g{i}" for i in range(8)]
+    assert all(e.outcome.value == "ok" for e in done)
+    model = core.capacity_model
+    assert model.device.lm.w > 0 and model.device.t2w.value() is not None and model.host.t2w.value() is not None
+    assert max(speedups) == pytest.approx(chunk_speedup(ChunkPolicy.parse("exponential")))
+    assert model.last_estimate is not None and 1 <= core.capacity_streams <= 8
+    assert obs.order == [f"g{i}" for i in range(8)] and all(obs.in_order)
