@@ -441,6 +441,13 @@ def _engine_args(p, in_process: bool = False) -> None:
                    help="token2wav jobs not yet due join a batch only if they need more than FRACTION of its "
                         "flow length, or fill rows its CUDA-graph bucket would pad (default 0.75; 0: any shorter "
                         "job joins)")
+    p.add_argument("--admission", default=None, metavar="auto|off|N",
+                   help="admission control: start a queued stream only while the admitted ones stay real time; "
+                        "'auto' = the capacity the engine measures (LM step and token2wav costs), N = at most N "
+                        "streams, 'off' = only --max-active-streams; default auto on CUDA, off on CPU" + note)
+    p.add_argument("--admission-target", type=float, default=0.8, metavar="FRACTION",
+                   help="auto admission: the share of the scheduler thread / GPU the admitted streams may need "
+                        "(default 0.8; headroom for jitter and prefills)" + note)
     p.add_argument("--lazy-graphs", action="store_true",
                    help="capture CUDA graphs (LM prefill, flow, HiFT) on first use instead of at start-up "
                         "(starts ~100 s faster; each capture while serving stalls every stream for 0.1-0.4 s)")
@@ -458,8 +465,11 @@ def _engine_config(args, **overrides):
                   max_t2w_tokens=args.max_t2w_tokens, t2w_batch_target=args.t2w_batch_target,
                   t2w_gather_s=args.t2w_gather, t2w_length_window=args.t2w_length_window,
                   graph_warmup=not lazy, t2w_graph_warmup=not lazy,
-                  decode_lookahead=args.decode_lookahead)
+                  decode_lookahead=args.decode_lookahead, admission=args.admission,
+                  admission_target=args.admission_target)
     fields.update(overrides)
+    if not 0 < fields["admission_target"] <= 1:
+        raise CLIError(f"--admission-target must be in (0, 1], got {fields['admission_target']}")
     try:
         return EngineConfig(**fields)
     except ValueError as exc:
@@ -551,7 +561,9 @@ def cmd_bench(args) -> int:
     _resolve_random_weights(args)
     device = _device(args.device) if args.in_process else "cpu"
     opts = BenchOptions(
-        url=args.url, protocol=protocol, mode=args.mode, concurrency=parse_levels(args.concurrency), set=args.set,
+        url=args.url, protocol=protocol, mode=args.mode,
+        concurrency=None if args.capacity and args.concurrency is None else parse_levels(args.concurrency or "1,2,4,8,16"),
+        set=args.set,
         limit=args.limit, requests_per_level=args.requests_per_level, repeat=args.repeat, warmup=args.warmup,
         seed=args.seed, voice=args.voice, api_key=args.api_key or os.environ.get("COSYSERVE_API_KEY") or None,
         model_name=args.model_name, out=args.out, save_audio=args.save_audio, timeout_s=args.timeout,
@@ -560,7 +572,9 @@ def cmd_bench(args) -> int:
         demo=args.demo, device=device, dtype=str(_dtype(args.dtype, device)).replace("torch.", ""),
         hift_dtype=args.hift_dtype, voices_dir=args.voices_dir or DEFAULT_VOICES_DIR,
         engine=_engine_config(args) if args.in_process else None, chunk_policy=args.chunk_policy,
-        metrics_url=args.metrics_url, token2wav_dir=args.token2wav_dir)
+        metrics_url=args.metrics_url, min_requests_per_client=args.min_requests_per_client, capacity=args.capacity,
+        p99_bound_ms=args.p99_bound_ms, max_streams=args.max_streams, capacity_tolerance=args.capacity_tolerance,
+        overload=args.overload, token2wav_dir=args.token2wav_dir)
     report = run_bench(opts)
     failed = sum(lv["failed"] for lv in report["levels"])
     return 1 if failed and not any(lv["ok"] for lv in report["levels"]) else 0
@@ -772,11 +786,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="grpc (Triton ModelStreamInfer / ModelInfer), http (KServe v2 infer, offline only), openai "
                         "(/v1/audio/speech pcm); default: grpc for grpc:// URLs, else openai")
     b.add_argument("--mode", choices=["streaming", "offline"], default="streaming")
-    b.add_argument("--concurrency", default="1,2,4,8,16", help="concurrent clients per level (default 1,2,4,8,16)")
+    b.add_argument("--concurrency", default=None,
+                   help="concurrent clients per level (default 1,2,4,8,16; with --capacity: the levels probed "
+                        "before bisecting, default 1,2,4,... up to --max-streams)")
     b.add_argument("--set", help="benchmark set folder or manifest .jsonl (default: benchmarks/sets/default)")
     b.add_argument("--limit", type=int, help="use only the first N items")
     b.add_argument("--requests-per-level", type=int, help="requests per level (default: items x --repeat)")
     b.add_argument("--repeat", type=int, default=1, help="times each item is sent per level (default 1)")
+    b.add_argument("--min-requests-per-client", type=_positive_int, default=3, metavar="N",
+                   help="every level sends at least N requests per client, back to back: a steady state, not a "
+                        "burst (default 3; fewer per client is flagged 'burst' in the table)")
+    b.add_argument("--capacity", action="store_true",
+                   help="find the most concurrent streams with 0 stalls, no failures and first-chunk p99 within "
+                        "--p99-bound-ms: levels doubling up to --max-streams, then bisection")
+    b.add_argument("--p99-bound-ms", type=float, default=500.0, metavar="MS",
+                   help="--capacity: first-chunk p99 bound (default 500)")
+    b.add_argument("--max-streams", type=_positive_int, default=256, metavar="N",
+                   help="--capacity: the largest level probed (default 256)")
+    b.add_argument("--capacity-tolerance", type=_fraction, default=0.1, metavar="FRACTION",
+                   help="--capacity: bisect until the gap is within FRACTION of the capacity, at least 1 stream "
+                        "(default 0.1; 0 = exact)")
+    b.add_argument("--overload", type=_nonnegative_float, default=0.0, metavar="FACTOR",
+                   help="--capacity: then run one level at FACTOR x the capacity (e.g. 2) and report stalls among "
+                        "the streams that ran, refusals, and whether queued requests started in arrival order")
     b.add_argument("--warmup", type=int, default=2, help="warm-up requests before the first level, not counted")
     b.add_argument("--seed", type=int, default=0, help="request seed = SEED + item index (same audio across levels)")
     b.add_argument("--voice", help="send this registered voice id instead of each item's reference audio")

@@ -21,13 +21,16 @@ import torch
 
 from _server import Server, free_port
 from cosyserve.cli import main
-from cosyserve.client.bench import in_flight_throughput, playback_stalls, stats
+from cosyserve.client.bench import in_flight_throughput, level_passes, playback_stalls, stats
 from cosyserve.client.manifest import DEFAULT_SET, ManifestError, load_manifest
 from cosyserve.client.remote_lm import parse_speech_tokens, speech_vocab
 
 N_ITEMS = 4
 RATIO = ["--min-token-text-ratio", "3", "--max-token-text-ratio", "3"]  # pinned: random weights never stop
 SAMPLES_PER_TOKEN = 960  # 24 kHz / 25 tokens per second
+# one request per item per level, as before steady-state levels became the default (keeps these
+# runs short; the level of 4 clients is then a flagged burst)
+BURST = ["--min-requests-per-client", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +152,7 @@ def check_report(rep: dict, out: Path, streaming: bool, levels=(1, 4)) -> None:
     for lv in rep["levels"]:
         recs = [r for r in rep["requests"] if r["concurrency"] == lv["concurrency"]]
         assert lv["requests"] == len(recs) == N_ITEMS and lv["ok"] == N_ITEMS and lv["failed"] == 0, lv["errors"]
+        assert lv["burst"] == (N_ITEMS < 3 * lv["concurrency"])
         for key in ("first_chunk_s", "total_s"):
             s = lv[key]
             assert s["n"] == N_ITEMS
@@ -211,7 +215,7 @@ def test_bench_protocol_and_mode(tts, tmp_path, capsys, reports, protocol, mode)
     extra = ["--metrics-url", tts.url + "/metrics"] if protocol == "grpc" else []
     code, out, err = run(capsys, "bench", "--url", url, "--protocol", protocol, "--mode", mode, "--limit", N_ITEMS,
                          "--concurrency", "1,4", "--warmup", 1, "--out", tmp_path, "--save-audio", "--no-progress",
-                         "--seed", 7, *extra)
+                         "--seed", 7, *extra, *BURST)
     assert code == 0, err
     rep = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
     check_report(rep, tmp_path, mode == "streaming")
@@ -224,7 +228,7 @@ def test_bench_protocol_and_mode(tts, tmp_path, capsys, reports, protocol, mode)
 def test_bench_in_process_same_workload(tts, tmp_path, capsys, reports, monkeypatch):
     monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tts.cache))  # the server's demo model (same seed)
     code, out, err = run(capsys, "bench", "--in-process", "--demo", "--limit", N_ITEMS, "--concurrency", "1,4",
-                         "--warmup", 1, "--out", tmp_path, "--save-audio", "--no-progress", "--seed", 7, *RATIO)
+                         "--warmup", 1, "--out", tmp_path, "--save-audio", "--no-progress", "--seed", 7, *RATIO, *BURST)
     assert code == 0, err
     rep = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
     check_report(rep, tmp_path, True)
@@ -259,7 +263,7 @@ def test_random_weights_server_and_in_process(tmp_path, capsys, monkeypatch):
     try:
         code, _, err = run(capsys, "bench", "--url", srv.grpc_url, "--metrics-url", srv.url + "/metrics", "--limit", 2,
                            "--concurrency", "2", "--warmup", 0, "--voice", "default", "--out", tmp_path / "a",
-                           "--no-progress")
+                           "--no-progress", *BURST)
         assert code == 0, err
     finally:
         assert srv.stop() == 0
@@ -267,7 +271,7 @@ def test_random_weights_server_and_in_process(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(srv.cache))
     code, out, err = run(capsys, "bench", "--in-process", *rw, "--limit", 2, "--concurrency", "2", "--warmup", 0,
                          "--voice", "default", "--chunk-policy", "exponential", "--out", tmp_path / "b",
-                         "--no-progress", *RATIO)
+                         "--no-progress", *RATIO, *BURST)
     assert code == 0, err
     a, b = (json.loads((tmp_path / d / "report.json").read_text()) for d in "ab")
     for rep in (a, b):
@@ -451,3 +455,68 @@ def test_engine_lm_only_mode(demo_synth):
     assert SynthesisParams(min_token_text_ratio=2, max_token_text_ratio=3).token_bounds(10) == (20, 30)
     assert torch.equal(torch.tensor(done["lm"].tokens[0]), torch.tensor(full.finished.tokens[0]))
     assert np.isfinite(full.audio.numpy()).all()
+
+
+# ---------------------------------------------------------------------------- capacity mode (issue 17)
+
+
+def test_capacity_search_bisects_to_the_largest_passing_level():
+    from cosyserve.client.bench import BenchOptions, _capacity_search
+
+    for true_cap, tol, ladder in ((37, 0.0, [1, 2, 4, 8, 16, 32, 64, 128]), (37, 0.1, [8, 16, 32, 64]),
+                                  (3, 0.0, [1, 2, 4]), (0, 0.0, [1, 2]), (5, 0.0, [4, 8])):
+        runs = []
+
+        def run(c, role):
+            runs.append((c, role))
+            return {"pass": c <= true_cap}
+
+        cap = _capacity_search(run, BenchOptions(capacity=True, capacity_tolerance=tol), ladder)
+        lo = max([c for c, _ in runs if c <= true_cap], default=0)
+        assert cap["streams"] == lo <= true_cap and true_cap - lo <= max(1, int(lo * tol)) - (tol == 0)
+        assert cap["first_failing"] == min(c for c, _ in runs if c > true_cap)
+        probes = [c for c, role in runs if role == "probe"]
+        assert probes == [c for c in ladder if c <= min(c2 for c2 in ladder if c2 > true_cap)]
+    # everything passes: the capacity is the top of the ladder, nothing failed
+    cap = _capacity_search(lambda c, role: {"pass": True}, BenchOptions(capacity=True), [1, 2, 4])
+    assert cap["streams"] == 4 and cap["first_failing"] is None
+
+
+def test_bench_capacity_mode(tts, tmp_path, capsys):
+    """``bench --capacity`` against the demo server: steady levels (3 requests per client, not a
+    burst); offline with a bound every level meets (capacity = --max-streams, then an overload
+    level at 2x whose requests the server admitted in arrival order, from its /metrics), and
+    streaming with a bound no level meets (capacity 0); report.json and the printed tables agree.
+    (Whether a CPU demo server keeps a stream real time depends on the machine: the outcome-based
+    cases use bounds that do not.)"""
+    common = ["bench", "--url", tts.grpc_url, "--metrics-url", tts.url + "/metrics", "--limit", 2, "--warmup", 1,
+              "--no-progress", "--capacity"]
+    code, out, err = run(capsys, *common, "--mode", "offline", "--max-streams", 1, "--p99-bound-ms", 600000,
+                         "--overload", 2, "--out", tmp_path / "a")
+    assert code == 0, err
+    rep = json.loads((tmp_path / "a" / "report.json").read_text(encoding="utf-8"))
+    cap = rep["capacity"]
+    assert cap["streams"] == 1 and cap["first_failing"] is None and cap["min_requests_per_client"] == 3
+    assert [(lv["role"], lv["concurrency"]) for lv in rep["levels"]] == [("probe", 1), ("overload", 2)]
+    for i, lv in enumerate(rep["levels"]):
+        recs = [r for r in rep["requests"] if r["level"] == i]
+        assert lv["requests"] == len(recs) == 3 * lv["concurrency"] and not lv["burst"]
+        assert lv["pass"] == (lv["failed"] == 0 and lv["first_chunk_s"]["p99"] * 1000 <= cap["p99_bound_ms"])
+        adm = lv["admission"]  # from the server's /metrics: every request admitted, in arrival order
+        assert adm["admitted"] == lv["requests"] and adm["out_of_order"] == 0
+    ov = cap["overload"]
+    assert ov["clients"] == 2 and ov["ok"] + ov["failed"] == 6 and ov["in_order"] is True
+    assert "**Capacity: 1 concurrent streams**" in out and "Overload at 2× (2 clients)" in out
+    assert "| probe | 1 | 3 |" in out and "| overload | 2 | 6 |" in out and "| 2 | 6/6 | 3 |" in out
+
+    code, out, err = run(capsys, *common, "--max-streams", 2, "--p99-bound-ms", 0.001, "--out", tmp_path / "b")
+    assert code == 0, err
+    rep = json.loads((tmp_path / "b" / "report.json").read_text(encoding="utf-8"))
+    assert rep["capacity"]["streams"] == 0 and rep["capacity"]["first_failing"] == 1
+    lv = rep["levels"][0]
+    assert len(rep["levels"]) == 1 and lv["requests"] == 3 and not lv["pass"]
+    assert lv["verdict"] == level_passes(lv, 0.001)[1] and ("stalled" in lv["verdict"] or "p99" in lv["verdict"])
+    assert "**Capacity: 0 concurrent streams**" in out
+
+    code, _, err = run(capsys, "bench", "--url", tts.grpc_url, "--capacity", "--p99-bound-ms", -1, "--out", tmp_path)
+    assert code == 2 and "--p99-bound-ms > 0" in err and "Traceback" not in err

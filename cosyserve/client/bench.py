@@ -2,9 +2,23 @@
 
 For each concurrency level ``c`` of ``--concurrency`` (e.g. ``1,2,4,8,16``), ``c`` client
 threads (each with its own connection) take requests from one shared list — the manifest's
-items, cycled to ``--requests-per-level`` (default: every item ``--repeat`` times) — and
-send them one after the other (closed loop). Warm-up requests (``--warmup``) run first and
-are not counted. Protocols and what counts as a chunk: :mod:`cosyserve.client.protocols`.
+items, cycled to ``--requests-per-level`` (default: every item ``--repeat`` times), and to at
+least ``--min-requests-per-client`` (3) x ``c`` so that every level is a steady state rather
+than one burst (a client sends at most its share, so each sends about as many) — and send them
+one after the other (closed loop). A level with fewer requests per client is flagged *burst* in
+the table. Warm-up requests (``--warmup``) run first and are not counted. Protocols and what
+counts as a chunk: :mod:`cosyserve.client.protocols`.
+
+**Capacity mode** (``--capacity``): finds the largest number of concurrent clients that the
+server keeps real time — 0 stalled streams, no failed request and first-chunk p99 within
+``--p99-bound-ms`` (500) — each level a steady state of ``--min-requests-per-client`` requests
+per client. Levels double (1, 2, 4, ... up to ``--max-streams``, or the ``--concurrency`` list
+given) until one fails, then bisect between the last passing and the first failing level to
+within ``--capacity-tolerance`` (10 % of the capacity, at least 1 stream). ``--overload F``
+then runs one more level at F x the capacity: with admission control its admitted streams
+must not stall (the others wait, or get 429 beyond the queue); the table shows stalls among the
+requests that ran, refusals, and whether the server admitted queued requests in arrival order
+(``cosyserve_admissions_out_of_order_total`` of ``/metrics``, or the in-process engine's count).
 
 Per request (times from just before the request is sent, client clock):
 
@@ -33,6 +47,7 @@ request), ``report.md`` (the Markdown tables also printed on stdout), ``bench.pn
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import sys
@@ -128,6 +143,17 @@ class BenchOptions:
     # server: its Prometheus page, scraped around each level for the stage breakdown
     # (default: URL/metrics for http/openai; none for grpc unless given)
     metrics_url: str | None = None
+    #: every level sends at least this many requests per client (steady state, not a burst)
+    min_requests_per_client: int = 3
+    # capacity mode (module doc)
+    capacity: bool = False
+    p99_bound_ms: float = 500.0
+    max_streams: int = 256
+    capacity_tolerance: float = 0.1
+    overload: float = 0.0
+
+
+STEADY_REQUESTS_PER_CLIENT = 3  #: fewer requests per client than this: the level is flagged "burst"
 
 
 # ---------------------------------------------------------------------------- analysis
@@ -206,12 +232,15 @@ def stats(values: list[float]) -> dict | None:
 
 
 def summarize(concurrency: int, records: list[dict], wall_s: float) -> dict:
+    """One level's numbers (see :data:`DEFINITIONS`)."""
     ok = [r for r in records if r["ok"]]
     audio = sum(r["audio_s"] for r in ok)
     compute = sum(r["total_s"] for r in ok)
     steady, n_steady = in_flight_throughput(concurrency, records)
     return {
         "concurrency": concurrency, "requests": len(records), "ok": len(ok), "failed": len(records) - len(ok),
+        "requests_per_client": len(records) / concurrency,
+        "burst": len(records) < STEADY_REQUESTS_PER_CLIENT * concurrency,
         "wall_s": wall_s, "audio_s": audio, "compute_s": compute,
         "rtf": compute / audio if audio else None,
         "rtf_wall": wall_s / audio if audio else None,
@@ -276,37 +305,82 @@ def markdown(report: dict) -> str:
     what = c["mode"] if c["in_process"] else f"{c['protocol']} {c['mode']}"
     lines = [f"### cosyserve bench — {what} — {target}", "",
              f"{report['set']['items']} items from `{report['set']['name']}`, "
-             f"{c['requests_per_level']} requests per level, {c['warmup']} warm-up, seed {c['seed']}; "
+             f"{c['requests_per_level']} requests per level (at least {c.get('min_requests_per_client', 1)} per "
+             f"client), {c['warmup']} warm-up, seed {c['seed']}; "
              f"{ratio_text(report)}; client: {report['machine']['cpu']}, {report['machine']['cores']} cores", ""]
     if stream:
-        lines += ["| clients | ok/sent | first chunk avg | p50 | p90 | p95 | p99 | 1st→2nd chunk p50 | total p50 | "
-                  "total p99 | RTF | throughput | stalled |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += ["| clients | ok/sent | per client | first chunk avg | p50 | p90 | p95 | p99 | 1st→2nd chunk p50 | "
+                  "total p50 | total p99 | RTF | throughput | stalled |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     else:
-        lines += ["| clients | ok/sent | latency avg | p50 | p90 | p95 | p99 | RTF | throughput | in flight (n) |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += ["| clients | ok/sent | per client | latency avg | p50 | p90 | p95 | p99 | RTF | throughput | "
+                  "in flight (n) |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for lv in report["levels"]:
+        pc = _per_client(lv)
         f, s, t = lv["first_chunk_s"] or {}, lv["second_chunk_s"] or {}, lv["total_s"] or {}
         thr = "–" if lv["throughput"] is None else f"{lv['throughput']:.2f}×"
         if stream:
-            lines.append(f"| {lv['concurrency']} | {lv['ok']}/{lv['requests']} | {_ms(f.get('avg'))} | "
+            lines.append(f"| {lv['concurrency']} | {lv['ok']}/{lv['requests']} | {pc} | {_ms(f.get('avg'))} | "
                          f"{_ms(f.get('p50'))} | {_ms(f.get('p90'))} | {_ms(f.get('p95'))} | {_ms(f.get('p99'))} | "
                          f"{_ms(s.get('p50'))} | {_ms(t.get('p50'))} | {_ms(t.get('p99'))} | {_num(lv['rtf'])} | "
                          f"{thr} | {lv['stalled']} |")
         else:
-            lines.append(f"| {lv['concurrency']} | {lv['ok']}/{lv['requests']} | {_ms(t.get('avg'))} | "
+            lines.append(f"| {lv['concurrency']} | {lv['ok']}/{lv['requests']} | {pc} | {_ms(t.get('avg'))} | "
                          f"{_ms(t.get('p50'))} | {_ms(t.get('p90'))} | {_ms(t.get('p95'))} | {_ms(t.get('p99'))} | "
                          f"{_num(lv['rtf'])} | {thr} | {_inflight(lv)} |")
-    lines += ["", "Latencies in ms. RTF = Σ request latency / Σ audio seconds; throughput = Σ audio seconds / "
-              "wall seconds (× real time)" + ("; stalled = requests whose playback, started at the first chunk, "
+    lines += ["", "Latencies in ms. Per client: requests each client sent back to back (burst: fewer than "
+              f"{STEADY_REQUESTS_PER_CLIENT}, not a steady state). RTF = Σ request latency / Σ audio seconds; "
+              "throughput = Σ audio seconds / wall seconds (× real time)" + ("; stalled = requests whose playback, started at the first chunk, "
                                               "ran dry before a later chunk arrived." if stream else
                                               "; in flight = clients / RTF of the n requests that ran while every "
                                               "client had one in flight (no ramp-up or drain; – when too few).")]
+    if report.get("capacity"):
+        lines += capacity_markdown(report)
     lines += breakdown_markdown(report["levels"])
     errs = sorted({e for lv in report["levels"] for e in lv["errors"]})
     if errs:
         lines += ["", "Errors: " + "; ".join(errs[:5])]
     return "\n".join(lines) + "\n"
+
+
+def _per_client(lv: dict) -> str:
+    n = lv.get("requests_per_client", lv["requests"] / lv["concurrency"])
+    txt = f"{n:.0f}" if float(n).is_integer() else f"{n:.1f}"
+    return txt + (" (burst)" if lv.get("burst") else "")
+
+
+def capacity_markdown(report: dict) -> list[str]:
+    """The capacity search's table (one row per level, in the order run) and its verdict."""
+    cap = report["capacity"]
+    stream = report["config"]["mode"] == "streaming"
+    lines = ["", f"Capacity search — pass: 0 failed, 0 stalled, first-chunk p99 ≤ {cap['p99_bound_ms']:g} ms, "
+                 f"≥ {cap['min_requests_per_client']} requests per client:", "",
+             "| level | clients | requests | first chunk p50 | p90 | p99 | stalled/sent | failed | throughput | "
+             "queue wait | admitted out of order | capacity gauge | result |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for lv in report["levels"]:
+        f = lv["first_chunk_s"] or {}
+        b = lv.get("breakdown") or {}
+        q = (b.get("phases") or {}).get("queue")
+        adm = lv.get("admission") or {}
+        ooo = "–" if adm.get("out_of_order") is None else f"{adm['out_of_order']:.0f}/{adm.get('admitted', 0):.0f}"
+        gauge = adm.get("capacity_streams")
+        gauge = "–" if gauge is None or gauge != gauge else f"{gauge:.0f}"
+        thr = "–" if lv["throughput"] is None else f"{lv['throughput']:.2f}×"
+        lines.append(f"| {lv.get('role', 'probe')} | {lv['concurrency']} | {lv['requests']} | {_ms(f.get('p50'))} | "
+                     f"{_ms(f.get('p90'))} | {_ms(f.get('p99'))} | {lv['stalled'] if stream else '–'}/{lv['ok']} | "
+                     f"{lv['failed']} | {thr} | {'–' if q is None else f'{q:.0f} ms'} | {ooo} | {gauge} | "
+                     f"{lv.get('verdict', '')} |")
+    top = "" if cap["first_failing"] is not None else f" (every level up to {cap['max_probed']} passed)"
+    lines += ["", f"**Capacity: {cap['streams']} concurrent streams**{top}; first failing level: "
+                  f"{cap['first_failing'] if cap['first_failing'] is not None else '–'}."]
+    ov = cap.get("overload")
+    if ov:
+        lines += [f"Overload at {ov['factor']:g}× ({ov['clients']} clients): {ov['stalled']} of {ov['ok']} streams "
+                  f"that ran stalled, {ov['failed']} refused or failed; queued requests admitted in arrival order: "
+                  f"{'unknown' if ov['in_order'] is None else ('yes' if ov['in_order'] else 'NO')}."]
+    return lines
 
 
 def plot(report: dict, path: Path) -> Path | None:
@@ -459,7 +533,7 @@ class _Setup:
         self.server_params = {"min_token_text_ratio": str(lo), "max_token_text_ratio": str(hi),
                               "chunk_policy": o.chunk_policy or "upstream"}
         voices = VoiceStore(o.voices_dir) if (o.voice and o.voices_dir) else None
-        engine = replace(o.engine or EngineConfig(), max_queue=max(64, max(o.concurrency) * 2))
+        engine = replace(o.engine or EngineConfig(), max_queue=max(64, max_clients(o) * 2))
         self.shared = InProcessEngine(synth, engine, params, voices, builtin)
         from ..engine.gc_pauses import freeze_startup_heap
 
@@ -479,6 +553,31 @@ class _Setup:
             return EngineCounters.from_metrics(r.text)
         except Exception:  # noqa: BLE001 - informational (e.g. a Triton server has other metrics)
             return None
+
+    def admission_counters(self) -> dict | None:
+        """The engine's admission numbers now: ``admitted`` and ``out_of_order`` (cumulative),
+        ``capacity_streams`` (the gauge); None when unavailable (no metrics URL, another server)."""
+        if self.shared is not None:
+            core = self.shared.engine.core
+            return {"admitted": core.stats.admitted, "out_of_order": core.stats.admitted_out_of_order,
+                    "capacity_streams": core.capacity_streams}
+        if not self.metrics_url:
+            return None
+        try:
+            import httpx
+            from prometheus_client.parser import text_string_to_metric_families
+
+            r = httpx.get(self.metrics_url, headers=_headers(self.opts), timeout=10)
+            r.raise_for_status()
+            vals = {smp.name: smp.value for fam in text_string_to_metric_families(r.text) for smp in fam.samples
+                    if not smp.labels}
+        except Exception:  # noqa: BLE001 - informational
+            return None
+        if "cosyserve_admissions_total" not in vals:
+            return None
+        return {"admitted": vals["cosyserve_admissions_total"],
+                "out_of_order": vals.get("cosyserve_admissions_out_of_order_total", 0.0),
+                "capacity_streams": vals.get("cosyserve_capacity_streams")}
 
     def runner(self, keep_audio: bool) -> Runner:
         o = self.opts
@@ -512,7 +611,8 @@ def _run_level(setup: _Setup, work: list[tuple[int, BenchItem, int]], concurrenc
                progress: Progress | None) -> tuple[list[tuple[int, BenchItem, int, Trace]], float, float]:
     """Run ``work`` with ``concurrency`` client threads; returns the traces (in work order),
     the wall time from the first send to the last completion (seconds) and the start time
-    (``time.perf_counter``, the traces' clock).
+    (``time.perf_counter``, the traces' clock). Each client sends at most its share,
+    ``ceil(len(work) / concurrency)`` requests, back to back.
 
     Each thread opens its own connection (runner) before the clock starts and closes it
     after (tritonclient.http's gevent client must stay on the thread that made it).
@@ -524,6 +624,7 @@ def _run_level(setup: _Setup, work: list[tuple[int, BenchItem, int]], concurrenc
     # the clock starts when every connection is open, before any thread may send
     ready = threading.Barrier(concurrency + 1, action=lambda: start.append(time.perf_counter()))
     failures: list[BaseException] = []
+    share = -(-len(work) // concurrency)
 
     def worker() -> None:
         try:
@@ -534,7 +635,7 @@ def _run_level(setup: _Setup, work: list[tuple[int, BenchItem, int]], concurrenc
             return
         ready.wait()
         try:
-            while True:
+            for _ in range(share):
                 with lock:
                     if not pending:
                         return
@@ -560,16 +661,101 @@ def _run_level(setup: _Setup, work: list[tuple[int, BenchItem, int]], concurrenc
     return done, wall, start[0]
 
 
+def max_clients(opts: BenchOptions) -> int:
+    """The most concurrent clients a run can use (levels, capacity search, overload)."""
+    top = max(opts.concurrency) if opts.concurrency else 1
+    if opts.capacity:
+        top = max(top, opts.max_streams)
+        if opts.overload > 0:
+            top = max(top, int(math.ceil(opts.overload * top)))
+    return top
+
+
+def _level(setup: _Setup, opts: BenchOptions, items: list[BenchItem], c: int, n_req: int, out: Path) -> tuple:
+    """Run one level of ``c`` clients (at least ``min_requests_per_client`` requests each);
+    returns its summary (with the stage breakdown and admission counters) and its records."""
+    n = max(n_req, c * opts.min_requests_per_client)
+    work = [(i, items[i % len(items)], opts.seed + i % len(items)) for i in range(n)]
+    prog = Progress(len(work), f"{c} client{'s' if c > 1 else ''}", opts.progress)
+    before, adm0 = setup.engine_counters(), setup.admission_counters()
+    res, wall, t0 = _run_level(setup, work, c, opts.save_audio, prog)
+    after, adm1 = setup.engine_counters(), setup.admission_counters()
+    prog.close()
+    recs = []
+    for idx, item, seed, tr in res:
+        r = {"concurrency": c, "index": idx, "item": item.id, "language": item.language, "seed": seed,
+             **analyze(tr, t0)}
+        if opts.save_audio and tr.audio:
+            import soundfile as sf
+
+            p = out / "audio" / f"c{c}_{idx:04d}_{item.id}.wav"
+            sf.write(str(p), tr.waveform(), tr.sample_rate, subtype="FLOAT")
+            r["audio_file"] = str(p.relative_to(out))
+        recs.append(r)
+    lv = summarize(c, recs, wall)
+    lv["breakdown"] = level_breakdown(before, after)
+    lv["admission"] = None if adm0 is None or adm1 is None else {
+        "admitted": adm1["admitted"] - adm0["admitted"], "out_of_order": adm1["out_of_order"] - adm0["out_of_order"],
+        "capacity_streams": adm1["capacity_streams"]}
+    return lv, recs
+
+
+def level_passes(lv: dict, p99_bound_ms: float) -> tuple[bool, str]:
+    """Capacity criterion of a level: no failed request, no stalled stream, first-chunk p99
+    within the bound. Returns ``(passed, why not / "pass")``."""
+    if lv["failed"]:
+        return False, f"{lv['failed']} failed"
+    if lv["stalled"]:
+        return False, f"{lv['stalled']} stalled"
+    p99 = (lv["first_chunk_s"] or {}).get("p99")
+    if p99 is None or p99 * 1000 > p99_bound_ms:
+        return False, "p99 " + ("–" if p99 is None else f"{p99 * 1000:.0f} ms") + f" > {p99_bound_ms:g} ms"
+    return True, "pass"
+
+
+def _capacity_search(run, opts: BenchOptions, ladder: list[int]) -> dict:
+    """Find the largest passing level: ``run(c)`` measures a level and returns its summary.
+    The ``ladder`` (ascending) is probed until a level fails, then the gap between the last
+    passing and the first failing level is bisected down to ``capacity_tolerance`` x the
+    capacity (at least 1)."""
+    lo, hi = 0, None
+    for c in ladder:
+        lv = run(c, "probe")
+        if not lv["pass"]:
+            hi = c
+            break
+        lo = c
+    if hi is not None:
+        while hi - lo > max(1, int(lo * opts.capacity_tolerance)):
+            mid = (lo + hi) // 2
+            lv = run(mid, "bisect")
+            if lv["pass"]:
+                lo = mid
+            else:
+                hi = mid
+    return {"streams": lo, "first_failing": hi, "max_probed": ladder[-1] if ladder else 0,
+            "p99_bound_ms": opts.p99_bound_ms, "min_requests_per_client": opts.min_requests_per_client}
+
+
 def run_bench(opts: BenchOptions, echo=print) -> dict:
     """Run the benchmark; write the outputs into ``opts.out``; return the report dict.
 
     Raises :class:`~cosyserve.errors.CosyServeError` subclasses for bad options, a missing
     manifest, or a server that cannot be reached at all.
     """
+    if opts.capacity and not opts.concurrency:
+        opts = replace(opts, concurrency=[c for c in (2 ** k for k in range(20)) if c < opts.max_streams]
+                       + [opts.max_streams])
     if not opts.concurrency or any(c < 1 for c in opts.concurrency):
         raise ClientError("--concurrency must list positive integers, e.g. 1,2,4,8,16")
     if opts.repeat < 1 or (opts.requests_per_level is not None and opts.requests_per_level < 1) or opts.warmup < 0:
         raise ClientError("--repeat and --requests-per-level must be >= 1, --warmup >= 0")
+    if opts.min_requests_per_client < 1:
+        raise ClientError("--min-requests-per-client must be >= 1")
+    if opts.capacity and (opts.max_streams < 1 or not opts.p99_bound_ms > 0 or not 0 <= opts.capacity_tolerance < 1
+                          or opts.overload < 0):
+        raise ClientError("--capacity needs --max-streams >= 1, --p99-bound-ms > 0, --capacity-tolerance in [0, 1) "
+                          "and --overload >= 0")
     manifest = resolve_manifest(opts.set)
     items = load_manifest(manifest, opts.limit)
     n_req = opts.requests_per_level or len(items) * opts.repeat
@@ -581,6 +767,20 @@ def run_bench(opts: BenchOptions, echo=print) -> dict:
     setup = _Setup(opts, items)
     records: list[dict] = []
     levels: list[dict] = []
+    capacity = None
+
+    def run(c: int, role: str) -> dict:
+        lv, recs = _level(setup, opts, items, c, n_req if role == "level" else 0, out)
+        for r in recs:
+            r["level"] = len(levels)
+        lv["role"] = role
+        lv["pass"], lv["verdict"] = level_passes(lv, opts.p99_bound_ms)
+        records.extend(recs)
+        levels.append(lv)
+        if opts.capacity:
+            echo(f"{role} {c} clients: {lv['verdict']}")
+        return lv
+
     try:
         if opts.warmup:
             wu = [(i, items[i % len(items)], opts.seed + i % len(items)) for i in range(opts.warmup)]
@@ -590,27 +790,20 @@ def run_bench(opts: BenchOptions, echo=print) -> dict:
             bad = [tr.error for *_, tr in res if tr.error]
             if len(bad) == len(res):
                 raise ClientError(f"every warm-up request failed: {bad[0]}")
-        for c in opts.concurrency:
-            work = [(i, items[i % len(items)], opts.seed + i % len(items)) for i in range(n_req)]
-            prog = Progress(len(work), f"{c} client{'s' if c > 1 else ''}", opts.progress)
-            before = setup.engine_counters()
-            res, wall, t0 = _run_level(setup, work, c, opts.save_audio, prog)
-            after = setup.engine_counters()
-            prog.close()
-            recs = []
-            for idx, item, seed, tr in res:
-                r = {"concurrency": c, "index": idx, "item": item.id, "language": item.language, "seed": seed,
-                     **analyze(tr, t0)}
-                if opts.save_audio and tr.audio:
-                    import soundfile as sf
-
-                    p = out / "audio" / f"c{c}_{idx:04d}_{item.id}.wav"
-                    sf.write(str(p), tr.waveform(), tr.sample_rate, subtype="FLOAT")
-                    r["audio_file"] = str(p.relative_to(out))
-                recs.append(r)
-            records += recs
-            levels.append(summarize(c, recs, wall))
-            levels[-1]["breakdown"] = level_breakdown(before, after)
+        if not opts.capacity:
+            for c in opts.concurrency:
+                run(c, "level")
+        else:
+            capacity = _capacity_search(run, opts, sorted(set(c for c in opts.concurrency if c <= opts.max_streams))
+                                        or [opts.max_streams])
+            if opts.overload > 0 and capacity["streams"] >= 1:
+                c = max(capacity["streams"] + 1, int(math.ceil(opts.overload * capacity["streams"])))
+                lv = run(c, "overload")
+                adm = lv.get("admission") or {}
+                capacity["overload"] = {
+                    "factor": opts.overload, "clients": c, "ok": lv["ok"], "failed": lv["failed"],
+                    "stalled": lv["stalled"],
+                    "in_order": None if adm.get("out_of_order") is None else adm["out_of_order"] == 0}
     finally:
         setup.close()
     sp = setup.server_params
@@ -641,6 +834,8 @@ def run_bench(opts: BenchOptions, echo=print) -> dict:
         "server": sp, "token_text_ratio": ratio, "notes": notes, "definitions": DEFINITIONS,
         "levels": levels, "requests": records,
     }
+    if capacity is not None:
+        report["capacity"] = capacity
     (out / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     md = markdown(report)
     (out / "report.md").write_text(md, encoding="utf-8")
@@ -664,4 +859,4 @@ def parse_levels(text: str) -> list[int]:
 
 
 __all__ = ["BenchOptions", "run_bench", "analyze", "summarize", "playback_stalls", "stats", "markdown", "plot",
-           "parse_levels", "machine_info", "CosyServeError"]
+           "parse_levels", "machine_info", "level_passes", "capacity_markdown", "CosyServeError"]

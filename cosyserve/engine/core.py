@@ -10,9 +10,12 @@ One step:
 
 1. **Commands and expiry** — aborted or timed-out requests free their KV slot and caches
    before any compute (a disconnected client costs nothing after this point).
-2. **Admission** — queued requests become active while fewer than ``max_active`` are.
-   Beyond ``max_active + max_queue`` requests, :meth:`add_request` refuses at once
-   (:class:`QueueFullError`): the queue is bounded.
+2. **Admission** — queued requests become active, strictly in arrival order, while fewer
+   than the admission limit are: ``max_active``, or less with admission control
+   (``EngineConfig.admission``: the real-time capacity measured by
+   :class:`~cosyserve.engine.admission.CapacityEstimator`, or a fixed number), so admitted
+   streams stay real time and the others wait. Beyond the limit + ``max_queue`` requests,
+   :meth:`add_request` refuses at once (:class:`QueueFullError`): the queue is bounded.
 3. **LM** (continuous batching) — text segments whose turn has come get a KV-cache slot
    and are prefilled (at most ``max_prefill_tokens`` padded positions per step, at least one segment, so
    newcomers never stall running streams for long); then every running segment advances
@@ -58,6 +61,7 @@ from ..models.llm import DecodeState, KVCache
 from ..models.loader import CosyVoice2Models
 from ..models.sampling import UpstreamSampler, ras_sample_device
 from ..models.transfer import to_device
+from .admission import AdmissionPolicy, CapacityEstimator
 from .request import (
     AudioChunk,
     EngineRequest,
@@ -139,7 +143,15 @@ class EngineConfig:
     GPU decoding while the scheduler is held up for longer than a step, e.g. issuing a
     token2wav batch, at the cost of N dropped row-steps per stopped segment and the host
     learning each token N steps after it was sampled; experimental: 2 measured no better
-    than 1 on an H100, where the GPU is busy while the scheduler waits, docs/perf-history.md run 33).
+    than 1 on an H100, where the GPU is busy while the scheduler waits, docs/perf-history.md run 33);
+    ``admission``: how many requests are active at once below ``max_active`` (``--admission``,
+    :class:`~cosyserve.engine.admission.AdmissionPolicy`): ``"auto"`` = the real-time capacity
+    the engine measures (:class:`~cosyserve.engine.admission.CapacityEstimator`), ``"off"`` =
+    ``max_active`` only, N = at most N; ``None`` (default): ``auto`` on CUDA, ``off`` on CPU (CPU
+    serving is for development and tests, whose batching should not depend on how busy the
+    machine is; the estimate is still measured and reported); ``admission_target``: the share
+    of the scheduler thread / device the admitted streams may need (headroom for jitter and
+    prefills; the capacity is the most streams whose modelled need stays below it).
     """
 
     max_active: int = 16
@@ -161,10 +173,16 @@ class EngineConfig:
     lm_stream_priority: bool = True
     pipeline_decode: bool | None = None
     decode_lookahead: int = 1
+    admission: AdmissionPolicy | str | int | None = None
+    admission_target: float = 0.8
 
     def __post_init__(self):
         if self.max_t2w_batch is None:
             object.__setattr__(self, "max_t2w_batch", self.max_active)
+        if self.admission is not None:
+            object.__setattr__(self, "admission", AdmissionPolicy.parse(self.admission))
+        if not 0 < self.admission_target <= 1:
+            raise ValueError("admission_target must be in (0, 1]")
         if self.max_active < 1 or self.max_queue < 0 or self.kv_max_len < 64 or self.max_t2w_batch < 1 \
                 or self.max_t2w_tokens < 1 or self.t2w_batch_target < 1 or self.t2w_gather_s < 0 \
                 or not 0 <= self.t2w_length_window < 1 \
@@ -194,6 +212,13 @@ class EngineObserver:
 
     def token2wav_step(self, batch_size: int, seconds: float) -> None: ...
 
+    def admitted(self, request_id: str, waited_s: float, in_order: bool) -> None:
+        """A queued request became active after ``waited_s`` seconds; ``in_order``: no request
+        that arrived later was admitted before it."""
+
+    def capacity_changed(self, streams: int, estimate: float | None) -> None:
+        """The admission limit changed materially (``estimate``: the raw model, streams)."""
+
     def host(self, phase: str, seconds: float) -> None:
         """Scheduler-thread time spent in ``phase`` (see :attr:`EngineStats.host_s`)."""
 
@@ -217,6 +242,9 @@ class EngineStats:
     #: (issuing a token2wav batch), ``t2w_sync`` (blocked on a token2wav batch), ``emit``
     #: (handing out its chunks). Where the scheduler's time goes when the GPU is not the limit.
     host_s: dict = field(default_factory=dict)
+    #: requests admitted (queued -> active), and those admitted after a later arrival
+    admitted: int = 0
+    admitted_out_of_order: int = 0
 
     def add_host(self, phase: str, seconds: float) -> None:
         self.host_s[phase] = self.host_s.get(phase, 0.0) + seconds
@@ -341,6 +369,16 @@ class EngineCore:
         self._lock = threading.Lock()
         self._n_requests = 0  # waiting + active + not yet processed adds
         self.stats = EngineStats()
+        # admission control (module doc, step 2): the policy, the capacity model (always fed,
+        # so the estimate is reported in every mode) and the limit in effect
+        cuda = self.cache.k.is_cuda
+        self.admission = config.admission or AdmissionPolicy("auto" if cuda else "off")
+        self.capacity_model = CapacityEstimator(models.cfg.token_frame_rate, target=config.admission_target,
+                                                max_streams=config.max_active)
+        self._t2w_host_s = 0.0  # scheduler-thread token2wav seconds since the last batch was emitted
+        self._last_admitted_arrival = float("-inf")
+        self._logged_capacity: int | None = None
+        self._limit = self._admission_limit()
 
     # ------------------------------------------------------------------ public API
     def _new_sampler(self) -> UpstreamSampler:
@@ -364,10 +402,11 @@ class EngineCore:
         for seg in st.segments:
             seg.max_len = min(seg.max_len, self.cfg.kv_max_len - self.prefix_len(req, seg.text_ids))
         with self._lock:
-            if self._n_requests >= self.cfg.max_active + self.cfg.max_queue:
+            limit = self._limit  # set by the engine thread; an int, read atomically
+            if self._n_requests >= limit + self.cfg.max_queue:
                 raise QueueFullError(
                     f"server busy: {self._n_requests} requests in progress or queued "
-                    f"(max_active={self.cfg.max_active}, max_queue={self.cfg.max_queue})")
+                    f"(admitting {limit} at once, max_queue={self.cfg.max_queue})")
             self._n_requests += 1
         self._inbox.put(("add", st))
         return st
@@ -403,6 +442,29 @@ class EngineCore:
     def kv_slots_used(self) -> int:
         return self.cfg.max_active - len(self._free_slots)
 
+    @property
+    def admission_limit(self) -> int:
+        """Requests that may be active at once now (``max_active``, or less with admission control)."""
+        return self._limit
+
+    @property
+    def capacity_streams(self) -> float:
+        """The real-time capacity in streams as admission sees it: the estimate (with slow
+        start) in ``auto`` mode, N in fixed mode; in ``off`` mode the estimate, not enforced
+        (NaN before anything was measured). Capped at ``max_active``."""
+        if self.admission.mode == "fixed":
+            return float(min(self.admission.streams, self.cfg.max_active))
+        if self.admission.mode == "auto":
+            return float(self.capacity_model.last)
+        est = self.capacity_model.last_estimate
+        return float("nan") if est is None else float(max(1, min(int(min(est, 1e9)), self.cfg.max_active)))
+
+    @property
+    def load_ratio(self) -> float:
+        """Admitted streams / :attr:`capacity_streams` (> 1: more admitted than can stay real time)."""
+        cap = self.capacity_streams
+        return float("nan") if not cap > 0 else len(self._active) / cap
+
     # ------------------------------------------------------------------ step
     def warmup(self) -> None:
         """Capture the flow/HiFT CUDA-graph grids still pending (``t2w_graph_warmup``; ~45 s at
@@ -437,7 +499,9 @@ class EngineCore:
         self._expire(events)
         self._admit()
         if self._active:
+            t_lm = time.perf_counter()
             lm_rows = self._lm_step(events)
+            self.capacity_model.observe_lm(lm_rows, time.perf_counter() - t_lm, admitted=len(self._active))
             if not lm_rows and self._inflight is not None:
                 self._collect(events, wait=True)  # nothing else to do: block (GIL released)
             self._t2w_step(events, lm_busy=lm_rows > 0)
@@ -450,6 +514,8 @@ class EngineCore:
 
     # ------------------------------------------------------------------ bookkeeping
     def _host(self, phase: str, seconds: float) -> None:
+        if phase in ("t2w_launch", "emit"):
+            self._t2w_host_s += seconds
         self.stats.add_host(phase, seconds)
         self.observer.host(phase, seconds)
 
@@ -461,7 +527,10 @@ class EngineCore:
                 return
             if cmd[0] == "add":
                 st = cmd[1]
+                late = bool(self._waiting) and next(reversed(self._waiting.values())).req.arrival > st.req.arrival
                 self._waiting[st.request_id] = st
+                if late:  # added after a request that arrived later (threads): keep arrival order
+                    self._waiting = OrderedDict(sorted(self._waiting.items(), key=lambda kv: kv[1].req.arrival))
             else:
                 _, rid, outcome = cmd
                 st = self._active.get(rid) or self._waiting.get(rid)
@@ -490,10 +559,47 @@ class EngineCore:
             return st.req.arrival
         return st.first_chunk_at + st.audio_samples / self.sample_rate
 
+    def _admission_limit(self) -> int:
+        """The number of requests that may be active now (see :attr:`admission_limit`); logs
+        material changes of the capacity estimate."""
+        model = self.capacity_model
+        head = next(iter(self._waiting.values()), None)
+        states = list(self._active.values()) + ([head] if head is not None else [])
+        model.speedup = max([st.speedup for st in states], default=1.0)
+        model.audio = not states or any(not st.req.params.lm_only for st in states)
+        cap = model.capacity()
+        if self._logged_capacity is None or abs(cap - self._logged_capacity) >= max(2, 0.1 * self._logged_capacity):
+            est = self.capacity_model.last_estimate
+            if self._logged_capacity is not None or est is not None:
+                log.info("real-time capacity estimate: %d streams (model %s, admission %s)", cap,
+                         "unmeasured" if est is None else f"{est:.1f}", self.admission,
+                         extra={"event": "capacity", "capacity_streams": cap,
+                                "estimate": None if est is None else round(min(est, 1e9), 2)})
+                hook = getattr(self.observer, "capacity_changed", None)  # observers may be duck-typed
+                if hook is not None:
+                    hook(cap, est)
+            self._logged_capacity = cap
+        if self.admission.mode == "auto":
+            return min(cap, self.cfg.max_active)
+        if self.admission.mode == "fixed":
+            return min(self.admission.streams, self.cfg.max_active)
+        return self.cfg.max_active
+
     def _admit(self) -> None:
-        while self._waiting and len(self._active) < self.cfg.max_active:
+        """Activate queued requests in arrival order while fewer than the admission limit are
+        active (the head of the queue is never passed over)."""
+        self._limit = self._admission_limit()
+        now = time.monotonic()
+        while self._waiting and len(self._active) < self._limit:
             rid, st = self._waiting.popitem(last=False)
             self._active[rid] = st
+            in_order = st.req.arrival >= self._last_admitted_arrival
+            self._last_admitted_arrival = max(self._last_admitted_arrival, st.req.arrival)
+            self.stats.admitted += 1
+            self.stats.admitted_out_of_order += not in_order
+            hook = getattr(self.observer, "admitted", None)
+            if hook is not None:
+                hook(rid, now - st.req.arrival, in_order)
 
     def _release_slot(self, seg: SegmentState) -> None:
         if seg.slot is not None:
@@ -696,8 +802,13 @@ class EngineCore:
             tk.event.synchronize()  # the GIL is released while waiting
         t3 = time.perf_counter()
         self._host("lm_sync", t3 - t2)
+        lm_device = 0.0
         for name, n, a, b in tk.spans:
-            self.observer.stage(name, n, self._marks.seconds(a, b))
+            sec = self._marks.seconds(a, b)
+            lm_device += sec
+            self.observer.stage(name, n, sec)
+        if self._marks.cuda:  # device time of the step: the capacity model's device resource
+            self.capacity_model.observe_lm_device(len(tk.rows), lm_device)
         t_tok = time.monotonic()
         host_rows = set(tk.host_rows)
         sampled = {} if tk.tokens is None else {
@@ -963,10 +1074,19 @@ class EngineCore:
         that job raised)."""
         dt = time.perf_counter() - t0
         self._batch_s = dt if self._batch_s is None else 0.8 * self._batch_s + 0.2 * dt
+        device_s = None
         if marks:
             a, b, c = marks
             self.observer.stage("flow", len(picked), self._marks.seconds(a, b))
             self.observer.stage("hift", len(picked), self._marks.seconds(b, c))
+            if self._marks.cuda:
+                device_s = self._marks.seconds(a, c)
+        # the capacity model: token2wav seconds per audio second (on CPU the batch ran on this
+        # thread, launch to emit; on CUDA the host time issuing/handing it out, and device time)
+        audio_s = sum(int(r.speech.shape[0]) for r in results if not isinstance(r, BaseException)) / self.sample_rate
+        host_s = dt if not self._marks.cuda and self._worker is None else self._t2w_host_s
+        self._t2w_host_s = 0.0
+        self.capacity_model.observe_t2w(audio_s, host_s, device_s)
         self.stats.last_t2w_batch = len(picked)
         self.stats.t2w_batches[len(picked)] = self.stats.t2w_batches.get(len(picked), 0) + 1
         self.observer.token2wav_step(len(picked), dt)

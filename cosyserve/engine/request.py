@@ -21,6 +21,7 @@ from ..errors import InvalidInputError
 from ..frontend.voice import Voice
 from ..models.hift import HiFTStreamState
 from ..models.sampling import UpstreamSampler
+from .admission import chunk_speedup
 from .chunking import ChunkPolicy, ChunkSchedule
 
 HIFT_SEED_SALT = 0x5EED_C0DE
@@ -200,6 +201,9 @@ class RequestState:
     t_first_token: float | None = None
     t_ready: float | None = None
     t_launch: float | None = None
+    #: how much faster than real time its chunk schedule must be computed while it starts
+    #: (:func:`~cosyserve.engine.admission.chunk_speedup`; 1 offline): admission's ``S``
+    speedup: float = 1.0
 
     def first_chunk_breakdown(self) -> dict[str, float] | None:
         """The first-chunk latency split into scheduler phases (None before the first chunk)."""
@@ -236,6 +240,8 @@ class RequestState:
             ))
         if p.timeout_s is not None:
             st.deadline = req.arrival + p.timeout_s
+        if p.stream and not p.lm_only:
+            st.speedup = chunk_speedup(p.chunk_policy)
         return st
 
     def next_lm_segment(self) -> SegmentState | None:

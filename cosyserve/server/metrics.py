@@ -6,7 +6,14 @@ Per request (label ``protocol``: ``openai``, ``kserve_http``, ``kserve_grpc``):
 ``cosyserve_audio_seconds_total``. Engine (updated every scheduler step):
 ``cosyserve_queue_depth``, ``cosyserve_active_streams``, ``cosyserve_kv_slots_used``,
 ``cosyserve_kv_slots_total``, ``cosyserve_lm_batch_size``, ``cosyserve_token2wav_batch_size``,
-``cosyserve_lm_step_seconds``, ``cosyserve_token2wav_step_seconds``; device time per batched
+``cosyserve_lm_step_seconds``, ``cosyserve_token2wav_step_seconds``; admission control
+(:mod:`cosyserve.engine.admission`): ``cosyserve_capacity_streams`` (the real-time capacity
+admission works with: the estimate in ``auto`` mode, N with ``--admission N``, the estimate,
+not enforced, with ``off``), ``cosyserve_admitted_streams`` (requests admitted now),
+``cosyserve_load_ratio`` (admitted / capacity), ``cosyserve_capacity_estimate_streams`` (the
+capacity model itself, whatever the mode; NaN before it has measured anything),
+``cosyserve_admissions_total`` and ``cosyserve_admissions_out_of_order_total`` (admitted
+before a request that arrived earlier); device time per batched
 stage ``cosyserve_stage_seconds{stage}`` and items per stage ``cosyserve_stage_items_total{stage}`` (``prefill``, ``decode``, ``flow``, ``hift``; see
 :class:`~cosyserve.engine.core.EngineObserver`) and where first-chunk latency goes,
 ``cosyserve_first_chunk_phase_seconds{phase}`` (``queue``, ``prefill``, ``decode``, ``t2w_wait``,
@@ -65,6 +72,18 @@ class Metrics(EngineObserver):
         self.host_seconds = Counter(
             "cosyserve_scheduler_host_seconds", "Scheduler-thread time by phase (prefill, decode, lm_sync, sampling, "
             "t2w_launch, t2w_sync, emit)", ["phase"], registry=r)
+        self.capacity = Gauge("cosyserve_capacity_streams", "Real-time capacity admission works with (streams)",
+                              registry=r)
+        self.admitted_streams = Gauge("cosyserve_admitted_streams", "Streams currently admitted", registry=r)
+        self.load_ratio = Gauge("cosyserve_load_ratio", "Admitted streams / real-time capacity", registry=r)
+        self.capacity_estimate = Gauge("cosyserve_capacity_estimate_streams",
+                                       "The capacity model's estimate of real-time streams (any admission mode)",
+                                       registry=r)
+        self.admissions = Counter("cosyserve_admissions", "Requests admitted from the queue", registry=r)
+        self.admissions_out_of_order = Counter("cosyserve_admissions_out_of_order",
+                                               "Requests admitted after one that arrived later", registry=r)
+        for g in (self.capacity, self.load_ratio, self.capacity_estimate):
+            g.set(float("nan"))
         self.ready = Gauge("cosyserve_ready", "1 when models are loaded and warmed up", registry=r)
         self.gc_pause = Histogram(
             "cosyserve_gc_pause_seconds", "Python garbage-collection pauses (all threads stop)", ["generation"],
@@ -86,6 +105,11 @@ class Metrics(EngineObserver):
             self.queue_depth.set(c.queue_depth)
             self.active.set(c.active_count)
             self.kv_used.set(c.kv_slots_used)
+            self.capacity.set(c.capacity_streams)
+            self.admitted_streams.set(c.active_count)
+            self.load_ratio.set(c.load_ratio)
+            est = c.capacity_model.last_estimate
+            self.capacity_estimate.set(float("nan") if est is None else min(est, 1e9))
 
     # EngineObserver hooks (engine thread)
     def lm_step(self, batch_size: int, prefill_tokens: int, seconds: float) -> None:
@@ -101,6 +125,14 @@ class Metrics(EngineObserver):
     def stage(self, name: str, batch_size: int, seconds: float) -> None:
         self.stage_seconds.labels(name).observe(seconds)
         self.stage_items.labels(name).inc(batch_size)
+
+    def capacity_changed(self, streams: int, estimate: float | None) -> None:
+        self._gauges()
+
+    def admitted(self, request_id: str, waited_s: float, in_order: bool) -> None:
+        self.admissions.inc()
+        if not in_order:
+            self.admissions_out_of_order.inc()
 
     def host(self, phase: str, seconds: float) -> None:
         self.host_seconds.labels(phase).inc(seconds)

@@ -1,0 +1,301 @@
+"""Stall-free admission: how many streams the engine can keep real time, and who starts next.
+
+A streaming client plays audio at 1x; once the engine holds more streams than it can feed
+at that rate, *every* stream falls behind (the LM advances all running streams one token
+per step, so a slower step slows everyone), not only the newest. Admission control keeps
+the number of admitted (active) requests at or below the engine's **real-time capacity**
+and lets the rest wait in the bounded queue, where only their own first-chunk latency grows.
+
+Capacity model (:class:`CapacityEstimator`; units: seconds, streams, speech tokens). With
+``b`` admitted streams each stream needs ``R`` speech tokens per second of wall time (``R`` =
+the model's ``token_frame_rate``, 25/s for CosyVoice2) and one second of audio from token2wav:
+
+* the LM advances every running stream by one token per step, so it needs ``R`` steps per
+  second; a step over ``b`` rows costs ``L(b) = a + c*b`` seconds, fitted by exponentially
+  weighted least squares over the steps the engine ran (prefills included, as they occur);
+* token2wav costs ``k`` seconds per second of audio (exponentially weighted ratio of batch
+  time to the audio the batch produced, at the batch sizes the engine currently runs);
+* the share of a resource that ``b`` streams need is ``U(b) = R*L(b) + b*k``;
+* a stream's chunk schedule may need more than 1x while it starts: with hops ``h1, h2, ...``
+  (tokens), chunk ``k+1`` must be made while chunks ``1..k`` play, so the engine must run
+  ``S = max_k (h2 + ... + h(k+1)) / (h1 + ... + hk)`` times faster than real time
+  (:func:`chunk_speedup`: 2 for the doubling ``upstream`` and ``exponential`` schedules, 1 for
+  ``fixed``; 1 for offline requests); the admitted streams' largest ``S`` applies;
+* the capacity is the largest ``b`` with ``S*U(b) <= target`` (``target`` < 1 leaves headroom
+  for jitter, the prefills of newcomers and batching effects).
+
+The resources are the scheduler thread (host wall time of the LM step including its waits,
+and of the token2wav work issued from that thread: on CPU everything runs there) and, on
+CUDA, the device (device time of the prefill/decode and flow/HiFT stages): the capacity is
+the smaller of the two. ``U(b)`` counts every admitted stream as still generating (the worst
+case, e.g. after a burst) and the two resources as not overlapping their own parts (on CUDA
+the LM and token2wav streams run concurrently, so this errs on the safe side).
+
+Extrapolation is bounded ("slow start"): before any measurement the capacity is
+``initial``; after, it is at most ``growth`` x the largest number of streams measured
+admitted at once, plus one, so the linear model is never trusted far beyond what was seen
+(on a GPU the step cost is flat at small batches and bends upwards later). Older
+measurements fade with ``half_life_s``. With fewer than two distinct batch sizes the step
+cost is taken as proportional to the rows (``a = 0``: pessimistic where a fixed part
+exists), which the next measurements at other sizes correct.
+
+:class:`AdmissionPolicy` is the ``--admission`` option: ``auto`` (the estimate), ``off`` (only
+``max_active``; the estimate is still computed and reported) or a fixed number of streams.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+#: :func:`chunk_speedup` looks at the chunks of this many speech tokens (10 s at 25/s): later
+#: hops of a long utterance matter less (the LM usually finishes first) and none is infinite
+SPEEDUP_HORIZON_TOKENS = 250
+
+
+def chunk_speedup(policy, horizon_tokens: int = SPEEDUP_HORIZON_TOKENS) -> float:
+    """How many times faster than real time a stream with chunk ``policy`` (a
+    :class:`~cosyserve.engine.chunking.ChunkPolicy`) must be computed so that no chunk arrives
+    after the audio before it has played, over its first ``horizon_tokens`` tokens (>= 1).
+
+    With hops ``h1, h2, ...``: playback starts when chunk 1 arrives; chunk ``k+1`` needs
+    ``h2 + ... + h(k+1)`` more tokens (the look-ahead is common to both) while ``h1 + ... + hk``
+    tokens of audio play. Upstream's first-hop alignment padding is left out (prompt of 0
+    tokens: the largest ratio).
+    """
+    sched = policy.start(0)
+    hops, total = [], 0
+    while total < horizon_tokens and len(hops) < 1000:
+        hops.append(sched.hop)
+        total += sched.hop
+        sched.advance()
+    s, played = 1.0, 0
+    for k in range(len(hops) - 1):
+        played += hops[k]
+        s = max(s, sum(hops[1:k + 2]) / played)
+    return s
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    """How many requests may be active at once, beyond ``EngineConfig.max_active``.
+
+    ``mode``: ``"auto"`` (the :class:`CapacityEstimator`'s real-time capacity), ``"off"``
+    (``max_active`` only) or ``"fixed"`` (``streams``). Parse ``--admission`` with :meth:`parse`.
+    """
+
+    mode: str = "off"
+    streams: int | None = None
+
+    def __post_init__(self):
+        if self.mode not in ("auto", "off", "fixed"):
+            raise ValueError(f"unknown admission mode {self.mode!r} (auto, off or a number of streams)")
+        if (self.mode == "fixed") != (self.streams is not None) or (self.streams is not None and self.streams < 1):
+            raise ValueError("a fixed admission limit needs a number of streams >= 1")
+
+    @classmethod
+    def parse(cls, spec: "str | int | AdmissionPolicy") -> "AdmissionPolicy":
+        """``"auto"``, ``"off"`` or a positive integer (``"8"`` / ``8``); raises ValueError
+        naming the problem for anything else."""
+        if isinstance(spec, AdmissionPolicy):
+            return spec
+        if isinstance(spec, int) and not isinstance(spec, bool):
+            return cls("fixed", spec)
+        text = str(spec).strip().lower()
+        if text in ("auto", "off"):
+            return cls(text)
+        try:
+            n = int(text)
+        except ValueError:
+            raise ValueError(f"--admission must be 'auto', 'off' or a number of streams >= 1, got {spec!r}") from None
+        if n < 1:
+            raise ValueError(f"--admission must be 'auto', 'off' or a number of streams >= 1, got {spec!r}")
+        return cls("fixed", n)
+
+    def __str__(self) -> str:
+        return str(self.streams) if self.mode == "fixed" else self.mode
+
+
+class _LinearFit:
+    """Exponentially weighted least squares of ``y = a + c*x`` (sums decayed by the caller)."""
+
+    def __init__(self):
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+
+    def decay(self, f: float) -> None:
+        self.w *= f
+        self.x *= f
+        self.y *= f
+        self.xx *= f
+        self.xy *= f
+
+    def add(self, x: float, y: float) -> None:
+        self.w += 1.0
+        self.x += x
+        self.y += y
+        self.xx += x * x
+        self.xy += x * y
+
+    def solve(self) -> tuple[float, float] | None:
+        """``(a, c)`` with ``a, c >= 0``; None without data. With (nearly) one batch size the
+        cost is taken as proportional to it (``a = 0``)."""
+        if self.w < 1e-6 or self.x <= 0:
+            return None
+        mx, my = self.x / self.w, self.y / self.w
+        var = self.xx / self.w - mx * mx
+        if var < 0.1:  # rows hardly varied: no slope can be told apart from the fixed part
+            return 0.0, my / mx
+        c = (self.xy / self.w - mx * my) / var
+        a = my - c * mx
+        if c < 0:  # cost falling with rows: noise; flat
+            return my, 0.0
+        if a < 0:  # through the origin
+            return 0.0, self.xy / self.xx
+        return a, c
+
+
+class _Ratio:
+    """Exponentially weighted ratio ``sum(num) / sum(den)``."""
+
+    def __init__(self):
+        self.num = self.den = 0.0
+
+    def decay(self, f: float) -> None:
+        self.num *= f
+        self.den *= f
+
+    def add(self, num: float, den: float) -> None:
+        self.num += num
+        self.den += den
+
+    def value(self) -> float | None:
+        return self.num / self.den if self.den > 1e-9 else None
+
+
+class _Resource:
+    """One resource's cost model: LM step seconds vs rows, token2wav seconds per audio second."""
+
+    def __init__(self):
+        self.lm = _LinearFit()
+        self.t2w = _Ratio()
+
+    def decay(self, f: float) -> None:
+        self.lm.decay(f)
+        self.t2w.decay(f)
+
+    def capacity(self, rate: float, target: float, audio: bool) -> float | None:
+        """Largest real number of streams ``b`` with ``rate*(a + c*b) + b*k <= target`` (``k``
+        only with ``audio``; None without LM data, or without token2wav data when ``audio``;
+        ``inf`` if nothing grows with ``b``)."""
+        fit = self.lm.solve()
+        k = self.t2w.value() if audio else 0.0
+        if fit is None or k is None:
+            return None
+        a, c = fit
+        per_stream = rate * c + k
+        room = target - rate * a
+        if room <= 0:
+            return 0.0
+        return math.inf if per_stream <= 0 else room / per_stream
+
+
+class CapacityEstimator:
+    """Real-time capacity in streams, measured continuously (see the module doc).
+
+    ``token_rate``: speech tokens per second of audio (the model's ``token_frame_rate``);
+    ``target``: the share of each resource the admitted streams may need (0 < target <= 1);
+    ``max_streams``: upper clamp (``EngineConfig.max_active``); ``initial``: the capacity
+    before any measurement; ``growth``: the estimate is at most ``growth`` x the most
+    streams measured admitted at once, + 1; ``half_life_s``: the weight of a measurement
+    halves every this many seconds (an idle gap counts as at most 5 half-lives); ``clock``:
+    the time source (seconds; tests pass their own). Raises ValueError for settings out of
+    range. Not thread-safe: fed and read by the engine thread (readers elsewhere read
+    :attr:`last` / :attr:`last_estimate`, plain attributes).
+    """
+
+    def __init__(self, token_rate: float, target: float = 0.8, max_streams: int = 1 << 30, initial: int = 2,
+                 growth: float = 1.5, half_life_s: float = 10.0, clock=time.monotonic):
+        if not (token_rate > 0 and 0 < target <= 1 and max_streams >= 1 and initial >= 1 and growth >= 1
+                and half_life_s > 0):
+            raise ValueError("invalid capacity estimator settings")
+        self.rate, self.target, self.max_streams = float(token_rate), float(target), int(max_streams)
+        self.initial, self.growth, self.half_life_s = int(initial), float(growth), float(half_life_s)
+        self.clock = clock
+        self.host = _Resource()
+        self.device = _Resource()
+        self.seen = 0  #: the most streams admitted at once while the LM was measured
+        #: the chunk schedules' speed-up ``S`` (module doc) that the capacity is computed for
+        self.speedup = 1.0
+        #: whether the streams make audio (token2wav's cost counts; LM-only requests: no)
+        self.audio = True
+        self._t = None
+        #: the latest :meth:`capacity` (streams) and raw :meth:`estimate` (None: no data yet)
+        self.last: int = min(self.initial, self.max_streams)
+        self.last_estimate: float | None = None
+
+    def _decay(self) -> None:
+        """Age the sums before a new measurement; an idle gap counts as at most 5 half-lives
+        (the old measurements then weigh 1/32 of a new one's, and never underflow to none)."""
+        now = self.clock()
+        if self._t is not None and now > self._t:
+            f = 0.5 ** min(5.0, (now - self._t) / self.half_life_s)
+            self.host.decay(f)
+            self.device.decay(f)
+        self._t = now
+
+    def observe_lm(self, rows: int, host_s: float, admitted: int | None = None) -> None:
+        """One LM step over ``rows`` running segments (prefill + decode) took ``host_s``
+        seconds of the scheduler thread, waits for the device included; ``admitted``:
+        requests admitted at the time (default ``rows``)."""
+        if rows < 1 or not host_s >= 0:
+            return
+        self._decay()
+        self.host.lm.add(rows, host_s)
+        self.seen = max(self.seen, rows if admitted is None else admitted)
+
+    def observe_lm_device(self, rows: int, device_s: float) -> None:
+        """The device time (CUDA events) of one LM step's prefill + decode over ``rows`` rows."""
+        if rows < 1 or not device_s >= 0:
+            return
+        self._decay()
+        self.device.lm.add(rows, device_s)
+
+    def observe_t2w(self, audio_s: float, host_s: float, device_s: float | None = None) -> None:
+        """A token2wav batch produced ``audio_s`` seconds of audio for ``host_s`` seconds of
+        the scheduler thread (``device_s`` of device time on CUDA)."""
+        if not audio_s > 0 or not host_s >= 0:
+            return
+        self._decay()
+        self.host.t2w.add(host_s, audio_s)
+        if device_s is not None and device_s >= 0:
+            self.device.t2w.add(device_s, audio_s)
+
+    def estimate(self) -> float | None:
+        """The model's capacity in streams (a real number, unbounded by slow start and
+        ``max_streams``), the smaller over the measured resources; None before the LM (and,
+        with :attr:`audio`, token2wav) was measured."""
+        target = self.target / max(1.0, self.speedup)
+        caps = [c for c in (self.host.capacity(self.rate, target, self.audio),
+                            self.device.capacity(self.rate, target, self.audio)) if c is not None]
+        self.last_estimate = min(caps) if caps else None
+        return self.last_estimate
+
+    def capacity(self) -> int:
+        """Streams that may be admitted now: ``initial`` before any measurement, else the
+        estimate rounded down, at most ``growth`` x the most streams seen + 1, at least 1,
+        at most ``max_streams``."""
+        est = self.estimate()
+        if est is None:
+            cap = self.initial
+        else:
+            bound = max(self.initial, int(self.growth * self.seen) + 1)
+            cap = min(bound, int(est) if math.isfinite(est) else bound)
+        self.last = max(1, min(cap, self.max_streams))
+        return self.last
+
+
+__all__ = ["AdmissionPolicy", "CapacityEstimator", "chunk_speedup", "SPEEDUP_HORIZON_TOKENS"]

@@ -1,0 +1,397 @@
+"""Admission control (issue 17): admitted streams stay real time, the rest queue in arrival order.
+
+* the capacity model (:class:`~cosyserve.engine.admission.CapacityEstimator`) against synthetic
+  costs whose capacity is known in closed form;
+* the engine on the demo model made deliberately slow by known artificial costs (a sleep per LM
+  step and per second of audio from a stand-in token2wav): under 3x its admission limit no
+  admitted stream stalls, queued ones start in arrival order, and the queue is bounded; the same
+  load without admission control stalls (so the test can fail); ``auto`` finds a capacity
+  consistent with the artificial costs;
+* ``/metrics`` of a real server process shows the admission gauges.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from _server import Server
+from cosyserve.client.bench import playback_stalls
+from cosyserve.engine.admission import AdmissionPolicy, CapacityEstimator, chunk_speedup
+from cosyserve.engine.chunking import ChunkPolicy
+from cosyserve.engine.core import EngineConfig, QueueFullError
+from cosyserve.engine.request import AudioChunk, RequestFinished, SynthesisParams
+from cosyserve.engine.token2wav import Token2Wav, Token2WavResult
+from cosyserve.models.hift import HiFTStreamState
+from cosyserve.server.metrics import Metrics
+
+# artificial costs (seconds): an LM step over b rows sleeps LM_FIXED + LM_ROW * b, a token2wav
+# batch T2W_FIXED + T2W_PER_AUDIO_S per second of audio it makes
+LM_FIXED, LM_ROW, T2W_FIXED, T2W_PER_AUDIO_S = 0.002, 0.001, 0.002, 0.2
+TEXT = "Hello world, this is a test of the admission."
+RATIO = 10  # speech tokens per text token (pinned: random weights never stop): ~4.4 s of audio
+POLICY = "fixed:25"  # 1 s chunks: real time needs 1x (doubling schedules need 2x, see chunk_speedup)
+
+
+# ---------------------------------------------------------------------------- the capacity model
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def feed(est: CapacityEstimator, clock: Clock, a: float, c: float, k: float, rows=range(1, 7), n=300, seed=0,
+         device=None):
+    """Steps over ``rows`` with cost ``a + c*rows`` (+-5 % noise) and token2wav batches at ``k``
+    seconds per audio second, 20 ms of clock apart; ``device``: the same for the device."""
+    g = torch.Generator().manual_seed(seed)
+    rows = list(rows)
+    for i in range(n):
+        b = rows[i % len(rows)]
+        noise = 1 + 0.1 * (float(torch.rand(1, generator=g)) - 0.5)
+        est.observe_lm(b, (a + c * b) * noise, admitted=b)
+        if device is not None:
+            est.observe_lm_device(b, device[0] + device[1] * b)
+        if i % 5 == 0:
+            audio = 0.5 * b
+            est.observe_t2w(audio, k * audio * noise, None if device is None else device[2] * audio)
+        clock.t += 0.02
+
+
+def test_estimator_converges_to_the_known_capacity():
+    clock = Clock()
+    est = CapacityEstimator(25, target=0.8, max_streams=64, initial=2, clock=clock)
+    assert est.estimate() is None and est.capacity() == 2  # slow start before any measurement
+    a, c, k = 0.004, 0.002, 0.2
+    feed(est, clock, a, c, k)
+    exact = (0.8 - 25 * a) / (25 * c + k)  # 2.8 streams
+    assert est.estimate() == pytest.approx(exact, rel=0.05)
+    assert est.capacity() == 2
+    # the chunk schedule's speed-up S divides the budget: S * U(b) <= target
+    est.speedup = 2.0
+    assert est.estimate() == pytest.approx((0.4 - 25 * a) / (25 * c + k), rel=0.05)
+    est.speedup = 1.0
+    # costs change (e.g. a slower GPU clock): within a few half-lives the estimate follows
+    feed(est, clock, 2 * a, 2 * c, 2 * k, n=3000)
+    assert est.estimate() == pytest.approx((0.8 - 50 * a) / (50 * c + 2 * k), rel=0.08)
+
+
+def test_estimator_bounds_extrapolation_and_takes_the_tighter_resource():
+    clock = Clock()
+    est = CapacityEstimator(25, target=0.8, max_streams=64, initial=2, growth=1.5, clock=clock)
+    # a GPU-like flat LM step (8 ms whatever the rows) and cheap token2wav: the model says ~62
+    # streams, but only 1..4 were ever admitted: at most 1.5 x 4 + 1
+    feed(est, clock, 0.008, 0.0, 0.01, rows=range(1, 5))
+    assert est.estimate() == pytest.approx((0.8 - 0.2) / 0.01, rel=0.1)
+    assert est.capacity() == 7
+    # the device is the tighter resource: its costs set the estimate
+    clock2 = Clock()
+    est2 = CapacityEstimator(25, target=0.8, max_streams=64, clock=clock2)
+    feed(est2, clock2, 0.008, 0.0, 0.01, rows=range(1, 5), device=(0.004, 0.001, 0.05))
+    assert est2.estimate() == pytest.approx((0.8 - 0.1) / (0.025 + 0.05), rel=0.05)
+    # LM-only streams do not pay for token2wav; an LM slower than real time: capacity 1
+    est2.audio = False
+    assert est2.estimate() > (0.8 - 0.1) / (0.025 + 0.05) * 2
+    clock3 = Clock()
+    est3 = CapacityEstimator(25, clock=clock3)
+    feed(est3, clock3, 0.05, 0.0, 0.1, rows=[1, 2])
+    assert est3.estimate() == 0.0 and est3.capacity() == 1
+    # one batch size only: the cost is taken as proportional to the rows (pessimistic)
+    clock4 = Clock()
+    est4 = CapacityEstimator(25, target=1.0, clock=clock4)
+    feed(est4, clock4, 0.01, 0.0, 0.0, rows=[2])
+    assert est4.estimate() == pytest.approx(2 * 1.0 / (25 * 0.01), rel=0.06)
+
+
+def test_policy_parsing_and_chunk_speedup(capsys):
+    assert AdmissionPolicy.parse("auto").mode == "auto" and AdmissionPolicy.parse("off").mode == "off"
+    assert AdmissionPolicy.parse("8") == AdmissionPolicy("fixed", 8) == AdmissionPolicy.parse(8)
+    for bad in ("0", "-3", "many", "1.5"):
+        with pytest.raises(ValueError, match="--admission must be"):
+            AdmissionPolicy.parse(bad)
+    with pytest.raises(ValueError):
+        EngineConfig(admission="nope")
+    with pytest.raises(ValueError):
+        EngineConfig(admission_target=0)
+    assert chunk_speedup(ChunkPolicy.parse("fixed:25")) == 1.0
+    assert chunk_speedup(ChunkPolicy.parse("upstream")) == 2.0  # 25, 50, 100: 50 tokens while 25 play
+    assert 1.9 < chunk_speedup(ChunkPolicy.parse("exponential")) < 2.0  # 15, 25, 50, 100, 200
+    # the CLI option: one clear line, no traceback
+    from cosyserve.cli import main
+
+    for argv, msg in ((["--admission", "bogus"], "--admission must be 'auto', 'off' or a number"),
+                      (["--admission-target", "1.5"], "--admission-target must be in (0, 1]")):
+        assert main(["bench", "--in-process", "--demo", *argv]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------- the engine, slowed down
+
+
+class SlowToken2Wav(Token2Wav):
+    """token2wav stand-in: silence of the right length after a sleep of ``T2W_FIXED +
+    T2W_PER_AUDIO_S`` x its audio seconds (on CPU the engine runs a batch synchronously)."""
+
+    def __init__(self, real: Token2Wav, samples_per_token: int, lookahead: int):
+        super().__init__(real.flow, real.hift, real.ratio)
+        self.spt, self.lookahead = samples_per_token, lookahead
+
+    def launch(self, jobs, stream=None, marks=None, queue_steps=None):
+        n_tok = [len(j.tokens) - j.token_offset - (0 if j.finalize else self.lookahead) for j in jobs]
+        time.sleep(T2W_FIXED + T2W_PER_AUDIO_S * sum(n_tok) * self.spt / 24000)
+
+        class Done:
+            marks = ()
+            results = [Token2WavResult(torch.zeros(n * self.spt), HiFTStreamState()) for n in n_tok]
+        return Done()
+
+    def finish(self, pending):
+        return pending.results
+
+
+class Admissions(Metrics):
+    """The server's observer (its admission hooks run too), recording the admission order and
+    the capacity changes."""
+
+    def __init__(self):
+        super().__init__()
+        self.order: list[str] = []
+        self.in_order: list[bool] = []
+        self.changes: list[int] = []
+
+    def admitted(self, request_id, waited_s, in_order):
+        super().admitted(request_id, waited_s, in_order)
+        self.order.append(request_id)
+        self.in_order.append(in_order)
+
+    def capacity_changed(self, streams, estimate):
+        super().capacity_changed(streams, estimate)
+        self.changes.append(streams)
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    """The demo model on one intra-op thread (on a busy machine, two threads spinning for each
+    tiny kernel made the demo's own LM step 20x slower than the artificial costs)."""
+    from cosyserve.engine.pipeline import Synthesizer
+    from cosyserve.models.demo import shipped_prompt, write_demo_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        syn = Synthesizer(write_demo_model(tmp_path_factory.mktemp("demo") / "model"), normalizer="rules")
+        yield syn, syn.make_voice("v", *shipped_prompt())
+    finally:
+        torch.set_num_threads(threads)
+
+
+def slow_engine(synth, **cfg):
+    syn, _ = synth
+    obs = Admissions()
+    core = syn.new_engine(EngineConfig(**cfg), observer=obs)
+    obs.attach(core)
+    assert syn.models.cfg.sample_rate == 24000
+    core.t2w = SlowToken2Wav(core.t2w, syn.models.cfg.sample_rate // syn.models.cfg.token_frame_rate,
+                             ChunkPolicy.parse(POLICY).lookahead)
+    lm_step = core._lm_step
+
+    def slow_lm_step(events):
+        rows = lm_step(events)
+        if rows:
+            time.sleep(LM_FIXED + LM_ROW * rows)
+        return rows
+
+    core._lm_step = slow_lm_step
+    return core, obs
+
+
+def run_load(synth, core, n: int) -> dict:
+    """``n`` streams arriving at once; steps until done. Per request: chunk arrivals (monotonic
+    time, samples) and its RequestFinished."""
+    syn, voice = synth
+    params = [SynthesisParams(seed=i, chunk_policy=ChunkPolicy.parse(POLICY), min_token_text_ratio=RATIO,
+                              max_token_text_ratio=RATIO) for i in range(n)]
+    for i in range(n):
+        core.add_request(syn.build_request(TEXT, voice, params[i], f"r{i}"))
+    out = {f"r{i}": {"arrivals": [], "done": None} for i in range(n)}
+    while core.has_work():
+        events = core.step()
+        now = time.monotonic()
+        for ev in events:
+            if isinstance(ev, AudioChunk):
+                out[ev.request_id]["arrivals"].append((now, ev.samples.shape[0]))
+            elif isinstance(ev, RequestFinished):
+                out[ev.request_id]["done"] = ev
+    return out
+
+
+def stalled(res: dict) -> list[str]:
+    return [rid for rid, r in res.items() if playback_stalls(r["arrivals"], 24000)[0] > 0]
+
+
+def test_fixed_admission_under_3x_load_never_stalls_an_admitted_stream(synth):
+    """Admission limit 2 (the artificial costs keep ~4 streams real time), 6 streams at once:
+    every stream plays without a stall, the 4 queued ones start in arrival order after the first
+    two, a 7th request beyond the queue (max_queue 4) is refused. Without admission control the
+    same 6 streams stall."""
+    n_cap = 2
+    core, obs = slow_engine(synth, max_active=16, max_queue=4, admission=n_cap)
+    assert core.admission_limit == n_cap and core.capacity_streams == n_cap
+    syn, voice = synth
+    params = SynthesisParams(seed=0, chunk_policy=ChunkPolicy.parse(POLICY), min_token_text_ratio=RATIO,
+                             max_token_text_ratio=RATIO)
+    reqs = [syn.build_request(TEXT, voice, params, f"r{i}") for i in range(3 * n_cap + 1)]
+    for r in reqs[:-1]:
+        core.add_request(r)
+    with pytest.raises(QueueFullError, match="admitting 2 at once, max_queue=4"):
+        core.add_request(reqs[-1])
+    out = {r.request_id: {"arrivals": [], "done": None} for r in reqs[:-1]}
+    peak = 0
+    while core.has_work():
+        events = core.step()
+        peak = max(peak, core.active_count)
+        now = time.monotonic()
+        for ev in events:
+            if isinstance(ev, AudioChunk):
+                out[ev.request_id]["arrivals"].append((now, ev.samples.shape[0]))
+            elif isinstance(ev, RequestFinished):
+                out[ev.request_id]["done"] = ev
+    assert peak == n_cap
+    assert all(r["done"].outcome.value == "ok" and r["done"].audio_s > 3 for r in out.values())
+    assert stalled(out) == []
+    assert obs.order == [r.request_id for r in reqs[:-1]] and all(obs.in_order)
+    assert core.stats.admitted == 6 and core.stats.admitted_out_of_order == 0
+    # queued streams waited (their first chunk came later), the first two did not
+    first = {rid: r["done"].first_chunk_breakdown["queue"] for rid, r in out.items()}
+    assert max(first["r0"], first["r1"]) < 0.5 < min(first[f"r{i}"] for i in range(2, 6))
+
+    # the same load without admission control: streams stall (this test can fail)
+    core_off, _ = slow_engine(synth, max_active=16, max_queue=4, admission="off")
+    assert core_off.admission_limit == 16
+    res = run_load(synth, core_off, 3 * n_cap)
+    assert len(stalled(res)) >= 3
+
+
+def test_auto_admission_estimates_the_artificial_capacity(synth):
+    """``auto`` on the slowed engine: the capacity it settles on is what the artificial costs
+    allow (the demo's own compute only lowers it), and no admitted stream stalls."""
+    core, obs = slow_engine(synth, max_active=16, max_queue=16, admission="auto")
+    res = run_load(synth, core, 6)
+    est = core.capacity_model.last_estimate
+    # sleep-only bound: S * (25 * (LM_FIXED + LM_ROW * b) + b * T2W_PER_AUDIO_S) <= 0.8 with S = 1
+    bound = (0.8 - 25 * LM_FIXED) / (25 * LM_ROW + T2W_PER_AUDIO_S)  # 3.3 streams
+    assert est is not None and 0.4 * bound <= est <= 1.05 * bound, (est, bound)
+    assert 1 <= core.capacity_streams <= math.floor(bound)
+    assert stalled(res) == [] and all(r["done"].outcome.value == "ok" for r in res.values())
+    assert obs.order == [f"r{i}" for i in range(6)]
+    # the server's gauges follow the engine (the hook the engine calls on a material change)
+    obs.capacity_changed(core.capacity_streams, est)
+    assert obs.capacity._value.get() == core.capacity_streams and obs.admitted_streams._value.get() == 0
+    assert obs.admissions._value.get() == 6
+
+
+# ---------------------------------------------------------------------------- /metrics
+
+
+def scrape(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
+
+
+def test_metrics_expose_the_admission_gauges(tmp_path):
+    srv = Server(tmp_path, "--max-active-streams", "8", "--admission", "3", "--min-token-text-ratio", "4",
+                 "--max-token-text-ratio", "4")
+    try:
+        m = scrape(srv.url)
+        assert m["cosyserve_capacity_streams"] == 3
+        assert m["cosyserve_admitted_streams"] == 0 and m["cosyserve_load_ratio"] == 0
+        # the warm-up requests were measured: the model's own estimate is a number
+        assert math.isfinite(m["cosyserve_capacity_estimate_streams"])
+        assert m["cosyserve_admissions_total"] >= 2 and m["cosyserve_admissions_out_of_order_total"] == 0
+        # five long streams at once: 3 admitted (load 1.0), 2 queued
+        import threading
+
+        body = {"model": "tts-1", "input": TEXT, "voice": "default", "response_format": "pcm"}
+        seen = []
+
+        def client():
+            with httpx.stream("POST", srv.url + "/v1/audio/speech", json=body, timeout=120) as r:
+                for _ in r.iter_bytes():
+                    pass
+                seen.append(r.status_code)
+
+        threads = [threading.Thread(target=client) for _ in range(5)]
+        for t in threads:
+            t.start()
+        peak = None
+        deadline = time.time() + 60
+        while time.time() < deadline and any(t.is_alive() for t in threads) \
+                and (peak is None or peak["cosyserve_queue_depth"] < 2):
+            m = scrape(srv.url)
+            if m["cosyserve_admitted_streams"] == 3:
+                peak = m
+            time.sleep(0.05)
+        for t in threads:
+            t.join(120)
+        assert seen == [200] * 5
+        assert peak is not None, "never saw 3 admitted streams"
+        assert peak["cosyserve_load_ratio"] == pytest.approx(1.0) and peak["cosyserve_capacity_streams"] == 3
+        assert peak["cosyserve_active_streams"] == 3
+        m = scrape(srv.url)
+        assert m["cosyserve_admitted_streams"] == 0 and m["cosyserve_admissions_total"] >= 7
+    finally:
+        assert srv.stop() == 0
+    assert "Traceback" not in srv.logs()
+
+
+def test_estimator_keeps_its_model_over_an_idle_gap():
+    """An hour without requests: the old measurements are aged by at most 5 half-lives, so the
+    model survives (no slow start again) and new measurements dominate at once."""
+    clock = Clock()
+    est = CapacityEstimator(25, target=0.8, clock=clock)
+    feed(est, clock, 0.004, 0.002, 0.2)
+    before = est.estimate()
+    clock.t += 3600
+    feed(est, clock, 0.004, 0.002, 0.2, n=1)
+    assert est.estimate() == pytest.approx(before, rel=0.1)
+    feed(est, clock, 0.008, 0.004, 0.4, n=100)  # then twice as slow: followed within ~2 s
+    assert est.estimate() == pytest.approx((0.8 - 25 * 0.008) / (25 * 0.004 + 0.4), rel=0.15)
+
+
+@pytest.mark.gpu
+def test_auto_admission_on_cuda_measures_the_device(tmp_path):
+    """On CUDA admission is ``auto`` by default and the capacity model is fed with device time
+    (CUDA events of prefill/decode and flow/HiFT) as well as the scheduler thread's."""
+    from cosyserve.engine.pipeline import Synthesizer
+    from cosyserve.models.demo import shipped_prompt, write_demo_model
+
+    syn = Synthesizer(write_demo_model(tmp_path / "model"), device="cuda", normalizer="rules")
+    voice = syn.make_voice("v", *shipped_prompt())
+    obs = Admissions()
+    core = syn.new_engine(EngineConfig(max_active=8, max_queue=8), observer=obs)
+    assert core.admission.mode == "auto" and core.admission_limit == 2  # slow start
+    params = SynthesisParams(seed=0, chunk_policy=ChunkPolicy.parse("exponential"), min_token_text_ratio=RATIO,
+                             max_token_text_ratio=RATIO)
+    for i in range(8):
+        core.add_request(syn.build_request(TEXT, voice, params, f"g{i}"))
+    done, speedups = [], []
+    while core.has_work():
+        done += [e for e in core.step() if isinstance(e, RequestFinished)]
+        speedups.append(core.capacity_model.speedup)
+    assert sorted(e.request_id for e in done) == [f"g{i}" for i in range(8)]
+    assert all(e.outcome.value == "ok" for e in done)
+    model = core.capacity_model
+    assert model.device.lm.w > 0 and model.device.t2w.value() is not None and model.host.t2w.value() is not None
+    assert max(speedups) == pytest.approx(chunk_speedup(ChunkPolicy.parse("exponential")))
+    assert model.last_estimate is not None and 1 <= core.capacity_streams <= 8
+    assert obs.order == [f"g{i}" for i in range(8)] and all(obs.in_order)
