@@ -17,6 +17,14 @@ Sessions use the CPU execution provider unless CUDA is asked for and available, 
 graph optimisation, and ``intra_op_num_threads=1`` by default (upstream's choice; many
 concurrent requests then scale across cores instead of fighting over them).
 ``InferenceSession.run`` is thread-safe, so one instance can serve concurrent callers.
+
+Batches: both models take several utterances at once (``tokenize`` / ``embed_many``).
+:func:`open_speech_tokenizer` picks the tokenizer's backend: a file with the real S3 tokenizer
+v2 structure runs in PyTorch (:class:`TorchSpeechTokenizer`: one padded forward for the whole
+batch, on the serving device), a stand-in (demo / reference fixtures) through onnxruntime,
+item by item. CAM++ always runs through onnxruntime, items back to back (its statistics
+pooling and convolution edges make padding inexact), on the CUDA execution provider when the
+serving device is CUDA and onnxruntime-gpu is installed (:func:`speaker_providers`).
 """
 
 from __future__ import annotations
@@ -121,6 +129,21 @@ class _OnnxModel:
         return out[0]
 
 
+def speaker_providers(device: str | torch.device | None, providers=None):
+    """onnxruntime providers for CAM++: ``providers`` when given; otherwise CUDA (with CPU
+    fallback) when ``device`` is a CUDA device and this onnxruntime has the CUDA execution
+    provider (the ``onnxruntime-gpu`` package), else CPU."""
+    if providers is not None:
+        return providers
+    if device is not None and torch.device(device).type == "cuda":
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" in ort.get_available_providers():
+            index = torch.device(device).index
+            return [("CUDAExecutionProvider", {"device_id": int(index or 0)})]
+    return None
+
+
 class SpeakerEncoder(_OnnxModel):
     """CAM++ speaker embedding model (``campplus.onnx``).
 
@@ -148,6 +171,11 @@ class SpeakerEncoder(_OnnxModel):
         emb = np.asarray(self._run([feats]), dtype=np.float32).reshape(1, -1)
         return torch.from_numpy(emb).to(fbank.device)
 
+    def embed_many(self, fbanks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Embeddings ``[1, 192]`` of several fbanks (each as in ``__call__``), run back to back
+        (one session, no padding: results equal single calls)."""
+        return [self(f) for f in fbanks]
+
 
 class SpeechTokenizer(_OnnxModel):
     """S3 speech tokenizer v2 (``speech_tokenizer_v2.onnx``): 25 speech tokens per second.
@@ -164,6 +192,7 @@ class SpeechTokenizer(_OnnxModel):
 
     file_hint = f"speech tokenizer {SPEECH_TOKENIZER_FILE}"
     n_inputs = 2
+    backend = "onnxruntime"
 
     def __init__(self, onnx_path, providers=None, num_threads: int = 1, max_seconds: float = TOKENIZER_MAX_SECONDS):
         super().__init__(onnx_path, providers, num_threads)
@@ -174,21 +203,112 @@ class SpeechTokenizer(_OnnxModel):
         return int(math.floor(self.max_seconds * SPEECH_TOKENIZER_MEL.frame_rate))
 
     def __call__(self, feats: torch.Tensor) -> torch.Tensor:
-        if feats.dim() == 2:
-            feats = feats.unsqueeze(0)
-        if feats.dim() != 3 or feats.shape[0] != 1 or feats.shape[1] != SPEECH_TOKENIZER_MEL.n_mels:
-            raise ValueError(f"SpeechTokenizer expects log-mel [1, {SPEECH_TOKENIZER_MEL.n_mels}, T], "
-                             f"got {tuple(feats.shape)}")
+        feats = _check_log_mel(feats, self.max_frames, self.max_seconds)
         frames = int(feats.shape[2])
-        if frames == 0:
-            raise InvalidInputError("audio too short for speech tokens (no log-mel frames)", field="prompt_wav")
-        if frames > self.max_frames:
-            raise InvalidInputError(
-                f"audio of {frames / SPEECH_TOKENIZER_MEL.frame_rate:.2f} s is too long for the speech tokenizer; "
-                f"at most {self.max_seconds:g} s is supported",
-                field="prompt_wav",
-            )
         x = feats.detach().to("cpu", torch.float32).contiguous().numpy()
         tokens = self._run([x, np.array([frames], dtype=np.int32)])
         tokens = np.asarray(tokens).reshape(1, -1).astype(np.int32)
         return torch.from_numpy(tokens).to(feats.device)
+
+    def tokenize(self, feats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Tokens ``[1, T'_i]`` of several log-mels (each as in ``__call__``), run back to back
+        (stand-in graphs take one utterance at a time)."""
+        return [self(f) for f in feats]
+
+
+def _check_log_mel(feats: torch.Tensor, max_frames: int, max_seconds: float) -> torch.Tensor:
+    """``feats`` as ``[1, n_mels, T]``; ValueError for a wrong shape, InvalidInputError for no
+    frames or more than ``max_frames``."""
+    if feats.dim() == 2:
+        feats = feats.unsqueeze(0)
+    if feats.dim() != 3 or feats.shape[0] != 1 or feats.shape[1] != SPEECH_TOKENIZER_MEL.n_mels:
+        raise ValueError(f"SpeechTokenizer expects log-mel [1, {SPEECH_TOKENIZER_MEL.n_mels}, T], "
+                         f"got {tuple(feats.shape)}")
+    frames = int(feats.shape[2])
+    if frames == 0:
+        raise InvalidInputError("audio too short for speech tokens (no log-mel frames)", field="prompt_wav")
+    if frames > max_frames:
+        raise InvalidInputError(
+            f"audio of {frames / SPEECH_TOKENIZER_MEL.frame_rate:.2f} s is too long for the speech tokenizer; "
+            f"at most {max_seconds:g} s is supported",
+            field="prompt_wav",
+        )
+    return feats
+
+
+class TorchSpeechTokenizer:
+    """S3 speech tokenizer v2 in PyTorch (:mod:`cosyserve.frontend.s3tokenizer`), batched.
+
+    Same calling convention as :class:`SpeechTokenizer`: ``__call__(feats)`` with ``feats``
+    float ``[1, 128, T]`` -> int32 ``[1, ceil(T / 4)]`` on ``feats``' device; ``tokenize(list)``
+    runs all items in ONE padded forward on ``device`` (per-item masks; each item's tokens equal
+    its single-item tokens) and returns them on the CPU.
+
+    Args:
+        model: the loaded network (:func:`~cosyserve.frontend.s3tokenizer.load_s3_tokenizer_v2`).
+        path: the ONNX file it came from (for messages).
+        max_seconds: longest accepted audio (30 s, the model's positional range upstream).
+
+    Raises (calls): InvalidInputError for no frames or more than ``max_seconds``; ValueError for
+    a tensor of the wrong shape.
+    """
+
+    backend = "torch"
+
+    def __init__(self, model, path: str | os.PathLike, max_seconds: float = TOKENIZER_MAX_SECONDS):
+        self.model = model
+        self.path = Path(path)
+        self.max_seconds = float(max_seconds)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.conv1.weight.device
+
+    @property
+    def max_frames(self) -> int:
+        return int(math.floor(self.max_seconds * SPEECH_TOKENIZER_MEL.frame_rate))
+
+    def __call__(self, feats: torch.Tensor) -> torch.Tensor:
+        return self.tokenize([feats])[0].to(feats.device)
+
+    def tokenize(self, feats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        checked = [_check_log_mel(f, self.max_frames, self.max_seconds)[0] for f in feats]
+        out = self.model.tokenize(checked)
+        if not out:
+            return []
+        lengths = [o.shape[1] for o in out]
+        flat = torch.cat([o[0] for o in out]).cpu()  # one device-to-host copy for the batch
+        return [t.view(1, -1) for t in flat.split(lengths)]
+
+
+#: tokenizer backends accepted by :func:`open_speech_tokenizer`
+TOKENIZER_BACKENDS = ("auto", "torch", "onnxruntime")
+
+
+def open_speech_tokenizer(onnx_path: str | os.PathLike, *, backend: str = "auto", device=None, providers=None,
+                          num_threads: int = 1, max_seconds: float = TOKENIZER_MAX_SECONDS):
+    """The speech tokenizer of ``onnx_path`` with the backend ``backend``.
+
+    ``auto``: PyTorch (:class:`TorchSpeechTokenizer` on ``device``, default CPU) when the file
+    has the real S3 tokenizer v2 structure, else onnxruntime (:class:`SpeechTokenizer` with
+    ``providers``); ``torch`` requires the real structure; ``onnxruntime`` always uses the
+    session. Raises :class:`ModelDirError` for a missing / unusable file, ``torch`` with a
+    stand-in, or an unknown backend.
+    """
+    from .s3tokenizer import load_s3_tokenizer_v2
+
+    if backend not in TOKENIZER_BACKENDS:
+        raise ModelDirError(f"unknown speech tokenizer backend {backend!r}; use one of {', '.join(TOKENIZER_BACKENDS)}")
+    path = Path(onnx_path)
+    if backend != "onnxruntime":
+        if not path.is_file():
+            raise ModelDirError(f"speech tokenizer {SPEECH_TOKENIZER_FILE} not found: '{path}'")
+        model = load_s3_tokenizer_v2(path, device=device or "cpu")
+        if model is not None:
+            log.info("speech tokenizer %s: PyTorch S3 tokenizer v2 on %s (%d layers, width %d)", path,
+                     model.conv1.weight.device, model.dims.n_layer, model.dims.n_state)
+            return TorchSpeechTokenizer(model, path, max_seconds)
+        if backend == "torch":
+            raise ModelDirError(f"'{path}' does not have the S3 tokenizer v2 structure (a stand-in?); "
+                                "the torch backend cannot run it")
+    return SpeechTokenizer(path, providers=providers, num_threads=num_threads, max_seconds=max_seconds)
