@@ -92,7 +92,7 @@ class _Graph:
     def tensor(self, arr: np.ndarray, kind: str | None = None, name: str | None = None) -> str:
         name = name or f"onnx::{kind}_{next(self._ids)}"
         self.inits.append(self.nh.from_array(np.ascontiguousarray(arr), name))
-        if np.issubdtype(arr.dtype, np.floating) and arr.ndim >= 1:
+        if np.issubdtype(arr.dtype, np.floating) and arr.size > 1:
             self.n_params += arr.size
         return name
 
@@ -346,13 +346,14 @@ def campplus_like_onnx(size: CamSize = CamSize(), seed: int = 0):
 
 
 def count_parameters(model) -> int:
-    """Number of floating-point values in ``model``'s initializers of rank >= 1."""
+    """Number of floating-point values in ``model``'s initializers with more than one element
+    (weights and tables; scalar constants are not counted)."""
     from onnx import numpy_helper
 
     n = 0
     for t in model.graph.initializer:
         a = numpy_helper.to_array(t)
-        if np.issubdtype(a.dtype, np.floating) and a.ndim >= 1:
+        if np.issubdtype(a.dtype, np.floating) and a.size > 1:
             n += a.size
     return n
 
