@@ -671,8 +671,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(the exported vocabulary of convert-llm; for 'cosyserve batch --llm-url'); no speech "
                          "routes, no gRPC port")
     sv.add_argument("--speech-tokenizer", default="auto", choices=["auto", "torch", "onnxruntime"],
-                    help="speech tokenizer backend: auto (default: PyTorch on the serving device for a real-structure "
-                         "speech_tokenizer_v2.onnx, onnxruntime for a stand-in), torch or onnxruntime")
+                    help="speech tokenizer backend: auto (default: PyTorch, batched, when serving on CUDA with a "
+                         "real-structure speech_tokenizer_v2.onnx; else onnxruntime), torch or onnxruntime")
     sv.add_argument("--prompt-cache", type=int, default=64, metavar="N",
                     help="voices of the last N distinct per-request prompts are kept (default 64; 0: none, e.g. to "
                          "benchmark prompt extraction)")

@@ -141,7 +141,10 @@ def test_backend_selection(tiny_onnx):
     assert isinstance(open_speech_tokenizer(standin), SpeechTokenizer)
     with pytest.raises(ModelDirError, match="S3 tokenizer v2 structure"):
         open_speech_tokenizer(standin, backend="torch")
-    tok = open_speech_tokenizer(tiny_onnx)
+    # auto: onnxruntime on the CPU (faster there), PyTorch on CUDA (the GPU test)
+    assert isinstance(open_speech_tokenizer(tiny_onnx), SpeechTokenizer)
+    assert isinstance(open_speech_tokenizer(tiny_onnx, device="cpu"), SpeechTokenizer)
+    tok = open_speech_tokenizer(tiny_onnx, backend="torch")
     assert isinstance(tok, TorchSpeechTokenizer) and tok.backend == "torch"
     assert isinstance(open_speech_tokenizer(tiny_onnx, backend="onnxruntime"), SpeechTokenizer)
     with pytest.raises(ModelDirError, match="unknown speech tokenizer backend"):
@@ -225,7 +228,7 @@ def _same(a, b):
 def test_finish_batch_equals_single_extraction(builder_model_dir):
     from cosyserve.frontend.prompt import PromptExtractor
 
-    ex = PromptExtractor(builder_model_dir)
+    ex = PromptExtractor(builder_model_dir, tokenizer_backend="torch")
     assert ex.speech_tokenizer.backend == "torch"
     prompts = _prompts()
     single = [ex.extract(w, sr) for w, sr in prompts]
@@ -244,7 +247,7 @@ def test_batcher_shares_one_forward_and_isolates_errors(builder_model_dir):
     from cosyserve.frontend.frontend import Frontend
     from cosyserve.frontend.prompt_batch import PromptBatcher
 
-    fe = Frontend(builder_model_dir, normalizer="rules")
+    fe = Frontend(builder_model_dir, normalizer="rules", tokenizer_backend="torch")
     prompts = _prompts()
     transcript = shipped_prompt()[1]
     expected = [fe.make_voice("v", p, transcript) for p in prompts]
@@ -288,7 +291,9 @@ def test_gpu_torch_tokenizer_equals_onnxruntime(tmp_path, mels):
 
     path = tmp_path / "speech_tokenizer_v2.onnx"
     onnx.save(s3_tokenizer_v2_onnx(S3TokenizerSize(), seed=5), str(path))
-    model = load_s3_tokenizer_v2(path, device="cuda")
+    tok = open_speech_tokenizer(path, device="cuda")  # auto picks PyTorch on CUDA
+    assert isinstance(tok, TorchSpeechTokenizer) and tok.device.type == "cuda"
+    model = tok.model
     cpu_model = load_s3_tokenizer_v2(path)
     batched = model.tokenize(mels)
     for i, m in enumerate(mels):

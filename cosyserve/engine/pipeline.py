@@ -93,9 +93,9 @@ class Synthesizer:
       normalizer: ``auto`` / ``wetext`` / ``rules`` / ``none`` (see :mod:`cosyserve.frontend.text`).
       models: already loaded networks (e.g. :func:`cosyserve.models.loader.build_random`).
       max_text_chars: longest accepted input text.
-      tokenizer_backend: speech tokenizer backend (``auto``: PyTorch on the networks' device for a
-        real-structure ``speech_tokenizer_v2.onnx``, onnxruntime for a stand-in; ``torch``;
-        ``onnxruntime``).
+      tokenizer_backend: speech tokenizer backend (``auto``: PyTorch on the networks' device when
+        that is CUDA and ``speech_tokenizer_v2.onnx`` has the real structure, else onnxruntime;
+        ``torch``; ``onnxruntime``).
     Raises :class:`~cosyserve.errors.ModelDirError` for an unusable model directory.
     """
 

@@ -115,8 +115,8 @@ class PromptExtractor:
             CAM++ when ``device`` is CUDA and onnxruntime-gpu is installed); ``num_threads``:
             intra-op threads per ONNX session.
         device: where the PyTorch speech tokenizer runs (default CPU).
-        tokenizer_backend: ``auto`` (PyTorch for a real-structure ``speech_tokenizer_v2.onnx``,
-            onnxruntime for a stand-in), ``torch`` or ``onnxruntime``
+        tokenizer_backend: ``auto`` (PyTorch on a CUDA ``device`` for a real-structure
+            ``speech_tokenizer_v2.onnx``, else onnxruntime), ``torch`` or ``onnxruntime``
             (:func:`~cosyserve.frontend.speech_models.open_speech_tokenizer`).
         min_seconds, max_seconds: accepted prompt durations (default 1 s .. 30 s; the
             speech tokenizer cannot take more than 30 s).

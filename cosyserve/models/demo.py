@@ -373,7 +373,7 @@ def write_frontend_dir(yaml_path: str | Path, qwen_config_path: str | Path, out_
     ``seed``). Used by ``cosyserve serve/bench/batch --random-weights`` and the GPU
     benchmarks (the audio is noise). With ``full_size_frontend`` the two ONNX files are
     full-size random-weight models instead of stand-ins (:mod:`cosyserve.models.random_frontend`:
-    the S3 tokenizer v2 structure, which the frontend runs in PyTorch, and a CAM++-like D-TDNN),
+    the S3 tokenizer v2 structure, which the frontend runs in PyTorch on CUDA, and a CAM++-like D-TDNN),
     so per-request prompts cost what the real files cost. Raises OSError when a file cannot be
     read or written.
     """
