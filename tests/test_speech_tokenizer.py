@@ -243,11 +243,17 @@ def test_finish_batch_equals_single_extraction(builder_model_dir):
                                 f"prompt {i}")
 
 
-def test_batcher_shares_one_forward_and_isolates_errors(builder_model_dir):
+@pytest.fixture(scope="module")
+def builder_frontend(builder_model_dir):
     from cosyserve.frontend.frontend import Frontend
+
+    return Frontend(builder_model_dir, normalizer="rules", tokenizer_backend="torch")
+
+
+def test_batcher_shares_one_forward_and_isolates_errors(builder_frontend, monkeypatch):
     from cosyserve.frontend.prompt_batch import PromptBatcher
 
-    fe = Frontend(builder_model_dir, normalizer="rules", tokenizer_backend="torch")
+    fe = builder_frontend
     prompts = _prompts()
     transcript = shipped_prompt()[1]
     expected = [fe.make_voice("v", p, transcript) for p in prompts]
@@ -258,7 +264,7 @@ def test_batcher_shares_one_forward_and_isolates_errors(builder_model_dir):
         calls.append(len(feats))
         return real_tokenize(feats)
 
-    fe.prompts.speech_tokenizer.tokenize = counting
+    monkeypatch.setattr(fe.prompts.speech_tokenizer, "tokenize", counting)
     batcher = PromptBatcher(fe, window_s=0.2)
     too_short = (prompts[0][0][:, :100], prompts[0][1])
 
@@ -283,6 +289,31 @@ def test_batcher_shares_one_forward_and_isolates_errors(builder_model_dir):
         PromptBatcher(fe, window_s=-1)
 
 
+def test_batcher_skips_requests_that_went_away(builder_frontend):
+    from cosyserve.frontend.prompt_batch import PromptBatcher
+
+    fe = builder_frontend
+    batcher = PromptBatcher(fe, window_s=0.1, max_batch=2)
+    prepared = [fe.prompts.prepare(*p) for p in _prompts()]
+
+    async def main():
+        tasks = [asyncio.ensure_future(batcher.extract(p)) for p in prepared]
+        await asyncio.sleep(0.02)
+        tasks[0].cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    got = asyncio.run(main())
+    assert isinstance(got[0], asyncio.CancelledError)
+    assert all(not isinstance(g, BaseException) for g in got[1:])
+    # the cancelled one was dropped, the other three went in batches of at most max_batch
+    assert list(batcher.batch_sizes) == [2, 1]
+    single = fe.prompts.finish(prepared[1:])
+    for g, s, p in zip(got[1:], single, prepared[1:]):
+        assert torch.equal(g.embedding, s.embedding) and torch.equal(g.speech_feat, s.speech_feat)
+        assert_tokens_match(g.speech_token, s.speech_token, fe.prompts.speech_tokenizer.model,
+                            p.log_mel[0, :, : 4 * s.num_tokens], "batched after a cancellation")
+
+
 @pytest.mark.gpu
 def test_gpu_torch_tokenizer_equals_onnxruntime(tmp_path, mels):
     """Full-size builder ONNX: the PyTorch tokenizer on CUDA (batched and alone) against
@@ -301,3 +332,16 @@ def test_gpu_torch_tokenizer_equals_onnxruntime(tmp_path, mels):
         ort_tokens = _ort(path, m[None], [m.shape[1]])
         assert_tokens_match(alone, ort_tokens, cpu_model, m, f"item {i}: cuda vs onnxruntime")
         assert_tokens_match(batched[i].cpu(), alone, cpu_model, m, f"item {i}: cuda batched vs alone")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["serve", "--demo", "--full-size-frontend"], "--full-size-frontend only applies with --random-weights"),
+    (["serve", "--demo", "--prompt-cache", "-1"], "--prompt-cache must be >= 0"),
+    (["serve", "--demo", "--prompt-batch-window", "5"], "--prompt-batch-window must be between 0 and 1 s"),
+])
+def test_cli_prompt_options_errors(capsys, argv, needle):
+    from cosyserve.cli import main
+
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code != 0 and needle in err and "Traceback" not in err
