@@ -244,6 +244,11 @@ class TorchSpeechTokenizer:
     runs all items in ONE padded forward on ``device`` (per-item masks; each item's tokens equal
     its single-item tokens) and returns them on the CPU.
 
+    On CUDA the forward runs on a stream of its own (:func:`~cosyserve.models.graphs.capture_stream`,
+    default priority): not the legacy default stream, which would synchronise with the engine's
+    streams, and not one from torch's round-robin pool, which could be the token2wav stream and
+    queue the tokenizer behind a flow batch. The LM's high-priority stream keeps precedence.
+
     Args:
         model: the loaded network (:func:`~cosyserve.frontend.s3tokenizer.load_s3_tokenizer_v2`).
         path: the ONNX file it came from (for messages).
@@ -259,6 +264,7 @@ class TorchSpeechTokenizer:
         self.model = model
         self.path = Path(path)
         self.max_seconds = float(max_seconds)
+        self._stream = None
 
     @property
     def device(self) -> torch.device:
@@ -273,11 +279,21 @@ class TorchSpeechTokenizer:
 
     def tokenize(self, feats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         checked = [_check_log_mel(f, self.max_frames, self.max_seconds)[0] for f in feats]
-        out = self.model.tokenize(checked)
-        if not out:
+        if not checked:
             return []
+        if self.device.type != "cuda":
+            return self._run(checked)
+        if self._stream is None:
+            from ..models.graphs import capture_stream
+
+            self._stream = capture_stream(self.device)
+        with torch.cuda.stream(self._stream):
+            return self._run(checked)
+
+    def _run(self, checked: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = self.model.tokenize(checked)
         lengths = [o.shape[1] for o in out]
-        flat = torch.cat([o[0] for o in out]).cpu()  # one device-to-host copy for the batch
+        flat = torch.cat([o[0] for o in out]).cpu()  # one device-to-host copy (and stream sync) for the batch
         return [t.view(1, -1) for t in flat.split(lengths)]
 
 
