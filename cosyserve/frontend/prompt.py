@@ -21,7 +21,8 @@ here it is decoded once and resampled once per target rate, which gives identica
 Batching: extraction is split into :meth:`PromptExtractor.prepare` (per request: checks,
 resampling, the three feature extractions; a :class:`PromptInput`) and
 :meth:`PromptExtractor.finish` (a list of prepared prompts: ONE speech-tokenizer call for all
-of them — one padded forward with the PyTorch tokenizer — and CAM++ for each), so concurrent
+of them — one padded forward with the PyTorch tokenizer — and CAM++ for each item, on a few
+threads while the tokenizer runs), so concurrent
 requests can share the network calls (:class:`~cosyserve.frontend.prompt_batch.PromptBatcher`).
 Results equal those of :meth:`PromptExtractor.extract`, which is ``finish([prepare(...)])``.
 The prompt *text* is tokenised separately (:class:`~cosyserve.frontend.tokenizer.TextTokenizer`).
@@ -122,6 +123,9 @@ class PromptExtractor:
             speech tokenizer cannot take more than 30 s).
         min_sample_rate: lowest input rate accepted when resampling is needed (upstream
             ``load_wav`` asserts 16 kHz).
+        speaker_threads: threads that run CAM++ for the items of a :meth:`finish` batch, while
+            the calling thread runs the speech tokenizer (default ``min(8, CPU cores)``; 1: CAM++
+            in the calling thread after the tokenizer).
 
     Raises:
         ModelDirError: a model file is missing or unusable.
@@ -139,6 +143,7 @@ class PromptExtractor:
         min_sample_rate: int = PROMPT_MIN_SAMPLE_RATE,
         device=None,
         tokenizer_backend: str = "auto",
+        speaker_threads: int | None = None,
     ):
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
@@ -156,6 +161,9 @@ class PromptExtractor:
         self.speech_tokenizer = open_speech_tokenizer(self.model_dir / SPEECH_TOKENIZER_FILE,
                                                       backend=tokenizer_backend, device=device,
                                                       providers=providers, num_threads=num_threads)
+        self.speaker_threads = max(1, int(speaker_threads if speaker_threads is not None
+                                          else min(8, os.cpu_count() or 1)))
+        self._speaker_pool = None
         self.speaker_encoder = SpeakerEncoder(self.model_dir / CAMPPLUS_FILE,
                                               providers=speaker_providers(device, providers),
                                               num_threads=num_threads)
@@ -238,6 +246,10 @@ class PromptExtractor:
         """
         if not inputs:
             return []
+        # CAM++ (one item per onnxruntime call, one core each) runs on the speaker threads while
+        # this thread runs the tokenizer: the two overlap, and the items spread over the cores
+        pool = self._speaker_executor() if self.speaker_threads > 1 else None
+        embs = [pool.submit(self.speaker_encoder, p.fbank) for p in inputs] if pool is not None else None
         try:
             tokens: list = list(self.speech_tokenizer.tokenize([p.log_mel for p in inputs]))
         except Exception:  # noqa: BLE001 - retried per item so the error lands on the item causing it
@@ -248,16 +260,25 @@ class PromptExtractor:
                 except Exception as exc:  # noqa: BLE001
                     tokens.append(exc)
         out: list[PromptFeatures | Exception] = []
-        for p, tok in zip(inputs, tokens):
-            if isinstance(tok, Exception):
-                out.append(tok)
-                continue
+        for i, (p, tok) in enumerate(zip(inputs, tokens)):
             try:
-                emb = self.speaker_encoder(p.fbank)  # [1, 192]
+                emb = embs[i].result() if embs is not None else None  # [1, 192]
+                if isinstance(tok, Exception):
+                    out.append(tok)
+                    continue
+                if emb is None:
+                    emb = self.speaker_encoder(p.fbank)
                 out.append(self.align(p.speech_feat, tok.to(p.speech_feat.device), emb))
             except Exception as exc:  # noqa: BLE001
                 out.append(exc)
         return out
+
+    def _speaker_executor(self):
+        if self._speaker_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._speaker_pool = ThreadPoolExecutor(self.speaker_threads, thread_name_prefix="campplus")
+        return self._speaker_pool
 
     def align(self, speech_feat: torch.Tensor, speech_token: torch.Tensor, embedding: torch.Tensor) -> PromptFeatures:
         """Cut mel and tokens to ``token_mel_ratio`` frames per token (upstream ``frontend_zero_shot``)."""
