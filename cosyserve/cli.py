@@ -317,6 +317,10 @@ def _add_random_weights_args(p: argparse.ArgumentParser) -> None:
                         "noise); the tokenizer, Qwen2 config and ONNX stand-ins are written to the cache")
     p.add_argument("--qwen-config", metavar="JSON",
                    help="Qwen2 config.json for --random-weights (default: YAML's dir/CosyVoice-BlankEN/config.json)")
+    p.add_argument("--full-size-frontend", action="store_true",
+                   help="with --random-weights: full-size random speech tokenizer (S3 tokenizer v2 structure, run "
+                        "in PyTorch) and CAM++-like speaker model instead of the cost-free ONNX stand-ins, so "
+                        "per-request prompts cost what the real files cost")
 
 
 def _resolve_random_weights(args) -> bool:
@@ -324,12 +328,15 @@ def _resolve_random_weights(args) -> bool:
     if not getattr(args, "random_weights", None):
         if getattr(args, "qwen_config", None):
             raise CLIError("--qwen-config only applies with --random-weights")
+        if getattr(args, "full_size_frontend", False):
+            raise CLIError("--full-size-frontend only applies with --random-weights")
         return False
     if args.model_dir or getattr(args, "demo", False):
         raise CLIError("give one of --model-dir, --demo or --random-weights")
     from .models.demo import prepare_random_weights_dir
 
-    args.model_dir = str(prepare_random_weights_dir(args.random_weights, args.qwen_config, _cache_dir()))
+    args.model_dir = str(prepare_random_weights_dir(args.random_weights, args.qwen_config, _cache_dir(),
+                                                    full_size_frontend=getattr(args, "full_size_frontend", False)))
     print(f"note: --random-weights builds {args.random_weights} with RANDOM weights: the audio is noise, not speech",
           file=sys.stderr)
     return True
@@ -484,6 +491,10 @@ def cmd_serve(args) -> int:
 
     setup_logging(args.log_format, logging.DEBUG if args.verbose else logging.INFO)
     _router_gpus(args)  # router options checked before anything is loaded
+    if args.prompt_cache < 0:
+        raise CLIError(f"--prompt-cache must be >= 0, not {args.prompt_cache}")
+    if not 0 <= args.prompt_batch_window <= 1:
+        raise CLIError(f"--prompt-batch-window must be between 0 and 1 s, not {args.prompt_batch_window}")
     device = _device(args.device)
     default_voice = args.default_voice
     voices_dir = args.voices_dir
@@ -521,6 +532,8 @@ def cmd_serve(args) -> int:
         normalizer=args.normalizer, chunk_policy=args.chunk_policy,
         min_token_text_ratio=args.min_token_text_ratio, max_token_text_ratio=args.max_token_text_ratio,
         warmup=not args.no_warmup, llm_only=args.llm_only, token2wav_dir=args.token2wav_dir,
+        tokenizer_backend=args.speech_tokenizer,
+        prompt_cache_size=args.prompt_cache, prompt_batch_window_s=args.prompt_batch_window,
     )
     try:
         asyncio.run(serve(cfg, args.log_format))
@@ -773,6 +786,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve only the speech LM as an OpenAI-compatible POST /v1/completions endpoint "
                          "(the exported vocabulary of convert-llm; for 'cosyserve batch --llm-url'); no speech "
                          "routes, no gRPC port")
+    sv.add_argument("--speech-tokenizer", default="auto", choices=["auto", "torch", "onnxruntime"],
+                    help="speech tokenizer backend: auto (default: PyTorch, batched, when serving on CUDA with a "
+                         "real-structure speech_tokenizer_v2.onnx; else onnxruntime), torch or onnxruntime")
+    sv.add_argument("--prompt-cache", type=int, default=64, metavar="N",
+                    help="voices of the last N distinct per-request prompts are kept (default 64; 0: none, e.g. to "
+                         "benchmark prompt extraction)")
+    sv.add_argument("--prompt-batch-window", type=float, default=0.002, metavar="S",
+                    help="seconds an idle prompt batcher waits for concurrent prompts to share one speech-tokenizer "
+                         "forward (default 0.002)")
     _add_random_weights_args(sv)
     _add_synthesis_args(sv)
     sv.set_defaults(func=cmd_serve)

@@ -67,6 +67,15 @@ def resolve_hift_dtype(name: str | torch.dtype, device: str | torch.device, dtyp
         raise ValueError(f"hift dtype must be auto, float32, float16 or bfloat16, not {name!r}") from None
 
 
+def _frontend_device(models: CosyVoice2Models, device) -> torch.device:
+    """The device of the loaded networks (``device`` if they have no parameters)."""
+    for m in (models.llm, models.flow, models.hift):
+        p = next(m.parameters(), None) if m is not None else None
+        if p is not None:
+            return p.device
+    return torch.device(device)
+
+
 class Synthesizer:
     """Frontend + models of one CosyVoice2 model directory.
 
@@ -88,6 +97,9 @@ class Synthesizer:
         its DiT flow + HiFT replace the model directory's flow + HiFT (which are then not loaded);
         the LM, frontend and voices stay those of ``model_dir``
         (:mod:`cosyserve.engine.token2wav_dit`).
+      tokenizer_backend: speech tokenizer backend (``auto``: PyTorch on the networks' device when
+        that is CUDA and ``speech_tokenizer_v2.onnx`` has the real structure, else onnxruntime;
+        ``torch``; ``onnxruntime``).
     Raises :class:`~cosyserve.errors.ModelDirError` for an unusable model directory.
     """
 
@@ -103,6 +115,7 @@ class Synthesizer:
         max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
         hift_dtype: str | torch.dtype = "auto",
         token2wav_dir: str | Path | None = None,
+        tokenizer_backend: str = "auto",
     ):
         random_dir = models is None and is_random_weights_dir(model_dir)
         need = ("llm", "onnx", "qwen") if token2wav_dir is not None else ("llm", "flow", "hift", "onnx", "qwen")
@@ -126,7 +139,9 @@ class Synthesizer:
             run_device, run_dtype = (p.device, p.dtype) if p is not None else (device, dtype)
             self.models.hift.set_trunk_dtype(resolve_hift_dtype(hift_dtype, run_device, run_dtype))
         self.cfg = self.models.cfg
-        self.frontend = Frontend(md, self.cfg, normalizer, onnx_providers, max_text_chars)
+        # the PyTorch speech tokenizer (real-structure ONNX) runs where the networks run
+        self.frontend = Frontend(md, self.cfg, normalizer, onnx_providers, max_text_chars,
+                                 device=_frontend_device(self.models, device), tokenizer_backend=tokenizer_backend)
         self.voices = VoiceStore(voices_dir) if voices_dir is not None else None
 
     @property

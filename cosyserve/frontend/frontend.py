@@ -17,8 +17,8 @@ import torch
 from ..errors import InvalidInputError
 from ..models.config import CosyVoice2Config, load_config
 from ..models.loader import ModelDir, open_model_dir
-from .audio import AudioSource
-from .prompt import PromptExtractor
+from .audio import AudioSource, load_audio
+from .prompt import PromptExtractor, PromptFeatures
 from .text import TextFrontend
 from .tokenizer import ENDOFPROMPT, TextTokenizer
 from .voice import Voice, validate_voice_id
@@ -35,18 +35,21 @@ class Frontend:
       normalizer: ``auto`` / ``wetext`` / ``rules`` / ``none``.
       onnx_providers: onnxruntime providers for the speech tokenizer and CAM++.
       max_text_chars: longest accepted input text (characters).
+      device, tokenizer_backend: where the PyTorch speech tokenizer runs and which backend
+        runs it (see :class:`~cosyserve.frontend.prompt.PromptExtractor`).
     Raises :class:`~cosyserve.errors.ModelDirError` if files are missing.
     """
 
     def __init__(self, model_dir: str | Path | ModelDir, cfg: CosyVoice2Config | None = None,
                  normalizer: str = "auto", onnx_providers: list[str] | None = None,
-                 max_text_chars: int = DEFAULT_MAX_TEXT_CHARS):
+                 max_text_chars: int = DEFAULT_MAX_TEXT_CHARS, device=None, tokenizer_backend: str = "auto"):
         self.model_dir = model_dir if isinstance(model_dir, ModelDir) else open_model_dir(
             model_dir, need=("onnx", "qwen"))
         self.cfg = cfg or load_config(self.model_dir.yaml)
         self.tokenizer = TextTokenizer(self.model_dir.qwen, version=self.cfg.model_family)
         self.text = TextFrontend(lambda s: len(self.tokenizer.encode(s)), normalizer)
-        self.prompts = PromptExtractor(self.model_dir.root, self.cfg, providers=onnx_providers)
+        self.prompts = PromptExtractor(self.model_dir.root, self.cfg, providers=onnx_providers, device=device,
+                                       tokenizer_backend=tokenizer_backend)
         self.max_text_chars = max_text_chars
 
     def warmup(self) -> None:
@@ -66,6 +69,11 @@ class Frontend:
         Raises :class:`InvalidInputError` for bad audio (undecodable, shorter than 1 s,
         longer than 30 s, ...), an invalid id or an empty transcript.
         """
+        self.check_voice_request(voice_id, transcript)
+        return self.voice_from_prompt(voice_id, transcript, self.prompts.extract(*self.prompt_input(audio)), meta)
+
+    def check_voice_request(self, voice_id: str, transcript: str) -> None:
+        """The checks of :meth:`make_voice` that need no audio (InvalidInputError)."""
         validate_voice_id(voice_id, "name")
         if not isinstance(transcript, str) or not transcript.strip():
             raise InvalidInputError("the transcript of the reference audio (prompt text) is empty",
@@ -74,10 +82,16 @@ class Frontend:
             raise InvalidInputError(
                 f"CosyVoice3 prompt text must contain {ENDOFPROMPT} after the instruction, e.g. "
                 f"'You are a helpful assistant.{ENDOFPROMPT}' followed by the transcript", field="prompt_text")
+
+    def prompt_input(self, audio: AudioSource | tuple[torch.Tensor, int]) -> tuple[torch.Tensor, int]:
+        """``(waveform, sample_rate)`` of ``audio`` (decoded if it is not a tuple already)."""
         if isinstance(audio, tuple):
-            feats = self.prompts.extract(audio[0], int(audio[1]))
-        else:
-            feats = self.prompts.extract_file(audio)
+            return audio[0], int(audio[1])
+        return load_audio(audio, max_seconds=self.prompts.max_seconds + 1.0)
+
+    def voice_from_prompt(self, voice_id: str, transcript: str, feats: PromptFeatures,
+                          meta: dict | None = None) -> Voice:
+        """The voice of already extracted prompt features (tokenises the transcript)."""
         ids = torch.tensor(self.tokenizer.encode(self.text.prompt(transcript)), dtype=torch.int32)
         info = {"created": time.time(), "source": "zero-shot", **(meta or {})}
         return Voice.from_features(voice_id, transcript.strip(), ids, feats.speech_token, feats.speech_feat,

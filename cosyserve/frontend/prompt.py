@@ -17,6 +17,14 @@
 
 Upstream reads the prompt file three times (once per feature) and resamples each time;
 here it is decoded once and resampled once per target rate, which gives identical tensors.
+
+Batching: extraction is split into :meth:`PromptExtractor.prepare` (per request: checks,
+resampling, the three feature extractions; a :class:`PromptInput`) and
+:meth:`PromptExtractor.finish` (a list of prepared prompts: ONE speech-tokenizer call for all
+of them — one padded forward with the PyTorch tokenizer — and CAM++ for each item, on a few
+threads while the tokenizer runs), so concurrent
+requests can share the network calls (:class:`~cosyserve.frontend.prompt_batch.PromptBatcher`).
+Results equal those of :meth:`PromptExtractor.extract`, which is ``finish([prepare(...)])``.
 The prompt *text* is tokenised separately (:class:`~cosyserve.frontend.tokenizer.TextTokenizer`).
 """
 
@@ -45,7 +53,8 @@ from .speech_models import (
     SPEECH_TOKENIZER_FILES,
     TOKENIZER_MAX_SECONDS,
     SpeakerEncoder,
-    SpeechTokenizer,
+    open_speech_tokenizer,
+    speaker_providers,
 )
 
 #: Default accepted prompt durations, seconds.
@@ -80,6 +89,21 @@ class PromptFeatures:
         return PromptFeatures(self.speech_feat.to(device), self.speech_token.to(device), self.embedding.to(device))
 
 
+@dataclass
+class PromptInput:
+    """One prompt after the per-request part of extraction (:meth:`PromptExtractor.prepare`).
+
+    Attributes:
+        speech_feat: float32 ``[1, T_mel, 80]`` prompt mel (not yet cut to the tokens).
+        log_mel: float32 ``[1, 128, T_w]`` whisper log-mel of the 16 kHz audio (tokenizer input).
+        fbank: float32 ``[1, T_f, 80]`` mean-normalised Kaldi fbank (CAM++ input).
+    """
+
+    speech_feat: torch.Tensor
+    log_mel: torch.Tensor
+    fbank: torch.Tensor
+
+
 class PromptExtractor:
     """Compute :class:`PromptFeatures` from a prompt recording.
 
@@ -91,10 +115,17 @@ class PromptExtractor:
             tokenizer file) are used.
         providers: onnxruntime providers for the two ONNX models (default CPU; e.g.
             ``"cuda"``); ``num_threads``: intra-op threads per ONNX session.
+        device: where the PyTorch speech tokenizer runs (default CPU).
+        tokenizer_backend: ``auto`` (PyTorch on a CUDA ``device`` for a real-structure
+            ``speech_tokenizer_v2.onnx``, else onnxruntime), ``torch`` or ``onnxruntime``
+            (:func:`~cosyserve.frontend.speech_models.open_speech_tokenizer`).
         min_seconds, max_seconds: accepted prompt durations (default 1 s .. 30 s; the
             speech tokenizer cannot take more than 30 s).
         min_sample_rate: lowest input rate accepted when resampling is needed (upstream
             ``load_wav`` asserts 16 kHz).
+        speaker_threads: threads that run CAM++ for the items of a :meth:`finish` batch, while
+            the calling thread runs the speech tokenizer (default ``min(8, CPU cores)``; 1: CAM++
+            in the calling thread after the tokenizer).
 
     Raises:
         ModelDirError: a model file is missing or unusable.
@@ -110,6 +141,9 @@ class PromptExtractor:
         min_seconds: float = PROMPT_MIN_SECONDS,
         max_seconds: float = PROMPT_MAX_SECONDS,
         min_sample_rate: int = PROMPT_MIN_SAMPLE_RATE,
+        device=None,
+        tokenizer_backend: str = "auto",
+        speaker_threads: int | None = None,
     ):
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
@@ -129,10 +163,14 @@ class PromptExtractor:
         self.sample_rate = int(self.cfg.feat.sampling_rate)
         self.mel = PromptMelExtractor(self.cfg.feat)
         # the tokenizer keeps its own 30 s limit (a model property) whatever max_seconds says
-        self.speech_tokenizer = SpeechTokenizer(self.model_dir / SPEECH_TOKENIZER_FILES[self.cfg.model_family],
-                                                providers=providers,
-                                                num_threads=num_threads)
-        self.speaker_encoder = SpeakerEncoder(self.model_dir / CAMPPLUS_FILE, providers=providers,
+        self.speech_tokenizer = open_speech_tokenizer(self.model_dir / SPEECH_TOKENIZER_FILES[self.cfg.model_family],
+                                                      backend=tokenizer_backend, device=device,
+                                                      providers=providers, num_threads=num_threads)
+        self.speaker_threads = max(1, int(speaker_threads if speaker_threads is not None
+                                          else min(8, os.cpu_count() or 1)))
+        self._speaker_pool = None
+        self.speaker_encoder = SpeakerEncoder(self.model_dir / CAMPPLUS_FILE,
+                                              providers=speaker_providers(device, providers),
                                               num_threads=num_threads)
 
     # ---------------------------------------------------------------- entry points
@@ -143,7 +181,20 @@ class PromptExtractor:
         return self.extract(wav, sr, field=field)
 
     def extract(self, wav: torch.Tensor, sr: int, *, field: str = DEFAULT_FIELD) -> PromptFeatures:
-        """Prompt features of a waveform.
+        """Prompt features of a waveform (``finish([prepare(wav, sr)])[0]``, errors raised)."""
+        out = self.finish([self.prepare(wav, sr, field=field)])[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def prepare_file(self, src: AudioSource, *, field: str = DEFAULT_FIELD) -> PromptInput:
+        """Decode ``src`` (see :meth:`extract_file`) and :meth:`prepare` it."""
+        wav, sr = load_audio(src, max_seconds=self.max_seconds + 1.0, field=field)
+        return self.prepare(wav, sr, field=field)
+
+    def prepare(self, wav: torch.Tensor, sr: int, *, field: str = DEFAULT_FIELD) -> PromptInput:
+        """The per-request part of extraction: checks, resampling and the three feature
+        extractions (CPU or ``wav``'s device); see :meth:`finish` for the rest.
 
         Args:
             wav: float ``[C, N]`` or ``[N]`` in [-1, 1] at ``sr`` Hz (any device).
@@ -175,19 +226,64 @@ class PromptExtractor:
         wav = wav.float() if wav.dtype != torch.float32 else wav
         wav_16k = resample(wav, sr, SPEECH_TOKENIZER_MEL.sample_rate)
         wav_model = resample(wav, sr, self.sample_rate)
-        return self.extract_resampled(wav_16k, wav_model)
+        return self.prepare_resampled(wav_16k, wav_model)
+
+    def prepare_resampled(self, wav_16k: torch.Tensor, wav_model: torch.Tensor) -> PromptInput:
+        """:class:`PromptInput` of already-resampled mono audio: ``wav_16k`` float32 ``[1, N16]``
+        at 16 kHz (speech tokenizer, speaker model), ``wav_model`` float32 ``[1, N]`` at the model
+        rate (``cfg.sample_rate``, prompt mel). Raises InvalidInputError for too little audio."""
+        return PromptInput(self.mel(wav_model), whisper_log_mel(wav_16k), speaker_fbank(wav_16k))
 
     def extract_resampled(self, wav_16k: torch.Tensor, wav_model: torch.Tensor) -> PromptFeatures:
-        """Prompt features from already-resampled mono audio.
+        """Prompt features from already-resampled mono audio (see :meth:`prepare_resampled`)."""
+        out = self.finish([self.prepare_resampled(wav_16k, wav_model)])[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
 
-        Args:
-            wav_16k: float32 ``[1, N16]`` at 16 kHz (speech tokenizer, speaker model).
-            wav_model: float32 ``[1, N]`` at the model rate (``cfg.sample_rate``, prompt mel).
+    def finish(self, inputs: list[PromptInput]) -> list[PromptFeatures | Exception]:
+        """The network part of extraction for several prompts: ONE speech-tokenizer call for all
+        (one padded forward with the PyTorch backend), CAM++ for each, then :meth:`align`.
+
+        Returns one entry per input, in order: its :class:`PromptFeatures`, or the exception
+        that item raised (a failing item does not fail the others: when the batched tokenizer
+        call fails, the items are retried one at a time). Results equal single-item calls.
         """
-        speech_feat = self.mel(wav_model)  # [1, T_mel, 80]
-        speech_token = self.speech_tokenizer(whisper_log_mel(wav_16k))  # [1, T_tok]
-        embedding = self.speaker_encoder(speaker_fbank(wav_16k))  # [1, 192]
-        return self.align(speech_feat, speech_token, embedding)
+        if not inputs:
+            return []
+        # CAM++ (one item per onnxruntime call, one core each) runs on the speaker threads while
+        # this thread runs the tokenizer: the two overlap, and the items spread over the cores
+        pool = self._speaker_executor() if self.speaker_threads > 1 else None
+        embs = [pool.submit(self.speaker_encoder, p.fbank) for p in inputs] if pool is not None else None
+        try:
+            tokens: list = list(self.speech_tokenizer.tokenize([p.log_mel for p in inputs]))
+        except Exception:  # noqa: BLE001 - retried per item so the error lands on the item causing it
+            tokens = []
+            for p in inputs:
+                try:
+                    tokens.append(self.speech_tokenizer(p.log_mel))
+                except Exception as exc:  # noqa: BLE001
+                    tokens.append(exc)
+        out: list[PromptFeatures | Exception] = []
+        for i, (p, tok) in enumerate(zip(inputs, tokens)):
+            try:
+                emb = embs[i].result() if embs is not None else None  # [1, 192]
+                if isinstance(tok, Exception):
+                    out.append(tok)
+                    continue
+                if emb is None:
+                    emb = self.speaker_encoder(p.fbank)
+                out.append(self.align(p.speech_feat, tok.to(p.speech_feat.device), emb))
+            except Exception as exc:  # noqa: BLE001
+                out.append(exc)
+        return out
+
+    def _speaker_executor(self):
+        if self._speaker_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._speaker_pool = ThreadPoolExecutor(self.speaker_threads, thread_name_prefix="campplus")
+        return self._speaker_pool
 
     def align(self, speech_feat: torch.Tensor, speech_token: torch.Tensor, embedding: torch.Tensor) -> PromptFeatures:
         """Cut mel and tokens to ``token_mel_ratio`` frames per token (upstream ``frontend_zero_shot``)."""

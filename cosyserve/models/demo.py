@@ -510,7 +510,7 @@ def random_weights_seed(model_dir: str | Path) -> int:
 
 
 def write_frontend_dir(yaml_path: str | Path, qwen_config_path: str | Path, out_dir: str | Path,
-                       seed: int = 0) -> Path:
+                       seed: int = 0, full_size_frontend: bool = False) -> Path:
     """A model directory for RANDOM-weight runs of a real-size yaml, without weight files.
 
     Writes ``cosyvoice2.yaml`` or ``cosyvoice3.yaml`` (copied; the family is that of the yaml's
@@ -519,7 +519,11 @@ def write_frontend_dir(yaml_path: str | Path, qwen_config_path: str | Path, out_
     (:class:`cosyserve.engine.pipeline.Synthesizer`) builds the networks with
     :func:`cosyserve.models.loader.build_random` at the yaml's dimensions (weight seed
     ``seed``). Used by ``cosyserve serve/bench/batch --random-weights`` and the GPU
-    benchmarks (the audio is noise). Raises OSError when a file cannot be read or written.
+    benchmarks (the audio is noise). With ``full_size_frontend`` the two ONNX files are
+    full-size random-weight models instead of stand-ins (:mod:`cosyserve.models.random_frontend`:
+    the S3 tokenizer v2 structure, which the frontend runs in PyTorch on CUDA, and a CAM++-like D-TDNN),
+    so per-request prompts cost what the real files cost. Raises OSError when a file cannot be
+    read or written.
     """
     import onnx
 
@@ -533,17 +537,28 @@ def write_frontend_dir(yaml_path: str | Path, qwen_config_path: str | Path, out_
         shutil.copyfile(_asset("blanken", f), qdir / f)
     shutil.copyfile(qwen_config_path, qdir / "config.json")
     shutil.copyfile(yaml_path, out / yaml_name)
-    onnx.save(campplus_standin(seed), str(out / "campplus.onnx"))
-    onnx.save(speech_tokenizer_standin(seed + 1), str(out / tokenizer_file))
+    if full_size_frontend:
+        from ..errors import ModelDirError
+        from .random_frontend import S3_TOKENIZER_FILE, write_full_size_frontend
+
+        if tokenizer_file != S3_TOKENIZER_FILE:
+            raise ModelDirError(f"--full-size-frontend builds {S3_TOKENIZER_FILE} (the S3 tokenizer v2 of "
+                                f"CosyVoice2); this yaml needs {tokenizer_file}")
+
+        write_full_size_frontend(out, seed)
+    else:
+        onnx.save(campplus_standin(seed), str(out / "campplus.onnx"))
+        onnx.save(speech_tokenizer_standin(seed + 1), str(out / tokenizer_file))
     (out / DEMO_MARKER).write_text("RANDOM-weight benchmark directory (no weight files): the audio is noise.\n")
     (out / RANDOM_WEIGHTS_MARKER).write_text(json.dumps({"seed": seed, "yaml": str(yaml_path)}) + "\n")
     return out
 
 
 def prepare_random_weights_dir(yaml_path: str | Path, qwen_config_path: str | Path | None, cache_dir: str | Path,
-                               seed: int = 0) -> Path:
+                               seed: int = 0, full_size_frontend: bool = False) -> Path:
     """:func:`write_frontend_dir` into ``cache_dir/random-<hash>`` (reused while the yaml and
-    the Qwen2 config are unchanged).
+    the Qwen2 config are unchanged); ``full_size_frontend``: see :func:`write_frontend_dir`
+    (a directory of its own).
 
     ``qwen_config_path`` defaults to ``<yaml dir>/CosyVoice-BlankEN/config.json`` (the
     official layout). Raises :class:`~cosyserve.errors.ModelDirError` naming a missing file.
@@ -565,7 +580,8 @@ def prepare_random_weights_dir(yaml_path: str | Path, qwen_config_path: str | Pa
     if not qwen_config_path.is_file():
         raise ModelDirError(f"--qwen-config: {qwen_config_path} is not a file")
     h = hashlib.sha256(yaml_path.read_bytes() + b"\0" + qwen_config_path.read_bytes() + f"\0{seed}".encode())
-    out = Path(cache_dir).expanduser() / f"random-{h.hexdigest()[:16]}"
+    tag = "-full-frontend" if full_size_frontend else ""
+    out = Path(cache_dir).expanduser() / f"random-{h.hexdigest()[:16]}{tag}"
     if is_random_weights_dir(out) and (out / "campplus.onnx").is_file():
         return out
-    return write_frontend_dir(yaml_path, qwen_config_path, out, seed=seed)
+    return write_frontend_dir(yaml_path, qwen_config_path, out, seed=seed, full_size_frontend=full_size_frontend)

@@ -30,6 +30,7 @@ from ..engine.gc_pauses import GCPauseMonitor, freeze_startup_heap
 from ..engine.pipeline import DTYPES, Synthesizer
 from ..engine.request import AudioChunk, EngineRequest, Outcome, RequestFinished, SynthesisParams
 from ..errors import CosyServeError, InvalidInputError, VoiceNotFoundError
+from ..frontend.prompt_batch import PromptBatcher
 from ..frontend.voice import Voice, VoiceStore
 from .metrics import Metrics
 
@@ -70,6 +71,12 @@ class ServerConfig:
     warmup: bool = True
     llm_only: bool = False
     token2wav_dir: str | None = None  # Step-Audio2 DiT token2wav directory (replaces flow + HiFT)
+    #: speech tokenizer backend (``--speech-tokenizer``: auto / torch / onnxruntime)
+    tokenizer_backend: str = "auto"
+    #: distinct (reference audio, transcript) pairs whose voices are kept (``--prompt-cache``; 0: none)
+    prompt_cache_size: int = 64
+    #: how long an idle prompt batcher waits for more prompts (``--prompt-batch-window``, seconds)
+    prompt_batch_window_s: float = 0.002
     extra: dict = field(default_factory=dict)
 
     @property
@@ -94,13 +101,15 @@ class ServerState:
         self._builtin: dict[str, Voice] = {}
         self.stats = {"inference_count": 0, "success": 0, "fail": 0, "success_ns": 0}
         self._gc_monitor: GCPauseMonitor | None = None
+        self.prompt_batcher: PromptBatcher | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def _load_sync(self) -> None:
         c = self.config
         synth = Synthesizer(c.model_dir, device=c.device, dtype=DTYPES[c.dtype], voices_dir=None,
                             normalizer=c.normalizer, max_text_chars=c.max_text_chars, hift_dtype=c.hift_dtype,
-                            token2wav_dir=c.token2wav_dir)
+                            token2wav_dir=c.token2wav_dir,
+                            tokenizer_backend=c.tokenizer_backend)
         synth.frontend.warmup()
         self.synth = synth
         md = synth.frontend.model_dir
@@ -120,6 +129,7 @@ class ServerState:
         try:
             await asyncio.to_thread(self._load_sync)
             c = self.config
+            self.prompt_batcher = PromptBatcher(self.synth.frontend, window_s=c.prompt_batch_window_s)
             core = self.synth.new_engine(c.engine, observer=self.metrics)
             self.metrics.attach(core)
             self.engine = AsyncEngine(core)
@@ -210,8 +220,10 @@ class ServerState:
     async def voice_from_audio(self, audio, transcript: str, sample_rate: int | None = None) -> Voice:
         """Voice from request audio (bytes, or float32 samples with ``sample_rate``).
 
-        Features are computed in a worker thread; the last 64 distinct (audio, transcript)
-        pairs are cached, so repeated prompts cost nothing.
+        Decoding and features run in a worker thread, the speech tokenizer and CAM++ in batches
+        shared with concurrent requests (:class:`~cosyserve.frontend.prompt_batch.PromptBatcher`);
+        the last ``prompt_cache_size`` (64) distinct (audio, transcript) pairs are cached, so
+        repeated prompts cost nothing.
         """
         self.require_ready()
         h = hashlib.sha256()
@@ -228,9 +240,9 @@ class ServerState:
             return hit
         src = (torch.from_numpy(np.asarray(audio, dtype=np.float32).reshape(1, -1)), sample_rate) \
             if isinstance(audio, np.ndarray) else bytes(audio)
-        voice = await asyncio.to_thread(self.synth.make_voice, "request", src, transcript)
+        voice = await self.prompt_batcher.make_voice("request", src, transcript)
         self._voice_cache[key] = voice
-        while len(self._voice_cache) > 64:
+        while len(self._voice_cache) > max(0, self.config.prompt_cache_size):
             self._voice_cache.popitem(last=False)
         return voice
 
