@@ -331,7 +331,7 @@ class EngineCore:
             ratio = models.cfg.token_mel_ratio
             if getattr(models, "dit", None) is not None and models.flow.graph is None:
                 models.flow.enable_cuda_graphs()  # DiT estimator steps, captured on first use per shape
-            elif getattr(models, "dit", None) is None and models.flow.graph is None:
+            elif getattr(models, "dit", None) is None and getattr(models.flow, "graph", None) is None:
                 models.flow.graph = GraphedFlow(models.flow, config.max_t2w_batch, max_tokens=config.kv_max_len,
                                                 max_area=config.max_t2w_tokens,
                                                 max_quad=config.max_t2w_tokens * T2W_ATTENTION_LEN)
@@ -1026,9 +1026,9 @@ class EngineCore:
         tokens, within ``max_t2w_tokens`` (rows x tokens) and its attention budget (rows x
         tokens², ``max_t2w_tokens x T2W_ATTENTION_LEN``)? Padded shapes with CUDA graphs (the
         flow graph's bucket: what runs, and exactly the buckets captured at start-up)."""
-        graph = getattr(self.models.flow, "graph", None)
-        if graph is not None:
-            return graph.grid.fits(rows, n_tokens)
+        grid = getattr(getattr(self.models.flow, "graph", None), "grid", None)  # the DiT's step graphs have none
+        if grid is not None:
+            return grid.fits(rows, n_tokens)
         budget = self.cfg.max_t2w_tokens
         return within_budgets(rows, n_tokens, budget, budget * T2W_ATTENTION_LEN)
 
