@@ -335,11 +335,14 @@ def _hang_up_http(url: str, body: dict, after_s: float) -> str:
 
 
 def _hang_up_grpc(grpc_port: int, after_s: float, seed: int) -> str:
+    """A ModelStreamInfer request cancelled after ``after_s``. Every such request carries the
+    same ``id`` ("storm"), as clients that number nothing do: the server must still keep them
+    apart (a shared id once made the engine lose requests and leak queue capacity)."""
     import grpc
     from tritonclient.grpc import service_pb2 as pb
 
     req = fz.grpc_request([("target_text", "BYTES", [1, 1], fz.bytes_tensor(("这是一个很长的句子，" * 6).encode()))],
-                          params={"seed": seed}, rid=str(seed))
+                          params={"seed": seed}, rid="storm")
     with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
         call = ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
                                 request_serializer=pb.ModelInferRequest.SerializeToString,
@@ -381,9 +384,8 @@ def test_disconnect_storm_frees_every_slot(server):
             jobs.append(("http", after, body))
     t0 = time.monotonic()
     with cf.ThreadPoolExecutor(n_clients) as ex:
-        futs = [ex.submit(_hang_up_grpc, server.grpc_port, after, i) if kind == "grpc" else
-                ex.submit(_hang_up_http, server.url, arg, after) for kind, after, arg in
-                [(k, a, x) for k, a, x in jobs]]
+        futs = [ex.submit(_hang_up_grpc, server.grpc_port, after, arg) if kind == "grpc" else
+                ex.submit(_hang_up_http, server.url, arg, after) for kind, after, arg in jobs]
         how = collections.Counter(f.result() for f in futs)
     t_gone = time.monotonic()
     peak = None

@@ -91,29 +91,35 @@ class ClientDisconnectedError(CosyServeError):
     status 499, which nobody receives)."""
 
 
-async def until_disconnected(request, awaitable, poll_s: float = 0.25):
-    """Await ``awaitable`` unless the HTTP client of ``request`` (a Starlette ``Request``) hangs up
-    first: then the work is cancelled (an engine request in it is aborted and its slot freed at
-    once) and :class:`ClientDisconnectedError` is raised. Starlette notices a disconnect only
-    while a response is being sent; this covers the time before the first byte (queueing,
-    prefill, the whole synthesis of an offline request). The client is polled every ``poll_s``
-    seconds."""
+async def until_disconnected(request, awaitable):
+    """Await ``awaitable`` unless the HTTP client of ``request`` (a Starlette ``Request`` whose
+    body has been read) hangs up first: then the work is cancelled (an engine request in it is
+    aborted, its slot freed at once) and :class:`ClientDisconnectedError` is raised.
+
+    Starlette notices a disconnect only while a response is being sent; this covers the time
+    before the first byte (queueing, prefill, the whole synthesis of an offline request) by
+    waiting for the connection's next ASGI message, which after the body can only be
+    ``http.disconnect``. (``Request.is_disconnected()`` cannot be used: it polls with an
+    already-cancelled scope, which never completes through ``BaseHTTPMiddleware``.)"""
     task = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(request.receive())
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                try:
-                    await task
-                except BaseException:  # noqa: BLE001 - the work is abandoned either way
-                    pass
-                raise ClientDisconnectedError("the client disconnected before the response started")
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        msg = watch.result()
+        if msg.get("type") != "http.disconnect":  # not expected after the body: keep working
+            return await task
+        task.cancel()
+        try:
+            await task
+        except BaseException:  # noqa: BLE001 - the work is abandoned either way
+            pass
+        raise ClientDisconnectedError("the client disconnected before the response started")
     finally:
-        if not task.done():  # cancelled ourselves (server shutdown): take the work down too
-            task.cancel()
+        for t in (task, watch):
+            if not t.done():  # the watcher after a result; both when we are cancelled ourselves
+                t.cancel()
 
 
 @dataclass
@@ -331,7 +337,10 @@ class ServerState:
         unspeakable; ``field_name`` names the field in the first checks."""
         self.require_ready()
         check_text(text, field_name, self.config.max_text_chars)
-        return await asyncio.to_thread(self.synth.build_request, text, voice, params, request_id or uuid.uuid4().hex)
+        # the engine keys its queues and slots by id: a client's own id (KServe's ``id``, which
+        # clients often repeat, e.g. "1" for every request) only prefixes a unique one
+        rid = uuid.uuid4().hex if not request_id else f"{request_id}-{uuid.uuid4().hex[:12]}"
+        return await asyncio.to_thread(self.synth.build_request, text, voice, params, rid)
 
     async def stream(self, protocol: str, req: EngineRequest) -> AsyncIterator[AudioChunk]:
         """Run ``req`` on the engine; yield its chunks; record metrics and a log line.
