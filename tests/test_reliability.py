@@ -563,3 +563,19 @@ def test_sigkill_during_voice_uploads_keeps_the_store_consistent(tmp_path):
     finally:
         if s.proc.poll() is None:
             s.stop()
+
+
+def test_voice_store_ignores_and_cleans_temporaries(tmp_path):
+    """What a writer killed mid-write leaves (a hidden ``.<id>.*.tmp``) is never a voice, and a
+    store opened later removes it once it is stale (a fresh one may be another writer's)."""
+    from cosyserve.frontend.voice import STALE_TMP_S, VoiceStore
+
+    (tmp_path / ".alice.x1.tmp").write_bytes(b"half a safetensors file")
+    (tmp_path / ".bob.x2.tmp").write_bytes(b"being written right now")
+    old = time.time() - STALE_TMP_S - 5
+    os.utime(tmp_path / ".alice.x1.tmp", (old, old))
+    store = VoiceStore(tmp_path)
+    assert store.removed_temporaries == [".alice.x1.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".bob.x2.tmp"]
+    assert store.ids() == [] and store.list() == []
+    assert "alice" not in store and "bob" not in store
