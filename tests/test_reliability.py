@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import hashlib
-import io
 import json
 import os
 import queue
@@ -27,7 +26,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-import soundfile as sf
+import torch
 
 import _fuzz_corpus as fz
 from _server import Server
@@ -413,7 +412,7 @@ def test_disconnect_storm_frees_every_slot(server):
 
 def test_soak_rss_stays_flat(server, request):
     duration = float(request.config.getoption("--soak"))
-    warmup = min(max(5.0, 0.2 * duration), 120.0)
+    warmup = min(max(10.0, 0.2 * duration), 120.0)
     texts = ["你好，世界。今天天气很好。", "Hello there, this is a soak test of the streaming server.",
              "收到好友寄来的礼物，我很开心。", "We keep eight streams running for a while."]
     stop = threading.Event()
@@ -454,10 +453,12 @@ def test_soak_rss_stays_flat(server, request):
     end = samples[-1][1]
     after = [r for t, r in samples if t >= warmup]
     mib = 1 / (1024 * 1024)
+    step = max(1, len(after) // 10)
+    trace = ", ".join(f"{t:.0f}s {r * mib:.0f}" for t, r in samples[::step] + samples[-1:])
     print(f"\nsoak: {duration:.0f} s at 8 streams after {warmup:.0f} s warm-up: {done['requests']} requests, "
           f"{done['bytes'] * mib:.1f} MiB audio, {len(errors)} errors; RSS after warm-up {base * mib:.1f} MiB, "
           f"at the end {end * mib:.1f} MiB ({100 * (end - base) / base:+.1f} %), "
-          f"min/max after warm-up {min(after) * mib:.1f}/{max(after) * mib:.1f} MiB")
+          f"min/max after warm-up {min(after) * mib:.1f}/{max(after) * mib:.1f} MiB; RSS (MiB) over time: {trace}")
     assert not errors, errors[:5]
     assert done["requests"] >= 8
     assert abs(end - base) <= 0.10 * base, f"RSS moved from {base * mib:.1f} to {end * mib:.1f} MiB"
@@ -513,19 +514,12 @@ def test_sigkill_during_voice_uploads_keeps_the_store_consistent(tmp_path):
         for name in ("old1", "old2"):
             assert _upload(s.url, name) == "http 201"
         before = _voice_files(voices)
-        # (1) killed while a large upload's body is still arriving
-        started = threading.Event()
-        with cf.ThreadPoolExecutor(1) as ex:
-            f = ex.submit(_slow_upload, s.url, "partial1", 16 * 1024 * 1024, started)
+        # one SIGKILL while (1) a large upload's body is still arriving and (2) six uploads are
+        # being processed and written: at the first temporary file in the store (or new voice)
+        started, seen = threading.Event(), None
+        with cf.ThreadPoolExecutor(7) as ex:
+            slow = ex.submit(_slow_upload, s.url, "partial1", 16 * 1024 * 1024, started)
             assert started.wait(30)
-            time.sleep(1.0)
-            s.kill()
-            slow_result = f.result(timeout=60)
-        s = Server(tmp_path, "--no-warmup")
-        # (2) killed while uploads are being processed and written: several in flight, SIGKILL
-        # as soon as the first temporary file appears in the store (or a new voice, at the latest)
-        seen = None
-        with cf.ThreadPoolExecutor(6) as ex:
             futs = [ex.submit(_upload, s.url, f"new{i}") for i in range(6)]
             deadline = time.monotonic() + 60
             while seen is None and time.monotonic() < deadline:
@@ -534,9 +528,8 @@ def test_sigkill_during_voice_uploads_keeps_the_store_consistent(tmp_path):
                         seen = "temporary file"
                     elif p.name.startswith("new"):
                         seen = seen or "finished voice"
-                if seen:
-                    break
             s.kill()
+            slow_result = slow.result(timeout=60)
             results = collections.Counter(f.result(timeout=60) for f in futs)
         left = sorted(p.name for p in voices.iterdir())
         s = Server(tmp_path, "--no-warmup")
@@ -563,6 +556,67 @@ def test_sigkill_during_voice_uploads_keeps_the_store_consistent(tmp_path):
     finally:
         if s.proc.poll() is None:
             s.stop()
+
+
+_WRITER = r"""
+import os, sys, time, torch
+import safetensors.torch
+from cosyserve.frontend.voice import Voice, VoiceStore
+
+def voice(take):
+    return Voice.from_features("hot", f"take {take}", torch.arange(5), torch.arange(300),
+                               torch.full((600, 80), float(take)), torch.full((192,), float(take)))
+
+store = VoiceStore(sys.argv[1])
+store.add(voice(0))
+stage, save, rename = sys.argv[2], safetensors.torch.save_file, os.replace
+
+def stop_here():
+    print("paused", flush=True)
+    time.sleep(60)  # SIGKILLed here
+
+def half_save(tensors, path, metadata=None):  # killed in the middle of writing the file
+    save(tensors, path, metadata=metadata)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    stop_here()
+
+def late_rename(src, dst):  # killed with the file complete but not yet renamed
+    stop_here()
+    rename(src, dst)
+
+if stage == "mid_write":
+    safetensors.torch.save_file = half_save
+else:
+    os.replace = late_rename
+store.add(voice(1), overwrite=True)
+"""
+
+
+@pytest.mark.parametrize("stage", ["mid_write", "before_rename"])
+def test_sigkill_of_a_voice_writer_never_leaves_a_partial_voice(tmp_path, stage):
+    """A process overwriting voice ``hot`` is SIGKILLed halfway through writing the new file, or
+    with the new file complete but not yet renamed (the writer pauses there, so the kill lands
+    exactly in the window): the old voice stays intact and the temporary is never a voice."""
+    import subprocess
+    import sys
+
+    from cosyserve.frontend.voice import VoiceStore
+
+    p = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), stage], stdout=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                             [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])))
+    try:
+        assert p.stdout.readline().strip() == "paused"
+    finally:
+        p.kill()
+        p.wait(timeout=30)
+    names = sorted(q.name for q in tmp_path.iterdir())
+    assert len(names) == 2 and names[0].startswith(".hot.") and names[0].endswith(".tmp"), names
+    store = VoiceStore(tmp_path)  # a restart: the temporary is young, so it stays, ignored
+    assert store.ids() == ["hot"] and [v["id"] for v in store.list()] == ["hot"]
+    v = store.get("hot")
+    assert v.prompt_text == "take 0" and torch.all(v.speech_feat == 0) and v.speech_feat.shape == (600, 80)
 
 
 def test_voice_store_ignores_and_cleans_temporaries(tmp_path):

@@ -11,8 +11,11 @@ opened.
 
 Cross-cutting rules implemented here: optional API key (``Authorization: Bearer``) on
 every route except health; request bodies larger than ``--max-upload-mb`` are refused
-(413); errors become 4xx/5xx with a message naming the field — OpenAI's error shape on
-``/v1``, ``{"error": ...}`` on ``/v2`` — and never affect other requests.
+(413: from ``Content-Length`` before reading, or once a chunked body passes the limit);
+errors become 4xx/5xx with a message naming the field — OpenAI's error shape on ``/v1``,
+``{"error": ...}`` on ``/v2``, also for FastAPI's own errors (unparseable bodies, unknown
+routes) — and never affect other requests. The contract is tested request by request by
+``tests/test_reliability.py`` (docs/reliability.md).
 """
 
 from __future__ import annotations
