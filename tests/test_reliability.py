@@ -242,7 +242,7 @@ def test_fuzz_corpus(server):
                     print(f"{case.id}: {a.code} {a.seconds:.2f}s {a.param} {a.message[:150]!r}", flush=True)
                 if server.proc.poll() is not None:
                     pytest.fail(f"the server died at {case.id}:\n{server.logs()[-5000:]}")
-                if str(a.code).startswith("no answer"):
+                if str(a.code).startswith("no answer") and not os.environ.get("COSYSERVE_FUZZ_CONTINUE"):
                     pytest.fail(f"the server hung at {case.id}; earlier violations: {failures}")
         # the stream is still open after all those errors: a good request on it succeeds
         good = fz.grpc_request([("target_text", "BYTES", [1, 1], fz.bytes_tensor("你好。".encode()))],
