@@ -13,8 +13,10 @@ interleave and are told apart by ``id``. The model interface is in
 
 Errors: unary RPCs abort with INVALID_ARGUMENT (bad input), NOT_FOUND (unknown model or
 voice), RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (loading), UNAUTHENTICATED (API
-key); on a stream, a failing request gets a response with ``error_message`` (prefixed by
-its status code) and the stream stays open for the others.
+key), INVALID_ARGUMENT naming ``request`` for a message protobuf cannot parse; on a
+stream, a failing request gets a response with ``error_message`` (prefixed by its status
+code) and ``infer_response.id`` set to its id, and the stream stays open for the others.
+Engine request ids are unique whatever ``id`` clients send (see ``ServerState.build_request``).
 """
 
 from __future__ import annotations
@@ -321,8 +323,8 @@ def _checked_stream(handler):
 
 def _add_service(servicer: TritonService, server: grpc.aio.Server) -> None:
     """``add_GRPCInferenceServiceServicer_to_server`` with request parsing that cannot fail:
-    grpc answers INTERNAL when a deserializer raises, so undecodable messages reach the
-    handlers as :class:`Undecodable` and are refused with INVALID_ARGUMENT."""
+    grpc answers UNKNOWN (and logs a traceback) when a deserializer raises, so undecodable
+    messages reach the handlers as :class:`Undecodable` and are refused with INVALID_ARGUMENT."""
 
     class _Capture:
         def add_generic_rpc_handlers(self, handlers):
