@@ -51,6 +51,19 @@ class Server:
         self.log.seek(0)
         return self.log.read()
 
+    def rss_bytes(self) -> int:
+        """Resident set size of the server process (``VmRSS`` of ``/proc/<pid>/status``), bytes."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS line in /proc/<pid>/status")
+
+    def kill(self) -> int:
+        """SIGKILL (no cleanup at all, as a crash or the OOM killer); returns the exit status."""
+        self.proc.kill()
+        return self.proc.wait(timeout=30)
+
     def stop(self) -> int:
         """SIGTERM (graceful shutdown); returns the exit status."""
         self.proc.send_signal(signal.SIGTERM)

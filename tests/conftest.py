@@ -8,6 +8,12 @@ import torch
 torch.set_num_threads(int(os.environ.get("COSYSERVE_TEST_THREADS", "2")))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--soak", type=float, default=20.0, metavar="SECONDS",
+                     help="duration of the reliability soak test (8 concurrent streams on the demo model; "
+                          "default 20 s in CI, docs/reliability.md reports a 600 s run)")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -17,9 +17,12 @@ plus the transcript string. For a zero-shot voice the LM and flow tokens (and th
 embeddings) are the same; a cross-lingual voice has no LM prompt (empty text and tokens).
 
 Store: one ``<id>.safetensors`` file per voice in a directory (tensors + JSON metadata
-in the safetensors header), written atomically (temporary file + ``os.replace``), so a
-crash never leaves a half-written voice and the store survives restarts. Ids are
-validated (``[A-Za-z0-9][A-Za-z0-9_.-]{0,63}``, no path tricks).
+in the safetensors header), written atomically (a hidden temporary file ``.<id>.*.tmp``,
+flushed to disk, then ``os.replace``), so a crash -- even SIGKILL mid-write -- never leaves a
+half-written voice and the store survives restarts. Temporary files are never listed or
+loaded (their names are not voice ids) and those older than ``STALE_TMP_S`` (left by a
+crash) are removed when a store is opened. Ids are validated
+(``[A-Za-z0-9][A-Za-z0-9_.-]{0,63}``, no path tricks).
 
 Interchange: ``spk2info.pt`` in upstream's format (``CosyVoice2.add_zero_shot_spk`` +
 ``save_spkinfo``: ``prompt_text`` ids ``[1, L]``, ``llm_prompt_speech_token``,
@@ -45,6 +48,9 @@ import torch
 from ..errors import InvalidInputError, VoiceNotFoundError
 
 VOICE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+#: a temporary voice file older than this (seconds) was left by a crashed writer; opening a
+#: store removes it (younger ones may belong to another process writing right now)
+STALE_TMP_S = 60.0
 _TENSORS = ("prompt_text_ids", "llm_speech_token", "flow_speech_token", "speech_feat", "llm_embedding", "flow_embedding")
 
 
@@ -188,6 +194,20 @@ class Voice:
             raise InvalidInputError(f"voice {self.id!r} has no speaker embedding", field="voice")
 
 
+def _fsync_dir(path: Path) -> None:
+    """Persist a rename in ``path`` (best effort: not every platform can open a directory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 class VoiceStore:
     """Directory of voices, one ``<id>.safetensors`` per voice (see module docstring).
 
@@ -202,6 +222,21 @@ class VoiceStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[float, Voice]] = {}
+        self.removed_temporaries = self._remove_stale_temporaries()
+
+    def _remove_stale_temporaries(self) -> list[str]:
+        """Delete ``.<id>.*.tmp`` files older than :data:`STALE_TMP_S` (a writer killed between
+        creating and renaming its file); returns their names. Errors are ignored (another
+        process may remove them first)."""
+        gone, now = [], time.time()
+        for p in self.root.glob(".*.tmp"):
+            try:
+                if now - p.stat().st_mtime > STALE_TMP_S:
+                    p.unlink()
+                    gone.append(p.name)
+            except OSError:
+                pass
+        return gone
 
     def path(self, voice_id: str) -> Path:
         return self.root / f"{validate_voice_id(voice_id)}{self.SUFFIX}"
@@ -232,7 +267,10 @@ class VoiceStore:
             os.close(fd)
             try:
                 save_file(tensors, tmp, metadata={"cosyserve": json.dumps(meta, ensure_ascii=False)})
+                with open(tmp, "rb") as f:  # on disk before it gets its name (power loss, not only crashes)
+                    os.fsync(f.fileno())
                 os.replace(tmp, target)
+                _fsync_dir(self.root)
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)

@@ -11,8 +11,11 @@ opened.
 
 Cross-cutting rules implemented here: optional API key (``Authorization: Bearer``) on
 every route except health; request bodies larger than ``--max-upload-mb`` are refused
-(413); errors become 4xx/5xx with a message naming the field — OpenAI's error shape on
-``/v1``, ``{"error": ...}`` on ``/v2`` — and never affect other requests.
+(413: from ``Content-Length`` before reading, or once a chunked body passes the limit);
+errors become 4xx/5xx with a message naming the field — OpenAI's error shape on ``/v1``,
+``{"error": ...}`` on ``/v2``, also for FastAPI's own errors (unparseable bodies, unknown
+routes) — and never affect other requests. The contract is tested request by request by
+``tests/test_reliability.py`` (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.base import BaseHTTPMiddleware
 
 from ..engine.core import QueueFullError
 from ..errors import CosyServeError, InvalidInputError, VoiceNotFoundError
 from . import completions, kserve_http, openai_api
-from .state import NotReadyError, ServerConfig, ServerState
+from .state import ClientDisconnectedError, NotReadyError, ServerConfig, ServerState
 
 log = logging.getLogger("cosyserve.server")
 
@@ -66,9 +70,45 @@ class _Guard(BaseHTTPMiddleware):
             except ValueError:
                 return _error(request, 400, "invalid Content-Length header")
             if too_big:
-                return _error(request, 413, f"request body is larger than {st.config.max_upload_bytes} bytes",
-                              code="too_large")
+                return _error(request, 413, f"request body is larger than {st.config.max_upload_bytes} bytes "
+                                            f"(--max-upload-mb)", "body", code="too_large")
         return await call_next(request)
+
+
+class _ChunkedBodyLimit:
+    """ASGI middleware: a request body sent without ``Content-Length`` (chunked transfer
+    encoding) is read here first, and refused with 413 once it exceeds ``--max-upload-mb``
+    (bodies with a ``Content-Length`` are checked from the header by :class:`_Guard`). The
+    route then reads the buffered body as usual, so no route ever holds more than the limit."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or any(k == b"content-length" for k, _ in scope.get("headers", ())):
+            return await self.app(scope, receive, send)
+        st: ServerState = scope["app"].state.cosyserve if "app" in scope else None
+        limit = st.config.max_upload_bytes if st is not None else None
+        messages, size = [], 0
+        while True:
+            msg = await receive()
+            messages.append(msg)
+            if msg["type"] != "http.request":
+                break
+            size += len(msg.get("body", b""))
+            if limit is not None and size > limit:
+                resp = _error(Request(scope), 413, f"request body is larger than {limit} bytes (--max-upload-mb)",
+                              "body", code="too_large")
+                return await resp(scope, receive, send)
+            if not msg.get("more_body", False):
+                break
+
+        async def replay():
+            if messages:
+                return messages.pop(0)
+            return await receive()
+
+        return await self.app(scope, replay, send)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -77,6 +117,7 @@ def create_app(state: ServerState) -> FastAPI:
                   docs_url="/docs", openapi_url="/openapi.json")
     app.state.cosyserve = state
     app.add_middleware(_Guard)
+    app.add_middleware(_ChunkedBodyLimit)  # outermost: runs before _Guard
     app.include_router(openai_api.router)
     app.include_router(kserve_http.router)
     app.include_router(completions.router)
@@ -111,20 +152,50 @@ def create_app(state: ServerState) -> FastAPI:
     async def _timeout(request: Request, exc: TimeoutError):
         return _error(request, 504, str(exc) or "request timed out", None, "timeout")
 
+    @app.exception_handler(ClientDisconnectedError)
+    async def _gone(request: Request, exc: ClientDisconnectedError):
+        return Response(status_code=499)  # nobody is listening any more
+
     @app.exception_handler(CosyServeError)
     async def _other(request: Request, exc: CosyServeError):
-        return _error(request, 400, str(exc))
+        return _error(request, 400, str(exc), getattr(exc, "field", None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        """Starlette/FastAPI's own errors (unknown route, wrong method, a body that cannot be
+        parsed at all) in the protocol's error shape."""
+        if exc.status_code == 400:  # FastAPI: "There was an error parsing the body"
+            cause = exc.__cause__ or exc.__context__
+            detail = str(exc.detail)
+            if cause is not None and str(cause) and str(cause) not in detail:
+                detail = f"{detail}: {cause}"
+            if isinstance(cause, RecursionError):
+                detail = "the request body is nested too deeply"
+            return _error(request, 400, f"malformed request body ({detail})", "body", "invalid_body")
+        if exc.status_code == 404:
+            return _error(request, 404, f"no route {request.method} {request.url.path}", None, "not_found")
+        if exc.status_code == 405:
+            return _error(request, 405, f"method {request.method} is not allowed on {request.url.path}", None,
+                          "method_not_allowed")
+        return _error(request, exc.status_code, str(exc.detail), None)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         errs = exc.errors()
         first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x not in ("body", "query", "path")]
-        field = ".".join(loc) or None
+        # the top-level request field (pydantic adds union members / nested keys after it)
+        loc = [str(x) for x in first.get("loc", ()) if x not in ("body", "query", "path", "header")]
+        field = loc[0] if loc else ("body" if tuple(first.get("loc", ()))[:1] == ("body",) else None)
         if first.get("type") == "json_invalid":
             return _error(request, 400, "malformed JSON in the request body", "body", "invalid_json")
-        msg = f"invalid field '{field}': {first.get('msg', 'invalid value')}" if field else \
-            f"invalid request: {first.get('msg', 'invalid value')}"
+        what = first.get("msg", "invalid value")
+        if field == "body":
+            msg = f"invalid request body: {what} (expected a JSON object)" if first.get("type") in (
+                "model_attributes_type", "dict_type") else f"invalid request body: {what}"
+        elif field:
+            msg = f"invalid field '{field}': {what}"
+        else:
+            msg = f"invalid request: {what}"
         return _error(request, 400, msg, field, "invalid_request")
 
     return app

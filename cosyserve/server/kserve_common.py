@@ -23,12 +23,14 @@ Every violation raises :class:`~cosyserve.errors.InvalidInputError` naming the t
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import InvalidInputError
+from .state import check_seed
 
 MODEL_VERSION = "1"
 PROMPT_SAMPLE_RATE = 16000
@@ -117,12 +119,24 @@ def decode_json_data(name: str, datatype: str, shape: list[int], data):
     if len(flat) != count:
         raise InvalidInputError(f"input '{name}': {len(flat)} values for shape {shape}", field=name)
     if datatype == "BYTES":
-        return [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in flat]
+        out = []
+        for v in flat:
+            if not isinstance(v, str):  # bytes(int) would allocate that many bytes
+                raise InvalidInputError(f"input '{name}': BYTES data must be JSON strings, got {type(v).__name__}",
+                                        field=name)
+            try:
+                out.append(v.encode("utf-8"))
+            except UnicodeEncodeError:
+                raise InvalidInputError(f"input '{name}' is not valid UTF-8 text (unpaired surrogate)",
+                                        field=name) from None
+        return out
     if datatype not in NUMPY_DTYPES:
         raise InvalidInputError(f"input '{name}': unsupported datatype {datatype}", field=name)
+    if any(isinstance(v, (str, bytes, dict, list)) or v is None for v in flat):
+        raise InvalidInputError(f"input '{name}': data does not match {datatype} (non-numeric values)", field=name)
     try:
         return np.asarray(flat, dtype=np.dtype(NUMPY_DTYPES[datatype])).reshape(shape)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidInputError(f"input '{name}': data does not match {datatype}: {exc}", field=name) from None
 
 
@@ -135,10 +149,10 @@ def _flatten(x):
 
 
 def _count(name: str, shape) -> int:
-    try:
-        shape = [int(s) for s in shape]
-    except (TypeError, ValueError):
-        raise InvalidInputError(f"input '{name}': shape must be a list of integers", field=name) from None
+    if not isinstance(shape, (list, tuple)) or any(isinstance(s, bool) or not isinstance(s, (int, np.integer))
+                                                   for s in shape):
+        raise InvalidInputError(f"input '{name}': shape must be a list of integers", field=name)
+    shape = [int(s) for s in shape]
     if any(s < 0 for s in shape):
         raise InvalidInputError(f"input '{name}': negative dimension in shape {shape}", field=name)
     n = 1
@@ -223,14 +237,15 @@ def parse_request(tensors: dict[str, tuple[str, list[int], object]], parameters:
             raise InvalidInputError("give either 'voice' or 'reference_wav', not both", field="voice")
     elif "reference_text" in tensors or "reference_wav_len" in tensors:
         raise InvalidInputError("'reference_text'/'reference_wav_len' need 'reference_wav'", field="reference_wav")
-    p = parameters or {}
+    p = {} if parameters is None else parameters
+    if not isinstance(p, dict):
+        raise InvalidInputError("'parameters' must be a JSON object", field="parameters")
     if "seed" in p:
-        try:
-            req.seed = int(p["seed"])
-        except (TypeError, ValueError):
-            raise InvalidInputError("parameter 'seed' must be an integer", field="seed") from None
+        req.seed = check_seed(p["seed"])
     if "chunk_policy" in p:
-        req.chunk_policy = str(p["chunk_policy"])
+        if not isinstance(p["chunk_policy"], str):
+            raise InvalidInputError("parameter 'chunk_policy' must be a string", field="chunk_policy")
+        req.chunk_policy = p["chunk_policy"]
     return req
 
 
@@ -239,10 +254,44 @@ def _dt_val(t):
     return dt, val
 
 
+#: field names of the frontend / voice store -> the ``cosyvoice2`` tensor they come from
+_TENSOR_OF_FIELD = {"input": "target_text", "text": "target_text", "prompt_wav": "reference_wav",
+                    "prompt_text": "reference_text", "name": "voice", "voice": "voice"}
+
+
+@contextlib.contextmanager
+def tensor_errors():
+    """Re-label :class:`InvalidInputError` raised by shared code (frontend, voices) for the
+    KServe protocols: the field becomes the input tensor's name (``input`` -> ``target_text``,
+    ``prompt_wav`` -> ``reference_wav``, ...) and the message starts with ``input '<tensor>':``,
+    so a client sees which tensor was wrong."""
+    try:
+        yield
+    except InvalidInputError as exc:
+        tensor = _TENSOR_OF_FIELD.get(exc.field or "", exc.field)
+        msg = str(exc)
+        if tensor is None or (tensor == exc.field and tensor in msg):
+            raise
+        if tensor not in msg:
+            msg = f"input '{tensor}': {msg}"
+        raise type(exc)(msg, field=tensor) from None
+
+
 async def resolve_voice(state, req: KServeTTSRequest):
-    """The voice of a request: its reference audio, a named voice, or the default voice."""
-    if req.reference_wav is not None:
-        return await state.voice_from_audio(req.reference_wav, req.reference_text, PROMPT_SAMPLE_RATE)
-    if req.voice is not None:
-        return state.get_voice(req.voice)
-    return state.default_voice()
+    """The voice of a request: its reference audio, a named voice, or the default voice.
+    Errors name the tensor (see :func:`tensor_errors`)."""
+    with tensor_errors():
+        if req.reference_wav is not None:
+            return await state.voice_from_audio(req.reference_wav, req.reference_text, PROMPT_SAMPLE_RATE)
+        if req.voice is not None:
+            return state.get_voice(req.voice)
+        return state.default_voice()
+
+
+async def build_request(state, req: KServeTTSRequest, stream: bool, request_id: str | None = None):
+    """The engine request of a validated ``cosyvoice2`` request (errors name the tensor or parameter)."""
+    voice = await resolve_voice(state, req)
+    params = state.params(seed=req.seed, stream=stream, chunk_policy=req.chunk_policy)
+    with tensor_errors():
+        return await state.build_request(req.target_text, voice, params, request_id=request_id,
+                                         field_name="target_text")

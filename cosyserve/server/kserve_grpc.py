@@ -13,14 +13,17 @@ interleave and are told apart by ``id``. The model interface is in
 
 Errors: unary RPCs abort with INVALID_ARGUMENT (bad input), NOT_FOUND (unknown model or
 voice), RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (loading), UNAUTHENTICATED (API
-key); on a stream, a failing request gets a response with ``error_message`` (prefixed by
-its status code) and the stream stays open for the others.
+key), INVALID_ARGUMENT naming ``request`` for a message protobuf cannot parse; on a
+stream, a failing request gets a response with ``error_message`` (prefixed by its status
+code) and ``infer_response.id`` set to its id, and the stream stays open for the others.
+Engine request ids are unique whatever ``id`` clients send (see ``ServerState.build_request``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import logging
 
 import grpc
@@ -37,10 +40,11 @@ from .kserve_common import (
     MODEL_VERSION,
     NUMPY_DTYPES,
     OUTPUTS,
+    _count,
+    build_request,
     decode_raw,
     model_parameters,
     parse_request,
-    resolve_voice,
 )
 from .state import NotReadyError, ServerState
 
@@ -51,8 +55,12 @@ _CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents", "INT32": "int_con
              "UINT64": "uint64_contents"}
 
 
+class ModelNotFoundError(CosyServeError):
+    """A request names a model or version this server does not serve (NOT_FOUND)."""
+
+
 def _status_of(exc: BaseException) -> grpc.StatusCode:
-    if isinstance(exc, VoiceNotFoundError):
+    if isinstance(exc, (VoiceNotFoundError, ModelNotFoundError)):
         return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, InvalidInputError):
         return grpc.StatusCode.INVALID_ARGUMENT
@@ -87,7 +95,7 @@ def decode_inputs(request: pb.ModelInferRequest) -> dict:
             if field is None:
                 raise InvalidInputError(f"input '{t.name}': unsupported datatype {t.datatype}", field=t.name)
             vals = list(getattr(t.contents, field))
-            n = int(np.prod(shape)) if shape else 1
+            n = _count(t.name, shape) if shape else 1
             if len(vals) != n:
                 raise InvalidInputError(f"input '{t.name}': {len(vals)} values for shape {shape}", field=t.name)
             value = vals if t.datatype == "BYTES" else np.asarray(vals, dtype=NUMPY_DTYPES[t.datatype]).reshape(shape)
@@ -141,10 +149,9 @@ class TritonService(pb_grpc.GRPCInferenceServiceServicer):
         req = parse_request(decode_inputs(request), params)
         for o in request.outputs:
             if o.name != "waveform":
-                raise InvalidInputError(f"unknown output '{o.name}'; the only output is 'waveform'", field="outputs")
-        voice = await resolve_voice(st, req)
-        p = st.params(seed=req.seed, stream=stream, chunk_policy=req.chunk_policy)
-        return await st.build_request(req.target_text, voice, p, request_id=request.id or None)
+                raise InvalidInputError(f"'outputs' names an unknown output '{o.name}'; the only output is "
+                                        f"'waveform'", field="outputs")
+        return await build_request(st, req, stream, request_id=request.id or None)
 
     # ---------------------------------------------------------------- health & metadata
     async def ServerLive(self, request, context):
@@ -223,7 +230,11 @@ class TritonService(pb_grpc.GRPCInferenceServiceServicer):
                 if "triton_enable_empty_final_response" in request.parameters else False
             try:
                 if request.model_name != self.state.config.model_name:
-                    raise CosyServeError(f"unknown model '{request.model_name}'")
+                    raise ModelNotFoundError(f"unknown model '{request.model_name}' (this server serves "
+                                             f"'{self.state.config.model_name}')")
+                if request.model_version not in ("", MODEL_VERSION):
+                    raise ModelNotFoundError(f"unknown version '{request.model_version}' of model "
+                                             f"'{request.model_name}'")
                 req = await self._prepare(request, stream=True)
                 async for ch in self.state.stream("kserve_grpc", req):
                     await out.put(pb.ModelStreamInferResponse(
@@ -234,7 +245,9 @@ class TritonService(pb_grpc.GRPCInferenceServiceServicer):
                 code = _status_of(exc)
                 if code is grpc.StatusCode.INTERNAL:
                     log.exception("stream request %s failed", request.id)
-                await out.put(pb.ModelStreamInferResponse(error_message=f"{code.name}: {exc}"))
+                await out.put(pb.ModelStreamInferResponse(  # the id tells which request failed
+                    error_message=f"{code.name}: {exc}",
+                    infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id)))
                 return
             if empty_final:
                 resp = pb.ModelInferResponse(model_name=request.model_name, model_version=MODEL_VERSION,
@@ -264,12 +277,82 @@ class TritonService(pb_grpc.GRPCInferenceServiceServicer):
                 t.cancel()
 
 
+class Undecodable:
+    """Stands for a request message that protobuf could not parse (not protobuf at all, or a
+    string field holding invalid UTF-8); the RPC answers INVALID_ARGUMENT naming ``request``."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _tolerant(deserializer):
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends
+            return Undecodable(exc)
+
+    return parse
+
+
+def _checked_unary(handler):
+    async def call(request, context):
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request: not a valid protobuf message of this RPC ({request.error})")
+        result = handler(request, context)
+        return await result if inspect.isawaitable(result) else result
+
+    return call
+
+
+def _checked_stream(handler):
+    async def call(request_iterator, context):
+        async def requests():
+            async for r in request_iterator:
+                if isinstance(r, Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"request: not a valid protobuf message of this RPC ({r.error})")
+                yield r
+
+        async for resp in handler(requests(), context):
+            yield resp
+
+    return call
+
+
+def _add_service(servicer: TritonService, server: grpc.aio.Server) -> None:
+    """``add_GRPCInferenceServiceServicer_to_server`` with request parsing that cannot fail:
+    grpc answers UNKNOWN (and logs a traceback) when a deserializer raises, so undecodable
+    messages reach the handlers as :class:`Undecodable` and are refused with INVALID_ARGUMENT."""
+
+    class _Capture:
+        def add_generic_rpc_handlers(self, handlers):
+            pass
+
+        def add_registered_method_handlers(self, name, handlers):
+            self.name, self.handlers = name, handlers
+
+    cap = _Capture()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, cap)
+    handlers = {}
+    for method, h in cap.handlers.items():
+        if h.unary_unary is not None:
+            h = h._replace(request_deserializer=_tolerant(h.request_deserializer),
+                           unary_unary=_checked_unary(h.unary_unary))
+        elif h.stream_stream is not None:
+            h = h._replace(request_deserializer=_tolerant(h.request_deserializer),
+                           stream_stream=_checked_stream(h.stream_stream))
+        handlers[method] = h
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(cap.name, handlers),))
+
+
 async def start_grpc_server(state: ServerState, host: str, port: int) -> grpc.aio.Server:
     """Start the gRPC server (returns once it listens). Raises ``RuntimeError`` if the
     port cannot be bound."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", state.config.max_upload_bytes),
                                       ("grpc.max_send_message_length", 256 * 1024 * 1024)])
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(TritonService(state), server)
+    _add_service(TritonService(state), server)
     addr = f"{host}:{port}"
     if server.add_insecure_port(addr) == 0:
         raise RuntimeError(f"cannot listen on {addr} (gRPC)")

@@ -26,10 +26,14 @@ from .kserve_common import (
     model_config,
     model_metadata,
     model_parameters,
+    build_request,
     parse_request,
-    resolve_voice,
 )
-from .state import ServerState
+from .state import ServerState, until_disconnected
+
+
+async def _collect(chunks) -> list[np.ndarray]:
+    return [ch.samples async for ch in chunks]
 
 router = APIRouter()
 
@@ -128,29 +132,53 @@ def parse_body(body: bytes, header_length: str | None) -> tuple[dict, dict]:
         doc = json.loads(head)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidInputError(f"request body is not valid JSON: {exc}", field="body") from None
+    except RecursionError:
+        raise InvalidInputError("request body is not valid JSON: nested too deeply", field="body") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list):
         raise InvalidInputError("request must be a JSON object with an 'inputs' list", field="inputs")
     tensors, pos = {}, 0
     for t in doc["inputs"]:
         if not isinstance(t, dict) or not {"name", "datatype", "shape"} <= set(t):
-            raise InvalidInputError("each input needs 'name', 'datatype' and 'shape'", field="inputs")
+            raise InvalidInputError("each element of 'inputs' must be an object with 'name', 'datatype' and 'shape'",
+                                    field="inputs")
         name, dt, shape = str(t["name"]), str(t["datatype"]), t["shape"]
         if not isinstance(shape, list):
             raise InvalidInputError(f"input '{name}': shape must be a list", field=name)
-        params = t.get("parameters") or {}
+        params = t.get("parameters")
+        params = {} if params is None else params
+        if not isinstance(params, dict):
+            raise InvalidInputError(f"input '{name}': 'parameters' must be a JSON object", field=name)
         if "binary_data_size" in params:
-            size = int(params["binary_data_size"])
+            size = params["binary_data_size"]
+            if isinstance(size, bool) or not isinstance(size, int):
+                raise InvalidInputError(f"input '{name}': binary_data_size must be an integer", field=name)
             if size < 0 or pos + size > len(binary):
                 raise InvalidInputError(f"input '{name}': binary_data_size exceeds the binary payload", field=name)
             value = decode_raw(name, dt, shape, binary[pos:pos + size])
             pos += size
         elif "data" in t:
+            if not isinstance(t["data"], list):
+                raise InvalidInputError(f"input '{name}': 'data' must be a JSON array", field=name)
             value = decode_json_data(name, dt, shape, t["data"])
         else:
             raise InvalidInputError(f"input '{name}' has neither 'data' nor binary data", field=name)
         if name in tensors:
             raise InvalidInputError(f"input '{name}' is given twice", field=name)
         tensors[name] = (dt, shape, value)
+    if pos != len(binary):
+        raise InvalidInputError(f"{len(binary) - pos} bytes of binary data after the last input's binary_data_size",
+                                field="binary")
+    outputs = doc.get("outputs")
+    if outputs is not None and (not isinstance(outputs, list) or not all(isinstance(o, dict) for o in outputs)):
+        raise InvalidInputError("'outputs' must be a list of objects", field="outputs")
+    for o in outputs or []:
+        if o.get("name") != "waveform":
+            raise InvalidInputError(f"'outputs' names an unknown output '{o.get('name')}'; the only output is "
+                                    f"'waveform'", field="outputs")
+        if not isinstance(o.get("parameters") or {}, dict):
+            raise InvalidInputError("output 'waveform': 'parameters' must be a JSON object", field="outputs")
+    if not isinstance(doc.get("parameters") or {}, dict):
+        raise InvalidInputError("'parameters' must be a JSON object", field="parameters")
     return doc, tensors
 
 
@@ -164,16 +192,11 @@ async def infer(name: str, request: Request, version: str | None = None):
     st.require_ready()
     doc, tensors = parse_body(await request.body(), request.headers.get("Inference-Header-Content-Length"))
     req = parse_request(tensors, doc.get("parameters"))
-    voice = await resolve_voice(st, req)
-    params = st.params(seed=req.seed, stream=False, chunk_policy=req.chunk_policy)
-    ereq = await st.build_request(req.target_text, voice, params, request_id=None)
-    pieces = [ch.samples async for ch in st.stream("kserve_http", ereq)]
+    ereq = await build_request(st, req, stream=False)
+    pieces = await until_disconnected(request, _collect(st.stream("kserve_http", ereq)))
     wav = np.concatenate(pieces).astype("<f4") if pieces else np.zeros(0, "<f4")
 
     outputs = doc.get("outputs") or [{"name": "waveform"}]
-    for o in outputs:
-        if o.get("name") != "waveform":
-            raise InvalidInputError(f"unknown output '{o.get('name')}'; the only output is 'waveform'", field="outputs")
     binary = bool((outputs[0].get("parameters") or {}).get("binary_data")) or \
         bool((doc.get("parameters") or {}).get("binary_data_output"))
     out = {"name": "waveform", "datatype": "FP32", "shape": [1, int(wav.size)]}

@@ -24,12 +24,12 @@ from typing import Literal
 
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from ..errors import InvalidInputError, VoiceNotFoundError
 from ..frontend.voice import validate_voice_id
 from .encoding import FORMATS, StreamEncoder
-from .state import ServerState
+from .state import ServerState, check_text, until_disconnected
 
 router = APIRouter()
 
@@ -50,7 +50,7 @@ class SpeechRequest(BaseModel):
     speed: float = Field(1.0, ge=0.25, le=4.0)
     stream_format: Literal["audio", "sse"] = "audio"
     instructions: str | None = None
-    seed: int | None = None
+    seed: StrictInt | None = None  # not true/false
     stream: bool = True
 
 
@@ -89,7 +89,11 @@ async def create_speech(body: SpeechRequest, request: Request):
     params = st.params(seed=body.seed, stream=body.stream, speed=body.speed)
     req = await st.build_request(body.input, voice, params)
     chunks = st.stream("openai", req).__aiter__()
-    first = await chunks.__anext__()  # errors before any audio become proper status codes
+    try:  # errors before any audio become proper status codes; a client that hangs up frees its slot
+        first = await until_disconnected(request, chunks.__anext__())
+    except BaseException:
+        await chunks.aclose()
+        raise
     enc = StreamEncoder(body.response_format, first.sample_rate, streaming=True)
     if body.stream_format == "sse":
         return StreamingResponse(_sse(chunks, first, enc, body, req), media_type="text/event-stream",
@@ -160,6 +164,9 @@ async def create_voice(request: Request, audio_sample: UploadFile = File(...), n
     st.require_ready()
     store = _store(st)
     validate_voice_id(name, "name")
+    check_text(ref_text, "ref_text", st.config.max_text_chars)
+    if not ref_text.strip():
+        raise InvalidInputError("'ref_text' (the transcript of audio_sample) is empty", field="ref_text")
     if name in store:
         return openai_error(409, f"voice {name!r} already exists", "name", "voice_exists")
     limit = st.config.max_upload_bytes

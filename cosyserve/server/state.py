@@ -39,9 +39,88 @@ log = logging.getLogger("cosyserve.server")
 #: OpenAI model names accepted as aliases of the served model (so stock clients work).
 OPENAI_MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 
+#: accepted request seeds: the int64 range (what torch generators and KServe INT64 parameters hold)
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+def check_seed(seed, field_name: str = "seed") -> int | None:
+    """``seed`` as an int (``None`` stays ``None``); raises :class:`InvalidInputError` naming
+    ``field_name`` for a non-integer (bools and fractional floats included) or a value
+    outside [``SEED_MIN``, ``SEED_MAX``]."""
+    if seed is None:
+        return None
+    if isinstance(seed, float) and seed.is_integer():
+        seed = int(seed)
+    elif isinstance(seed, str):
+        try:
+            seed = int(seed.strip())
+        except ValueError:
+            raise InvalidInputError(f"'{field_name}' must be an integer, got {seed[:40]!r}", field=field_name) from None
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise InvalidInputError(f"'{field_name}' must be an integer, got {type(seed).__name__}", field=field_name)
+    if not SEED_MIN <= seed <= SEED_MAX:
+        raise InvalidInputError(f"'{field_name}' must be within [-2**63, 2**63 - 1], got {seed}", field=field_name)
+    return seed
+
+
+def check_text(text, field_name: str, limit: int) -> str:
+    """``text`` if it is a string of at most ``limit`` characters that UTF-8 can encode (no lone
+    surrogates, which JSON escapes like ``\\ud800`` produce); else :class:`InvalidInputError`
+    naming ``field_name``. Runs before any tokenizer or normaliser sees the text, so an
+    over-long text costs nothing."""
+    if not isinstance(text, str):
+        raise InvalidInputError(f"'{field_name}' must be a string", field=field_name)
+    if len(text) > limit:
+        raise InvalidInputError(f"'{field_name}' has {len(text)} characters; the limit is {limit} "
+                                f"(--max-text-chars)", field=field_name)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(f"'{field_name}' is not valid Unicode text (unpaired surrogate at character "
+                                f"{exc.start})", field=field_name) from None
+    if text.strip() and not any(c.isprintable() and not c.isspace() for c in text):
+        raise InvalidInputError(f"'{field_name}' has nothing to speak (only control characters)", field=field_name)
+    return text
+
 
 class NotReadyError(CosyServeError):
     """Models are still loading / warming up (HTTP 503, gRPC UNAVAILABLE)."""
+
+
+class ClientDisconnectedError(CosyServeError):
+    """The HTTP client hung up before its response started; its work was cancelled (logged as
+    status 499, which nobody receives)."""
+
+
+async def until_disconnected(request, awaitable):
+    """Await ``awaitable`` unless the HTTP client of ``request`` (a Starlette ``Request`` whose
+    body has been read) hangs up first: then the work is cancelled (an engine request in it is
+    aborted, its slot freed at once) and :class:`ClientDisconnectedError` is raised.
+
+    Starlette notices a disconnect only while a response is being sent; this covers the time
+    before the first byte (queueing, prefill, the whole synthesis of an offline request) by
+    waiting for the connection's next ASGI message, which after the body can only be
+    ``http.disconnect``. (``Request.is_disconnected()`` cannot be used: it polls with an
+    already-cancelled scope, which never completes through ``BaseHTTPMiddleware``.)"""
+    task = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(request.receive())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        msg = watch.result()
+        if msg.get("type") != "http.disconnect":  # not expected after the body: keep working
+            return await task
+        task.cancel()
+        try:
+            await task
+        except BaseException:  # noqa: BLE001 - the work is abandoned either way
+            pass
+        raise ClientDisconnectedError("the client disconnected before the response started")
+    finally:
+        for t in (task, watch):
+            if not t.done():  # the watcher after a result; both when we are cancelled ourselves
+                t.cancel()
 
 
 @dataclass
@@ -232,6 +311,7 @@ class ServerState:
             h.update(str(sample_rate).encode())
         else:
             h.update(bytes(audio))
+        check_text(transcript, "prompt_text", self.config.max_text_chars)
         h.update(transcript.encode("utf-8"))
         key = h.hexdigest()
         hit = self._voice_cache.get(key)
@@ -249,19 +329,35 @@ class ServerState:
     # ------------------------------------------------------------------ requests
     def params(self, seed: int | None = None, stream: bool = True, speed: float = 1.0,
                chunk_policy: str | None = None) -> SynthesisParams:
+        """The engine parameters of a request; raises :class:`InvalidInputError` naming ``seed``
+        (see :func:`check_seed`), ``speed`` (not a finite number in 0.25..4) or
+        ``chunk_policy`` (not a string :meth:`ChunkPolicy.parse` accepts)."""
         c = self.config
+        seed = check_seed(seed)
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0.25 <= speed <= 4.0:
+            raise InvalidInputError(f"'speed' must be a number in 0.25..4, got {speed!r}", field="speed")
+        if chunk_policy is not None and not isinstance(chunk_policy, str):
+            raise InvalidInputError("'chunk_policy' must be a string", field="chunk_policy")
         try:
             policy = ChunkPolicy.parse(chunk_policy or c.chunk_policy)
-        except ValueError as exc:
-            raise InvalidInputError(str(exc), field="chunk_policy") from None
+        except (ValueError, IndexError) as exc:
+            raise InvalidInputError(f"'chunk_policy': {exc}", field="chunk_policy") from None
         return SynthesisParams(seed=seed, stream=stream, chunk_policy=policy, speed=speed,
                                min_token_text_ratio=c.min_token_text_ratio,
                                max_token_text_ratio=c.max_token_text_ratio, timeout_s=c.request_timeout_s)
 
     async def build_request(self, text: str, voice: Voice, params: SynthesisParams,
-                            request_id: str | None = None) -> EngineRequest:
+                            request_id: str | None = None, field_name: str = "input") -> EngineRequest:
+        """Normalise and tokenize ``text`` (a worker thread) into an engine request. Raises
+        :class:`InvalidInputError` (field ``input``: the frontend's name for the text) for
+        text that is not a string, longer than ``--max-text-chars``, not encodable, empty or
+        unspeakable; ``field_name`` names the field in the first checks."""
         self.require_ready()
-        return await asyncio.to_thread(self.synth.build_request, text, voice, params, request_id or uuid.uuid4().hex)
+        check_text(text, field_name, self.config.max_text_chars)
+        # the engine keys its queues and slots by id: a client's own id (KServe's ``id``, which
+        # clients often repeat, e.g. "1" for every request) only prefixes a unique one
+        rid = uuid.uuid4().hex if not request_id else f"{request_id}-{uuid.uuid4().hex[:12]}"
+        return await asyncio.to_thread(self.synth.build_request, text, voice, params, rid)
 
     async def stream(self, protocol: str, req: EngineRequest) -> AsyncIterator[AudioChunk]:
         """Run ``req`` on the engine; yield its chunks; record metrics and a log line.
