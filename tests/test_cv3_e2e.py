@@ -27,6 +27,7 @@ from cosyserve.models.llm import SilentTokenFilter
 
 E2E_CASES = discover("e2e", has=("llm_tokens", "speech_token", "mel", "speech"),
                      where=lambda m: "seed" in m and "prompt_wav" in m)
+PROMPT_TEXT = "You are a helpful assistant.<|endofprompt|>希望你以后能够做的比我还好呦。"
 STREAM_CASES = discover("stream", has=("source_speech_token", "prompt_token", "prompt_feat", "embedding"),
                         where=lambda m: bool(m.get("chunks")))
 
@@ -172,10 +173,28 @@ def test_engine_streams_the_stream_case_and_batches(synth, case, one_thread):
     assert max(engine.stats.t2w_batches) >= 2 or e2e is None  # the two requests shared a batch
 
 
+XL_CASES = discover("llm", has=("text_ids", "prompt_text_ids", "prompt_speech_token"),
+                    where=lambda m: "<|endofprompt|>" in m.get("text", "") and m.get("prompt_text") == "")
+
+
+@pytest.mark.parametrize("case", XL_CASES or [pytest.param(None, marks=pytest.mark.skip("no cross-lingual LLM case"))])
+def test_cross_lingual_input_builds_upstream_lm_input(synth, case):
+    """An input holding <|endofprompt|> is upstream's cross-lingual request: the LM gets no prompt text
+    and no prompt speech, the text ids are the case's; the flow keeps the voice's prompt."""
+    m, d = meta(case), tensors(case)
+    voice = synth.make_voice("v", str(set_file("audio/zero_shot_prompt.wav")), PROMPT_TEXT)
+    req = synth.build_request(m["text"], voice, SynthesisParams(seed=0))
+    assert [s.tolist() for s in req.segments] == [d["text_ids"].reshape(-1).tolist()]
+    assert req.voice.prompt_text_ids.numel() == 0 and req.voice.llm_speech_token.numel() == 0
+    assert torch.equal(req.voice.flow_speech_token, voice.flow_speech_token)
+    instruct = synth.frontend.instruct2_voice(voice, "You are a helpful assistant. 请用广东话表达。<|endofprompt|>")
+    from cosyserve.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError):
+        synth.build_request(m["text"], instruct, SynthesisParams(seed=0))
+
+
 # ---------------------------------------------------------------------------- CLI and servers
-
-PROMPT_TEXT = "You are a helpful assistant.<|endofprompt|>希望你以后能够做的比我还好呦。"
-
 
 def _cli(capsys, *argv):
     from cosyserve.cli import main
@@ -264,6 +283,12 @@ def test_serve_openai_instructions_and_grpc_stream(cv3_server):
     assert r.status_code == 200 and len(r.content) > 0, r.text
     r = httpx.post(url + "/v1/audio/speech", json=dict(body, instructions="请用广东话表达。"), timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "instructions"
+    # cross-lingual input (the instruction in the input)
+    xl = dict(body, input="You are a helpful assistant.<|endofprompt|>Hello, nice to meet you.")
+    r = httpx.post(url + "/v1/audio/speech", json=xl, timeout=120)
+    assert r.status_code == 200 and len(r.content) > 0, r.text
+    r = httpx.post(url + "/v1/audio/speech", json=dict(xl, instructions=ins["instructions"]), timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
     # KServe gRPC decoupled stream with a reference wav + CosyVoice3 transcript
     import tritonclient.grpc as tg
 
@@ -313,3 +338,31 @@ def test_demo_model_cosyvoice3_serves(tmp_path, capsys):
         assert r.status_code == 200 and len(r.content) > 44, r.text
     finally:
         s.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", STREAM_CASES or [pytest.param(None, marks=pytest.mark.skip("no CosyVoice3 stream case"))])
+def test_gpu_engine_runs_cv3_eagerly_with_cuda_graphs_on(case):
+    """On CUDA with the default engine config (CUDA graphs on): the LM is graphed, CosyVoice3's flow
+    and causal HiFT run eagerly (no crash), and the streamed chunks of the stream case match."""
+    from cosyserve.engine.pipeline import Synthesizer
+
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        synth = Synthesizer(model_dir(), device="cuda", normalizer="none")
+        m, d = meta(case), tensors(case)
+        tokens = d["source_speech_token"].reshape(-1).tolist()
+        base = synth.make_voice("v", str(set_file("audio/zero_shot_prompt.wav")), PROMPT_TEXT)
+        voice = replace(base, flow_speech_token=d["prompt_token"].reshape(-1).to(base.flow_speech_token.dtype),
+                        speech_feat=d["prompt_feat"][0], flow_embedding=d["embedding"].reshape(-1))
+        engine = synth.new_engine(EngineConfig(max_active=2, kv_max_len=1024, max_prefill_tokens=1024))
+        assert getattr(synth.models.flow, "graph", None) is None and synth.models.hift.graph_decode is None
+        req = synth.build_request("你好。", voice, _forced_params(tokens, synth.cfg.llm.stop_token_ids[0], True),
+                                  request_id="stream")
+        chunks, _ = _run(engine, [req])["stream"]
+        assert len(chunks) == len(m["chunks"])
+        for i, c in enumerate(chunks):
+            _check(f"cuda {case} chunk {i}", torch.from_numpy(c.samples), d[f"c{i}_speech"], WAVE_TOL)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
