@@ -208,7 +208,7 @@ def run_batch(opts: BatchOptions, echo=print) -> dict:
 
     from ..engine.request import HIFT_SEED_SALT, SynthesisParams
     from ..engine.token2wav import Token2WavJob
-    from ..engine.token2wav_dit import make_token2wav
+    from ..engine.token2wav import make_token2wav
     from ..models.hift import HiFTStreamState
 
     o = opts

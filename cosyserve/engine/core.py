@@ -57,7 +57,7 @@ import torch
 from ..errors import CosyServeError, InvalidInputError
 from ..models.graphs import within_budgets
 from ..models.hift import DEFAULT_MEL_CACHE_LEN
-from ..models.llm import DecodeState, KVCache
+from ..models.llm import DecodeState, KVCache, SilentTokenFilter
 from ..models.loader import CosyVoice2Models
 from ..models.sampling import UpstreamSampler, ras_sample_device
 from ..models.transfer import to_device
@@ -298,7 +298,7 @@ class EngineCore:
         self.observer = observer or EngineObserver()
         self.lm = models.llm
         self.sample_rate = models.cfg.sample_rate
-        from .token2wav_dit import make_token2wav  # the DiT backend with --token2wav-dir
+        from .token2wav import make_token2wav  # CosyVoice2 / CosyVoice3 / DiT (--token2wav-dir)
 
         self.t2w = make_token2wav(models)
         self._marks = _Marks(self.lm.llm_decoder.weight.is_cuda)
@@ -329,13 +329,17 @@ class EngineCore:
             self.prefill_graphs = GraphedPrefill(self.lm, self.cache, pool=self.decoder.pool,
                                                  max_batch=config.max_active, max_tokens=config.max_prefill_tokens)
             ratio = models.cfg.token_mel_ratio
-            if getattr(models, "dit", None) is not None and models.flow.graph is None:
+            cv3 = getattr(models.cfg, "is_cosyvoice3", False) and getattr(models, "dit", None) is None
+            if cv3:
+                log.info("CosyVoice3: the flow (DiT) and the causal HiFT run eagerly (no CUDA graphs for them yet); "
+                         "the LM uses CUDA graphs")
+            elif getattr(models, "dit", None) is not None and models.flow.graph is None:
                 models.flow.enable_cuda_graphs()  # DiT estimator steps, captured on first use per shape
             elif getattr(models, "dit", None) is None and getattr(models.flow, "graph", None) is None:
                 models.flow.graph = GraphedFlow(models.flow, config.max_t2w_batch, max_tokens=config.kv_max_len,
                                                 max_area=config.max_t2w_tokens,
                                                 max_quad=config.max_t2w_tokens * T2W_ATTENTION_LEN)
-            if models.hift.graph_decode is None and next(models.hift.parameters()).is_cuda:
+            if not cv3 and models.hift.graph_decode is None and next(models.hift.parameters()).is_cuda:
                 # HiFT input per job: the chunk's new frames plus the stream's mel overlap
                 extra = DEFAULT_MEL_CACHE_LEN
                 models.hift.graph_decode = GraphedHiFTDecoder(
@@ -400,6 +404,7 @@ class EngineCore:
                     "KV cache; use a shorter prompt or text", field="input")
         st = RequestState.create(req, self.models.cfg.llm.speech_token_size, self._new_sampler)
         for seg in st.segments:
+            seg.silent = SilentTokenFilter.for_config(self.models.cfg.llm)  # one per segment (upstream llm_job)
             seg.max_len = min(seg.max_len, self.cfg.kv_max_len - self.prefix_len(req, seg.text_ids))
         with self._lock:
             limit = self._limit  # set by the engine thread; an int, read atomically
@@ -826,6 +831,8 @@ class EngineCore:
                 self._lm_finish_segment(st, seg, "stop")
                 continue
             seg.tokens.append(tok)
+            if seg.silent is None or seg.silent.keep(tok):
+                seg.t2w_tokens.append(tok)
             if st.t_first_token is None:
                 st.t_first_token = t_tok
             if len(seg.tokens) >= seg.max_len:
@@ -898,20 +905,20 @@ class EngineCore:
         takes, final)``, without building it; skips segments that generated nothing."""
         while st.out_segment < len(st.segments):
             seg = st.segments[st.out_segment]
-            if seg.lm_done and not seg.tokens:  # nothing was generated: the segment is silent
+            if seg.lm_done and not seg.t2w_tokens:  # nothing was generated: the segment is silent
                 seg.t2w_done = True
                 st.out_segment += 1
                 continue
-            if seg.stream and seg.schedule.ready(len(seg.tokens)):
+            if seg.stream and seg.schedule.ready(len(seg.t2w_tokens)):
                 return seg, seg.schedule.chunk_end(), False
             if seg.lm_done:
-                return seg, len(seg.tokens), True
+                return seg, len(seg.t2w_tokens), True
             return None
         return None
 
     def _make_job(self, st: RequestState, seg: SegmentState, n_tokens: int, final: bool) -> Token2WavJob:
         """The :class:`Token2WavJob` of a chunk found by :meth:`_next_chunk`."""
-        tokens = torch.tensor(seg.tokens[:n_tokens])
+        tokens = torch.tensor(seg.t2w_tokens[:n_tokens])
         if not final:
             return Token2WavJob(st.req.voice, tokens, seg.schedule.token_offset, False, True, seg.hift_state,
                                 st.hift_generator(seg, self.t2w.hift_device))
@@ -1099,7 +1106,7 @@ class EngineCore:
                 continue
             seg.hift_state = res.hift_state
             if job.finalize:
-                n_tok = len(seg.tokens) - job.token_offset
+                n_tok = len(seg.t2w_tokens) - job.token_offset
                 seg.t2w_done = True
                 st.out_segment += 1
                 self._skip_silent_segments(st)
@@ -1123,7 +1130,7 @@ class EngineCore:
     def _skip_silent_segments(self, st: RequestState) -> None:
         while st.out_segment < len(st.segments):
             seg = st.segments[st.out_segment]
-            if seg.lm_done and not seg.tokens:
+            if seg.lm_done and not seg.t2w_tokens:
                 seg.t2w_done = True
                 st.out_segment += 1
             else:

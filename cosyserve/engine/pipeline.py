@@ -19,6 +19,7 @@ import torch
 
 from ..errors import InvalidInputError
 from ..frontend.frontend import DEFAULT_MAX_TEXT_CHARS, Frontend
+from ..frontend.tokenizer import ENDOFPROMPT
 from ..frontend.voice import Voice, VoiceStore
 from ..models.demo import is_demo_model, is_random_weights_dir, random_weights_seed
 from ..models.loader import CosyVoice2Models, build_random, load_models, open_model_dir
@@ -163,8 +164,28 @@ class Synthesizer:
 
     def build_request(self, text: str, voice: Voice, params: SynthesisParams = SynthesisParams(),
                       request_id: str | None = None) -> EngineRequest:
-        """Normalise, split and tokenise ``text`` for ``voice``."""
-        return EngineRequest(request_id or uuid.uuid4().hex, self.frontend.token_ids(text, voice), voice, params)
+        """Normalise, split and tokenise ``text`` for ``voice``.
+
+        CosyVoice3 cross-lingual input (upstream ``inference_cross_lingual``): a ``text`` holding
+        ``<|endofprompt|>`` (``"You are a helpful assistant.<|endofprompt|>Text to speak"``) is
+        spoken with the voice's cross-lingual form (no LM prompt text / prompt speech; the flow keeps
+        the prompt), and the instruction up to ``<|endofprompt|>`` is put before every text segment
+        (upstream without a text normaliser keeps the whole input as one segment; with one, later
+        segments would lack the marker). Raises :class:`InvalidInputError` for bad text, and for a
+        marker in the input of an instruct2 voice (the instruction is already its prompt)."""
+        rid = request_id or uuid.uuid4().hex
+        if self.frontend.requires_endofprompt and ENDOFPROMPT in text:
+            if voice.meta.get("mode") == "instruct2":
+                raise InvalidInputError(f"the input must not hold {ENDOFPROMPT} together with instructions",
+                                        field="input")
+            instr, body = text.split(ENDOFPROMPT, 1)
+            instr += ENDOFPROMPT
+            prefix = torch.tensor(self.frontend.tokenizer.encode(self.frontend.text.prompt(instr)), dtype=torch.long)
+            voice = self.frontend.cross_lingual_voice(voice)
+            segs = [torch.cat([prefix, ids]) for ids in self.frontend.token_ids(body)]
+            self.frontend.check_lm_input(voice, segs)
+            return EngineRequest(rid, segs, voice, params)
+        return EngineRequest(rid, self.frontend.token_ids(text, voice), voice, params)
 
     def synthesize(self, text: str, voice: Voice, params: SynthesisParams = SynthesisParams(),
                    engine: EngineCore | None = None, on_chunk=None) -> SynthesisResult:

@@ -179,6 +179,11 @@ class SegmentState:
     hift_gen: torch.Generator | None = None
     hift_state: HiFTStreamState = field(default_factory=HiFTStreamState)
     emitted_tokens: int = 0
+    #: the tokens token2wav reads: ``tokens`` after upstream ``llm_job``'s silent-token rule
+    #: (``silent``, a :class:`~cosyserve.models.llm.SilentTokenFilter`; every token for CosyVoice2).
+    #: ``tokens`` (LM history, ``max_len``, ``RequestFinished.tokens``) keeps the raw list.
+    t2w_tokens: list[int] = field(default_factory=list)
+    silent: object | None = None
     stop_reason: str | None = None  # "stop" / "length" once the LM has finished
 
 

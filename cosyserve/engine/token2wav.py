@@ -55,6 +55,22 @@ class Token2WavResult:
     hift_state: HiFTStreamState   # state for the next chunk (empty after a final chunk)
 
 
+def make_token2wav(models):
+    """The token2wav backend for ``models`` (:class:`~cosyserve.models.loader.CosyVoice2Models`):
+    the DiT backend when a Step-Audio2 token2wav directory was attached (``models.dit``), the
+    CosyVoice3 backend (:class:`~cosyserve.engine.token2wav_cv3.Cv3Token2WavBackend`) for a
+    CosyVoice3 model, else CosyVoice2's :class:`Token2Wav`."""
+    if getattr(models, "dit", None) is not None:
+        from .token2wav_dit import DitToken2WavBackend
+
+        return DitToken2WavBackend(models.dit)
+    if getattr(models.cfg, "is_cosyvoice3", False):
+        from .token2wav_cv3 import Cv3Token2WavBackend
+
+        return Cv3Token2WavBackend(models.flow, models.hift, models.cfg.token_mel_ratio)
+    return Token2Wav(models.flow, models.hift, models.cfg.token_mel_ratio)
+
+
 class Token2Wav:
     """Batched flow + HiFT over :class:`Token2WavJob`s.
 

@@ -34,9 +34,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from .token2wav import Token2Wav
+
 __all__ = ["CV3StreamSchedule", "CV3StreamState", "CV3ChunkJob", "CV3ChunkTrace", "new_stream", "plan_chunk",
            "after_flow", "after_hift", "speed_mel", "token2wav_step", "CV3BatchItem", "token2wav_batch",
-           "stream_token2wav"]
+           "stream_token2wav", "Cv3T2WState", "Cv3Token2WavBackend"]
 
 
 @dataclass(frozen=True)
@@ -235,3 +237,103 @@ def stream_token2wav(flow, hift, tokens: Tensor, prompt_token: Tensor, prompt_fe
         job = plan_chunk(state, n, llm_done=True, stream=stream)
         trace, state = token2wav_step(flow, hift, state, job, tokens, prompt_token, prompt_feat, embedding, speed)
         yield trace
+
+
+# ---------------------------------------------------------------------------- the engine's backend
+
+
+@dataclass(frozen=True)
+class Cv3T2WState:
+    """A CosyVoice3 stream's token2wav state as it rides in ``Token2WavJob.hift_state`` /
+    ``Token2WavResult.hift_state``: ``stream`` is the :class:`CV3StreamState` (accumulated mel,
+    samples already emitted), None before the first chunk and after the final one. Constructible
+    without arguments (the engine resets a finished segment's state with ``type(state)()``)."""
+
+    stream: CV3StreamState | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.stream is None
+
+
+class Cv3Token2WavBackend(Token2Wav):
+    """The engine's token2wav backend for CosyVoice3 (``make_token2wav`` picks it for a
+    ``cosyvoice3.yaml`` model): same ``launch`` / ``finish`` / ``run`` / ``run_each`` interface as
+    :class:`~cosyserve.engine.token2wav.Token2Wav`, whose batched flow pass it reuses
+    (:class:`~cosyserve.models.cv3_flow.CV3FlowModel` through ``prepare``/``start``/``step``, issued a
+    few Euler steps at a time on a CUDA side stream), with CosyVoice3's HiFT stage instead of
+    CosyVoice2's cache + cross-fade:
+
+    * each job is one ``CosyVoice3Model.token2wav`` call: ``job.tokens`` (``[N]``, all tokens so far
+      incl. the 3 look-ahead tokens of a non-final chunk) through the flow with
+      ``streaming``/``finalize`` as the job says (the engine's chunk schedule, upstream policy, is
+      upstream's ``token_hop_len`` schedule: first hop 25 + prompt pad, doubling up to 100);
+    * :func:`after_flow`: the mel frames from ``token_mel_ratio * job.token_offset`` on are appended
+      to the stream's accumulated mel (:class:`Cv3T2WState` in ``job.hift_state``);
+    * one :meth:`CausalHiFTGenerator.inference_batch` over every job's whole accumulated mel
+      (``finalize`` per job), then :func:`after_hift` cuts the samples already emitted.
+
+    ``speed`` applies to an offline job only (a whole utterance in one call, as upstream); a
+    streamed segment ignores it like upstream's streaming path. Results: speech ``[n]`` float32 on
+    the CPU and the next :class:`Cv3T2WState` (empty after the final chunk). The HiFT noise is fixed
+    at construction, so the jobs' generators are not used. Raises ValueError (per job, through
+    ``run_each``) on a state of another backend or a too short non-final chunk.
+    """
+
+    def __init__(self, flow, hift, token_mel_ratio: int, schedule: CV3StreamSchedule | None = None):
+        super().__init__(flow, hift, token_mel_ratio)
+        pre = int(getattr(getattr(flow, "cfg", None), "pre_lookahead_len", 3))
+        self.schedule = schedule or CV3StreamSchedule(pre_lookahead_len=pre, token_mel_ratio=token_mel_ratio)
+
+    def _state(self, job) -> CV3StreamState:
+        st = job.hift_state
+        if isinstance(st, Cv3T2WState) and st.stream is not None:
+            return st.stream
+        if getattr(st, "empty", False):  # not started (the engine's initial HiFTStreamState())
+            return new_stream(int(job.voice.flow_speech_token.numel()), self.schedule)
+        raise ValueError(f"a CosyVoice3 token2wav job needs a Cv3T2WState, got {type(st).__name__}")
+
+    def _chunk_job(self, job) -> CV3ChunkJob:
+        n = int(job.tokens.numel())
+        hop = 0 if job.finalize else n - self.schedule.pre_lookahead_len - job.token_offset
+        if not job.finalize and hop < 1:
+            raise ValueError(f"a non-final CosyVoice3 chunk needs more than {self.schedule.pre_lookahead_len} "
+                             f"tokens past token_offset {job.token_offset}, got {n}")
+        return CV3ChunkJob(n_tokens=n, token_offset=int(job.token_offset), streaming=bool(job.streaming),
+                           finalize=bool(job.finalize), hop=hop)
+
+    def _issue_hift(self, p) -> None:
+        """After the flow's last step: accumulate each job's new mel frames, one causal HiFT batch
+        over the accumulated mels, cut what was already emitted (on ``p``'s stream; speech copied to
+        pinned host buffers and an event recorded on CUDA)."""
+        jobs, marks, stream = p.jobs, p.marks_src, p.stream
+        mels = p.run.mels()
+        if marks is not None:
+            p.stamps.append(marks.mark(stream))
+        dev = self.hift_device
+        hift_in, states, cjobs = [], [], []
+        for j, mel in zip(jobs, mels):
+            st, cj = self._state(j), self._chunk_job(j)
+            m, st = after_flow(st, cj, mel.to(dev, torch.float32))
+            if j.speed != 1.0 and cj.finalize and cj.token_offset == 0 and st.speech_offset == 0:
+                m = speed_mel(m, cj, j.speed)
+            hift_in.append(m)
+            states.append(st)
+            cjobs.append(cj)
+        raws, _ = self.hift.inference_batch(hift_in, [cj.finalize for cj in cjobs])
+        speech, new_states = [], []
+        for st, cj, raw in zip(states, cjobs, raws):
+            out, st = after_hift(st, cj, raw)
+            speech.append(out[0].float())
+            new_states.append(Cv3T2WState() if st.finished else Cv3T2WState(st))
+        if marks is not None:
+            p.stamps.append(marks.mark(stream))
+        if stream is not None:
+            host = [torch.empty(s.shape, dtype=torch.float32, pin_memory=True) for s in speech]
+            for h, s in zip(host, speech):
+                h.copy_(s, non_blocking=True)
+            p.event = torch.cuda.Event()
+            p.event.record(stream)
+            speech = host
+        p.speech, p.states = speech, new_states
+        p.keep = (mels, hift_in)

@@ -41,16 +41,7 @@ import torch.nn.functional as F
 from ..models.dit_flow import DitItem, trim_state
 from ..models.dit_token2wav import DitT2WStreamState, DitToken2Wav
 from ..models.hift import HiFTStreamState, hift_stream_step_batch
-from .token2wav import Token2Wav, Token2WavJob, Token2WavResult
-
-
-def make_token2wav(models):
-    """The token2wav backend for ``models`` (:class:`~cosyserve.models.loader.CosyVoice2Models`): the DiT
-    backend when a token2wav directory was loaded (``models.dit``), else the CosyVoice2 one."""
-    dit = getattr(models, "dit", None)
-    if dit is not None:
-        return DitToken2WavBackend(dit)
-    return Token2Wav(models.flow, models.hift, models.cfg.token_mel_ratio)
+from .token2wav import Token2WavJob, Token2WavResult, make_token2wav  # noqa: F401  (re-exported)
 
 
 def _stream_state(state) -> DitT2WStreamState:

@@ -455,9 +455,8 @@ class CosyVoice2Config:
 
     ``model_family`` is ``"cosyvoice2"`` or ``"cosyvoice3"`` (:data:`MODEL_FAMILIES`). For
     CosyVoice2 ``flow`` is a :class:`FlowConfig` and ``hift`` a :class:`HiFTConfig`; for
-    CosyVoice3 they are what ``cosyserve.models.cv3_flow.parse_cv3_flow`` and
-    ``parse_causal_hift`` return, or ``None`` where this build has no such parser (then only
-    the LM and the frontend can be built: :func:`cosyserve.models.loader.load_models` says so).
+    CosyVoice3 they are what :func:`cosyserve.models.cv3_flow.parse_cv3_flow` (a ``CV3FlowConfig``)
+    and :func:`cosyserve.models.hift.parse_causal_hift` (a ``HiFTConfig`` with ``causal=True``) return.
     """
 
     sample_rate: int
@@ -752,28 +751,15 @@ def detect_family(data: dict, yaml_name: str | None = None) -> str:
 
 def _parse_cv3_token2wav(data: dict) -> tuple[Any, Any]:
     """CosyVoice3's ``flow`` (``CausalMaskedDiffWithDiT``) and ``hift`` (``CausalHiFTGenerator``):
-    class names checked here, dimensions by ``parse_cv3_flow`` (``cosyserve.models.cv3_flow``)
-    and ``parse_causal_hift`` (``cosyserve.models.hift`` or this module); ``None`` for a part
-    whose parser this build lacks."""
+    class names checked here, dimensions by :func:`cosyserve.models.cv3_flow.parse_cv3_flow` and
+    :func:`cosyserve.models.hift.parse_causal_hift`. Raises :class:`ConfigError`."""
+    from .cv3_flow import parse_cv3_flow  # imported here: both modules import this one
+    from .hift import parse_causal_hift
+
     fam = MODEL_FAMILIES["cosyvoice3"]
     _expect(data.get("flow"), "flow", fam["flow"], "CosyVoice3")
     _expect(data.get("hift"), "hift", fam["hift"], "CosyVoice3")
-    flow_cfg = hift_cfg = None
-    try:
-        from .cv3_flow import parse_cv3_flow
-    except ImportError:
-        parse_cv3_flow = None
-    parse_hift = globals().get("parse_causal_hift")
-    if parse_hift is None:
-        try:
-            from .hift import parse_causal_hift as parse_hift
-        except ImportError:
-            parse_hift = None
-    if parse_cv3_flow is not None:
-        flow_cfg = parse_cv3_flow(data)
-    if parse_hift is not None:
-        hift_cfg = parse_hift(data)
-    return flow_cfg, hift_cfg
+    return parse_cv3_flow(data), parse_causal_hift(data)
 
 
 def _raw_kwargs(data: dict, key: str) -> dict:

@@ -146,32 +146,24 @@ class CosyVoice2Models:
     dit: "object | None" = None
 
 
-def _require_part(cfg: CosyVoice2Config, part: str) -> None:
-    if getattr(cfg, part) is None:
-        raise ModelDirError(f"this build of cosyserve cannot build the CosyVoice3 {part} "
-                            f"({'CausalMaskedDiffWithDiT' if part == 'flow' else 'CausalHiFTGenerator'}); "
-                            "load the LM / frontend only (components=('llm',))")
-
-
 def _flow_cls(cfg: CosyVoice2Config):
-    """The flow module class of ``cfg``'s family (CosyVoice3: ``cosyserve.models.cv3_flow``)."""
+    """The flow module class of ``cfg``'s family: :class:`~cosyserve.models.cv3_flow.CV3FlowModel`
+    (CosyVoice3, ``CausalMaskedDiffWithDiT``) or :class:`~cosyserve.models.flow.FlowModel`."""
     if cfg.is_cosyvoice3:
-        _require_part(cfg, "flow")
-        from . import cv3_flow
+        from .cv3_flow import CV3FlowModel
 
-        return cv3_flow.CV3FlowModel
+        return CV3FlowModel
     from .flow import FlowModel
 
     return FlowModel
 
 
 def _hift_cls(cfg: CosyVoice2Config):
-    """The vocoder class (one HiFT family: the causal CosyVoice3 variant is configured by ``cfg.hift``)."""
-    if cfg.is_cosyvoice3:
-        _require_part(cfg, "hift")
-    from .hift import HiFTGenerator
+    """The vocoder class of ``cfg``'s family: :class:`~cosyserve.models.hift.CausalHiFTGenerator`
+    (CosyVoice3) or :class:`~cosyserve.models.hift.HiFTGenerator`."""
+    from .hift import CausalHiFTGenerator, HiFTGenerator
 
-    return HiFTGenerator
+    return CausalHiFTGenerator if cfg.is_cosyvoice3 else HiFTGenerator
 
 
 def load_llm(md: ModelDir, cfg: CosyVoice2Config, device="cpu", dtype=torch.float32) -> SpeechLM:

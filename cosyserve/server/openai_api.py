@@ -6,7 +6,10 @@
   ``opus``; default ``mp3`` as OpenAI), ``speed`` (0.25-4), ``stream_format`` (``audio``:
   chunked bytes as they are generated; ``sse``: ``speech.audio.delta`` events with base64
   audio, then ``speech.audio.done``). cosyserve extensions: ``seed`` (int) and ``stream``
-  (false = synthesize each sentence offline before sending it; default true).
+  (false = synthesize each sentence offline before sending it; default true). ``instructions``:
+  CosyVoice3 models only (400 otherwise): upstream ``inference_instruct2``, the instruction
+  (ending in ``<|endofprompt|>``, e.g. ``"You are a helpful assistant. 请用广东话表达。<|endofprompt|>"``)
+  replaces the voice's LM prompt; the flow keeps the voice's prompt.
 * ``GET /v1/models``.
 * ``POST /v1/audio/voices`` (multipart ``audio_sample``, ``name``, ``ref_text``),
   ``GET /v1/audio/voices``, ``GET/DELETE /v1/audio/voices/{name}`` — the de-facto voice
@@ -81,11 +84,14 @@ async def create_speech(body: SpeechRequest, request: Request):
     if body.response_format not in FORMATS:
         raise InvalidInputError(f"response_format {body.response_format!r} is not supported; choose one of "
                                 f"{', '.join(FORMATS)}", field="response_format")
-    if body.instructions:
+    cv3 = st.synth.frontend.requires_endofprompt
+    if body.instructions and not cv3:
         raise InvalidInputError("'instructions' are not supported by this model; put the style in the voice prompt",
                                 field="instructions")
     voice_id = body.voice.id if isinstance(body.voice, VoiceRef) else body.voice
     voice = st.get_voice(voice_id, "voice")
+    if body.instructions:  # CosyVoice3: upstream inference_instruct2 (LM prompt = the instruction)
+        voice = st.synth.frontend.instruct2_voice(voice, body.instructions)
     params = st.params(seed=body.seed, stream=body.stream, speed=body.speed)
     req = await st.build_request(body.input, voice, params)
     chunks = st.stream("openai", req).__aiter__()
