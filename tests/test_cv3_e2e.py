@@ -18,7 +18,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from _reference import PARITY_TOL, WAVE_TOL, rel_l2
+from _reference import DEVICE_WAVE_TOL, PARITY_TOL, WAVE_TOL, rel_l2
 from _reference_cv3 import discover, meta, model_dir, require_cv3_dir, set_file, tensors
 
 from cosyserve.engine.core import EngineConfig, EngineCore
@@ -364,6 +364,6 @@ def test_gpu_engine_runs_cv3_eagerly_with_cuda_graphs_on(case):
         chunks, _ = _run(engine, [req])["stream"]
         assert len(chunks) == len(m["chunks"])
         for i, c in enumerate(chunks):
-            _check(f"cuda {case} chunk {i}", torch.from_numpy(c.samples), d[f"c{i}_speech"], WAVE_TOL)
+            _check(f"cuda {case} chunk {i}", torch.from_numpy(c.samples), d[f"c{i}_speech"], DEVICE_WAVE_TOL)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old

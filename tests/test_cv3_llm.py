@@ -380,13 +380,12 @@ def test_engine_cv3_lm_on_cuda_graphs_and_device_sampling(md, cfg):
     from cosyserve.engine.core import EngineConfig, EngineCore
     from cosyserve.engine.request import EngineRequest, RequestFinished, SynthesisParams
     from cosyserve.frontend.voice import Voice
-    from cosyserve.models.loader import CosyVoice2Models
+    from cosyserve.models.loader import load_models
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     cases = TEACHER_CASES + SEEDED_CASES
-    lm = load_llm(md, cfg, device="cuda")
-    models = CosyVoice2Models(cfg, lm, torch.nn.Identity(), torch.nn.Identity())
+    models = load_models(md.root, device="cuda")  # the real tiny flow / HiFT: the engine sets up their graphs
     for device_sampling in (True, False):
         core = EngineCore(models, EngineConfig(max_active=4, device_sampling=device_sampling))
         bounds = {}
