@@ -376,7 +376,8 @@ def test_engine_lm_only_requests_reproduce_upstream_tokens(md, cfg):
 def test_engine_cv3_lm_on_cuda_graphs_and_device_sampling(md, cfg):
     """On CUDA the CV3 LM runs through the graphed decoder / prefill with device sampling and the
     pipelined decode: tokens are speech tokens, segments stop on a CV3 stop id or the length bound,
-    and the min_len / max_len bounds hold, with device sampling and with host sampling."""
+    and the max_len bound holds (min_len masks only the sos id, as upstream), with device sampling
+    and with host sampling."""
     from cosyserve.engine.core import EngineConfig, EngineCore
     from cosyserve.engine.request import EngineRequest, RequestFinished, SynthesisParams
     from cosyserve.frontend.voice import Voice
@@ -404,8 +405,11 @@ def test_engine_cv3_lm_on_cuda_graphs_and_device_sampling(md, cfg):
         for c, (lo, hi) in bounds.items():
             toks, reason = done[c].tokens[0], done[c].stop_reasons[0]
             assert done[c].error is None and all(0 <= t < cfg.llm.speech_token_size for t in toks)
-            assert lo <= len(toks) <= hi and reason in ("stop", "length")
+            # upstream's CV3 min_len mask covers only id 6561 (the sos id), so another stop id
+            # (6562..6760) may end a segment before min_len: only the upper bound is guaranteed
+            assert len(toks) <= hi and reason in ("stop", "length")
             assert (reason == "length") == (len(toks) == hi)
+            assert len(toks) >= lo or reason == "stop"
         core.close()
 
 
