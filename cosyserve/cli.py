@@ -343,14 +343,20 @@ def _resolve_random_weights(args) -> bool:
 
 
 def _builtin_default_voice(model_dir: str, voices_dir: str) -> None:
-    """Register the shipped prompt as voice ``default`` (demo / random-weight models)."""
+    """Register the shipped prompt as voice ``default`` (demo / random-weight models; for CosyVoice3
+    its transcript gets upstream's default instruction, which CosyVoice3 prompt texts need)."""
     from .frontend.frontend import Frontend
+    from .frontend.tokenizer import DEFAULT_INSTRUCTION
     from .frontend.voice import VoiceStore
     from .models.demo import shipped_prompt
 
     store = VoiceStore(voices_dir)
     if "default" not in store:
-        store.add(Frontend(model_dir).make_voice("default", *shipped_prompt()))
+        fe = Frontend(model_dir)
+        wav, transcript = shipped_prompt()
+        if fe.requires_endofprompt:
+            transcript = DEFAULT_INSTRUCTION + transcript
+        store.add(fe.make_voice("default", wav, transcript))
 
 
 _SAMPLING = {"auto": None, "host": False, "device": True}  # --sampling -> EngineConfig.device_sampling

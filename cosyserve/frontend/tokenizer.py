@@ -83,6 +83,8 @@ COSYVOICE3_SPECIAL_TOKENS: tuple[str, ...] = COSYVOICE2_SPECIAL_TOKENS + ("<|end
 SPECIAL_TOKENS = {"cosyvoice2": COSYVOICE2_SPECIAL_TOKENS, "cosyvoice3": COSYVOICE3_SPECIAL_TOKENS}
 #: separates the instruction / prompt transcript from the text (CosyVoice3 requires it in its input)
 ENDOFPROMPT = "<|endofprompt|>"
+#: the instruction upstream's CosyVoice3 examples put before a zero-shot transcript
+DEFAULT_INSTRUCTION = "You are a helpful assistant." + ENDOFPROMPT
 
 
 def _check_files(folder: Path) -> None:

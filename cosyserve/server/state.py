@@ -31,6 +31,7 @@ from ..engine.pipeline import DTYPES, Synthesizer
 from ..engine.request import AudioChunk, EngineRequest, Outcome, RequestFinished, SynthesisParams
 from ..errors import CosyServeError, InvalidInputError, VoiceNotFoundError
 from ..frontend.prompt_batch import PromptBatcher
+from ..frontend.tokenizer import DEFAULT_INSTRUCTION
 from ..frontend.voice import Voice, VoiceStore
 from .metrics import Metrics
 
@@ -243,8 +244,7 @@ class ServerState:
         wav = torch.zeros(1, 24000 * 2)
         wav[0, ::40] = 0.2
         # CosyVoice3 prompt texts carry an instruction ending in <|endofprompt|>
-        transcript = "You are a helpful assistant.<|endofprompt|>你好。" if self.synth.frontend.requires_endofprompt \
-            else "你好。"
+        transcript = (DEFAULT_INSTRUCTION if self.synth.frontend.requires_endofprompt else "") + "你好。"
         voice = await asyncio.to_thread(self.synth.make_voice, "warmup", (wav, 24000), transcript)
         for stream in (True, False):
             req = self.synth.build_request("你好，世界。Hello.", voice, SynthesisParams(

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# CosyVoice3 on one GPU (issue 20): `serve --random-weights benchmarks/configs/cosyvoice3-0.5b.yaml` (the CV3-0.5B
+# architecture, random weights, ratio pinned), streaming at LEVELS clients (>= 3 requests each) with the voice `default`
+# (the shipped prompt behind upstream's default instruction), then offline at OFFLINE clients.
+# Usage: benchmarks/cv3_bench.sh OUT   (env: LEVELS 1,4,8, OFFLINE 32, RATIO 6, DTYPE bfloat16, SERVE_ARGS). Needs .whl.
+set -u
+cd "$(dirname "$0")/.."
+OUTDIR=${1:-bench_cv3_out}; LEVELS=${LEVELS:-1,4,8}; OFFLINE=${OFFLINE:-32}; RATIO=${RATIO:-6}; DTYPE=${DTYPE:-bfloat16}
+mkdir -p "$OUTDIR"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/cosyserve-site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/cosyserve-site:$PWD PYTHONUNBUFFERED=1 COSYSERVE_CACHE_DIR=/tmp/cosyserve-cache
+CS="python3 -m cosyserve.cli"
+t0=$(date +%s)
+$CS serve --random-weights benchmarks/configs/cosyvoice3-0.5b.yaml --qwen-config benchmarks/configs/CosyVoice-BlankEN-config.json \
+  --device cuda --dtype "$DTYPE" --min-token-text-ratio "$RATIO" --max-token-text-ratio "$RATIO" --max-active-streams 64 \
+  --max-queue 256 --voices-dir /tmp/cosyserve-voices-cv3 --port 8000 --grpc-port 8001 ${SERVE_ARGS:-} >"$OUTDIR/server.log" 2>&1 &
+SERVER=$!; trap 'kill $SERVER 2>/dev/null' EXIT
+until python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/v2/health/ready', timeout=2).status_code != 200)" 2>/dev/null; do
+  kill -0 $SERVER 2>/dev/null || { echo "server exited"; tail -30 "$OUTDIR/server.log"; exit 1; }; sleep 1; done
+echo "== CosyVoice3 server ready in $(( $(date +%s) - t0 )) s ($(nvidia-smi --query-gpu=name --format=csv,noheader))"
+URL=(--url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default)
+$CS bench "${URL[@]}" --concurrency "$LEVELS" --warmup 2 --out "$OUTDIR/streaming" 2>&1 | grep -v "^$" | head -12
+$CS bench "${URL[@]}" --mode offline --concurrency "$OFFLINE" --requests-per-level $((OFFLINE * 3)) --warmup 0 \
+  --out "$OUTDIR/offline" 2>&1 | grep -v "^$" | head -12
