@@ -341,6 +341,22 @@ def test_demo_model_cosyvoice3_serves(tmp_path, capsys):
         s.stop()
 
 
+def test_default_voice_of_a_cosyvoice3_benchmark_model_has_the_instruction(tmp_path, capsys):
+    """The voice ``default`` that demo / random-weight servers register from the shipped prompt puts
+    upstream's default instruction before the transcript for CosyVoice3 (whose prompt texts need
+    ``<|endofprompt|>``; without it the voice could not even be made)."""
+    from cosyserve.cli import _builtin_default_voice
+    from cosyserve.frontend.tokenizer import DEFAULT_INSTRUCTION
+    from cosyserve.frontend.voice import VoiceStore
+    from cosyserve.models.demo import shipped_prompt
+
+    demo = tmp_path / "demo3"
+    assert _cli(capsys, "demo-model", demo, "--cosyvoice3")[0] == 0
+    _builtin_default_voice(str(demo), str(tmp_path / "voices"))
+    voice = VoiceStore(tmp_path / "voices").get("default")
+    assert voice.prompt_text == DEFAULT_INSTRUCTION + shipped_prompt()[1]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", STREAM_CASES or [pytest.param(None, marks=pytest.mark.skip("no CosyVoice3 stream case"))])
 def test_gpu_engine_runs_cv3_eagerly_with_cuda_graphs_on(case):
