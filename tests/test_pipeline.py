@@ -544,6 +544,8 @@ def test_admission_abort_and_timeout(syn, voice):
     a = syn.build_request("这是一个比较长的句子，用来测试。", voice, long, "a")
     b = syn.build_request("第二个请求。", voice, long, "b")
     engine.add_request(a)
+    with pytest.raises(InvalidInputError, match="already in progress"):  # would take over a's state
+        engine.add_request(syn.build_request("同一个编号。", voice, long, "a"))
     engine.add_request(b)
     with pytest.raises(QueueFullError, match="busy"):
         engine.add_request(syn.build_request("第三个。", voice, long, "c"))
@@ -559,6 +561,9 @@ def test_admission_abort_and_timeout(syn, voice):
     engine.abort("b")
     engine.step()
     assert engine.kv_slots_used == 0 and not engine.has_work()
+    engine.add_request(syn.build_request("编号可以再用。", voice, long, "a"))  # a finished: its id is free again
+    engine.abort("a")
+    engine.step()
     t = syn.build_request("超时测试。", voice, SynthesisParams(seed=1, timeout_s=1e-6, max_token_text_ratio=20), "t")
     evs = list(engine.run_to_completion(t))
     assert evs[-1].outcome is Outcome.TIMEOUT and isinstance(evs[-1].error, TimeoutError)

@@ -109,12 +109,8 @@ class AsyncEngine:
         if self._loop is None:
             raise RuntimeError("AsyncEngine.start() was not called")
         q: asyncio.Queue = asyncio.Queue()
+        self.core.add_request(req)  # raises before the queue of a request with the same id is touched
         self._queues[req.request_id] = q
-        try:
-            self.core.add_request(req)
-        except BaseException:
-            self._queues.pop(req.request_id, None)
-            raise
         self._wake()
         return q
 

@@ -372,6 +372,7 @@ class EngineCore:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._n_requests = 0  # waiting + active + not yet processed adds
+        self._ids: set[str] = set()  # their request ids (an id may be in progress only once)
         self.stats = EngineStats()
         # admission control (module doc, step 2): the policy, the capacity model (always fed,
         # so the estimate is reported in every mode) and the limit in effect
@@ -395,7 +396,8 @@ class EngineCore:
 
     def add_request(self, req: EngineRequest) -> RequestState:
         """Queue a request (thread-safe). Raises :class:`QueueFullError` when the engine is
-        full and :class:`InvalidInputError` when a segment cannot fit the KV cache."""
+        full and :class:`InvalidInputError` when a segment cannot fit the KV cache or a request
+        with the same id is still in progress (it would take over that request's state)."""
         for i, ids in enumerate(req.segments):
             room = self.cfg.kv_max_len - self.prefix_len(req, ids)
             if room < max(1, req.params.token_bounds(int(ids.numel()))[0]) + 1:
@@ -407,12 +409,15 @@ class EngineCore:
             seg.silent = SilentTokenFilter.for_config(self.models.cfg.llm)  # one per segment (upstream llm_job)
             seg.max_len = min(seg.max_len, self.cfg.kv_max_len - self.prefix_len(req, seg.text_ids))
         with self._lock:
+            if req.request_id in self._ids:
+                raise InvalidInputError(f"request id {req.request_id!r} is already in progress", field="id")
             limit = self._limit  # set by the engine thread; an int, read atomically
             if self._n_requests >= limit + self.cfg.max_queue:
                 raise QueueFullError(
                     f"server busy: {self._n_requests} requests in progress or queued "
                     f"(admitting {limit} at once, max_queue={self.cfg.max_queue})")
             self._n_requests += 1
+            self._ids.add(req.request_id)
         self._inbox.put(("add", st))
         return st
 
@@ -620,6 +625,7 @@ class EngineCore:
         self._waiting.pop(st.request_id, None)
         with self._lock:
             self._n_requests -= 1
+            self._ids.discard(st.request_id)
         now = time.monotonic()
         ev = RequestFinished(
             request_id=st.request_id, outcome=outcome, error=error,
