@@ -1,7 +1,7 @@
 """CosyVoice3 flow (DiT), causal HiFT and token2wav streaming against the upstream golden data.
 
 Cases are discovered from the sidecars under the CosyVoice3 reference directory
-(:mod:`_reference_cv3_t2w`) by kind and by the tensors / fields they hold; tolerances are 1e-4
+(:mod:`_reference_cv3`) by kind and by the tensors / fields they hold; tolerances are 1e-4
 relative L2 in float32 (bit-exactness is printed, never required).
 """
 
@@ -21,7 +21,7 @@ from cosyserve.engine.token2wav_cv3 import (CV3BatchItem, CV3StreamSchedule, aft
                                             plan_chunk, stream_token2wav, token2wav_batch)
 
 from _reference import DEVICE_WAVE_TOL, PARITY_TOL, rel_l2
-from _reference_cv3_t2w import discover, manifests_dir, meta, model_dir, require_cv3, tensors
+from _reference_cv3 import discover, manifests_dir, meta, model_dir, require_cv3_dir, tensors
 
 TOL = 1e-4
 
@@ -57,7 +57,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def yaml_data():
-    require_cv3()
+    require_cv3_dir()
     return load_hyperpyyaml(model_dir() / "cosyvoice3.yaml")
 
 
