@@ -654,13 +654,14 @@ def _parse_cv2_flow(data: dict, token_mel_ratio: int) -> FlowConfig:
     return flow_cfg
 
 
-def _parse_cv2_hift(data: dict, sample_rate: int, token_frame_rate: int, token_mel_ratio: int) -> HiFTConfig:
-    """The CosyVoice2 ``hift`` section (``HiFTGenerator`` + ``ConvRNNF0Predictor``)."""
-    hift = _expect(data.get("hift"), "hift", "HiFTGenerator").kwargs()
+def _hift_kwargs(hift: dict, f0: dict) -> dict[str, Any]:
+    """The :class:`HiFTConfig` fields both HiFT generators read the same way: ``hift`` the kwargs
+    of the ``hift`` section (``HiFTGenerator`` for CosyVoice2, ``CausalHiFTGenerator`` for
+    CosyVoice3), ``f0`` those of its ``f0_predictor``. Defaults are upstream's constructor defaults.
+    Raises :class:`ConfigError` naming a missing or malformed key."""
     w = "hift"
-    f0 = _expect(hift.get("f0_predictor"), "hift.f0_predictor", "ConvRNNF0Predictor").kwargs()
     istft = _get(hift, "istft_params", w, {"n_fft": 16, "hop_len": 4})
-    hift_cfg = HiFTConfig(
+    return dict(
         in_channels=_get(hift, "in_channels", w, 80, int),
         base_channels=_get(hift, "base_channels", w, 512, int),
         nb_harmonics=_get(hift, "nb_harmonics", w, 8, int),
@@ -684,6 +685,13 @@ def _parse_cv2_hift(data: dict, sample_rate: int, token_frame_rate: int, token_m
         f0_in_channels=_get(f0, "in_channels", "hift.f0_predictor", 80, int),
         f0_cond_channels=_get(f0, "cond_channels", "hift.f0_predictor", 512, int),
     )
+
+
+def _parse_cv2_hift(data: dict, sample_rate: int, token_frame_rate: int, token_mel_ratio: int) -> HiFTConfig:
+    """The CosyVoice2 ``hift`` section (``HiFTGenerator`` + ``ConvRNNF0Predictor``)."""
+    hift = _expect(data.get("hift"), "hift", "HiFTGenerator").kwargs()
+    f0 = _expect(hift.get("f0_predictor"), "hift.f0_predictor", "ConvRNNF0Predictor").kwargs()
+    hift_cfg = HiFTConfig(**_hift_kwargs(hift, f0))
     _require(
         hift_cfg.sampling_rate != 22050,
         "hift.sampling_rate 22050 is the CosyVoice1 vocoder (SineGen v1); cosyserve implements CosyVoice2 (24 kHz)",
