@@ -1,4 +1,5 @@
-"""Discovery of the CosyVoice3 golden reference data.
+"""Discovery of the CosyVoice3 golden reference data (for every CosyVoice3 test family: frontend,
+LLM, flow / HiFT / token2wav, end to end).
 
 The CosyVoice3 set is a directory holding ``tiny_cosyvoice3/`` (or the model directory named by
 ``cases/index.json``), ``cases/`` and ``manifests/``. It is found, in order, at
@@ -138,6 +139,16 @@ def manifest(component: str) -> dict:
 
 def manifest_shapes(component: str) -> dict[str, list[int]]:
     return {e["key"]: list(e["shape"]) for e in manifest(component)["tensors"]}
+
+
+def manifests_dir() -> Path:
+    """The set's ``manifests/`` folder (full-size yaml, state-dict manifests); skips when absent."""
+    import pytest
+
+    p = require_cv3_dir() / "manifests"
+    if not p.is_dir():
+        pytest.skip("the CosyVoice3 reference directory has no manifests/")
+    return p
 
 
 def full_size_config(tmp_path: Path):

@@ -18,7 +18,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from _reference import DEVICE_WAVE_TOL, PARITY_TOL, WAVE_TOL, rel_l2
+from _reference import DEVICE_WAVE_TOL, PARITY_TOL, WAVE_TOL, check_close
 from _reference_cv3 import discover, meta, model_dir, require_cv3_dir, set_file, tensors
 
 from cosyserve.engine.core import EngineConfig, EngineCore
@@ -33,12 +33,11 @@ STREAM_CASES = discover("stream", has=("source_speech_token", "prompt_token", "p
 
 
 def _check(what: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    """:func:`check_close` after viewing ``got`` in the reference's shape when the sizes agree (the
+    engine's audio is 1-D, the reference's ``[1, T]``)."""
     if got.numel() == want.numel():
         got = got.reshape(want.shape)
-    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
-    err = rel_l2(got, want)
-    print(f"[cv3 e2e] {what}: rel_l2={err:.3e}{' (bit-exact)' if torch.equal(got.float(), want.float()) else ''}")
-    assert err <= tol, f"{what}: rel_l2 {err:.3e} > {tol}"
+    check_close(got, want, what, tol)
 
 
 @pytest.fixture

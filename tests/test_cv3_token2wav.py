@@ -1,7 +1,7 @@
 """CosyVoice3 flow (DiT), causal HiFT and token2wav streaming against the upstream golden data.
 
 Cases are discovered from the sidecars under the CosyVoice3 reference directory
-(:mod:`_reference_cv3_t2w`) by kind and by the tensors / fields they hold; tolerances are 1e-4
+(:mod:`_reference_cv3`) by kind and by the tensors / fields they hold; tolerances are 1e-4
 relative L2 in float32 (bit-exactness is printed, never required).
 """
 
@@ -20,10 +20,8 @@ from dataclasses import replace
 from cosyserve.engine.token2wav_cv3 import (CV3BatchItem, CV3StreamSchedule, after_flow, after_hift, new_stream,
                                             plan_chunk, stream_token2wav, token2wav_batch)
 
-from _reference import DEVICE_WAVE_TOL, PARITY_TOL, rel_l2
-from _reference_cv3_t2w import discover, manifests_dir, meta, model_dir, require_cv3, tensors
-
-TOL = 1e-4
+from _reference import DEVICE_WAVE_TOL, PARITY_TOL, check_close, rel_l2
+from _reference_cv3 import discover, manifests_dir, meta, model_dir, require_cv3_dir, tensors
 
 FLOW_CASES = discover("flow", has=("token", "prompt_token", "prompt_feat", "embedding", "mu", "spks", "cond",
                                    "est0_x_in", "est0_out", "mel"))
@@ -40,13 +38,6 @@ def _report(what: str, err: float, exact: bool | None = None) -> None:
     print(f"[cv3] {what}: rel_l2={err:.3e}{extra}")
 
 
-def _check(what: str, got: torch.Tensor, want: torch.Tensor, tol: float = TOL) -> None:
-    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
-    err = rel_l2(got, want)
-    _report(what, err, torch.equal(got.to(want.dtype), want))
-    assert err <= tol, f"{what}: rel_l2 {err:.3e} > {tol}"
-
-
 @pytest.fixture
 def one_thread():
     n = torch.get_num_threads()
@@ -57,7 +48,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def yaml_data():
-    require_cv3()
+    require_cv3_dir()
     return load_hyperpyyaml(model_dir() / "cosyvoice3.yaml")
 
 
@@ -81,9 +72,9 @@ def test_flow_offline(flow, case, one_thread):
     t, md = tensors(case), meta(case)
     streaming, finalize = bool(md.get("streaming", False)), bool(md.get("finalize", True))
     c = flow.condition([t["token"]], [t["prompt_token"]], [t["prompt_feat"]], t["embedding"], streaming, finalize)
-    _check(f"{case} mu", c.mu, t["mu"])
-    _check(f"{case} spks", c.spks, t["spks"])
-    _check(f"{case} cond", c.cond, t["cond"])
+    check_close(c.mu, t["mu"], f"{case} mu")
+    check_close(c.spks, t["spks"], f"{case} spks")
+    check_close(c.cond, t["cond"], f"{case} cond")
     # first Euler step: the CFG batch (row 0 conditional, row 1 with mu/spks/cond zeroed) at t_span[0]
     x = t["est0_x_in"]
     frames = x.shape[-1]
@@ -93,9 +84,9 @@ def test_flow_offline(flow, case, one_thread):
         v = flow.decoder.estimator(x, torch.ones(2, 1, frames), torch.cat([t["mu"], z(t["mu"])]), t0.expand(2),
                                    torch.cat([t["spks"], z(t["spks"])]), torch.cat([t["cond"], z(t["cond"])]),
                                    streaming=streaming)
-    _check(f"{case} est0_out", v, t["est0_out"])
+    check_close(v, t["est0_out"], f"{case} est0_out")
     mel = flow.inference(t["token"], t["prompt_token"], t["prompt_feat"], t["embedding"], streaming, finalize)
-    _check(f"{case} mel", mel, t["mel"])
+    check_close(mel, t["mel"], f"{case} mel")
 
 
 @pytest.mark.parametrize("case", CFM_NOISE_CASES)
@@ -123,7 +114,7 @@ def test_flow_batch_equals_single(flow, one_thread):
     batch = flow.inference_batch([i[0] for i in items], [i[1] for i in items], [i[2] for i in items],
                                  torch.cat([i[3] for i in items]), [i[4] for i in items], [i[5] for i in items])
     for k, (a, b) in enumerate(zip(batch, single)):
-        _check(f"batch item {k} (streaming={items[k][4]}, finalize={items[k][5]})", a, b, tol=1e-5)
+        check_close(a, b, f"batch item {k} (streaming={items[k][4]}, finalize={items[k][5]})", 1e-5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,13 +127,13 @@ def test_hift_offline(hift, case, one_thread):
     t = tensors(case)
     finalize = bool(meta(case).get("finalize", True))
     f0 = hift.predict_f0(t["mel"].to(t["f0"].dtype), finalize)  # F0 in the reference's dtype (float64)
-    _check(f"{case} f0", f0, t["f0"])
+    check_close(f0, t["f0"], f"{case} f0")
     speech, source = hift.inference(t["mel"], finalize)
-    _check(f"{case} source", source, t["source"])
-    _check(f"{case} speech", speech, t["speech"])
+    check_close(source, t["source"], f"{case} source")
+    check_close(speech, t["speech"], f"{case} speech")
     # decode alone from the reference excitation (well conditioned)
     with torch.inference_mode():
-        _check(f"{case} decode(ref source)", hift.decode(t["mel"], t["source"], finalize=finalize), t["speech"])
+        check_close(hift.decode(t["mel"], t["source"], finalize=finalize), t["speech"], f"{case} decode(ref source)")
 
 
 @pytest.mark.parametrize("case", HIFT_STREAM_CASES)
@@ -154,7 +145,7 @@ def test_hift_streaming(hift, case, one_thread):
         raw, _ = hift.inference(t["mel"][:, :, :call["mel_frames_in"]], bool(call["finalize"]))
         assert raw.shape[1] == call["raw_samples"]
         assert offset == call["speech_offset_before"]
-        _check(f"{case} call {i} raw speech", raw, t[f"c{i}_raw_speech"])
+        check_close(raw, t[f"c{i}_raw_speech"], f"{case} call {i} raw speech")
         yielded = raw[:, offset:]
         assert yielded.shape[1] == call["yielded_samples"]
         offset += yielded.shape[1]
@@ -171,7 +162,7 @@ def test_hift_batch_equals_single(hift, one_thread):
     for k, ((m, f), a, s) in enumerate(zip(items, speeches, sources)):
         b, bs = hift.inference(m, f)
         assert torch.equal(s, bs)  # F0 and excitation run item by item
-        _check(f"hift batch item {k} ({m.shape[-1]} frames, finalize={f})", a, b, tol=1e-5)
+        check_close(a, b, f"hift batch item {k} ({m.shape[-1]} frames, finalize={f})", 1e-5)
 
 
 @pytest.mark.parametrize("case", HIFT_NOISE_CASES)
@@ -223,9 +214,9 @@ def test_stream_token2wav(flow, hift, case, one_thread):
         assert tr.job.n_tokens == ch["n_tokens"] and tr.job.token_offset == ch["token_offset"]
         assert tr.job.streaming == ch["flow_streaming"] and tr.job.finalize == ch["flow_finalize"]
         assert offset == ch["speech_offset_before"]
-        _check(f"{case} chunk {i} flow mel", tr.flow_mel, t[f"c{i}_flow_mel"])
-        _check(f"{case} chunk {i} hift mel in", tr.hift_mel, t[f"c{i}_hift_mel_in"])
-        _check(f"{case} chunk {i} speech", tr.speech, t[f"c{i}_speech"])
+        check_close(tr.flow_mel, t[f"c{i}_flow_mel"], f"{case} chunk {i} flow mel")
+        check_close(tr.hift_mel, t[f"c{i}_hift_mel_in"], f"{case} chunk {i} hift mel in")
+        check_close(tr.speech, t[f"c{i}_speech"], f"{case} chunk {i} speech")
         assert tr.speech.shape[1] == ch["yielded_samples"]
         offset += tr.speech.shape[1]
 
@@ -252,8 +243,8 @@ def test_offline_token2wav_e2e(flow, hift, case, one_thread):
     traces = list(stream_token2wav(flow, hift, t["speech_token"], f["zs_flow_prompt_speech_token"],
                                    f["zs_prompt_speech_feat"], f["embedding"], stream=False))
     assert len(traces) == 1 and traces[0].job.finalize and not traces[0].job.streaming
-    _check(f"{case} offline mel", traces[0].flow_mel, t["mel"])
-    _check(f"{case} offline speech", traces[0].speech, t["speech"])
+    check_close(traces[0].flow_mel, t["mel"], f"{case} offline mel")
+    check_close(traces[0].speech, t["speech"], f"{case} offline speech")
     slow = list(stream_token2wav(flow, hift, t["speech_token"], f["zs_flow_prompt_speech_token"],
                                  f["zs_prompt_speech_feat"], f["embedding"], stream=False, speed=2.0))
     assert slow[0].hift_mel.shape[-1] == int(t["mel"].shape[-1] / 2.0)
@@ -297,16 +288,16 @@ def test_token2wav_batch_equals_single(flow, hift, case, one_thread):
         got_lag.append(tr)
         if res:
             (tr_off, off), = res
-            _check("batched offline flow mel", tr_off.flow_mel, offline.flow_mel, tol=1e-5)
+            check_close(tr_off.flow_mel, offline.flow_mel, "batched offline flow mel", 1e-5)
             _report("batched offline speech vs single run (informative)", rel_l2(tr_off.speech, offline.speech))
     for name, got in (("lead", got_lead), ("lag", got_lag)):
         assert [g.job for g in got] == [s.job for s in single]
         offset = 0
         for i, (g, s) in enumerate(zip(got, single)):
-            _check(f"batched {name} chunk {i} flow mel", g.flow_mel, s.flow_mel, tol=1e-5)
+            check_close(g.flow_mel, s.flow_mel, f"batched {name} chunk {i} flow mel", 1e-5)
             # HiFT of the batch's own accumulated mel, run alone: the batched HiFT pass is plumbed right
             alone = hift.inference(g.hift_mel, g.job.finalize)[0][:, offset:]
-            _check(f"batched {name} chunk {i} speech vs HiFT alone", g.speech, alone, tol=1e-5)
+            check_close(g.speech, alone, f"batched {name} chunk {i} speech vs HiFT alone", 1e-5)
             _report(f"batched {name} chunk {i} speech vs single run (informative)", rel_l2(g.speech, s.speech))
             offset += g.speech.shape[1]
 
@@ -444,18 +435,18 @@ def test_gpu_float32_matches_reference(yaml_data, no_tf32):
         t, md = tensors(case), meta(case)
         mel = flow.inference(t["token"].cuda(), t["prompt_token"].cuda(), t["prompt_feat"].cuda(),
                              t["embedding"].cuda(), bool(md.get("streaming", False)), bool(md.get("finalize", True)))
-        _check(f"cuda {case} mel", mel.cpu(), t["mel"], GPU_TOL["mel"])
+        check_close(mel.cpu(), t["mel"], f"cuda {case} mel", GPU_TOL["mel"])
     for case in HIFT_CASES:
         t = tensors(case)
         speech, _ = hift.inference(t["mel"].cuda(), bool(meta(case).get("finalize", True)))
-        _check(f"cuda {case} speech", speech.cpu(), t["speech"], GPU_TOL["speech"])
+        check_close(speech.cpu(), t["speech"], f"cuda {case} speech", GPU_TOL["speech"])
     for case in STREAM_CASES:
         t = tensors(case)
         traces = stream_token2wav(flow, hift, t["source_speech_token"].cuda(), t["prompt_token"].cuda(),
                                   t["prompt_feat"].cuda(), t["embedding"].cuda(), schedule=_schedule(meta(case), flow))
         for i, tr in enumerate(traces):
-            _check(f"cuda {case} chunk {i} flow mel", tr.flow_mel.cpu(), t[f"c{i}_flow_mel"], GPU_TOL["mel"])
-            _check(f"cuda {case} chunk {i} speech", tr.speech.cpu(), t[f"c{i}_speech"], GPU_TOL["speech"])
+            check_close(tr.flow_mel.cpu(), t[f"c{i}_flow_mel"], f"cuda {case} chunk {i} flow mel", GPU_TOL["mel"])
+            check_close(tr.speech.cpu(), t[f"c{i}_speech"], f"cuda {case} chunk {i} speech", GPU_TOL["speech"])
 
 
 @pytest.mark.gpu
@@ -486,7 +477,7 @@ def test_gpu_solver_step_graph_equals_eager(yaml_data, no_tf32):
         for _ in range(state.n):
             g.replay()
         graphed = state.mels()
-    _check("graphed solver vs eager", graphed.cpu(), eager.cpu(), 1e-6)
+    check_close(graphed.cpu(), eager.cpu(), "graphed solver vs eager", 1e-6)
 
 
 @pytest.mark.gpu
@@ -499,12 +490,12 @@ def test_gpu_half_precision_within_documented_error(yaml_data, dtype, no_tf32):
         t, md = tensors(case), meta(case)
         args = (t["token"].cuda(), t["prompt_token"].cuda(), t["prompt_feat"].cuda(), t["embedding"].cuda(),
                 bool(md.get("streaming", False)), bool(md.get("finalize", True)))
-        _check(f"{dtype} {case} mel vs float32", half_flow.inference(*args).cpu(), ref_flow.inference(*args).cpu(),
-               HALF_TOL["mel"])
+        check_close(half_flow.inference(*args).cpu(), ref_flow.inference(*args).cpu(), f"{dtype} {case} mel vs float32",
+                    HALF_TOL["mel"])
     ref_hift = load_hift(model_dir() / "hift.pt", parse_causal_hift(yaml_data), device="cuda")
     half_hift = load_hift(model_dir() / "hift.pt", parse_causal_hift(yaml_data), device="cuda").set_trunk_dtype(dtype)
     assert half_hift.f0_predictor.classifier.weight.dtype == torch.float64
     for case in HIFT_CASES:
         mel = tensors(case)["mel"].cuda()
-        _check(f"{dtype} {case} speech vs float32", half_hift.inference(mel)[0].cpu(), ref_hift.inference(mel)[0].cpu(),
-               HALF_TOL[f"speech_{str(dtype).replace('torch.', '')}"])
+        check_close(half_hift.inference(mel)[0].cpu(), ref_hift.inference(mel)[0].cpu(),
+                    f"{dtype} {case} speech vs float32", HALF_TOL[f"speech_{str(dtype).replace('torch.', '')}"])

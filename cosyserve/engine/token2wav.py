@@ -179,12 +179,7 @@ class Token2Wav:
         if marks is not None:
             p.stamps.append(marks.mark(stream))
         if stream is not None:
-            host = [torch.empty(s.shape, dtype=torch.float32, pin_memory=True) for s in speech]
-            for h, s in zip(host, speech):
-                h.copy_(s, non_blocking=True)
-            p.event = torch.cuda.Event()
-            p.event.record(stream)
-            speech = host
+            speech, p.event = copy_to_pinned_host(speech, stream)
         p.speech, p.states = speech, [st for _, st in out]
         p.keep = (mels, chunks)
 
@@ -196,6 +191,20 @@ class Token2Wav:
             pending.event.synchronize()
         return [Token2WavResult(s.cpu() if s.device.type != "cpu" else s, st)
                 for s, st in zip(pending.speech, pending.states)]
+
+
+def copy_to_pinned_host(speech: list[torch.Tensor], stream) -> tuple[list[torch.Tensor], "torch.cuda.Event"]:
+    """Enqueue on ``stream`` (a ``torch.cuda.Stream``, current while this runs) non-blocking copies
+    of the device waveforms ``speech`` (float32 tensors of any shape) into fresh pinned host float32
+    buffers of the same shapes; return the buffers and a CUDA event recorded after the copies (the
+    buffers hold the speech once it has completed). Shared by the CosyVoice2, CosyVoice3 and DiT
+    token2wav backends. Raises RuntimeError (from torch) when CUDA is unavailable."""
+    host = [torch.empty(s.shape, dtype=torch.float32, pin_memory=True) for s in speech]
+    for h, s in zip(host, speech):
+        h.copy_(s, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(stream)
+    return host, event
 
 
 class _null:

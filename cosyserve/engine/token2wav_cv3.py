@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from .token2wav import Token2Wav
+from .token2wav import Token2Wav, copy_to_pinned_host
 
 __all__ = ["CV3StreamSchedule", "CV3StreamState", "CV3ChunkJob", "CV3ChunkTrace", "new_stream", "plan_chunk",
            "after_flow", "after_hift", "speed_mel", "token2wav_step", "CV3BatchItem", "token2wav_batch",
@@ -329,11 +329,6 @@ class Cv3Token2WavBackend(Token2Wav):
         if marks is not None:
             p.stamps.append(marks.mark(stream))
         if stream is not None:
-            host = [torch.empty(s.shape, dtype=torch.float32, pin_memory=True) for s in speech]
-            for h, s in zip(host, speech):
-                h.copy_(s, non_blocking=True)
-            p.event = torch.cuda.Event()
-            p.event.record(stream)
-            speech = host
+            speech, p.event = copy_to_pinned_host(speech, stream)
         p.speech, p.states = speech, new_states
         p.keep = (mels, hift_in)

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from ..models.dit_flow import DitItem, trim_state
 from ..models.dit_token2wav import DitT2WStreamState, DitToken2Wav
 from ..models.hift import HiFTStreamState, hift_stream_step_batch
+from .token2wav import _null, copy_to_pinned_host
 from .token2wav import Token2WavJob, Token2WavResult, make_token2wav  # noqa: F401  (re-exported)
 
 
@@ -196,13 +197,8 @@ class DitToken2WavBackend:
                 stamps.append(marks.mark(stream))
             event = None
             if stream is not None:
-                host = [torch.empty(s.shape, dtype=torch.float32, pin_memory=True) for s in speech]
-                for h, s in zip(host, speech):
-                    h.copy_(s, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
                 keep = (speech, mels)
-                speech = host
+                speech, event = copy_to_pinned_host(speech, stream)
             else:
                 keep = ()
         return _Done(jobs, speech, new_states, event, stamps, keep)
@@ -213,11 +209,3 @@ class DitToken2WavBackend:
             pending.event.synchronize()
         return [Token2WavResult(s.cpu() if s.device.type != "cpu" else s, st)
                 for s, st in zip(pending.speech, pending.states)]
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

@@ -561,6 +561,32 @@ def _parse_llm(data: dict, qwen_config: dict | None, family: str) -> LLMConfig:
     return llm_cfg
 
 
+def _parse_cfm(dec: dict) -> CFMConfig:
+    """:class:`CFMConfig` from the kwargs of ``flow.decoder`` (``CausalConditionalCFM``, in both
+    CosyVoice2 and CosyVoice3) and its ``cfm_params`` (a dict or ``!new:omegaconf.DictConfig``
+    with ``content``): Euler solver only, ``t_scheduler`` cosine or linear; defaults are upstream's.
+    Raises :class:`ConfigError` naming the offending key."""
+    cfm_params = dec.get("cfm_params")
+    if isinstance(cfm_params, Tagged):
+        cp = cfm_params.kwargs()
+        cp = cp.get("content", cp)
+    elif isinstance(cfm_params, dict):
+        cp = cfm_params
+    else:
+        raise ConfigError("yaml 'flow.decoder.cfm_params' missing")
+    _require(cp.get("solver", "euler") == "euler", "yaml 'flow.decoder.cfm_params.solver' must be 'euler'")
+    t_sched = str(cp.get("t_scheduler", "linear"))
+    _require(t_sched in ("cosine", "linear"), f"yaml t_scheduler {t_sched!r} unsupported (cosine/linear)")
+    return CFMConfig(
+        in_channels=_get(dec, "in_channels", "flow.decoder", conv=int),
+        n_spks=_get(dec, "n_spks", "flow.decoder", 1, int),
+        spk_emb_dim=_get(dec, "spk_emb_dim", "flow.decoder", 64, int),
+        sigma_min=_get(cp, "sigma_min", "flow.decoder.cfm_params", 1e-6, float),
+        t_scheduler=t_sched,
+        inference_cfg_rate=_get(cp, "inference_cfg_rate", "flow.decoder.cfm_params", 0.7, float),
+    )
+
+
 def _parse_cv2_flow(data: dict, token_mel_ratio: int) -> FlowConfig:
     """The CosyVoice2 ``flow`` section (``CausalMaskedDiffWithXvec``)."""
     flow = _expect(data.get("flow"), "flow", "CausalMaskedDiffWithXvec").kwargs()
@@ -595,25 +621,7 @@ def _parse_cv2_flow(data: dict, token_mel_ratio: int) -> FlowConfig:
         key_bias=bool(_get(enc, "key_bias", w, True)),
     )
     dec = _expect(flow.get("decoder"), "flow.decoder", "CausalConditionalCFM").kwargs()
-    cfm_params = dec.get("cfm_params")
-    if isinstance(cfm_params, Tagged):
-        cp = cfm_params.kwargs()
-        cp = cp.get("content", cp)
-    elif isinstance(cfm_params, dict):
-        cp = cfm_params
-    else:
-        raise ConfigError("yaml 'flow.decoder.cfm_params' missing")
-    _require(cp.get("solver", "euler") == "euler", "yaml 'flow.decoder.cfm_params.solver' must be 'euler'")
-    t_sched = str(cp.get("t_scheduler", "linear"))
-    _require(t_sched in ("cosine", "linear"), f"yaml t_scheduler {t_sched!r} unsupported (cosine/linear)")
-    cfm_cfg = CFMConfig(
-        in_channels=_get(dec, "in_channels", "flow.decoder", conv=int),
-        n_spks=_get(dec, "n_spks", "flow.decoder", 1, int),
-        spk_emb_dim=_get(dec, "spk_emb_dim", "flow.decoder", 64, int),
-        sigma_min=_get(cp, "sigma_min", "flow.decoder.cfm_params", 1e-6, float),
-        t_scheduler=t_sched,
-        inference_cfg_rate=_get(cp, "inference_cfg_rate", "flow.decoder.cfm_params", 0.7, float),
-    )
+    cfm_cfg = _parse_cfm(dec)
     est = _expect(dec.get("estimator"), "flow.decoder.estimator", "CausalConditionalDecoder").kwargs()
     w = "flow.decoder.estimator"
     act_fn = _get(est, "act_fn", w, "snake")
@@ -654,13 +662,14 @@ def _parse_cv2_flow(data: dict, token_mel_ratio: int) -> FlowConfig:
     return flow_cfg
 
 
-def _parse_cv2_hift(data: dict, sample_rate: int, token_frame_rate: int, token_mel_ratio: int) -> HiFTConfig:
-    """The CosyVoice2 ``hift`` section (``HiFTGenerator`` + ``ConvRNNF0Predictor``)."""
-    hift = _expect(data.get("hift"), "hift", "HiFTGenerator").kwargs()
+def _hift_kwargs(hift: dict, f0: dict) -> dict[str, Any]:
+    """The :class:`HiFTConfig` fields both HiFT generators read the same way: ``hift`` the kwargs
+    of the ``hift`` section (``HiFTGenerator`` for CosyVoice2, ``CausalHiFTGenerator`` for
+    CosyVoice3), ``f0`` those of its ``f0_predictor``. Defaults are upstream's constructor defaults.
+    Raises :class:`ConfigError` naming a missing or malformed key."""
     w = "hift"
-    f0 = _expect(hift.get("f0_predictor"), "hift.f0_predictor", "ConvRNNF0Predictor").kwargs()
     istft = _get(hift, "istft_params", w, {"n_fft": 16, "hop_len": 4})
-    hift_cfg = HiFTConfig(
+    return dict(
         in_channels=_get(hift, "in_channels", w, 80, int),
         base_channels=_get(hift, "base_channels", w, 512, int),
         nb_harmonics=_get(hift, "nb_harmonics", w, 8, int),
@@ -684,6 +693,13 @@ def _parse_cv2_hift(data: dict, sample_rate: int, token_frame_rate: int, token_m
         f0_in_channels=_get(f0, "in_channels", "hift.f0_predictor", 80, int),
         f0_cond_channels=_get(f0, "cond_channels", "hift.f0_predictor", 512, int),
     )
+
+
+def _parse_cv2_hift(data: dict, sample_rate: int, token_frame_rate: int, token_mel_ratio: int) -> HiFTConfig:
+    """The CosyVoice2 ``hift`` section (``HiFTGenerator`` + ``ConvRNNF0Predictor``)."""
+    hift = _expect(data.get("hift"), "hift", "HiFTGenerator").kwargs()
+    f0 = _expect(hift.get("f0_predictor"), "hift.f0_predictor", "ConvRNNF0Predictor").kwargs()
+    hift_cfg = HiFTConfig(**_hift_kwargs(hift, f0))
     _require(
         hift_cfg.sampling_rate != 22050,
         "hift.sampling_rate 22050 is the CosyVoice1 vocoder (SineGen v1); cosyserve implements CosyVoice2 (24 kHz)",

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from .config import CFMConfig, Tagged, _get
+from .config import CFMConfig, Tagged, _get, _parse_cfm
 from .flow import CausalFlowMatching, FlowModel
 from .flow_encoder import PreLookaheadLayer, chunk_attention_mask
 from .flow_estimator import sinusoidal_time_embedding
@@ -127,27 +127,7 @@ def parse_cv3_flow(data: dict) -> CV3FlowConfig:
     pre_len = _get(flow, "pre_lookahead_len", w, 3, int)
     ratio = _get(flow, "token_mel_ratio", w, 2, int)
 
-    cfm_params = dec.get("cfm_params")
-    if isinstance(cfm_params, Tagged):
-        cp = cfm_params.kwargs()
-        cp = cp.get("content", cp)
-    elif isinstance(cfm_params, dict):
-        cp = cfm_params
-    else:
-        raise ConfigError("yaml 'flow.decoder.cfm_params' missing")
-    if cp.get("solver", "euler") != "euler":
-        raise ConfigError("yaml 'flow.decoder.cfm_params.solver' must be 'euler'")
-    t_sched = str(cp.get("t_scheduler", "linear"))
-    if t_sched not in ("cosine", "linear"):
-        raise ConfigError(f"yaml t_scheduler {t_sched!r} unsupported (cosine/linear)")
-    cfm = CFMConfig(
-        in_channels=_get(dec, "in_channels", "flow.decoder", conv=int),
-        n_spks=_get(dec, "n_spks", "flow.decoder", 1, int),
-        spk_emb_dim=_get(dec, "spk_emb_dim", "flow.decoder", 64, int),
-        sigma_min=_get(cp, "sigma_min", "flow.decoder.cfm_params", 1e-6, float),
-        t_scheduler=t_sched,
-        inference_cfg_rate=_get(cp, "inference_cfg_rate", "flow.decoder.cfm_params", 0.7, float),
-    )
+    cfm = _parse_cfm(dec)
     we = "flow.decoder.estimator"
     mel_dim = _get(est, "mel_dim", we, 80, int)
     mu_dim = _get(est, "mu_dim", we, None, int)

@@ -451,6 +451,25 @@ def shipped_prompt() -> tuple[Path, str]:
     return wav, meta["transcript"]
 
 
+def _write_shipped_tokenizer(out: Path) -> Path:
+    """Copy the shipped BlankEN tokenizer files into ``out/CosyVoice-BlankEN/`` (created, with its
+    parents); returns that folder (the caller adds its ``config.json``). Raises OSError."""
+    qdir = out / "CosyVoice-BlankEN"
+    qdir.mkdir(parents=True, exist_ok=True)
+    for f in ("vocab.json", "merges.txt", "tokenizer_config.json"):
+        shutil.copyfile(_asset("blanken", f), qdir / f)
+    return qdir
+
+
+def _write_standins(out: Path, seed: int, tokenizer_file: str) -> None:
+    """Write the two ONNX stand-ins into ``out``: ``campplus.onnx`` (seed ``seed``) and the speech
+    tokenizer ``tokenizer_file`` (seed ``seed + 1``). Raises OSError."""
+    import onnx
+
+    onnx.save(campplus_standin(seed), str(out / "campplus.onnx"))
+    onnx.save(speech_tokenizer_standin(seed + 1), str(out / tokenizer_file))
+
+
 def write_demo_model(out_dir: str | Path, seed: int = 0, size: DemoSize = DemoSize(), force: bool = False,
                      family: str = "cosyvoice2") -> Path:
     """Write the demo model directory (see module docstring); returns its path.
@@ -460,8 +479,6 @@ def write_demo_model(out_dir: str | Path, seed: int = 0, size: DemoSize = DemoSi
     demo model of that family is returned as is. Raises ValueError for an unknown family and
     :class:`~cosyserve.errors.ModelDirError` if this build cannot build a part of the family.
     """
-    import onnx
-
     from .loader import build_random
 
     template, yaml_name, tokenizer_file = _family_files(family)
@@ -469,10 +486,7 @@ def write_demo_model(out_dir: str | Path, seed: int = 0, size: DemoSize = DemoSi
     if (out / DEMO_MARKER).is_file() and (out / "llm.pt").is_file() and (out / yaml_name).is_file() and not force:
         return out
     out.mkdir(parents=True, exist_ok=True)
-    qdir = out / "CosyVoice-BlankEN"
-    qdir.mkdir(exist_ok=True)
-    for f in ("vocab.json", "merges.txt", "tokenizer_config.json"):
-        shutil.copyfile(_asset("blanken", f), qdir / f)
+    qdir = _write_shipped_tokenizer(out)
     (qdir / "config.json").write_text(json.dumps(demo_qwen_config(size), indent=2) + "\n")
     for other, (_, name, _) in _FAMILY_FILES.items():  # one family's yaml only (the loader refuses both)
         if other != family and (out / name).is_file():
@@ -483,8 +497,7 @@ def write_demo_model(out_dir: str | Path, seed: int = 0, size: DemoSize = DemoSi
     torch.save(models.llm.state_dict(), out / "llm.pt")
     torch.save(models.flow.state_dict(), out / "flow.pt")
     torch.save(models.hift.state_dict(), out / "hift.pt")
-    onnx.save(campplus_standin(seed), str(out / "campplus.onnx"))
-    onnx.save(speech_tokenizer_standin(seed + 1), str(out / tokenizer_file))
+    _write_standins(out, seed, tokenizer_file)
     official = "Fun-CosyVoice3-0.5B" if family == "cosyvoice3" else "CosyVoice2-0.5B"
     arch = "CosyVoice3" if family == "cosyvoice3" else "CosyVoice2"
     (out / DEMO_MARKER).write_text(
@@ -525,16 +538,11 @@ def write_frontend_dir(yaml_path: str | Path, qwen_config_path: str | Path, out_
     so per-request prompts cost what the real files cost. Raises OSError when a file cannot be
     read or written.
     """
-    import onnx
-
     from .config import detect_family, load_hyperpyyaml
 
     _, yaml_name, tokenizer_file = _family_files(detect_family(load_hyperpyyaml(yaml_path)))
     out = Path(out_dir).expanduser()
-    qdir = out / "CosyVoice-BlankEN"
-    qdir.mkdir(parents=True, exist_ok=True)
-    for f in ("vocab.json", "merges.txt", "tokenizer_config.json"):
-        shutil.copyfile(_asset("blanken", f), qdir / f)
+    qdir = _write_shipped_tokenizer(out)
     shutil.copyfile(qwen_config_path, qdir / "config.json")
     shutil.copyfile(yaml_path, out / yaml_name)
     if full_size_frontend:
@@ -547,8 +555,7 @@ def write_frontend_dir(yaml_path: str | Path, qwen_config_path: str | Path, out_
 
         write_full_size_frontend(out, seed)
     else:
-        onnx.save(campplus_standin(seed), str(out / "campplus.onnx"))
-        onnx.save(speech_tokenizer_standin(seed + 1), str(out / tokenizer_file))
+        _write_standins(out, seed, tokenizer_file)
     (out / DEMO_MARKER).write_text("RANDOM-weight benchmark directory (no weight files): the audio is noise.\n")
     (out / RANDOM_WEIGHTS_MARKER).write_text(json.dumps({"seed": seed, "yaml": str(yaml_path)}) + "\n")
     return out

@@ -1426,7 +1426,7 @@ def parse_causal_hift(data: dict) -> HiFTConfig:
     upstream's does. Raises :class:`~cosyserve.errors.ConfigError`.
     """
     from ..errors import ConfigError
-    from .config import _get, _int_tuple, _nested_int_tuple, Tagged
+    from .config import _get, _hift_kwargs, Tagged
 
     def expect(node, key: str, cls: str) -> dict:
         if not isinstance(node, Tagged) or node.kind != "new" or node.class_name != cls:
@@ -1443,7 +1443,7 @@ def parse_causal_hift(data: dict) -> HiFTConfig:
                           "reproducible in upstream's order (flow, then hift)")
     del dec
     w = "hift"
-    istft = _get(hift, "istft_params", w, {"n_fft": 16, "hop_len": 4})
+    common = _hift_kwargs(hift, f0)
     fw = "flow"
     preamble = (
         ("randn", (1, 80, 50 * 300)),  # CausalConditionalCFM.rand_noise (literal shape upstream)
@@ -1451,27 +1451,7 @@ def parse_causal_hift(data: dict) -> HiFTConfig:
         ("linear", (_get(flow, "spk_embed_dim", fw, 192, int), _get(flow, "output_size", fw, 80, int))),
     )
     cfg = HiFTConfig(
-        in_channels=_get(hift, "in_channels", w, 80, int),
-        base_channels=_get(hift, "base_channels", w, 512, int),
-        nb_harmonics=_get(hift, "nb_harmonics", w, 8, int),
-        sampling_rate=_get(hift, "sampling_rate", w, 22050, int),
-        nsf_alpha=_get(hift, "nsf_alpha", w, 0.1, float),
-        nsf_sigma=_get(hift, "nsf_sigma", w, 0.003, float),
-        nsf_voiced_threshold=_get(hift, "nsf_voiced_threshold", w, 10, float),
-        upsample_rates=_get(hift, "upsample_rates", w, (8, 8), _int_tuple),
-        upsample_kernel_sizes=_get(hift, "upsample_kernel_sizes", w, (16, 16), _int_tuple),
-        istft_n_fft=int(istft["n_fft"]),
-        istft_hop_len=int(istft["hop_len"]),
-        resblock_kernel_sizes=_get(hift, "resblock_kernel_sizes", w, (3, 7, 11), _int_tuple),
-        resblock_dilation_sizes=_get(hift, "resblock_dilation_sizes", w, ((1, 3, 5),) * 3, _nested_int_tuple),
-        source_resblock_kernel_sizes=_get(hift, "source_resblock_kernel_sizes", w, (7, 11), _int_tuple),
-        source_resblock_dilation_sizes=_get(hift, "source_resblock_dilation_sizes", w, ((1, 3, 5),) * 2,
-                                            _nested_int_tuple),
-        lrelu_slope=_get(hift, "lrelu_slope", w, 0.1, float),
-        audio_limit=_get(hift, "audio_limit", w, 0.99, float),
-        f0_num_class=_get(f0, "num_class", "hift.f0_predictor", 1, int),
-        f0_in_channels=_get(f0, "in_channels", "hift.f0_predictor", 80, int),
-        f0_cond_channels=_get(f0, "cond_channels", "hift.f0_predictor", 512, int),
+        **common,
         causal=True,
         conv_pre_look_right=_get(hift, "conv_pre_look_right", w, 4, int),
         noise_preamble=preamble,
