@@ -71,7 +71,28 @@ def make_token2wav(models):
     return Token2Wav(models.flow, models.hift, models.cfg.token_mel_ratio)
 
 
-class Token2Wav:
+class Token2WavBackend:
+    """What every token2wav backend shares on top of its own ``launch(jobs, stream=None, ...)`` /
+    ``finish(pending)`` (CosyVoice2 :class:`Token2Wav`, CosyVoice3 and Step-Audio2 DiT backends)."""
+
+    @torch.inference_mode()
+    def run(self, jobs: list[Token2WavJob]) -> list[Token2WavResult]:
+        """Run ``jobs`` as one batch; results in job order (blocking)."""
+        return self.finish(self.launch(jobs, stream=None))
+
+    def run_each(self, jobs: list[Token2WavJob], stream=None) -> list:
+        """Run every job alone (after a batch failed): per job its :class:`Token2WavResult` or
+        the exception it raised, so one bad request fails alone (blocking)."""
+        out = []
+        for job in jobs:
+            try:
+                out.append(self.finish(self.launch([job], stream=stream))[0])
+            except Exception as exc:  # noqa: BLE001 - isolate the failing job
+                out.append(exc)
+        return out
+
+
+class Token2Wav(Token2WavBackend):
     """Batched flow + HiFT over :class:`Token2WavJob`s.
 
     ``flow`` runs in its own dtype on its device; HiFT takes float32 mel (its convolution trunk
@@ -104,22 +125,6 @@ class Token2Wav:
     def hift_device(self) -> torch.device:
         """Where HiFT runs (and its excitation noise is drawn)."""
         return next(self.hift.parameters()).device
-
-    @torch.inference_mode()
-    def run(self, jobs: list[Token2WavJob]) -> list[Token2WavResult]:
-        """Run ``jobs`` as one flow batch and one HiFT batch; results in job order (blocking)."""
-        return self.finish(self.launch(jobs, stream=None))
-
-    def run_each(self, jobs: list[Token2WavJob], stream=None) -> list:
-        """Run every job alone (after a batch failed): per job its :class:`Token2WavResult` or
-        the exception it raised, so one bad request fails alone (blocking)."""
-        out = []
-        for job in jobs:
-            try:
-                out.append(self.finish(self.launch([job], stream=stream))[0])
-            except Exception as exc:  # noqa: BLE001 - isolate the failing job
-                out.append(exc)
-        return out
 
     @torch.inference_mode()
     def launch(self, jobs: list[Token2WavJob], stream=None, marks=None,

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from ..models.dit_flow import DitItem, trim_state
 from ..models.dit_token2wav import DitT2WStreamState, DitToken2Wav
 from ..models.hift import HiFTStreamState, hift_stream_step_batch
-from .token2wav import _null, copy_to_pinned_host
+from .token2wav import Token2WavBackend, _null, copy_to_pinned_host
 from .token2wav import Token2WavJob, Token2WavResult, make_token2wav  # noqa: F401  (re-exported)
 
 
@@ -72,7 +72,7 @@ class _Done:
         return self.event is None or self.event.query()
 
 
-class DitToken2WavBackend:
+class DitToken2WavBackend(Token2WavBackend):
     """Batched DiT flow + HiFT over :class:`~cosyserve.engine.token2wav.Token2WavJob` (see module doc)."""
 
     def __init__(self, t2w: DitToken2Wav, setup_cache_size: int = 4):
@@ -101,19 +101,6 @@ class DitToken2WavBackend:
     @property
     def hift_device(self) -> torch.device:
         return next(self.hift.parameters()).device
-
-    @torch.inference_mode()
-    def run(self, jobs: list[Token2WavJob]) -> list[Token2WavResult]:
-        return self.finish(self.launch(jobs))
-
-    def run_each(self, jobs: list[Token2WavJob], stream=None) -> list:
-        out = []
-        for job in jobs:
-            try:
-                out.append(self.finish(self.launch([job], stream=stream))[0])
-            except Exception as exc:  # noqa: BLE001 - isolate the failing job
-                out.append(exc)
-        return out
 
     def _prompt(self, job: Token2WavJob):
         v = job.voice
