@@ -265,6 +265,31 @@ def test_graph_bucket_padding_equals_unpadded(t2w, name):
         assert a.shape == b.shape and rel_l2(a, b) < 1e-5
 
 
+@pytest.mark.parametrize("name", STREAM_FLOW[:1])
+def test_graph_row_padding_equals_unpadded(t2w, name):
+    """With graphs set, a batch of 5 streams is padded to 6 items (a padding item has one valid frame
+    and no cache); the real items' mels and trimmed states equal the unpadded batch's."""
+    import copy
+
+    t = dit_tensors(name)
+    padded = copy.deepcopy(t2w.flow)
+    graph = padded.enable_cuda_graphs(frames_bucket=16, cache_bucket=48)
+    assert graph.rows_bucket(5) == 6
+    st = t2w.flow.setup(t["prompt_token"][0], t["prompt_feat"][0], t["embedding"][0])
+    g = torch.Generator().manual_seed(3)
+    states = [st] * 5
+    for k in range(3):
+        toks = [torch.randint(0, 6561, (int(n),), generator=g) for n in (28, 19, 10, 28, 7)]
+        last = [False, False, False, k == 2, False]
+        ref = t2w.flow.chunk_batch(states, toks, last)
+        got = padded.chunk_batch(states, toks, last)
+        for (ma, sa), (mb, sb) in zip(got, ref):
+            assert ma.shape == mb.shape and rel_l2(ma, mb) < 1e-5
+            assert sa.est_att.shape == sb.est_att.shape and rel_l2(sa.est_att, sb.est_att) < 1e-5
+            assert rel_l2(sa.est_cnn, sb.est_cnn) < 1e-5
+        states = [s for _, s in ref]
+
+
 def test_caches_stay_bounded_and_chunk_cost_constant(t2w):
     names = STREAM_FLOW or E2E_STREAM
     if not names:

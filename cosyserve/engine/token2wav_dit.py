@@ -38,7 +38,7 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
-from ..models.dit_flow import DitItem, trim_state
+from ..models.dit_flow import TRIM_KEEP, DitItem, trim_state
 from ..models.dit_token2wav import DitT2WStreamState, DitToken2Wav
 from ..models.hift import HiFTStreamState, hift_stream_step_batch
 from .token2wav import Token2WavBackend, _null, copy_to_pinned_host
@@ -157,7 +157,7 @@ class DitToken2WavBackend(Token2WavBackend):
                     items.append(DitItem(tokens=j.tokens[j.token_offset:], spk=s.flow.spk, last=j.finalize,
                                          state=s.flow))
                     prompt_frames.append(0)
-            res = flow.forward_items(items)
+            res = flow.forward_items(items, trim_keep=TRIM_KEEP, final_states=False)
             if marks is not None:
                 stamps.append(marks.mark(stream))
             dev = self.hift_device

@@ -1,0 +1,173 @@
+"""Where a token2wav batch spends its time on one GPU: DiT (Step-Audio2) streaming chunks and the CosyVoice3 flow.
+
+For each mode and batch size prints one JSON line: host wall time of the call, GPU time (CUDA events),
+kernels launched per call, and the split between stages (DiT: encoder / Euler solve / HiFT); then a
+``torch.profiler`` table (top operators by self CPU time and top kernels by CUDA time) of one call at the
+largest batch. Full-size architectures with random weights, bf16 (``--dtype``).
+
+    python3 benchmarks/t2w_profile.py --mode dit --batches 1,8,32
+    python3 benchmarks/t2w_profile.py --mode cv3 --batches 1,4 --yaml benchmarks/configs/cosyvoice3-0.5b.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cosyserve.models.config import load_dit_flow_config, stepaudio2_hift_config  # noqa: E402
+from cosyserve.models.dit_token2wav import FULL_SIZE, build_random_dit_token2wav, dit_flow_yaml  # noqa: E402
+
+
+def _events():
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
+def _kernels(prof) -> int:
+    return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _profile(fn, label: str, rows: int = 15) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    avg = prof.key_averages()
+    print(f"--- {label}: top host operators (self CPU) ---")
+    print(avg.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
+    print(f"--- {label}: top kernels (CUDA) ---")
+    print(avg.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
+    return _kernels(prof)
+
+
+def _time(fn, n: int = 5, warm: int = 2) -> tuple[float, float]:
+    """(host ms, GPU ms) medians of ``fn()``; the GPU idle at each start."""
+    host, gpu = [], []
+    for k in range(warm + n):
+        torch.cuda.synchronize()
+        a, b = _events()
+        t0 = time.perf_counter()
+        a.record()
+        fn()
+        h = (time.perf_counter() - t0) * 1e3
+        b.record()
+        b.synchronize()
+        if k >= warm:
+            host.append(h)
+            gpu.append(a.elapsed_time(b))
+    return statistics.median(host), statistics.median(gpu)
+
+
+def dit(args) -> None:
+    tmp = Path("/tmp/t2w_profile")
+    tmp.mkdir(exist_ok=True)
+    (tmp / "flow.yaml").write_text(dit_flow_yaml(FULL_SIZE))
+    cfg = load_dit_flow_config(tmp / "flow.yaml")
+    hcfg = stepaudio2_hift_config(FULL_SIZE.hift_channels, FULL_SIZE.hift_f0_channels)
+    dtype = getattr(torch, args.dtype)
+    t2w = build_random_dit_token2wav(cfg, hcfg, device="cuda", dtype=dtype, seed=0)
+    if not args.eager:
+        t2w.flow.enable_cuda_graphs()
+    flow = t2w.flow
+    g = torch.Generator().manual_seed(0)
+    last_fn = None
+    for b in (int(x) for x in args.batches.split(",")):
+        prompts = [(torch.randint(0, 6561, (args.prompt_tokens,), generator=g),
+                    torch.randn(2 * args.prompt_tokens, 80, generator=g).cuda(), torch.randn(192, generator=g).cuda())
+                   for _ in range(b)]
+        states = t2w.stream_setup_batch(prompts)
+        # grow the caches to the steady state (trimmed to prompt + 100 frames)
+        for _ in range(4):
+            toks = [torch.randint(0, 6561, (28,), generator=g) for _ in range(b)]
+            states = [s for _, s in t2w.stream_step_batch(states, toks, [False] * b)]
+        toks = [torch.randint(0, 6561, (28,), generator=g) for _ in range(b)]
+        from cosyserve.models.dit_flow import DitItem
+
+        @torch.inference_mode()
+        def encode():
+            items = [DitItem(tokens=flow._check_tokens(t), spk=s.flow.spk, last=False, state=s.flow)
+                     for s, t in zip(states, toks)]
+            return flow._encode(items), items
+
+        @torch.inference_mode()
+        def solve():
+            (mu, mlen, _), items = enc_out
+            return flow._solve(items, mu, mlen, flow.cfg.n_timesteps)
+
+        def step():
+            return t2w.stream_step_batch(states, toks, [False] * b)
+
+        enc_out = encode()
+        e_host, e_gpu = _time(encode)
+        s_host, s_gpu = _time(solve)
+        t_host, t_gpu = _time(step)
+        print(json.dumps({"mode": "dit", "graphs": not args.eager, "dtype": args.dtype, "streams": b,
+                          "cache_frames": states[0].flow.cache_frames,
+                          "encode_host_ms": round(e_host, 2), "encode_gpu_ms": round(e_gpu, 2),
+                          "solve_host_ms": round(s_host, 2), "solve_gpu_ms": round(s_gpu, 2),
+                          "step_host_ms": round(t_host, 2), "step_gpu_ms": round(t_gpu, 2),
+                          "per_stream_gpu_ms": round(t_gpu / b, 3)}), flush=True)
+        last_fn = step
+    n = _profile(last_fn, "dit stream_step_batch")
+    print(json.dumps({"mode": "dit", "kernels_per_call": n}))
+
+
+def cv3(args) -> None:
+    from cosyserve.models.loader import build_random
+
+    dtype = getattr(torch, args.dtype)
+    m = build_random(args.yaml, device="cuda", dtype=dtype, components=("flow", "hift"))
+    flow, hift = m.flow, m.hift
+    g = torch.Generator().manual_seed(0)
+    last_fn = None
+    for b in (int(x) for x in args.batches.split(",")):
+        p = args.prompt_tokens
+        toks = [torch.randint(0, 6561, (1, args.tokens), generator=g).cuda() for _ in range(b)]
+        ptok = [torch.randint(0, 6561, (1, p), generator=g).cuda() for _ in range(b)]
+        pfeat = [torch.randn(1, 2 * p, 80, generator=g).cuda() for _ in range(b)]
+        emb = torch.randn(b, 192, generator=g).cuda()
+
+        def chunk():
+            return flow.inference_batch(toks, ptok, pfeat, emb, streaming=True, finalize=False)
+
+        host, gpu = _time(chunk, n=3, warm=1)
+        mel = chunk()[0]
+        frames = mel.shape[-1]
+
+        def voc():
+            return hift.inference_batch([mel.float()] * b, [False] * b) if hasattr(hift, "inference_batch") else None
+
+        h_host, h_gpu = _time(voc, n=3, warm=1)
+        print(json.dumps({"mode": "cv3", "dtype": args.dtype, "streams": b, "prompt_tokens": p, "tokens": args.tokens,
+                          "new_frames": frames, "flow_host_ms": round(host, 2), "flow_gpu_ms": round(gpu, 2),
+                          "hift_host_ms": round(h_host, 2), "hift_gpu_ms": round(h_gpu, 2)}), flush=True)
+        last_fn = chunk
+    n = _profile(last_fn, "cv3 flow inference_batch (streaming chunk)")
+    print(json.dumps({"mode": "cv3", "kernels_per_call": n}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mode", choices=("dit", "cv3"), default="dit")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt-tokens", type=int, default=87)
+    ap.add_argument("--tokens", type=int, default=53, help="cv3: target tokens of the chunk call")
+    ap.add_argument("--yaml", default="benchmarks/configs/cosyvoice3-0.5b.yaml")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--eager", action="store_true", help="dit: no CUDA graphs")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    dit(args) if args.mode == "dit" else cv3(args)
+    print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}))
+
+
+if __name__ == "__main__":
+    main()
