@@ -76,10 +76,18 @@ def test_estimator_converges_to_the_known_capacity():
     exact = (0.8 - 25 * a) / (25 * c + k)  # 2.8 streams
     assert est.estimate() == pytest.approx(exact, rel=0.05)
     assert est.capacity() == 2
-    # the chunk schedule's speed-up S divides the budget: S * U(b) <= target
+    # the chunk schedule's speed-up S: with every stream starting (f = 1, the default) it divides
+    # the budget, S * U(b) <= target
     est.speedup = 2.0
     assert est.estimate() == pytest.approx((0.4 - 25 * a) / (25 * c + k), rel=0.05)
-    est.speedup = 1.0
+    # with a fifth of the streams starting, only the LM keeps the S-fold pace and token2wav is
+    # budgeted at 1 + (S - 1) * f: S*R*(a + c*b) + b*k*1.2 <= target
+    est.starting_fraction = 0.2
+    assert est.estimate() == pytest.approx((0.8 - 50 * a) / (50 * c + 1.2 * k), rel=0.05)
+    assert est.estimate() > (0.4 - 25 * a) / (25 * c + k)
+    est.starting_fraction = 0.0  # no stream starting: token2wav at 1x, the LM still at S x
+    assert est.estimate() == pytest.approx((0.8 - 50 * a) / (50 * c + k), rel=0.05)
+    est.speedup, est.starting_fraction = 1.0, 1.0
     # costs change (e.g. a slower GPU clock): within a few half-lives the estimate follows
     feed(est, clock, 2 * a, 2 * c, 2 * k, n=3000)
     assert est.estimate() == pytest.approx((0.8 - 50 * a) / (50 * c + 2 * k), rel=0.08)

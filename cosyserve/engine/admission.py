@@ -15,13 +15,19 @@ the model's ``token_frame_rate``, 25/s for CosyVoice2) and one second of audio f
   weighted least squares over the steps the engine ran (prefills included, as they occur);
 * token2wav costs ``k`` seconds per second of audio (exponentially weighted ratio of batch
   time to the audio the batch produced, at the batch sizes the engine currently runs);
-* the share of a resource that ``b`` streams need is ``U(b) = R*L(b) + b*k``;
 * a stream's chunk schedule may need more than 1x while it starts: with hops ``h1, h2, ...``
   (tokens), chunk ``k+1`` must be made while chunks ``1..k`` play, so the engine must run
   ``S = max_k (h2 + ... + h(k+1)) / (h1 + ... + hk)`` times faster than real time
   (:func:`chunk_speedup`: 2 for the doubling ``upstream`` and ``exponential`` schedules, 1 for
   ``fixed``; 1 for offline requests); the admitted streams' largest ``S`` applies;
-* the capacity is the largest ``b`` with ``S*U(b) <= target`` (``target`` < 1 leaves headroom
+* the share of a resource that ``b`` streams need is ``U(b) = S*R*L(b) + b*k*(1 + (S-1)*f)``:
+  the LM advances every stream at once, so it must keep the pace ``S*R`` of the newest stream;
+  token2wav work is per stream and issued earliest-deadline-first as soon as a chunk's tokens
+  exist (the LM runs ahead of playback), so the ``S``-fold pace binds only streams whose early,
+  closely spaced deadlines are still ahead: ``f`` is the fraction of the admitted streams (the
+  newcomer included) that have sent fewer than :data:`START_CHUNKS` chunks (1 before any
+  stream was admitted: a burst is budgeted at ``S`` for every stream, as the first model did);
+* the capacity is the largest ``b`` with ``U(b) <= target`` (``target`` < 1 leaves headroom
   for jitter, the prefills of newcomers and batching effects).
 
 The resources are the scheduler thread (host wall time of the LM step including its waits,
@@ -51,6 +57,11 @@ import time
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
+
+#: a stream counts as starting (its token2wav work budgeted at the schedule's speed-up ``S``)
+#: until it has sent this many chunks: the first hops have the tightest deadlines (session 21:
+#: the flat ``S*U(b)`` model held the UNet path at 30 streams, below the 32-64 measured stall-free)
+START_CHUNKS = 2
 
 #: :func:`chunk_speedup` looks at the chunks of this many speech tokens (10 s at 25/s): later
 #: hops of a long utterance matter less (the LM usually finishes first) and none is infinite
@@ -187,16 +198,16 @@ class _Resource:
         self.lm.decay(f)
         self.t2w.decay(f)
 
-    def capacity(self, rate: float, target: float, audio: bool) -> float | None:
-        """Largest real number of streams ``b`` with ``rate*(a + c*b) + b*k <= target`` (``k``
-        only with ``audio``; None without LM data, or without token2wav data when ``audio``;
-        ``inf`` if nothing grows with ``b``)."""
+    def capacity(self, rate: float, target: float, audio: bool, t2w_factor: float = 1.0) -> float | None:
+        """Largest real number of streams ``b`` with ``rate*(a + c*b) + b*k*t2w_factor <= target``
+        (``rate`` already scaled by the speed-up; ``k`` only with ``audio``; None without LM data,
+        or without token2wav data when ``audio``; ``inf`` if nothing grows with ``b``)."""
         fit = self.lm.solve()
         k = self.t2w.value() if audio else 0.0
         if fit is None or k is None:
             return None
         a, c = fit
-        per_stream = rate * c + k
+        per_stream = rate * c + k * t2w_factor
         room = target - rate * a
         if room <= 0:
             return 0.0
@@ -230,6 +241,8 @@ class CapacityEstimator:
         self.seen = 0  #: the most streams admitted at once while the LM was measured
         #: the chunk schedules' speed-up ``S`` (module doc) that the capacity is computed for
         self.speedup = 1.0
+        #: ``f``: the share of admitted streams still starting (module doc; 1 = all, the safe default)
+        self.starting_fraction = 1.0
         #: whether the streams make audio (token2wav's cost counts; LM-only requests: no)
         self.audio = True
         self._t = None
@@ -278,9 +291,11 @@ class CapacityEstimator:
         """The model's capacity in streams (a real number, unbounded by slow start and
         ``max_streams``), the smaller over the measured resources; None before the LM (and,
         with :attr:`audio`, token2wav) was measured."""
-        target = self.target / max(1.0, self.speedup)
-        caps = [c for c in (self.host.capacity(self.rate, target, self.audio),
-                            self.device.capacity(self.rate, target, self.audio)) if c is not None]
+        s = max(1.0, self.speedup)
+        f = min(1.0, max(0.0, self.starting_fraction))
+        rate, t2w_factor = self.rate * s, 1.0 + (s - 1.0) * f
+        caps = [c for c in (self.host.capacity(rate, self.target, self.audio, t2w_factor),
+                            self.device.capacity(rate, self.target, self.audio, t2w_factor)) if c is not None]
         self.last_estimate = min(caps) if caps else None
         return self.last_estimate
 
@@ -298,4 +313,4 @@ class CapacityEstimator:
         return self.last
 
 
-__all__ = ["AdmissionPolicy", "CapacityEstimator", "chunk_speedup", "SPEEDUP_HORIZON_TOKENS"]
+__all__ = ["AdmissionPolicy", "CapacityEstimator", "chunk_speedup", "SPEEDUP_HORIZON_TOKENS", "START_CHUNKS"]

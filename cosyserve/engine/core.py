@@ -61,7 +61,7 @@ from ..models.llm import DecodeState, KVCache, SilentTokenFilter
 from ..models.loader import CosyVoice2Models
 from ..models.sampling import UpstreamSampler, ras_sample_device
 from ..models.transfer import to_device
-from .admission import AdmissionPolicy, CapacityEstimator
+from .admission import START_CHUNKS, AdmissionPolicy, CapacityEstimator
 from .request import (
     AudioChunk,
     EngineRequest,
@@ -576,6 +576,11 @@ class EngineCore:
         head = next(iter(self._waiting.values()), None)
         states = list(self._active.values()) + ([head] if head is not None else [])
         model.speedup = max([st.speedup for st in states], default=1.0)
+        # streams that have not sent START_CHUNKS chunks yet (the queue head counts as one):
+        # their token2wav work is budgeted at the schedule's speed-up (admission module doc)
+        streaming = [st for st in states if st.speedup > 1.0]
+        model.starting_fraction = (sum(st.chunks < START_CHUNKS for st in streaming) / len(streaming)
+                                   if streaming else 1.0)
         model.audio = not states or any(not st.req.params.lm_only for st in states)
         cap = model.capacity()
         if self._logged_capacity is None or abs(cap - self._logged_capacity) >= max(2, 0.1 * self._logged_capacity):
@@ -946,7 +951,9 @@ class EngineCore:
                 if st.t_ready is None and st.first_chunk_at is None:
                     st.t_ready = now
                 if idle:
-                    n_tok = st.req.voice.flow_speech_token.numel() + nxt[1]  # the flow's input
+                    seg = nxt[0]
+                    offset = seg.schedule.token_offset if seg.stream else 0
+                    n_tok = self.t2w.cost_tokens(int(st.req.voice.flow_speech_token.numel()), nxt[1], offset)
                     cands.append((self._deadline(st, now), n_tok, st, nxt[0], nxt))
             elif idle and st.out_segment >= len(st.segments):
                 self._finish(st, events, Outcome.OK)

@@ -75,6 +75,12 @@ class Token2WavBackend:
     """What every token2wav backend shares on top of its own ``launch(jobs, stream=None, ...)`` /
     ``finish(pending)`` (CosyVoice2 :class:`Token2Wav`, CosyVoice3 and Step-Audio2 DiT backends)."""
 
+    def cost_tokens(self, prompt_tokens: int, end: int, token_offset: int) -> int:
+        """Flow input length (speech tokens) of a job covering tokens ``[token_offset, end)`` of a
+        request with ``prompt_tokens`` flow prompt tokens, for the engine's batch budgets. The
+        CosyVoice2/3 flows re-run the prompt and every token so far on each chunk: ``prompt + end``."""
+        return prompt_tokens + end
+
     @torch.inference_mode()
     def run(self, jobs: list[Token2WavJob]) -> list[Token2WavResult]:
         """Run ``jobs`` as one batch; results in job order (blocking)."""

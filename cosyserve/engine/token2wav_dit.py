@@ -92,6 +92,15 @@ class DitToken2WavBackend(Token2WavBackend):
             h.update(t.numpy().tobytes() if t.dtype != torch.bfloat16 else t.float().numpy().tobytes())
         return h.hexdigest()
 
+    def cost_tokens(self, prompt_tokens: int, end: int, token_offset: int) -> int:
+        """A stream's first job runs the prompt set-up too (``prompt + end``); a later chunk computes
+        only its new tokens and attends to a cache bounded at ``P + TRIM_KEEP`` mel frames, so it
+        costs its new tokens plus the cache's length in tokens (not the whole utterance)."""
+        if token_offset == 0:
+            return prompt_tokens + end
+        cache = min(prompt_tokens + token_offset, prompt_tokens + -(-TRIM_KEEP // self.flow.up_rate))
+        return (end - token_offset) + cache
+
     def length_bucket(self, n_tokens: int) -> int:
         return -(-n_tokens // 32) * 32
 
