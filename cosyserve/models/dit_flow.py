@@ -142,11 +142,23 @@ class _DiTAttention(nn.Module):
 class _CausalConv(nn.Conv1d):
     """Conv1d applied to ``cat([cache, x])`` (cache: the previous ``kernel - 1`` input frames)."""
 
-    def step(self, x: Tensor, cache: Tensor, new_len: Tensor | None) -> tuple[Tensor, Tensor]:
-        """``x [N, C_in, T]``, ``cache [N, C_in, k-1]`` -> ``([N, C_out, T], new cache [N, C_in, k-1])``;
-        the new cache is the last ``k-1`` frames before each row's ``new_len`` (None: ``T``)."""
-        xx = torch.cat([cache, x], dim=2)
-        return super().forward(xx), _last_frames(xx, cache.size(2), new_len)
+    def step_tc(self, x: Tensor, cache: Tensor, last_idx: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Time-major :meth:`step` as one GEMM over the unfolded input (no layout changes, no cuDNN
+        transposes): ``x [N, T, C_in]``, ``cache [N, C_in, k-1]`` -> ``([N, T, C_out], new cache
+        [N, C_in, k-1])``; ``last_idx [N, k-1]``: per row, the frames of ``cache ++ x`` that become
+        the new cache (the last ``k-1`` valid ones), None: the last ``k-1``."""
+        k = self.kernel_size[0]
+        n, t, _ = x.shape
+        xx = torch.cat([cache.transpose(1, 2).to(x.dtype), x], dim=1)  # [N, k-1+T, C_in]
+        cols = xx.unfold(1, k, 1).reshape(n, t, -1)  # [N, T, C_in*k], channel-major like the weight
+        y = F.linear(cols, self.weight.reshape(self.out_channels, -1), self.bias)
+        if k == 1:
+            new = xx[:, :0]
+        elif last_idx is None:
+            new = xx[:, -(k - 1):]
+        else:
+            new = torch.gather(xx, 1, last_idx.unsqueeze(-1).expand(-1, -1, xx.size(2)))
+        return y, new.transpose(1, 2)
 
 
 def _last_frames(xx: Tensor, n: int, new_len: Tensor | None) -> Tensor:
@@ -172,17 +184,19 @@ class _CausalConvBlock(nn.Module):
         })
         self.channels = channels
 
-    def forward(self, x: Tensor, cache: Tensor, new_len: Tensor | None) -> tuple[Tensor, Tensor]:
-        """``x [N, T, C]``, ``cache [N, 2C, k-1]`` -> ``([N, T, C], new cache [N, 2C, k-1])``."""
+    def forward(self, x: Tensor, cache: Tensor, last_idx: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``x [N, T, C]``, ``cache [N, 2C, k-1]`` -> ``([N, T, C], new cache [N, 2C, k-1])``;
+        ``last_idx`` as :meth:`_CausalConv.step_tc` (None: every row has ``T`` valid frames)."""
         c1, c2 = cache.split(self.channels, dim=1)
-        h, n1 = self.block["1"].step(x.transpose(1, 2), c1, new_len)
-        h = F.mish(self.block["3"](h.transpose(1, 2))).transpose(1, 2)
-        h, n2 = self.block["6"].step(h, c2, new_len)
-        return h.transpose(1, 2), torch.cat([n1, n2], dim=1)
+        h, n1 = self.block["1"].step_tc(x, c1, last_idx)
+        h = F.mish(self.block["3"](h))
+        h, n2 = self.block["6"].step_tc(h, c2, last_idx)
+        return h, torch.cat([n1, n2], dim=1)
 
 
 def _modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-    return x * (1 + scale) + shift
+    """adaLN modulation ``x * (1 + scale) + shift`` as one fused multiply-add over ``x``."""
+    return torch.addcmul(shift, x, scale + 1)
 
 
 class _DiTBlock(nn.Module):
@@ -202,17 +216,18 @@ class _DiTBlock(nn.Module):
     def _norm(self, x: Tensor) -> Tensor:
         return F.layer_norm(x, (self.hidden,), eps=1e-6)
 
-    def forward(self, x: Tensor, c: Tensor, kv: Tensor, cnn_cache: Tensor, mask: Tensor | None,
-                new_len: Tensor | None) -> tuple[Tensor, Tensor]:
-        """``x [N, T, hidden]``, ``c [N, 1, hidden]``, ``kv`` as :meth:`_DiTAttention.forward` (updated in
-        place) -> ``(x, new cnn cache)``."""
+    def forward(self, x: Tensor, mod: Tensor, kv: Tensor, cnn_cache: Tensor, mask: Tensor | None,
+                last_idx: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``x [N, T, hidden]``, ``mod`` = ``adaLN_modulation(c)`` ``[N or 1, 1, 9*hidden]`` (the time
+        conditioning), ``kv`` as :meth:`_DiTAttention.forward` (updated in place), ``last_idx`` as
+        :meth:`_CausalConv.step_tc` -> ``(x, new cnn cache)``."""
         (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
-         shift_conv, scale_conv, gate_conv) = self.adaLN_modulation(c).chunk(9, dim=-1)
-        x = x + gate_msa * self.attn(_modulate(self._norm(x), shift_msa, scale_msa), kv, mask)
-        cv, new_cnn = self.conv(_modulate(self._norm(x), shift_conv, scale_conv), cnn_cache, new_len)
-        x = x + gate_conv * cv
+         shift_conv, scale_conv, gate_conv) = mod.chunk(9, dim=-1)
+        x = torch.addcmul(x, gate_msa, self.attn(_modulate(self._norm(x), shift_msa, scale_msa), kv, mask))
+        cv, new_cnn = self.conv(_modulate(self._norm(x), shift_conv, scale_conv), cnn_cache, last_idx)
+        x = torch.addcmul(x, gate_conv, cv)
         m = self.mlp.fc2(F.gelu(self.mlp.fc1(_modulate(self._norm(x), shift_mlp, scale_mlp)), approximate="tanh"))
-        return x + gate_mlp * m, new_cnn
+        return torch.addcmul(x, gate_mlp, m), new_cnn
 
 
 class _FinalLayer(nn.Module):
@@ -222,8 +237,9 @@ class _FinalLayer(nn.Module):
         self.linear = nn.Linear(hidden, out_channels)
         self.hidden = hidden
 
-    def forward(self, x: Tensor, c: Tensor) -> Tensor:
-        shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
+    def forward(self, x: Tensor, mod: Tensor) -> Tensor:
+        """``x [N, T, hidden]``, ``mod`` = ``adaLN_modulation(c)`` ``[N or 1, 1, 2*hidden]``."""
+        shift, scale = mod.chunk(2, dim=-1)
         return self.linear(_modulate(F.layer_norm(x, (self.hidden,), eps=1e-6), shift, scale))
 
 
@@ -261,13 +277,21 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList(_DiTBlock(cfg) for _ in range(cfg.depth))
         self.final_layer = _FinalLayer(cfg.hidden_size, cfg.out_channels)
 
-    def forward(self, x: Tensor, t: Tensor, kv: Tensor, cnn_cache: Tensor, mask: Tensor | None,
-                new_len: Tensor | None) -> tuple[Tensor, Tensor]:
+    def modulations(self, t: Tensor) -> tuple[Tensor, Tensor]:
+        """The time conditioning of every block for each time value: ``t [S]`` (module dtype) ->
+        ``(blocks [S, depth, 1, 1, 9*hidden], final [S, 1, 1, 2*hidden])``. It depends on ``t`` only
+        (not on the rows), so a solve computes it once per Euler step for every row and stream."""
+        c = self.t_embedder(t).unsqueeze(1)  # [S, 1, hidden]
+        blocks = torch.stack([blk.adaLN_modulation(c) for blk in self.blocks], dim=1)  # [S, depth, 1, 9h]
+        return blocks.unsqueeze(2), self.final_layer.adaLN_modulation(c).unsqueeze(1)
+
+    def forward(self, x: Tensor, t: Tensor | None, kv: Tensor, cnn_cache: Tensor, mask: Tensor | None,
+                new_len: Tensor | None, mods: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """One velocity evaluation.
 
         Args:
             x: ``[N, in_channels, T]`` stacked ``[x, mu, spk, cond]`` (right-padded rows).
-            t: ``[N]`` time in [0, 1].
+            t: ``[N]`` time in [0, 1] (ignored when ``mods`` is given).
             kv: ``[depth, N, H, T + C, 2*head_dim]`` keys ‖ values: the last ``C`` frames hold the cache
                 (newest first; ``C`` may be 0); the first ``T`` are overwritten **in place** with this
                 call's keys/values, so afterwards ``kv`` is the new cache (per row ``cat([new, cache])``
@@ -275,16 +299,23 @@ class DiT(nn.Module):
             cnn_cache: ``[depth, N, 2*hidden, kernel-1]`` (zeros at the start of a stream).
             mask: ``[N, 1, T, T + C]`` bool or None (no padding).
             new_len: ``[N]`` valid frames per row or None (all ``T``).
+            mods: this step's ``(blocks [depth, 1, 1, 9*hidden], final [1, 1, 2*hidden])`` from
+                :meth:`modulations`, or None (computed from ``t`` per row).
 
         Returns ``(velocity [N, out_channels, T], new cnn cache [depth, N, 2*hidden, k-1])``.
         """
-        c = self.t_embedder(t).unsqueeze(1)
+        if mods is None:
+            c = self.t_embedder(t).unsqueeze(1)
+            mods = ([blk.adaLN_modulation(c) for blk in self.blocks], self.final_layer.adaLN_modulation(c))
         h = self.in_proj(x.transpose(1, 2))
+        last_idx = None  # the conv caches' frames, shared by every block
+        if new_len is not None and self.cfg.conv_kernel_size > 1:
+            last_idx = new_len.view(-1, 1) + torch.arange(self.cfg.conv_kernel_size - 1, device=x.device).view(1, -1)
         cnn_out = []
         for i, blk in enumerate(self.blocks):
-            h, nc = blk(h, c, kv[i], cnn_cache[i], mask, new_len)
+            h, nc = blk(h, mods[0][i], kv[i], cnn_cache[i], mask, last_idx)
             cnn_out.append(nc)
-        return self.final_layer(h, c).transpose(1, 2), torch.stack(cnn_out)
+        return self.final_layer(h, mods[1]).transpose(1, 2), torch.stack(cnn_out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,6 +458,7 @@ class DitFlowModel(nn.Module):
         self.register_buffer("rand_noise", noise, persistent=False)
         #: optional :class:`GraphedDiTSolve` (CUDA graphs of the whole solve), see :meth:`enable_cuda_graphs`
         self.graph = None
+        self._tc_cache = None  # (key, time grid + estimator time conditioning), see _time_conditioning
 
     # ------------------------------------------------------------------ basics
 
@@ -608,6 +640,33 @@ class DitFlowModel(nn.Module):
 
     # ------------------------------------------------------------------ CFM with the DiT
 
+    def _time_conditioning(self, n_timesteps: int, dtype: torch.dtype, dev) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(t [S], dt [S], mod_blocks, mod_final)`` of a solve (see :meth:`DiT.modulations`): the
+        cosine grid ``t_k = 1 - cos(k/S * pi/2)`` walked with upstream's accumulated ``t <- t + dt``,
+        ``dt = t_span[k+1] - t`` in float32, and the estimator's time conditioning at each ``t``.
+        Cached per (steps, dtype, device) until a parameter it depends on changes."""
+        est = self.decoder.estimator
+        params = [*est.t_embedder.parameters(), *est.final_layer.adaLN_modulation.parameters()]
+        for blk in est.blocks:
+            params += list(blk.adaLN_modulation.parameters())
+        key = (n_timesteps, dtype, torch.device(dev), tuple((p.data_ptr(), p._version) for p in params))
+        if self._tc_cache is not None and self._tc_cache[0] == key:
+            return self._tc_cache[1]
+        t_span = torch.linspace(0, 1, n_timesteps + 1, device=dev, dtype=torch.float32)
+        t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
+        ts, dts = [], []
+        t, dt = t_span[0:1], t_span[1:2] - t_span[0:1]
+        for step in range(1, n_timesteps + 1):
+            ts.append(t)
+            dts.append(dt)
+            t = t + dt
+            if step < n_timesteps:
+                dt = t_span[step + 1] - t
+        ts, dts = torch.cat(ts), torch.cat(dts)
+        blocks, final = est.modulations(ts.to(dtype))
+        self._tc_cache = (key, (ts, dts, blocks, final))
+        return self._tc_cache[1]
+
     def _solve_buffers(self, b: int, mmax: int, cmax: int, n_timesteps: int, dtype: torch.dtype, dev) -> dict:
         """Fresh inputs/outputs of :meth:`_euler` for ``b`` items (eager solves)."""
         d = self.decoder.estimator.cfg
@@ -628,28 +687,23 @@ class DitFlowModel(nn.Module):
 
         Reads ``x0 [B, 80, M]`` float32 (start noise), ``static_in [2B, 240, M]`` (``mu ‖ spk ‖ cond``,
         rows (conditional, unconditional) per item), ``cnn_in [S, depth, 2B, 2h, k-1]``, ``mask``,
-        ``new_len``; updates ``att [S, depth, 2B, H, M + C, 2hd]`` in place (step ``k``'s new keys/values
+        ``new_len``, the step sizes ``dt [S]`` and the time conditioning ``mod_blocks`` / ``mod_final``
+        (:meth:`_time_conditioning`); updates ``att [S, depth, 2B, H, M + C, 2hd]`` in place (step ``k``'s new keys/values
         in front of its cache) and writes ``x_out`` (the mel, float32) and ``cnn_out``."""
         est = self.decoder.estimator
         x, static_in = bufs["x0"], bufs["static_in"]
         att, cnn, mask, new_len = bufs["att"], bufs["cnn_in"], bufs["mask"], bufs["new_len"]
+        dts, mod_blocks, mod_final = bufs["dt"], bufs["mod_blocks"], bufs["mod_final"]
         b, n_mels, mmax = x.shape
-        n, dtype = 2 * b, static_in.dtype
-        t_span = torch.linspace(0, 1, n_timesteps + 1, device=x.device, dtype=torch.float32)
-        t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
-        t = t_span[0:1]
-        dt = t_span[1] - t_span[0]
+        dtype = static_in.dtype
         r = self.cfg.inference_cfg_rate
-        for step in range(1, n_timesteps + 1):
+        for step in range(n_timesteps):
             inp = torch.cat([x.to(dtype).repeat_interleave(2, dim=0), static_in], dim=1)
-            v, nc = est(inp, t.to(dtype).expand(n), att[step - 1], cnn[step - 1], mask, new_len)
-            bufs["cnn_out"][step - 1].copy_(nc)
+            v, nc = est(inp, None, att[step], cnn[step], mask, new_len, mods=(mod_blocks[step], mod_final[step]))
+            bufs["cnn_out"][step].copy_(nc)
             v = v.float().view(b, 2, n_mels, mmax)
             v = (1.0 + r) * v[:, 0] - r * v[:, 1]
-            x = x + dt * v
-            t = t + dt
-            if step < n_timesteps:
-                dt = t_span[step + 1] - t
+            x = x + dts[step] * v
         bufs["x_out"].copy_(x)
 
     def _solve(self, items: Sequence[DitItem], mu: Tensor, mlen: list[int], n_timesteps: int,
@@ -686,6 +740,13 @@ class DitFlowModel(nn.Module):
             use_graph = False
             bufs = self._solve_buffers(bb, mmax, cmax, n_timesteps, dtype, dev)
         mlen_p, ce_p = mlen + [1] * (bb - b), ce + [0] * (bb - b)
+        _, dts, mod_blocks, mod_final = self._time_conditioning(n_timesteps, dtype, dev)
+        if use_graph:  # the graph reads its own copies (the cache may be rebuilt)
+            bufs["dt"].copy_(dts)
+            bufs["mod_blocks"].copy_(mod_blocks)
+            bufs["mod_final"].copy_(mod_final)
+        else:
+            bufs.update(dt=dts, mod_blocks=mod_blocks, mod_final=mod_final)
 
         # inputs: rows (2i, 2i+1) = (conditional, unconditional) of item i; unconditional rows stay zero
         if self.rand_noise.device != dev:
@@ -963,7 +1024,10 @@ class GraphedDiTSolve:
                     static_in=torch.zeros(n, 3 * flow.n_mels, mmax, device=dev, dtype=dtype),
                     x_out=torch.zeros(b, flow.n_mels, mmax, device=dev),
                     mask=torch.ones(n, 1, 1, mmax + cmax, device=dev, dtype=torch.bool),
-                    new_len=torch.full((n,), mmax, device=dev, dtype=torch.long))
+                    new_len=torch.full((n,), mmax, device=dev, dtype=torch.long),
+                    dt=torch.zeros(n_timesteps, device=dev),
+                    mod_blocks=torch.zeros(n_timesteps, d.depth, 1, 1, 9 * d.hidden_size, device=dev, dtype=dtype),
+                    mod_final=torch.zeros(n_timesteps, 1, 1, 2 * d.hidden_size, device=dev, dtype=dtype))
         self.graphs[key] = [None, bufs]
         return bufs
 
