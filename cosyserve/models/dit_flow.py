@@ -72,6 +72,8 @@ from torch import Tensor, nn
 from ..errors import ConfigError
 from .config import DiTConfig, DitFlowConfig
 from .flow_encoder import UpsampleConformerEncoder, relative_position_table
+from .fused import FusedOp
+from .fused import enabled as fused_enabled
 
 __all__ = ["DiT", "DitFlowModel", "DitStreamState", "DitItem", "DitItemResult", "GraphedDiTSolve", "trim_state",
            "SILENCE_TOKEN", "TRIM_KEEP"]
@@ -189,7 +191,8 @@ class _CausalConvBlock(nn.Module):
         ``last_idx`` as :meth:`_CausalConv.step_tc` (None: every row has ``T`` valid frames)."""
         c1, c2 = cache.split(self.channels, dim=1)
         h, n1 = self.block["1"].step_tc(x, c1, last_idx)
-        h = F.mish(self.block["3"](h))
+        ln = self.block["3"]
+        h = _NORM_MISH(h, ln.weight, ln.bias) if ln.eps == 1e-5 else F.mish(ln(h))
         h, n2 = self.block["6"].step_tc(h, c2, last_idx)
         return h, torch.cat([n1, n2], dim=1)
 
@@ -197,6 +200,30 @@ class _CausalConvBlock(nn.Module):
 def _modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     """adaLN modulation ``x * (1 + scale) + shift`` as one fused multiply-add over ``x``."""
     return torch.addcmul(shift, x, scale + 1)
+
+
+def _norm_modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    """``_modulate(layer_norm(x, eps=1e-6, no affine), shift, scale)`` over the last dim of ``x [N, T, C]``."""
+    return _modulate(F.layer_norm(x, (x.shape[-1],), eps=1e-6), shift, scale)
+
+
+def _norm_mish(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """``mish(layer_norm(x, weight, bias, eps=1e-5))`` over the last dim (the conv block's middle)."""
+    return F.mish(F.layer_norm(x, (x.shape[-1],), weight, bias, eps=1e-5))
+
+
+#: one kernel each on CUDA (Inductor, :class:`~cosyserve.models.fused.FusedOp`); eager elsewhere
+_NORM_MODULATE = FusedOp(_norm_modulate, "dit_norm_modulate")
+_NORM_MISH = FusedOp(_norm_mish, "dit_norm_mish")
+
+
+def _linear_gelu_tanh(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """``gelu(linear(x), approximate="tanh")`` (upstream's DiT MLP); in half precision on CUDA the
+    GELU runs in cuBLASLt's GEMM epilogue (the same tanh approximation, no extra kernel)."""
+    if fused_enabled() and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+        y = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    return F.gelu(F.linear(x, weight, bias), approximate="tanh")
 
 
 class _DiTBlock(nn.Module):
@@ -213,9 +240,6 @@ class _DiTBlock(nn.Module):
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(h, 9 * h))
         self.hidden = h
 
-    def _norm(self, x: Tensor) -> Tensor:
-        return F.layer_norm(x, (self.hidden,), eps=1e-6)
-
     def forward(self, x: Tensor, mod: Tensor, kv: Tensor, cnn_cache: Tensor, mask: Tensor | None,
                 last_idx: Tensor | None) -> tuple[Tensor, Tensor]:
         """``x [N, T, hidden]``, ``mod`` = ``adaLN_modulation(c)`` ``[N or 1, 1, 9*hidden]`` (the time
@@ -223,10 +247,11 @@ class _DiTBlock(nn.Module):
         :meth:`_CausalConv.step_tc` -> ``(x, new cnn cache)``."""
         (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
          shift_conv, scale_conv, gate_conv) = mod.chunk(9, dim=-1)
-        x = torch.addcmul(x, gate_msa, self.attn(_modulate(self._norm(x), shift_msa, scale_msa), kv, mask))
-        cv, new_cnn = self.conv(_modulate(self._norm(x), shift_conv, scale_conv), cnn_cache, last_idx)
+        x = torch.addcmul(x, gate_msa, self.attn(_NORM_MODULATE(x, shift_msa, scale_msa), kv, mask))
+        cv, new_cnn = self.conv(_NORM_MODULATE(x, shift_conv, scale_conv), cnn_cache, last_idx)
         x = torch.addcmul(x, gate_conv, cv)
-        m = self.mlp.fc2(F.gelu(self.mlp.fc1(_modulate(self._norm(x), shift_mlp, scale_mlp)), approximate="tanh"))
+        fc1 = self.mlp.fc1
+        m = self.mlp.fc2(_linear_gelu_tanh(_NORM_MODULATE(x, shift_mlp, scale_mlp), fc1.weight, fc1.bias))
         return torch.addcmul(x, gate_mlp, m), new_cnn
 
 
@@ -240,7 +265,7 @@ class _FinalLayer(nn.Module):
     def forward(self, x: Tensor, mod: Tensor) -> Tensor:
         """``x [N, T, hidden]``, ``mod`` = ``adaLN_modulation(c)`` ``[N or 1, 1, 2*hidden]``."""
         shift, scale = mod.chunk(2, dim=-1)
-        return self.linear(_modulate(F.layer_norm(x, (self.hidden,), eps=1e-6), shift, scale))
+        return self.linear(_NORM_MODULATE(x, shift, scale))
 
 
 class _TimestepEmbedder(nn.Module):

@@ -43,6 +43,11 @@ def set_enabled(flag: bool) -> bool:
     return prev
 
 
+def enabled() -> bool:
+    """Whether fused kernels are on (``COSYSERVE_FUSED_KERNELS``, :func:`set_enabled`)."""
+    return _enabled
+
+
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``gelu(linear(x, weight, bias))``: ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` ->
     ``[..., N]``.
