@@ -356,6 +356,7 @@ class DiT(nn.Module):
         self.long_skip_connection = nn.Linear(cfg.dim * 2, cfg.dim, bias=False) if cfg.long_skip_connection else None
         self.norm_out = _AdaLayerNorm(cfg.dim, 2)
         self.proj_out = nn.Linear(cfg.dim, cfg.mel_dim)
+        self._rotary_cache: tuple[Tensor, Tensor] | None = None
 
     def attention_plan(self, mask: Tensor, streaming: Tensor | bool) -> DiTPlan:
         """Masks and rotary tables from ``mask [B, 1, T]`` (1 valid / 0 padded, model dtype) and
@@ -366,8 +367,27 @@ class DiT(nn.Module):
             streaming = torch.full((b,), bool(streaming), device=mask.device)
         streaming = streaming.to(device=mask.device, dtype=torch.bool)
         allowed = chunk_attention_mask(mask[:, 0].bool(), streaming, self.cfg.static_chunk_size)
-        cos, sin = rotary_tables(self.rotary_embed.inv_freq, t)
+        cos, sin = self.rotary(t)
         return DiTPlan(allowed=allowed.unsqueeze(1), valid=mask.transpose(1, 2), cos=cos, sin=sin)
+
+    def rotary(self, frames: int, start: int = 0) -> tuple[Tensor, Tensor]:
+        """Rotary tables ``(cos, sin)`` ``[frames, dim_head]`` float32 of positions ``start ..
+        start + frames - 1``, sliced from a table cached on the device of ``inv_freq`` (grown to the
+        next power of two when a longer one is asked for; a row's values do not depend on the
+        table's length, so slices equal :func:`rotary_tables` of that length bit for bit). While
+        a CUDA graph is being captured, a missing table is computed without being cached (a
+        captured kernel writes it only at replay)."""
+        inv = self.rotary_embed.inv_freq
+        need = start + frames
+        cached = self._rotary_cache
+        if cached is None or cached[0].device != inv.device or cached[0].shape[0] < need:
+            size = 1 << max(8, (need - 1).bit_length())
+            table = rotary_tables(inv, size)
+            capturing = inv.is_cuda and torch.cuda.is_current_stream_capturing()
+            if capturing:
+                return table[0][start:need], table[1][start:need]
+            self._rotary_cache = cached = table
+        return cached[0][start:need], cached[1][start:need]
 
     def forward_btc(self, h: Tensor, plan: DiTPlan, t: Tensor) -> Tensor:
         """Velocity ``[B, T, mel_dim]`` (zero at padded frames) from the packed input
