@@ -330,10 +330,10 @@ class EngineCore:
                                                  max_batch=config.max_active, max_tokens=config.max_prefill_tokens)
             ratio = models.cfg.token_mel_ratio
             cv3 = getattr(models.cfg, "is_cosyvoice3", False) and getattr(models, "dit", None) is None
-            if cv3:
-                log.info("CosyVoice3: the flow (DiT) and the causal HiFT run eagerly (no CUDA graphs for them yet); "
-                         "the LM uses CUDA graphs")
-            elif getattr(models, "dit", None) is not None and models.flow.graph is None:
+            if cv3:  # CosyVoice3: its DiT flow through the same GraphedFlow grid; the causal HiFT stays eager
+                log.info("CosyVoice3: the flow (DiT) runs as CUDA graphs; the causal HiFT eagerly over a bounded "
+                         "window per chunk")
+            if getattr(models, "dit", None) is not None and models.flow.graph is None:
                 models.flow.enable_cuda_graphs()  # DiT estimator steps, captured on first use per shape
             elif getattr(models, "dit", None) is None and getattr(models.flow, "graph", None) is None:
                 models.flow.graph = GraphedFlow(models.flow, config.max_t2w_batch, max_tokens=config.kv_max_len,

@@ -592,19 +592,18 @@ class GraphedFlow(_BucketGraphs):
         noise_tokens = flow.rand_noise.size(-1) // flow.token_mel_ratio // token_bucket * token_bucket
         top = max(token_bucket, min(max_tokens, noise_tokens))
         super().__init__(BucketGrid(half_octave_buckets(max_batch), length_buckets(token_bucket, top), max_area,
-                                    max_quad), flow.encoder_proj.weight.device, pool)
+                                    max_quad), flow._model_device(), pool)
         self.flow = flow
 
     @torch.inference_mode()
     def _capture(self, bb: int, lb: int):
         flow = self.flow
-        bufs = flow_buffers(flow, bb, lb, flow.encoder_proj.weight.device, self.shared)
+        bufs = flow_buffers(flow, bb, lb, flow._model_device(), self.shared)
 
         def begin():  # the solver state the step graph works on, in the shared buffers
             st = flow_begin_from_buffers(flow, bufs)
             units, share = bb * lb, self.shared.share
-            plan = replace(st.plan, masks=[share(f"mask{d}", m, units) for d, m in enumerate(st.plan.masks)],
-                           streaming=share("streaming", st.plan.streaming, units))
+            plan = _share_plan(st.plan, lambda name, t: share(name, t, units))
             return replace(st, xt=share("xt", st.xt, units), inp=share("inp", st.inp, units), plan=plan)
 
         g_begin, state = _capture_graph(begin, self.pool, self.stream, f"flow begin graph batch {bb} x {lb} tokens", self._level())
@@ -641,6 +640,26 @@ class GraphedFlow(_BucketGraphs):
         while run.steps_left:
             run.step()
         return run.state.mels(inputs.ids.shape[0])
+
+
+def _share_plan(plan, share):
+    """The estimator's attention plan (a dataclass: CosyVoice2's
+    :class:`~cosyserve.models.flow_estimator.AttentionPlan`, CosyVoice3's
+    :class:`~cosyserve.models.cv3_flow.DiTPlan`) with every tensor field, and every tensor in a
+    list field, replaced by ``share(name, tensor)`` (a copy in a graph's static buffers); buffer
+    names: the field's name, ``mask{d}`` for the entries of a list field ``masks``, else
+    ``{field}{d}``."""
+    import dataclasses
+
+    changes = {}
+    for f in dataclasses.fields(plan):
+        v = getattr(plan, f.name)
+        if isinstance(v, torch.Tensor):
+            changes[f.name] = share(f.name, v)
+        elif isinstance(v, (list, tuple)) and v and all(isinstance(x, torch.Tensor) for x in v):
+            stem = "mask" if f.name == "masks" else f.name
+            changes[f.name] = type(v)(share(f"{stem}{d}", x) for d, x in enumerate(v))
+    return replace(plan, **changes)
 
 
 def flow_buffers(flow, bb: int, lb: int, device, shared: SharedBuffers | None = None) -> dict[str, torch.Tensor]:
