@@ -220,3 +220,117 @@ def test_gpu_graphed_flow_bf16_within_bound(yaml_data):
     for label, got, eager_half in _graphed_vs_eager(half, half.graph, items):
         check_close(got, eager_half, f"bf16 graphed vs bf16 eager: {label}", BF16_MEL_TOL)
         check_close(got, ref_out[label], f"bf16 graphed vs float32: {label}", BF16_MEL_TOL)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. causal HiFT over a bounded window with the carried phase
+# ----------------------------------------------------------------------------------------------
+
+#: windowed vs whole-mel re-run on CPU over long streams (measured ~8e-7: convolutions of other lengths)
+WINDOW_SELF_TOL = 1e-5
+
+
+def _windowed_stream(hift, mel: torch.Tensor, ends: list[int]):
+    """Stream ``mel`` in calls ending at ``ends`` (last = all frames, final); per call (windowed
+    new samples, whole-mel re-run's new samples)."""
+    out, off, carry = [], 0, None
+    for end in ends:
+        fin = end == mel.shape[-1]
+        (new,), (carry,) = hift.inference_stream_batch([mel[:, :, :end]], [off], [fin], [carry])
+        full = hift.inference(mel[:, :, :end], fin)[0][:, off:]
+        out.append((new, full))
+        off += new.shape[1]
+    return out
+
+
+def _long_mel() -> torch.Tensor:
+    mels = [tensors(c)["mel"] for c in discover("hift", has=("mel",))]
+    if not mels:
+        pytest.skip("no CosyVoice3 hift cases")
+    mel = torch.cat(mels + [m.flip(-1) for m in mels], dim=2)
+    while mel.shape[-1] < 600:
+        mel = torch.cat([mel, mel.flip(-1)], dim=2)
+    return mel
+
+
+def test_stream_margins_come_from_the_modules(hift):
+    f0m, tm = hift.stream_margins
+    assert f0m == sum(m.pad_len for m in list(hift.f0_predictor.condnet)[1:] if hasattr(m, "pad_len"))
+    assert 0 < tm < 100
+    assert hift.window_start(f0m + tm + 7) == 7 and hift.window_start(5) == 0
+
+
+@pytest.mark.parametrize("case", HIFT_STREAM_CASES)
+def test_windowed_hift_matches_reference_stream(hift, case, one_thread):
+    """The reference streaming HiFT calls (whole-mel re-run trimmed by speech_offset upstream)
+    reproduced by the windowed HiFT with the carried phase: every call's new samples within 1e-4."""
+    t, calls = tensors(case), meta(case)["calls"]
+    off, carry = 0, None
+    for i, call in enumerate(calls):
+        (new,), (carry,) = hift.inference_stream_batch([t["mel"][:, :, :call["mel_frames_in"]]], [off],
+                                                       [bool(call["finalize"])], [carry])
+        assert off == call["speech_offset_before"]
+        check_close(new, t[f"c{i}_raw_speech"][:, off:], f"{case} windowed call {i}")
+        assert new.shape[1] == call["yielded_samples"]
+        off += new.shape[1]
+
+
+def test_windowed_hift_equals_rerun_over_a_long_stream(hift, one_thread):
+    """A 600+ frame stream (windows start far from frame 0, the phase is carried several times):
+    windowed == whole-mel re-run within WINDOW_SELF_TOL per call; with the margins cut the error is
+    orders of magnitude larger (the margins are needed, the comparison can fail)."""
+    mel = _long_mel()
+    t = mel.shape[-1]
+    ends = [60, 110, 210, 410, t - 90, t]
+    res = _windowed_stream(hift, mel, ends)
+    assert hift.window_start(sum(n.shape[1] for n, _ in res[:-1]) // hift.samples_per_frame) > 100
+    for i, (new, full) in enumerate(res):
+        check_close(new, full, f"windowed vs re-run, call {i} (ends {ends[i]})", WINDOW_SELF_TOL)
+    f0m, tm = hift.stream_margins
+    try:
+        for cut in ((f0m, 4), (1, tm)):
+            hift._stream_margins = cut
+            worst = max(float((n - f).norm() / f.norm()) for n, f in _windowed_stream(hift, mel, ends))
+            assert worst > 50 * WINDOW_SELF_TOL, (cut, worst)
+    finally:
+        hift._stream_margins = None
+
+
+def test_windowed_hift_batch_equals_single(hift, one_thread):
+    """Three streams at different points (first call, carried phase, final) in one windowed call
+    equal their single calls."""
+    mel = _long_mel()
+    spf = hift.samples_per_frame
+    (a,), (ca,) = hift.inference_stream_batch([mel[:, :, :300]], [0], [False], [None])
+    emitted = a.shape[1]
+    items = [(mel[:, :, :80], 0, False, None), (mel[:, :, :420], emitted, False, ca), (mel, emitted, True, ca)]
+    assert hift.window_start(emitted // spf) > 0 and ca is not None
+    outs, carries = hift.inference_stream_batch(*[list(x) for x in zip(*items)])
+    for k, (item, o, c) in enumerate(zip(items, outs, carries)):
+        (so,), (sc,) = hift.inference_stream_batch(*[[x] for x in item])
+        check_close(o, so, f"windowed batch item {k}", 1e-5)
+        assert (c is None) == (sc is None) and (c is None or (c.frame == sc.frame and torch.equal(c.phase, sc.phase)))
+    assert carries[2] is None  # final
+
+
+def test_missing_carry_falls_back_to_frame_zero(hift):
+    mel = _long_mel()[:, :, :400]
+    (a,), _ = hift.inference_stream_batch([mel[:, :, :300]], [0], [False], [None])
+    (b,), (cb,) = hift.inference_stream_batch([mel], [a.shape[1]], [False], [None])
+    check_close(b, hift.inference(mel, False)[0][:, a.shape[1]:], "no carry: computed from frame 0", 1e-6)
+    assert cb is not None
+
+
+def test_windowed_and_rerun_token2wav_agree(flow, hift, one_thread):
+    """stream_token2wav with hift_window on and off: the same chunks (flow identical, speech 1e-5)."""
+    from cosyserve.engine.token2wav_cv3 import stream_token2wav
+
+    if not STREAM_CASES:
+        pytest.skip("no stream case")
+    t = tensors(STREAM_CASES[0])
+    args = (t["source_speech_token"], t["prompt_token"], t["prompt_feat"], t["embedding"])
+    on = list(stream_token2wav(flow, hift, *args, hift_window=True))
+    off = list(stream_token2wav(flow, hift, *args, hift_window=False))
+    assert [a.job for a in on] == [b.job for b in off]
+    for i, (a, b) in enumerate(zip(on, off)):
+        check_close(a.speech, b.speech, f"chunk {i} windowed vs re-run", 1e-5)

@@ -130,6 +130,7 @@ __all__ = [
     "load_hift",
     "DEFAULT_MEL_CACHE_LEN",
     "CausalHiFTGenerator",
+    "CausalHiFTCarry",
     "CausalSourceNoise",
     "parse_causal_hift",
 ]
@@ -1406,6 +1407,180 @@ class CausalHiFTGenerator(HiFTGenerator):
             sources.append(self.excitation(self.predict_f0(m, f)))
             bodies.append(m if f else m[:, :, :-self.f0_lookahead])
         return self.decode_batch(bodies, sources, flags), sources
+
+    # ------------------------------------------------------------------ bounded-window streaming
+
+    @property
+    def stream_margins(self) -> tuple[int, int]:
+        """``(f0_margin, trunk_margin)`` mel frames (:func:`_causal_stream_margins`; 8 and 35 for
+        the official CosyVoice3 HiFT): a streaming call recomputes ``f0_margin + trunk_margin``
+        frames before the first new one."""
+        if getattr(self, "_stream_margins", None) is None:
+            self._stream_margins = _causal_stream_margins(self)
+        return self._stream_margins
+
+    def window_start(self, emitted_frames: int) -> int:
+        """First mel frame of the window a streaming call reads after ``emitted_frames`` frames
+        (``emitted samples / samples_per_frame``) were emitted: ``max(0, emitted - f0_margin -
+        trunk_margin)``."""
+        f0m, tm = self.stream_margins
+        return max(0, emitted_frames - f0m - tm)
+
+    def _window_excitation(self, f0: torch.Tensor, start: int, carry: torch.Tensor | None,
+                           k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Excitation of window frames ``start ..`` from their F0 ``[1, W]`` (Hz): what
+        :meth:`excitation` of the whole F0 gives for those frames, with the phase accumulator
+        carried in: ``carry`` ``[1, H+1]`` float64 = the sum of frames ``0 .. start + k - 1``'s phase
+        increments (None with ``start == 0``: accumulated from frame 0); frames ``< k`` of the
+        window (not exact F0) hold the carried phase. The sum runs in float64 and is rounded to
+        the working dtype afterwards, which is exactly what torch's CPU ``cumsum`` of float32 does
+        (its accumulator is double), so on CPU the phase equals the whole-mel run's bit for bit.
+        The construction noise is indexed by absolute sample. Returns ``(source [1, 1, W * spf]``
+        in ``f0.dtype``, ``accumulated phase [1, W, H+1]`` float64)."""
+        spf = self.samples_per_frame
+        cfg = self.cfg
+        work = torch.promote_types(f0.dtype, torch.float32)
+        f0_up = self.upsample_f0(f0).to(work)  # [1, N, 1]
+        n = f0_up.shape[1]
+        h = cfg.nb_harmonics + 1
+        harmonics = torch.arange(1, h + 1, device=f0.device, dtype=work)[None, None, :]
+        rad = (f0_up * harmonics / cfg.sampling_rate) % 1
+        if start == 0:
+            rad[:, 0, :] = rad[:, 0, :] + self.noise.rand_ini(f0.device).to(work)
+        rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / spf, mode="linear").transpose(1, 2)
+        if carry is None:
+            cum = torch.cumsum(rad.to(torch.float64), dim=1)
+        else:
+            c = carry.to(device=rad.device, dtype=torch.float64)[:, None, :]
+            acc = torch.cumsum(torch.cat([c, rad[:, k:].to(torch.float64)], dim=1), dim=1)[:, 1:]
+            cum = torch.cat([c.expand(-1, k, -1), acc], dim=1)
+        phase = cum.to(work) * 2 * math.pi
+        phase = F.interpolate(phase.transpose(1, 2) * spf, scale_factor=float(spf), mode="nearest").transpose(1, 2)
+        sine = torch.sin(phase) * cfg.nsf_alpha
+        uv = (f0_up > cfg.nsf_voiced_threshold).to(work)
+        noise_amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
+        noise = self.noise.sine_waves(start * spf + n, f0.device)[:, start * spf:].to(work)
+        sine = sine * uv + noise_amp * noise
+        lin = self.m_source.l_linear
+        merged = torch.tanh(F.linear(sine, lin.weight.to(work), lin.bias.to(work)))
+        return merged.transpose(1, 2).to(f0.dtype), cum
+
+    @torch.inference_mode()
+    def inference_stream_batch(
+        self, mels: Sequence[torch.Tensor], emitted: Sequence[int], finalize: Sequence[bool],
+        carries: Sequence[CausalHiFTCarry | None],
+    ) -> tuple[list[torch.Tensor], list[CausalHiFTCarry | None]]:
+        """Streaming calls without the whole-mel re-run: per item the samples that
+        ``inference(mel, finalize)[0][:, emitted:]`` gives (upstream's ``CosyVoice3Model.token2wav``
+        trims its re-run over the accumulated mel by ``speech_offset``), computed over a bounded
+        window only.
+
+        Why this is exact: every layer after ``conv_pre`` is causal with a finite left field, F0 at
+        a frame reads a bounded left context (``f0_margin``), the construction noise is indexed
+        by sample, and the only unbounded dependency — the excitation phase, a running sum of
+        per-frame phase increments — is carried (:class:`CausalHiFTCarry`). So the window is
+        frames ``window_start(emitted / spf) ..`` of the accumulated mel (``f0_margin +
+        trunk_margin`` frames before the first new one), its first ``f0_margin`` frames' phase is
+        the carried sum, and the output before the new samples is dropped. Numerics: on CPU the
+        phase equals the whole-mel run's bit for bit and the rest differs only by convolution
+        rounding of other lengths (tests: ~1e-7); on CUDA the float64 phase sum is more accurate
+        than the re-run's float32 scan. Cost per call: window frames instead of all frames.
+
+        Args: ``mels`` B accumulated mels ``[1, in_channels, T_b]`` (all frames so far; only the
+        window is read); ``emitted`` samples already emitted per item (a multiple of
+        ``samples_per_frame``, as every causal HiFT output is); ``finalize`` per item;
+        ``carries`` per item: None for a stream's first call (or while its window starts at frame
+        0), else the carry the previous call returned; an item whose carry is missing or belongs to
+        another point of the stream is computed from frame 0 (the re-run's cost, same samples).
+
+        Returns ``(speeches, carries)``: per item the new samples ``[1, n]`` and the carry for its
+        next call (None after a final call or while the next window starts at frame 0).
+
+        Raises ValueError on inconsistent arguments or a too short non-final mel.
+        """
+        b = len(mels)
+        if not (b == len(emitted) == len(finalize) == len(carries)):
+            raise ValueError(f"inference_stream_batch needs one emitted count, flag and carry per mel, got "
+                             f"{b}, {len(emitted)}, {len(finalize)}, {len(carries)}")
+        if b == 0:
+            return [], []
+        spf = self.samples_per_frame
+        f0m, _ = self.stream_margins
+        bodies, sources, plans = [], [], []
+        for m, e_samples, fin, carry in zip(mels, emitted, finalize, carries):
+            if m.dim() != 3 or m.shape[0] != 1:
+                raise ValueError(f"each mel must be [1, {self.cfg.in_channels}, T], got {tuple(m.shape)}")
+            _check_flag(bool(fin) if isinstance(fin, (bool, int)) else fin)
+            e_samples = int(e_samples)
+            if e_samples < 0 or e_samples % spf:
+                raise ValueError(f"emitted samples must be a non-negative multiple of {spf}, got {e_samples}")
+            start = self.window_start(e_samples // spf)
+            if start > 0 and (carry is None or carry.frame != start + f0m):
+                start = 0  # no usable carry (e.g. a state built by hand): run from frame 0, as the re-run does
+            win = m[:, :, start:]
+            f0 = self.predict_f0(win, bool(fin))
+            src, cum = self._window_excitation(f0, start, carry.phase if start > 0 else None, f0m if start else 0)
+            bodies.append(win if fin else win[:, :, :-self.f0_lookahead])
+            sources.append(src)
+            plans.append((start, e_samples, cum))
+        speeches = self.decode_batch(bodies, sources, [bool(f) for f in finalize])
+        outs, new_carries = [], []
+        for sp, fin, (start, e_samples, cum) in zip(speeches, finalize, plans):
+            out = sp[:, e_samples - start * spf:]
+            outs.append(out)
+            nxt = self.window_start((e_samples + out.shape[1]) // spf)
+            if fin or nxt == 0:
+                new_carries.append(None)
+            else:
+                frame = nxt + f0m
+                new_carries.append(CausalHiFTCarry(frame=frame, phase=cum[:, frame - 1 - start].clone()))
+        return outs, new_carries
+
+
+@dataclass(frozen=True)
+class CausalHiFTCarry:
+    """What a causal-HiFT stream carries between windowed calls
+    (:meth:`CausalHiFTGenerator.inference_stream_batch`): ``phase`` ``[1, H+1]`` float64, the
+    excitation phase accumulator (cycles per sample summed over frames, upstream's ``cumsum`` of
+    the frame-rate phase increments) over frames ``0 .. frame - 1``, where ``frame`` is the first
+    frame whose F0 the next window computes exactly (``window start + f0 margin``). 72 bytes per
+    stream at 8 harmonics."""
+
+    frame: int
+    phase: torch.Tensor
+
+
+def _conv_left_field(module: nn.Module) -> int:
+    """Sum over every ``nn.Conv1d`` in ``module`` of ``(kernel - 1) * dilation``: an upper bound of
+    the input samples left of an output sample that a causal chain of those convolutions reads."""
+    return sum((m.kernel_size[0] - 1) * m.dilation[0] for m in module.modules() if isinstance(m, nn.Conv1d))
+
+
+def _causal_stream_margins(hift: "CausalHiFTGenerator") -> tuple[int, int]:
+    """``(f0_margin, trunk_margin)`` in mel frames for :meth:`CausalHiFTGenerator.inference_stream_batch`.
+
+    ``f0_margin``: frames at a window's start whose F0 differs from the whole-mel run (the F0
+    predictor's causal convolutions after the first read zeros there; the first conv reads only
+    the right). ``trunk_margin``: an upper bound of the mel frames left of an output sample that
+    the decoder reads — per upsampling stage the upsampling conv plus the widest resblock (every
+    conv of it chained) at that stage's rate, the source branch (strided downsampling conv from
+    the STFT frame rate, its resblock), then ``conv_post``, the inverse STFT's overlap, the source
+    STFT's centring and the last stage's one-sample reflection — rounded up, plus one frame.
+    ``conv_pre`` reads only the right. Derived from the built modules, so from the yaml."""
+    cfg = hift.cfg
+    f0_margin = sum(m.pad_len for m in list(hift.f0_predictor.condnet)[1:] if isinstance(m, _CausalConv1d))
+    stft_rate = math.prod(cfg.upsample_rates)  # source STFT frames per mel frame (+1 frame in all)
+    total, rate = 0.0, 1
+    k = hift.num_kernels
+    for i, r in enumerate(cfg.upsample_rates):
+        rate *= r
+        widest = max(_conv_left_field(hift.resblocks[i * k + j]) for j in range(k))
+        total += (_conv_left_field(hift.ups[i]) + widest + _conv_left_field(hift.source_resblocks[i])) / rate
+        down = hift.source_downs[i]
+        total += (_conv_left_field(down) + down.stride[0] - 1) / stft_rate
+    total += (_conv_left_field(hift.conv_post) + hift.n_fft // hift.hop + 1) / stft_rate
+    total += (hift.n_fft // 2) / hift.samples_per_frame
+    return f0_margin, int(math.ceil(total)) + 1
 
 
 def _check_flag(finalize) -> None:
