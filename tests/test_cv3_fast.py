@@ -334,3 +334,69 @@ def test_windowed_and_rerun_token2wav_agree(flow, hift, one_thread):
     assert [a.job for a in on] == [b.job for b in off]
     for i, (a, b) in enumerate(zip(on, off)):
         check_close(a.speech, b.speech, f"chunk {i} windowed vs re-run", 1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. batching in the engine
+# ----------------------------------------------------------------------------------------------
+
+
+class _Forced:
+    """A sampler that emits given tokens, then the stop token."""
+
+    def __init__(self, tokens: list[int], stop: int):
+        self.tokens, self.stop = tokens, stop
+
+    def sample(self, logp, history, generator=None, ignore_eos=False):
+        return self.tokens[len(history)] if len(history) < len(self.tokens) else self.stop
+
+
+@pytest.mark.parametrize("case", STREAM_CASES or [pytest.param(None, marks=pytest.mark.skip("no stream case"))])
+def test_concurrent_streams_share_flow_and_hift_calls(case, monkeypatch, one_thread):
+    """Two streaming requests started together: their chunk jobs go through ONE flow call and ONE
+    HiFT call per chunk (spied on the models), and each request's chunks still equal the reference
+    stream case's (WAVE_TOL)."""
+    from dataclasses import replace as dc_replace
+
+    from _reference import WAVE_TOL
+    from _reference_cv3 import set_file
+
+    from cosyserve.engine.core import EngineConfig
+    from cosyserve.engine.pipeline import Synthesizer
+    from cosyserve.engine.request import AudioChunk, SynthesisParams
+    from cosyserve.models.llm import SilentTokenFilter
+
+    synth = Synthesizer(model_dir(), normalizer="none")
+    m, d = meta(case), tensors(case)
+    tokens = d["source_speech_token"].reshape(-1).tolist()
+    if SilentTokenFilter.for_config(synth.cfg.llm).filter(tokens) != tokens:
+        pytest.skip("the stream case's tokens hold a run of silent tokens")
+    base = synth.make_voice("v", str(set_file("audio/zero_shot_prompt.wav")),
+                            "You are a helpful assistant.<|endofprompt|>希望你以后能够做的比我还好呦。")
+    voice = dc_replace(base, flow_speech_token=d["prompt_token"].reshape(-1).to(base.flow_speech_token.dtype),
+                       speech_feat=d["prompt_feat"][0], flow_embedding=d["embedding"].reshape(-1))
+    stop = synth.cfg.llm.stop_token_ids[0]
+    flow_batches, hift_batches = [], []
+    real_start, real_hift = synth.models.flow.start, synth.models.hift.inference_stream_batch
+    monkeypatch.setattr(synth.models.flow, "start",
+                        lambda inputs, *a, **k: flow_batches.append(inputs.ids.shape[0]) or real_start(inputs, *a, **k))
+    monkeypatch.setattr(synth.models.hift, "inference_stream_batch",
+                        lambda mels, *a, **k: hift_batches.append(len(mels)) or real_hift(mels, *a, **k))
+    engine = synth.new_engine(EngineConfig(max_active=2, t2w_batch_target=2))
+    params = lambda: SynthesisParams(seed=0, stream=True, min_tokens=0, max_tokens=len(tokens) + 1,  # noqa: E731
+                                     sampler_factory=lambda: _Forced(tokens, stop))
+    reqs = [synth.build_request("你好。", voice, params(), request_id=f"s{i}") for i in range(2)]
+    out = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_work():
+        for ev in engine.step():
+            if isinstance(ev, AudioChunk):
+                out[ev.request_id].append(ev)
+    assert flow_batches and max(flow_batches) == 2, flow_batches
+    assert len(flow_batches) == len(m["chunks"]), flow_batches  # every chunk of both streams: one flow call
+    assert hift_batches == flow_batches
+    for rid, chunks in out.items():
+        assert len(chunks) == len(m["chunks"])
+        for i, c in enumerate(chunks):
+            check_close(torch.from_numpy(c.samples).reshape(1, -1), d[f"c{i}_speech"], f"{rid} chunk {i}", WAVE_TOL)
