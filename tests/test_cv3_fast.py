@@ -400,3 +400,86 @@ def test_concurrent_streams_share_flow_and_hift_calls(case, monkeypatch, one_thr
         assert len(chunks) == len(m["chunks"])
         for i, c in enumerate(chunks):
             check_close(torch.from_numpy(c.samples).reshape(1, -1), d[f"c{i}_speech"], f"{rid} chunk {i}", WAVE_TOL)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4b. the causal HiFT trunk graph (GraphedCausalHiFTTrunk)
+# ----------------------------------------------------------------------------------------------
+
+
+def _trunk_args(hift, monkeypatch):
+    """The arguments ``decode_batch`` passes to ``_trunk_istft`` for a windowed batch of three
+    streams (first call, carried phase, final), recorded with a spy."""
+    mel = _long_mel()
+    seen = []
+    real = hift._trunk_istft
+
+    def spy(x, s, io, n):
+        seen.append((x.clone(), s.clone(), io, n.clone()))
+        return real(x, s, io, n)
+
+    (a,), (ca,) = hift.inference_stream_batch([mel[:, :, :300]], [0], [False], [None])
+    monkeypatch.setattr(hift, "_trunk_istft", spy)
+    hift.inference_stream_batch([mel[:, :, :80], mel[:, :, :420], mel], [0, a.shape[1], a.shape[1]],
+                                [False, False, True], [None, ca, ca])
+    monkeypatch.setattr(hift, "_trunk_istft", real)
+    (x, s, io, n), = seen
+    return x, s, io, n
+
+
+def test_hift_trunk_bucket_function_equals_eager(hift, monkeypatch, one_thread):
+    """What a GraphedCausalHiFTTrunk bucket captures (its ``run`` over the bucket's static buffers),
+    run eagerly through the class's own padding (__call__ with the replay done eagerly): a larger
+    (rows, frames) bucket gives the eager trunk's samples."""
+    from cosyserve.models.graphs import BucketGrid, GraphedCausalHiFTTrunk, SharedBuffers
+
+    x, s, io, n = _trunk_args(hift, monkeypatch)
+    b, _, t = x.shape
+    g = object.__new__(GraphedCausalHiFTTrunk)  # no CUDA here: the grid and buffers only
+    g.hift, g.grid = hift, BucketGrid([b + 2], [t + 37])
+    g.shared, g._graphs, g._warming = SharedBuffers(g.grid.max_units(), "cpu"), {}, False
+
+    class _Eager:
+        def __init__(self, run):
+            self.replay = run
+
+    def entry(key):
+        run, bufs, out = g.bucket(*key)
+        return _Eager(run), bufs, out
+
+    monkeypatch.setattr(g, "_entry", entry)
+    with torch.inference_mode():
+        got = g(x, s, n)
+        want = hift._trunk_istft(x, s, io, n)
+    assert got.shape == want.shape
+    for i in range(b):
+        k = int(n[i] - 1) * hift.hop  # each item's own samples
+        check_close(got[i:i + 1, :k], want[i:i + 1, :k], f"trunk bucket item {i}", 1e-6)
+    g.grid = BucketGrid([1], [t])
+    assert g(x, s, n) is None  # beyond the grid: the caller runs it eagerly
+
+
+@pytest.mark.gpu
+def test_gpu_hift_trunk_graph_equals_eager(yaml_data, no_tf32):
+    """The windowed causal HiFT on CUDA with its trunk graphed == without (fp32, TF32 off), for a
+    batch of streams at different points and offline final calls of the reference mels."""
+    from cosyserve.models.graphs import GraphedCausalHiFTTrunk
+
+    hift = load_hift(model_dir() / "hift.pt", parse_causal_hift(yaml_data), device="cuda")
+    mel = _long_mel().cuda()
+    (a,), (ca,) = hift.inference_stream_batch([mel[:, :, :300]], [0], [False], [None])
+    args = ([mel[:, :, :80], mel[:, :, :420], mel], [0, a.shape[1], a.shape[1]], [False, False, True], [None, ca, ca])
+    eager, _ = hift.inference_stream_batch(*args)
+    hift.graph_trunk = GraphedCausalHiFTTrunk(hift, max_batch=4, max_frames=2048)
+    graphed, _ = hift.inference_stream_batch(*args)
+    assert hift.graph_trunk.n_graphs == 1
+    for i, (g, e) in enumerate(zip(graphed, eager)):
+        check_close(g.cpu(), e.cpu(), f"graphed trunk item {i}", 1e-5)
+    mels = [tensors(c)["mel"].cuda() for c in discover("hift", has=("mel",))]
+    offline = (mels, [0] * len(mels), [True] * len(mels), [None] * len(mels))
+    graphed, _ = hift.inference_stream_batch(*offline)
+    graph, hift.graph_trunk = hift.graph_trunk, None
+    eager, _ = hift.inference_stream_batch(*offline)
+    for i, (g, e) in enumerate(zip(graphed, eager)):
+        check_close(g.cpu(), e.cpu(), f"graphed trunk offline item {i}", 1e-5)
+    assert graph.n_graphs >= 2

@@ -1204,6 +1204,9 @@ class CausalHiFTGenerator(HiFTGenerator):
         super().__init__(cfg)
         #: fixed excitation noise (see :class:`CausalSourceNoise`), a plain attribute as upstream
         self.noise = CausalSourceNoise(cfg)
+        #: optional :class:`~cosyserve.models.graphs.GraphedCausalHiFTTrunk`: :meth:`decode_batch`'s
+        #: trunk + iSTFT (:meth:`_trunk_istft`) as CUDA graphs per (batch, frames) bucket, on CUDA
+        self.graph_trunk = None
 
     def _apply(self, fn, recurse=True):
         # ``.to(dtype)`` / ``.half()`` / ``.cuda()`` on the whole module: once the F0 predictor is
@@ -1362,7 +1365,11 @@ class CausalHiFTGenerator(HiFTGenerator):
         s_stft = torch.cat([F.pad(s, (0, up * o_max + 1 - s.shape[-1])) for s in stfts]).to(tdt)
         x = F.conv1d(x_in, self.conv_pre.weight, self.conv_pre.bias)  # no padding: o_max frames out
         n_fr = _int_tensor([up * o + 1 for o in outs], x.device)
-        speech = self._trunk_istft(x, s_stft, mels[0].dtype, n_fr)
+        speech = None
+        if self.graph_trunk is not None and x.is_cuda and mels[0].dtype == torch.float32:
+            speech = self.graph_trunk(x, s_stft, n_fr)  # None beyond its buckets
+        if speech is None:
+            speech = self._trunk_istft(x, s_stft, mels[0].dtype, n_fr)
         res = []
         for b, (o, fin) in enumerate(zip(outs, finalize)):
             n = o * spf - (0 if fin else spf)
