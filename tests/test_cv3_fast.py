@@ -483,3 +483,135 @@ def test_gpu_hift_trunk_graph_equals_eager(yaml_data, no_tf32):
     for i, (g, e) in enumerate(zip(graphed, eager)):
         check_close(g.cpu(), e.cpu(), f"graphed trunk offline item {i}", 1e-5)
     assert graph.n_graphs >= 2
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. per-stream DiT cache of complete static chunks (streaming calls)
+# ----------------------------------------------------------------------------------------------
+
+#: cached vs uncached streaming mel on CPU (float summation order only; measured ~1e-7)
+CACHE_SELF_TOL = 1e-5
+
+
+def _stream_calls(flow, tokens: torch.Tensor, prompt_token: torch.Tensor):
+    """The streaming (non-final) calls of upstream's schedule for ``tokens [1, N]``: (n_tokens, token_offset)."""
+    from cosyserve.engine.token2wav_cv3 import CV3StreamSchedule, after_hift, new_stream, plan_chunk
+
+    sched = CV3StreamSchedule(pre_lookahead_len=flow.pre_lookahead_len, token_mel_ratio=flow.token_mel_ratio)
+    st, calls = new_stream(prompt_token.shape[1], sched), []
+    while True:
+        job = plan_chunk(st, tokens.shape[1], llm_done=True)
+        if job.finalize:
+            return calls
+        calls.append((job.n_tokens, job.token_offset))
+        st = after_hift(st, job, torch.zeros(1, 0), new_only=True)[1]
+
+
+def _cached_call(flow, tokens, t, cache):
+    inp = flow.prepare([tokens], [t["prompt_token"]], [t["prompt_feat"]], t["embedding"], True, False)
+    (mel,), (first,), (cache,) = flow.stream_cached_batch(inp, [cache])
+    return mel, first, cache
+
+
+@pytest.mark.parametrize("case", STREAM_CASES)
+def test_stream_cache_matches_reference_chunks(flow, case, one_thread):
+    """Every streaming flow call of the reference stream case through the cache: the frames it
+    computes equal the reference chunk mel (1e-4); the first call computes from frame 0."""
+    t, md = tensors(case), meta(case)
+    cache, n = None, 0
+    for i, ch in enumerate(md["chunks"]):
+        if not ch["flow_streaming"] or ch["flow_finalize"]:
+            continue
+        before = 0 if cache is None else cache.frames
+        mel, first, cache = _cached_call(flow, t["source_speech_token"][:, :ch["n_tokens"]], t, cache)
+        check_close(mel, t[f"c{i}_flow_mel"][:, :, first:], f"{case} chunk {i} cached flow mel")
+        assert first == max(0, before - t["prompt_feat"].shape[1])
+        assert cache.frames % flow.decoder.estimator.cfg.static_chunk_size == 0 and cache.frames > before
+        n += 1
+    assert n >= 2, "the case should have at least two streaming calls"
+
+
+def _long_tokens(t) -> torch.Tensor:
+    tok = t["source_speech_token"]
+    while tok.shape[1] < 420:
+        tok = torch.cat([tok, tok.flip(-1)], dim=1)
+    return tok
+
+
+def test_stream_cache_equals_uncached_over_a_long_stream(flow, one_thread):
+    """A 420+ token stream (calls of 25, 50, 100, 100, ... tokens): each cached call's frames equal
+    the uncached streaming call's (CACHE_SELF_TOL), the new frames after ``token_offset`` too, and
+    the cache's bytes equal bytes_per_frame x frames plus the fixed conv window."""
+    from cosyserve.models.cv3_flow import DiTStreamCache
+
+    if not STREAM_CASES:
+        pytest.skip("no stream case")
+    t = tensors(STREAM_CASES[0])
+    tok = _long_tokens(t)
+    calls = _stream_calls(flow, tok, t["prompt_token"])
+    assert len(calls) >= 5
+    cache = None
+    est = flow.decoder.estimator
+    for k, (n_tok, offset) in enumerate(calls):
+        mel, first, cache = _cached_call(flow, tok[:, :n_tok], t, cache)
+        full = flow.inference(tok[:, :n_tok], t["prompt_token"], t["prompt_feat"], t["embedding"], True, False)
+        check_close(mel, full[:, :, first:], f"call {k} ({n_tok} tokens) cached vs uncached", CACHE_SELF_TOL)
+        assert first <= flow.token_mel_ratio * offset  # the chunk's new frames are all computed
+    per_frame = DiTStreamCache.bytes_per_frame(est.cfg, flow.cfg.cfm.n_timesteps, torch.float32)
+    window = flow.cfg.cfm.n_timesteps * 2 * 2 * (est.cfg.conv_pos_kernel - 1) * est.cfg.dim * 4
+    assert cache.nbytes == per_frame * cache.frames + window
+
+
+def test_stream_cache_batch_with_different_cache_lengths(flow, one_thread):
+    """Three streams at different points (no cache, one cached call, three cached calls) in one
+    cached batch == each alone (1e-5)."""
+    if not STREAM_CASES:
+        pytest.skip("no stream case")
+    t = tensors(STREAM_CASES[0])
+    tok = _long_tokens(t)
+    calls = _stream_calls(flow, tok, t["prompt_token"])
+    caches = [None]
+    for n_tok, _ in calls[:3]:
+        caches.append(_cached_call(flow, tok[:, :n_tok], t, caches[-1])[2])
+    pick = [(0, None), (1, caches[1]), (3, caches[3])]
+    inp = flow.prepare([tok[:, :calls[i][0]] for i, _ in pick], [t["prompt_token"]] * 3, [t["prompt_feat"]] * 3,
+                       torch.cat([t["embedding"]] * 3), True, False)
+    mels, firsts, news = flow.stream_cached_batch(inp, [c for _, c in pick])
+    assert len({c.frames if c else 0 for _, c in pick}) == 3
+    for k, ((i, c), mel, first, new) in enumerate(zip(pick, mels, firsts, news)):
+        single, sfirst, snew = _cached_call(flow, tok[:, :calls[i][0]], t, c)
+        assert first == sfirst and new.frames == snew.frames
+        check_close(mel, single, f"batched cached item {k}", 1e-5)
+        check_close(new.kv, snew.kv, f"batched cache item {k}", 1e-5)
+
+
+def test_stream_cache_rejects_final_calls_and_foreign_caches(flow):
+    if not STREAM_CASES:
+        pytest.skip("no stream case")
+    t = tensors(STREAM_CASES[0])
+    tok = t["source_speech_token"]
+    inp = flow.prepare([tok], [t["prompt_token"]], [t["prompt_feat"]], t["embedding"], False, True)
+    with pytest.raises(ValueError, match="streaming non-final"):
+        flow.stream_cached_batch(inp, [None])
+    _, _, cache = _cached_call(flow, tok[:, :60], t, None)
+    from dataclasses import replace as dc_replace
+
+    inp = flow.prepare([tok[:, :60]], [t["prompt_token"]], [t["prompt_feat"]], t["embedding"], True, False)
+    with pytest.raises(ValueError, match="does not fit"):
+        flow.stream_cached_batch(inp, [dc_replace(cache, frames=cache.frames + 7)])
+
+
+def test_stream_cache_bytes_at_full_size(tmp_path):
+    """The stated memory per cached frame at full size (yaml dims): 10 steps x 22 layers x K,V x 2 CFG
+    rows x 16 x 64 x 2 bytes (bfloat16) = 1.8 MB."""
+    from _reference_cv3 import full_size_config
+
+    from cosyserve.models.cv3_flow import DiTStreamCache
+
+    full_size_config(tmp_path)  # the real yaml laid out in tmp_path (skips without manifests)
+    flow_cfg = parse_cv3_flow(load_hyperpyyaml(tmp_path / "cosyvoice3.yaml"))
+    est = flow_cfg.estimator
+    per = DiTStreamCache.bytes_per_frame(est, flow_cfg.cfm.n_timesteps, torch.bfloat16)
+    assert per == flow_cfg.cfm.n_timesteps * est.depth * 4 * est.heads * est.dim_head * 2
+    print(f"[cv3] stream cache at full size: {per / 1e6:.2f} MB per frame, {per * 50 / 1e6:.0f} MB per second")
+    assert 1.7e6 < per < 1.9e6
