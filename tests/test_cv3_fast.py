@@ -351,10 +351,12 @@ class _Forced:
         return self.tokens[len(history)] if len(history) < len(self.tokens) else self.stop
 
 
+@pytest.mark.parametrize("stream_cache", [False, True])
 @pytest.mark.parametrize("case", STREAM_CASES or [pytest.param(None, marks=pytest.mark.skip("no stream case"))])
-def test_concurrent_streams_share_flow_and_hift_calls(case, monkeypatch, one_thread):
-    """Two streaming requests started together: their chunk jobs go through ONE flow call and ONE
-    HiFT call per chunk (spied on the models), and each request's chunks still equal the reference
+def test_concurrent_streams_share_flow_and_hift_calls(case, stream_cache, monkeypatch, one_thread):
+    """Two streaming requests started together: their chunk jobs go through ONE flow call (the
+    usual pass, or the cached pass for streaming chunks with the flow stream cache on) and ONE HiFT
+    call per chunk (spied on the models), and each request's chunks still equal the reference
     stream case's (WAVE_TOL)."""
     from dataclasses import replace as dc_replace
 
@@ -376,13 +378,16 @@ def test_concurrent_streams_share_flow_and_hift_calls(case, monkeypatch, one_thr
     voice = dc_replace(base, flow_speech_token=d["prompt_token"].reshape(-1).to(base.flow_speech_token.dtype),
                        speech_feat=d["prompt_feat"][0], flow_embedding=d["embedding"].reshape(-1))
     stop = synth.cfg.llm.stop_token_ids[0]
-    flow_batches, hift_batches = [], []
+    flow_batches, hift_batches, cached_batches = [], [], []
     real_start, real_hift = synth.models.flow.start, synth.models.hift.inference_stream_batch
+    real_cached = synth.models.flow.stream_cached_batch
     monkeypatch.setattr(synth.models.flow, "start",
                         lambda inputs, *a, **k: flow_batches.append(inputs.ids.shape[0]) or real_start(inputs, *a, **k))
+    monkeypatch.setattr(synth.models.flow, "stream_cached_batch",
+                        lambda inputs, caches: cached_batches.append(len(caches)) or real_cached(inputs, caches))
     monkeypatch.setattr(synth.models.hift, "inference_stream_batch",
                         lambda mels, *a, **k: hift_batches.append(len(mels)) or real_hift(mels, *a, **k))
-    engine = synth.new_engine(EngineConfig(max_active=2, t2w_batch_target=2))
+    engine = synth.new_engine(EngineConfig(max_active=2, t2w_batch_target=2, flow_stream_cache=stream_cache))
     params = lambda: SynthesisParams(seed=0, stream=True, min_tokens=0, max_tokens=len(tokens) + 1,  # noqa: E731
                                      sampler_factory=lambda: _Forced(tokens, stop))
     reqs = [synth.build_request("你好。", voice, params(), request_id=f"s{i}") for i in range(2)]
@@ -393,9 +398,13 @@ def test_concurrent_streams_share_flow_and_hift_calls(case, monkeypatch, one_thr
         for ev in engine.step():
             if isinstance(ev, AudioChunk):
                 out[ev.request_id].append(ev)
-    assert flow_batches and max(flow_batches) == 2, flow_batches
-    assert len(flow_batches) == len(m["chunks"]), flow_batches  # every chunk of both streams: one flow call
-    assert hift_batches == flow_batches
+    n_stream = sum(1 for ch in m["chunks"] if not ch["flow_finalize"])
+    if stream_cache:  # streaming chunks through the cache, the final chunk through the usual pass
+        assert cached_batches == [2] * n_stream and flow_batches == [2] * (len(m["chunks"]) - n_stream)
+        assert engine.t2w.flow_stream_cache
+    else:
+        assert not cached_batches and flow_batches == [2] * len(m["chunks"])  # one flow call per chunk
+    assert hift_batches == [2] * len(m["chunks"])
     for rid, chunks in out.items():
         assert len(chunks) == len(m["chunks"])
         for i, c in enumerate(chunks):

@@ -152,6 +152,9 @@ class EngineConfig:
     machine is; the estimate is still measured and reported); ``admission_target``: the share
     of the scheduler thread / device the admitted streams may need (headroom for jitter and
     prefills; the capacity is the most streams whose modelled need stays below it).
+    ``flow_stream_cache`` (CosyVoice3): streaming chunk calls through the per-stream DiT cache
+    (``Cv3Token2WavBackend.set_flow_stream_cache``); ``None`` (default): on while the flow is not
+    CUDA-graphed (the cached chunk runs eagerly).
     """
 
     max_active: int = 16
@@ -175,6 +178,7 @@ class EngineConfig:
     decode_lookahead: int = 1
     admission: AdmissionPolicy | str | int | None = None
     admission_target: float = 0.8
+    flow_stream_cache: bool | None = None
 
     def __post_init__(self):
         if self.max_t2w_batch is None:
@@ -357,6 +361,9 @@ class EngineCore:
             if config.t2w_graph_warmup:  # captured by the first step(), on the stepping thread
                 self._pending_warmup = [g for g in (getattr(models.flow, "graph", None), models.hift.graph_decode,
                                                     getattr(models.hift, "graph_trunk", None)) if g is not None]
+        if hasattr(self.t2w, "set_flow_stream_cache"):  # CosyVoice3: per-stream DiT cache (after the graphs)
+            log.info("CosyVoice3 flow stream cache: %s", "on" if self.t2w.set_flow_stream_cache(config.flow_stream_cache)
+                     else "off")
         self._free_slots = list(range(config.max_active))
         # on CUDA, token2wav batches run on their own CUDA stream while LM decoding continues;
         # launched from this thread (default) or from a worker thread (EngineConfig.t2w_thread)

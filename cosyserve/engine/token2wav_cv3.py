@@ -130,13 +130,18 @@ def plan_chunk(state: CV3StreamState, n_tokens: int, llm_done: bool, stream: boo
     return None
 
 
-def after_flow(state: CV3StreamState, job: CV3ChunkJob, flow_mel: Tensor) -> tuple[Tensor, CV3StreamState]:
-    """Trim the flow output of ``job`` (``[1, n_mels, frames]``, prompt frames already removed) to
-    its new frames and append them to the accumulated mel. Returns ``(hift_mel, state)``: the
-    whole accumulated mel, HiFT's input for this chunk, and the state holding it."""
+def after_flow(state: CV3StreamState, job: CV3ChunkJob, flow_mel: Tensor,
+               first: int = 0) -> tuple[Tensor, CV3StreamState]:
+    """Trim the flow output of ``job`` (``[1, n_mels, frames]``, prompt frames already removed; with
+    ``first`` > 0 it starts at that frame, as the cached flow returns it) to its new frames and
+    append them to the accumulated mel. Returns ``(hift_mel, state)``: the whole accumulated mel,
+    HiFT's input for this chunk, and the state holding it."""
     if flow_mel.dim() != 3 or flow_mel.shape[0] != 1:
         raise ValueError(f"flow_mel must be [1, n_mels, frames], got {tuple(flow_mel.shape)}")
-    new = flow_mel[:, :, job.token_offset * state.schedule.token_mel_ratio:]
+    skip = job.token_offset * state.schedule.token_mel_ratio - first
+    if skip < 0:
+        raise ValueError(f"the flow output starts at frame {first}, after the chunk's first new frame")
+    new = flow_mel[:, :, skip:]
     mel = new if state.mel is None else torch.cat([state.mel.to(new), new], dim=2)
     return mel, replace(state, mel=mel)
 
@@ -280,6 +285,8 @@ class Cv3T2WState:
     without arguments (the engine resets a finished segment's state with ``type(state)()``)."""
 
     stream: CV3StreamState | None = None
+    #: the stream's :class:`~cosyserve.models.cv3_flow.DiTStreamCache` (flow stream cache on), else None
+    flow_cache: object = None
 
     @property
     def empty(self) -> bool:
@@ -313,10 +320,56 @@ class Cv3Token2WavBackend(Token2Wav):
     def __init__(self, flow, hift, token_mel_ratio: int, schedule: CV3StreamSchedule | None = None,
                  hift_window: bool = True):
         super().__init__(flow, hift, token_mel_ratio)
-        #: the bounded-window HiFT with the carried phase (:func:`hift_stage`); False: whole-mel re-run
-        self.hift_window = hift_window
         pre = int(getattr(getattr(flow, "cfg", None), "pre_lookahead_len", 3))
         self.schedule = schedule or CV3StreamSchedule(pre_lookahead_len=pre, token_mel_ratio=token_mel_ratio)
+        #: the bounded-window HiFT with the carried phase (:func:`hift_stage`); False: whole-mel re-run
+        self.hift_window = hift_window
+        #: streaming non-final jobs through the per-stream DiT cache (:meth:`set_flow_stream_cache`)
+        self.flow_stream_cache = False
+
+    def set_flow_stream_cache(self, enabled: bool | None) -> bool:
+        """Turn the per-stream DiT cache of streaming chunk calls on or off
+        (:meth:`~cosyserve.models.cv3_flow.CV3FlowModel.stream_cached_batch`; the cache rides in
+        :class:`Cv3T2WState`, 1.8 MB per cached frame at full size in bf16, dropped at the final
+        chunk). ``None`` (auto): on while the flow has no CUDA graphs — the cached chunk runs
+        eagerly, which on a GPU costs more launches than a graphed full recompute saves. Returns the
+        setting."""
+        self.flow_stream_cache = (getattr(self.flow, "graph", None) is None) if enabled is None else bool(enabled)
+        return self.flow_stream_cache
+
+    def _flow_cache(self, job):
+        st = job.hift_state
+        return st.flow_cache if isinstance(st, Cv3T2WState) else None
+
+    def launch(self, jobs, stream=None, marks=None, queue_steps=None):
+        """As :meth:`Token2Wav.launch <cosyserve.engine.token2wav.Token2Wav.launch>`; with the flow
+        stream cache on, the streaming non-final jobs run through
+        :meth:`~cosyserve.models.cv3_flow.CV3FlowModel.stream_cached_batch` (one eager batch, issued
+        here) and the others through the usual flow pass; HiFT then runs over all of them at once."""
+        cached = [i for i, j in enumerate(jobs) if self.flow_stream_cache and j.streaming and not j.finalize]
+        if not cached:
+            return super().launch(jobs, stream, marks, queue_steps)
+        from .token2wav import PendingToken2Wav
+
+        pending = PendingToken2Wav(self, jobs, stream, marks)
+        with pending.on_stream():
+            if marks is not None:
+                pending.stamps.append(marks.mark(stream))
+            rest = [i for i in range(len(jobs)) if i not in cached]
+
+            def prepare(idx):
+                sel = [jobs[i] for i in idx]
+                return self.flow.prepare([j.tokens[None] for j in sel], [j.voice.flow_speech_token[None] for j in sel],
+                                         [j.voice.speech_feat[None] for j in sel],
+                                         torch.stack([j.voice.flow_embedding for j in sel]),
+                                         streaming=[j.streaming for j in sel], finalize=[j.finalize for j in sel])
+
+            mels, firsts, caches = self.flow.stream_cached_batch(prepare(cached),
+                                                                 [self._flow_cache(jobs[i]) for i in cached])
+            pending.run = _SplitFlowRun(len(jobs), cached, mels, firsts, caches,
+                                        self.flow.start(prepare(rest)) if rest else None, rest)
+        pending.advance(queue_steps)
+        return pending
 
     def _state(self, job) -> CV3StreamState:
         st = job.hift_state
@@ -341,25 +394,57 @@ class Cv3Token2WavBackend(Token2Wav):
         pinned host buffers and an event recorded on CUDA)."""
         jobs, marks, stream = p.jobs, p.marks_src, p.stream
         mels = p.run.mels()
+        firsts = getattr(p.run, "firsts", None) or [0] * len(jobs)
+        flow_caches = getattr(p.run, "caches", None) or [None] * len(jobs)
         if marks is not None:
             p.stamps.append(marks.mark(stream))
         dev = self.hift_device
         hift_in, states, cjobs = [], [], []
-        for j, mel in zip(jobs, mels):
+        for j, mel, first in zip(jobs, mels, firsts):
             st, cj = self._state(j), self._chunk_job(j)
-            m, st = after_flow(st, cj, mel.to(dev, torch.float32))
+            m, st = after_flow(st, cj, mel.to(dev, torch.float32), first)
             if j.speed != 1.0 and cj.finalize and cj.token_offset == 0 and st.speech_offset == 0:
                 m = speed_mel(m, cj, j.speed)
             hift_in.append(m)
             states.append(st)
             cjobs.append(cj)
         speech, new_states = [], []
-        for out, st in hift_stage(self.hift, states, cjobs, hift_in, self.hift_window):
+        for (out, st), fc in zip(hift_stage(self.hift, states, cjobs, hift_in, self.hift_window), flow_caches):
             speech.append(out[0].float())
-            new_states.append(Cv3T2WState() if st.finished else Cv3T2WState(st))
+            new_states.append(Cv3T2WState() if st.finished else Cv3T2WState(st, fc))
         if marks is not None:
             p.stamps.append(marks.mark(stream))
         if stream is not None:
             speech, p.event = copy_to_pinned_host(speech, stream)
         p.speech, p.states = speech, new_states
         p.keep = (mels, hift_in)
+
+
+class _SplitFlowRun:
+    """A flow batch of :meth:`Cv3Token2WavBackend.launch` with the flow stream cache on: the
+    cached jobs' mels (already computed, each starting at frame ``firsts[i]``) and a
+    :class:`~cosyserve.models.flow.FlowRun` of the other jobs (or None), stepped as one run;
+    :meth:`mels`, :attr:`firsts` and :attr:`caches` (the new stream caches; None for uncached jobs)
+    in job order."""
+
+    def __init__(self, n: int, cached: list[int], mels: list, firsts: list[int], caches: list, run, rest: list[int]):
+        self._run, self._rest = run, rest
+        self._mels: list = [None] * n
+        self.firsts = [0] * n
+        self.caches: list = [None] * n
+        for i, m, f, c in zip(cached, mels, firsts, caches):
+            self._mels[i], self.firsts[i], self.caches[i] = m, f, c
+
+    @property
+    def steps_left(self) -> int:
+        return self._run.steps_left if self._run is not None else 0
+
+    def step(self) -> None:
+        self._run.step()
+
+    def mels(self) -> list:
+        out = list(self._mels)
+        if self._run is not None:
+            for i, m in zip(self._rest, self._run.mels()):
+                out[i] = m
+        return out
