@@ -68,6 +68,7 @@ def test_rotary_cache_equals_fresh_tables(flow):
         assert cos.shape == (n, est.cfg.dim_head) and cos.dtype == torch.float32
         assert torch.equal(cos, ref_cos[start:]) and torch.equal(sin, ref_sin[start:])
     assert est._rotary_cache[0].shape[0] >= 1028
+    assert len(est._rotary_old) >= 1  # replaced tables stay alive (graphs captured with them read them)
 
 
 def test_attention_is_one_sdpa_call_per_layer(flow, monkeypatch):
@@ -624,3 +625,28 @@ def test_stream_cache_bytes_at_full_size(tmp_path):
     assert per == flow_cfg.cfm.n_timesteps * est.depth * 4 * est.heads * est.dim_head * 2
     print(f"[cv3] stream cache at full size: {per / 1e6:.2f} MB per frame, {per * 50 / 1e6:.0f} MB per second")
     assert 1.7e6 < per < 1.9e6
+
+
+@pytest.mark.gpu
+def test_gpu_stream_cache_matches_reference(yaml_data, no_tf32):
+    """The cached streaming flow on CUDA (float32, TF32 off): reference chunk mels within 1e-4 and
+    cached == uncached over the long stream (1e-5)."""
+    flow = load_cv3_flow(model_dir() / "flow.pt", parse_cv3_flow(yaml_data), device="cuda")
+    if not STREAM_CASES:
+        pytest.skip("no stream case")
+    for case in STREAM_CASES:
+        t, md = tensors(case), meta(case)
+        cache = None
+        for i, ch in enumerate(md["chunks"]):
+            if ch["flow_finalize"]:
+                continue
+            mel, first, cache = _cached_call(flow, t["source_speech_token"][:, :ch["n_tokens"]], t, cache)
+            check_close(mel.cpu(), t[f"c{i}_flow_mel"][:, :, first:], f"cuda {case} chunk {i} cached flow mel")
+    t = tensors(STREAM_CASES[0])
+    tok = _long_tokens(t)
+    cache = None
+    for k, (n_tok, _) in enumerate(_stream_calls(flow, tok, t["prompt_token"])):
+        mel, first, cache = _cached_call(flow, tok[:, :n_tok], t, cache)
+        full = flow.inference(tok[:, :n_tok].cuda(), t["prompt_token"].cuda(), t["prompt_feat"].cuda(),
+                              t["embedding"].cuda(), True, False)
+        check_close(mel.cpu(), full[:, :, first:].cpu(), f"cuda call {k} cached vs uncached", CACHE_SELF_TOL)

@@ -508,6 +508,7 @@ class DiT(nn.Module):
         self.norm_out = _AdaLayerNorm(cfg.dim, 2)
         self.proj_out = nn.Linear(cfg.dim, cfg.mel_dim)
         self._rotary_cache: tuple[Tensor, Tensor] | None = None
+        self._rotary_old: list[tuple[Tensor, Tensor]] = []
 
     def attention_plan(self, mask: Tensor, streaming: Tensor | bool) -> DiTPlan:
         """Masks and rotary tables from ``mask [B, 1, T]`` (1 valid / 0 padded, model dtype) and
@@ -527,7 +528,9 @@ class DiT(nn.Module):
         next power of two when a longer one is asked for; a row's values do not depend on the
         table's length, so slices equal :func:`rotary_tables` of that length bit for bit). While
         a CUDA graph is being captured, a missing table is computed without being cached (a
-        captured kernel writes it only at replay)."""
+        captured kernel writes it only at replay). Tables replaced by a longer one stay alive
+        (``_rotary_old``; kilobytes to a few MB): a graph captured earlier keeps reading the
+        address of the table it was captured with."""
         inv = self.rotary_embed.inv_freq
         need = start + frames
         cached = self._rotary_cache
@@ -537,6 +540,8 @@ class DiT(nn.Module):
             capturing = inv.is_cuda and torch.cuda.is_current_stream_capturing()
             if capturing:
                 return table[0][start:need], table[1][start:need]
+            if cached is not None:
+                self._rotary_old.append(cached)
             self._rotary_cache = cached = table
         return cached[0][start:need], cached[1][start:need]
 
