@@ -1433,41 +1433,46 @@ class CausalHiFTGenerator(HiFTGenerator):
         f0m, tm = self.stream_margins
         return max(0, emitted_frames - f0m - tm)
 
-    def _window_excitation(self, f0: torch.Tensor, start: int, carry: torch.Tensor | None,
-                           k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Excitation of window frames ``start ..`` from their F0 ``[1, W]`` (Hz): what
-        :meth:`excitation` of the whole F0 gives for those frames, with the phase accumulator
-        carried in: ``carry`` ``[1, H+1]`` float64 = the sum of frames ``0 .. start + k - 1``'s phase
-        increments (None with ``start == 0``: accumulated from frame 0); frames ``< k`` of the
-        window (not exact F0) hold the carried phase. The sum runs in float64 and is rounded to
-        the working dtype afterwards, which is exactly what torch's CPU ``cumsum`` of float32 does
-        (its accumulator is double), so on CPU the phase equals the whole-mel run's bit for bit.
-        The construction noise is indexed by absolute sample. Returns ``(source [1, 1, W * spf]``
-        in ``f0.dtype``, ``accumulated phase [1, W, H+1]`` float64)."""
+    def _window_excitation(self, f0: torch.Tensor, starts: Sequence[int], carry: torch.Tensor,
+                           ks: Sequence[int], frames: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Excitation of B windows at once: F0 ``[B, W]`` (Hz, right-padded) of window frames
+        ``starts[b] ..``; what :meth:`excitation` of each stream's whole F0 gives for those frames,
+        with the phase accumulator carried in: ``carry`` ``[B, H+1]`` float64 = the sum of frames ``0
+        .. starts[b] + ks[b] - 1``'s phase increments (zeros and ``ks[b] = 0`` for a window from frame
+        0); window frames ``< ks[b]`` (not exact F0) hold the carried phase. ``frames[b]``: the item's
+        valid F0 frames (the construction noise is read up to there). The sum runs in float64 and
+        is rounded to the working dtype afterwards, which is exactly what torch's CPU ``cumsum`` of
+        float32 does (its accumulator is double), so on CPU the phase equals the whole-mel run's bit
+        for bit; padding frames come after each item's own and never reach them. The noise is
+        indexed by absolute sample. Returns ``(source [B, 1, W * spf]`` in ``f0.dtype``,
+        ``accumulated phase [B, W, H+1]`` float64)."""
         spf = self.samples_per_frame
         cfg = self.cfg
+        dev = f0.device
         work = torch.promote_types(f0.dtype, torch.float32)
-        f0_up = self.upsample_f0(f0).to(work)  # [1, N, 1]
-        n = f0_up.shape[1]
+        f0_up = self.upsample_f0(f0).to(work)  # [B, N, 1]
+        bsz, n = f0_up.shape[:2]
         h = cfg.nb_harmonics + 1
-        harmonics = torch.arange(1, h + 1, device=f0.device, dtype=work)[None, None, :]
+        harmonics = torch.arange(1, h + 1, device=dev, dtype=work)[None, None, :]
         rad = (f0_up * harmonics / cfg.sampling_rate) % 1
-        if start == 0:
-            rad[:, 0, :] = rad[:, 0, :] + self.noise.rand_ini(f0.device).to(work)
+        if any(st == 0 for st in starts):  # upstream adds the initial phases at the stream's sample 0
+            first = (_int_tensor([int(st == 0) for st in starts], dev) == 1).to(work)[:, None]
+            rad[:, 0, :] = rad[:, 0, :] + self.noise.rand_ini(dev).to(work) * first
         rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / spf, mode="linear").transpose(1, 2)
-        if carry is None:
-            cum = torch.cumsum(rad.to(torch.float64), dim=1)
-        else:
-            c = carry.to(device=rad.device, dtype=torch.float64)[:, None, :]
-            acc = torch.cumsum(torch.cat([c, rad[:, k:].to(torch.float64)], dim=1), dim=1)[:, 1:]
-            cum = torch.cat([c.expand(-1, k, -1), acc], dim=1)
+        w = rad.shape[1]
+        keep = torch.arange(w, device=dev)[None, :] >= _int_tensor(ks, dev)[:, None]
+        inc = rad.to(torch.float64) * keep[:, :, None]
+        cum = torch.cumsum(torch.cat([carry.to(device=dev, dtype=torch.float64)[:, None, :], inc], dim=1), dim=1)[:, 1:]
         phase = cum.to(work) * 2 * math.pi
         phase = F.interpolate(phase.transpose(1, 2) * spf, scale_factor=float(spf), mode="nearest").transpose(1, 2)
         sine = torch.sin(phase) * cfg.nsf_alpha
         uv = (f0_up > cfg.nsf_voiced_threshold).to(work)
         noise_amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
-        noise = self.noise.sine_waves(start * spf + n, f0.device)[:, start * spf:].to(work)
-        sine = sine * uv + noise_amp * noise
+        ends = [(st + fr) * spf for st, fr in zip(starts, frames)]
+        table = self.noise.sine_waves(max(ends), dev)[0]  # [M, H+1]
+        idx = _int_tensor([st * spf for st in starts], dev)[:, None] + torch.arange(n, device=dev)[None, :]
+        idx = torch.minimum(idx, _int_tensor(ends, dev)[:, None] - 1)  # padding samples: any valid index
+        sine = sine * uv + noise_amp * table[idx].to(work)
         lin = self.m_source.l_linear
         merged = torch.tanh(F.linear(sine, lin.weight.to(work), lin.bias.to(work)))
         return merged.transpose(1, 2).to(f0.dtype), cum
@@ -1512,12 +1517,16 @@ class CausalHiFTGenerator(HiFTGenerator):
         if b == 0:
             return [], []
         spf = self.samples_per_frame
+        la = self.f0_lookahead
         f0m, _ = self.stream_margins
-        bodies, sources, plans = [], [], []
+        wins, starts, ks, carry_rows, nf, flags, emitted_s = [], [], [], [], [], [], []
+        h = self.cfg.nb_harmonics + 1
         for m, e_samples, fin, carry in zip(mels, emitted, finalize, carries):
             if m.dim() != 3 or m.shape[0] != 1:
                 raise ValueError(f"each mel must be [1, {self.cfg.in_channels}, T], got {tuple(m.shape)}")
+            self._check_mel(m)
             _check_flag(bool(fin) if isinstance(fin, (bool, int)) else fin)
+            fin = bool(fin)
             e_samples = int(e_samples)
             if e_samples < 0 or e_samples % spf:
                 raise ValueError(f"emitted samples must be a non-negative multiple of {spf}, got {e_samples}")
@@ -1525,11 +1534,24 @@ class CausalHiFTGenerator(HiFTGenerator):
             if start > 0 and (carry is None or carry.frame != start + f0m):
                 start = 0  # no usable carry (e.g. a state built by hand): run from frame 0, as the re-run does
             win = m[:, :, start:]
-            f0 = self.predict_f0(win, bool(fin))
-            src, cum = self._window_excitation(f0, start, carry.phase if start > 0 else None, f0m if start else 0)
-            bodies.append(win if fin else win[:, :, :-self.f0_lookahead])
-            sources.append(src)
-            plans.append((start, e_samples, cum))
+            if not fin and win.shape[-1] <= la:
+                raise ValueError(f"a non-final causal HiFT call needs more than {la} mel frames")
+            wins.append(win)
+            starts.append(start)
+            ks.append(f0m if start else 0)
+            carry_rows.append(carry.phase.reshape(1, h).to(device=m.device, dtype=torch.float64) if start else
+                              torch.zeros(1, h, dtype=torch.float64, device=m.device))
+            nf.append(win.shape[-1] - (0 if fin else la))
+            flags.append(fin)
+            emitted_s.append(e_samples)
+        # F0 of every window in one padded pass: the predictor reads right context only in its first
+        # conv (a non-final window's own look-ahead frames, zeros after a final one), the rest is causal
+        longest = max(w.shape[-1] for w in wins)
+        f0 = self.predict_f0(torch.cat([F.pad(w, (0, longest - w.shape[-1])) for w in wins]), True)
+        source, cum = self._window_excitation(f0, starts, torch.cat(carry_rows), ks, nf)
+        bodies = [w if fin else w[:, :, :-la] for w, fin in zip(wins, flags)]
+        sources = [source[b:b + 1, :, :n * spf] for b, n in enumerate(nf)]
+        plans = [(st, e, cum[b:b + 1]) for b, (st, e) in enumerate(zip(starts, emitted_s))]
         speeches = self.decode_batch(bodies, sources, [bool(f) for f in finalize])
         outs, new_carries = [], []
         for sp, fin, (start, e_samples, cum) in zip(speeches, finalize, plans):
