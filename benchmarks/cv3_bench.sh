@@ -33,4 +33,9 @@ if [ -n "$CAPACITY_LEVELS" ]; then
   grep -m3 -i "capacity" "$OUTDIR/server.log"
 fi
 echo "== token2wav stage times (server /metrics)"
-python3 -c "import httpx; print('\n'.join(l for l in httpx.get('http://127.0.0.1:8000/metrics', timeout=5).text.splitlines() if l.startswith(('cosyserve_stage_seconds_sum', 'cosyserve_stage_seconds_count', 'cosyserve_token2wav_batch_size_sum', 'cosyserve_token2wav_batch_size_count')) and not l.startswith('#'))[:4000])" 2>/dev/null || true
+python3 - <<'PY' 2>/dev/null || true
+import httpx
+keep = ("cosyserve_stage_seconds_sum", "cosyserve_stage_seconds_count", "cosyserve_token2wav_batch_size_sum",
+        "cosyserve_token2wav_batch_size_count")
+print("\n".join(l for l in httpx.get("http://127.0.0.1:8000/metrics", timeout=5).text.splitlines() if l.startswith(keep)))
+PY

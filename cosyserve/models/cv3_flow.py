@@ -54,6 +54,7 @@ from .config import CFMConfig, Tagged, _get, _parse_cfm
 from .flow import CausalFlowMatching, FlowModel
 from .flow_encoder import PreLookaheadLayer, chunk_attention_mask
 from .flow_estimator import sinusoidal_time_embedding
+from .transfer import to_device
 
 __all__ = ["DiTConfig", "CV3FlowConfig", "parse_cv3_flow", "DiT", "DiTPlan", "DiTStreamCache", "DiTCachedPlan",
            "CV3FlowModel", "load_cv3_flow", "rotary_tables"]
@@ -418,10 +419,10 @@ class DiTCachedPlan:
         self.device, self.dtype = device, dtype
         t = max(new_lengths)
         self.fmax = max(starts)
-        st = torch.tensor(starts + starts, device=device)  # [2B]
-        n_new = torch.tensor(new_lengths + new_lengths, device=device)
+        st = to_device(torch.tensor(starts + starts), device)  # [2B]; pinned copies: no host sync
+        n_new = to_device(torch.tensor(new_lengths + new_lengths), device)
         pos = st[:, None] + torch.arange(t, device=device)[None, :]  # absolute positions of the new frames
-        cos, sin = est.rotary(int(pos.max()) + 1)
+        cos, sin = est.rotary(max(starts) + t)
         self.cos, self.sin = cos[pos], sin[pos]
         j = torch.arange(t, device=device)
         valid = j[None, :] < n_new[:, None]  # [2B, T]
@@ -694,7 +695,6 @@ class CV3FlowModel(FlowModel):
 def _cached_stream_batch(flow: "CV3FlowModel", inputs, caches: list) -> tuple[list[Tensor], list[int], list]:
     """See :meth:`CV3FlowModel.stream_cached_batch`."""
     from .flow import SolverState
-    from .transfer import to_device
 
     b = inputs.ids.shape[0]
     if len(caches) != b:
@@ -721,8 +721,8 @@ def _cached_stream_batch(flow: "CV3FlowModel", inputs, caches: list) -> tuple[li
     _, mu, spks, cond, _ = flow.encode(*dev, inputs.max_encoder_len)
     t = max(new_len)
     tmax = mu.shape[-1]
-    idx = (torch.tensor(starts, device=device)[:, None] + torch.arange(t, device=device)[None, :]).clamp(max=tmax - 1)
-    valid = (torch.arange(t, device=device)[None, :] < torch.tensor(new_len, device=device)[:, None])[:, :, None]
+    idx = (to_device(torch.tensor(starts), device)[:, None] + torch.arange(t, device=device)[None, :]).clamp(max=tmax - 1)
+    valid = (torch.arange(t, device=device)[None, :] < to_device(torch.tensor(new_len), device)[:, None])[:, :, None]
     take = lambda z: z.transpose(1, 2).gather(1, idx[:, :, None].expand(-1, -1, z.shape[1]))  # noqa: E731
     mu_n = take(mu) * valid.to(dtype)
     cond_n = take(cond)
