@@ -5,7 +5,8 @@
 # capacity run (`bench --capacity` at CAPACITY_LEVELS concurrent streams, 0 stalls, p99 chunk gap <= 500 ms, then 2x
 # overload; as benchmarks/session_capacity.sh does for the CosyVoice2 paths; CAPACITY_LEVELS= skips it).
 # Usage: benchmarks/cv3_bench.sh OUT   (env: LEVELS 1,4,8, OFFLINE 32, RATIO 6, DTYPE bfloat16, CAPACITY_LEVELS
-# 8,16,32,48,64, MAX_ACTIVE 64, SERVE_ARGS). Needs .whl.
+# 8,16,32,48,64, MAX_ACTIVE 64, SERVE_ARGS; e.g. SERVE_ARGS="--flow-stream-cache on" for the A/B of the per-stream DiT
+# cache, which the default `auto` leaves off while the flow runs as CUDA graphs). Needs .whl.
 set -u
 cd "$(dirname "$0")/.."
 OUTDIR=${1:-bench_cv3_out}; LEVELS=${LEVELS:-1,4,8}; OFFLINE=${OFFLINE:-32}; RATIO=${RATIO:-6}; DTYPE=${DTYPE:-bfloat16}

@@ -154,6 +154,20 @@ def test_graphed_flow_functions_equal_reference(flow, one_thread):
             check_close(got, refs[i], f"bucket vs reference: {labels[i]}")
 
 
+def test_share_plan_keeps_the_unet_buffer_names():
+    """graphs._share_plan on CosyVoice2's AttentionPlan shares exactly what GraphedFlow shared before
+    (``mask{d}`` per level, ``streaming``) and leaves the non-tensor fields alone."""
+    from cosyserve.models.flow_estimator import AttentionPlan
+    from cosyserve.models.graphs import _share_plan
+
+    plan = AttentionPlan(masks=[torch.ones(2, 8, 1), torch.ones(2, 4, 1)], streaming=torch.tensor([True, False]),
+                         chunk=50)
+    names = []
+    shared = _share_plan(plan, lambda name, t: names.append(name) or t.clone())
+    assert names == ["mask0", "mask1", "streaming"] and shared.chunk == 50 and isinstance(shared.masks, list)
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(shared.masks, plan.masks))
+
+
 @pytest.fixture
 def no_tf32():
     old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
@@ -650,3 +664,52 @@ def test_gpu_stream_cache_matches_reference(yaml_data, no_tf32):
         full = flow.inference(tok[:, :n_tok].cuda(), t["prompt_token"].cuda(), t["prompt_feat"].cuda(),
                               t["embedding"].cuda(), True, False)
         check_close(mel.cpu(), full[:, :, first:].cpu(), f"cuda call {k} cached vs uncached", CACHE_SELF_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", STREAM_CASES or [pytest.param(None, marks=pytest.mark.skip("no stream case"))])
+def test_gpu_engine_streams_with_graphs_and_stream_cache(case):
+    """On CUDA with CUDA graphs (flow + HiFT trunk graphed) and the flow stream cache forced on: two
+    concurrent streams of the reference stream case, every chunk within DEVICE_WAVE_TOL."""
+    from dataclasses import replace as dc_replace
+
+    from _reference import DEVICE_WAVE_TOL
+    from _reference_cv3 import set_file
+
+    from cosyserve.engine.core import EngineConfig
+    from cosyserve.engine.pipeline import Synthesizer
+    from cosyserve.engine.request import AudioChunk, SynthesisParams
+
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        synth = Synthesizer(model_dir(), device="cuda", normalizer="none")
+        m, d = meta(case), tensors(case)
+        tokens = d["source_speech_token"].reshape(-1).tolist()
+        base = synth.make_voice("v", str(set_file("audio/zero_shot_prompt.wav")),
+                                "You are a helpful assistant.<|endofprompt|>希望你以后能够做的比我还好呦。")
+        voice = dc_replace(base, flow_speech_token=d["prompt_token"].reshape(-1).to(base.flow_speech_token.dtype),
+                           speech_feat=d["prompt_feat"][0], flow_embedding=d["embedding"].reshape(-1))
+        stop = synth.cfg.llm.stop_token_ids[0]
+        engine = synth.new_engine(EngineConfig(max_active=2, t2w_batch_target=2, kv_max_len=1024,
+                                               max_prefill_tokens=1024, flow_stream_cache=True))
+        assert synth.models.flow.graph is not None and synth.models.hift.graph_trunk is not None
+        assert engine.t2w.flow_stream_cache
+        params = lambda: SynthesisParams(seed=0, stream=True, min_tokens=0, max_tokens=len(tokens) + 1,  # noqa: E731
+                                         sampler_factory=lambda: _Forced(tokens, stop))
+        reqs = [synth.build_request("你好。", voice, params(), request_id=f"s{i}") for i in range(2)]
+        out = {r.request_id: [] for r in reqs}
+        for r in reqs:
+            engine.add_request(r)
+        while engine.has_work():
+            for ev in engine.step():
+                if isinstance(ev, AudioChunk):
+                    out[ev.request_id].append(ev)
+        for rid, chunks in out.items():
+            assert len(chunks) == len(m["chunks"])
+            for i, c in enumerate(chunks):
+                check_close(torch.from_numpy(c.samples).reshape(1, -1), d[f"c{i}_speech"], f"cuda {rid} chunk {i}",
+                            DEVICE_WAVE_TOL)
+        assert synth.models.hift.graph_trunk.n_graphs >= 1
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
