@@ -366,13 +366,14 @@ class _Forced:
         return self.tokens[len(history)] if len(history) < len(self.tokens) else self.stop
 
 
-@pytest.mark.parametrize("stream_cache", [False, True])
+@pytest.mark.parametrize("stream_cache", [False, True, "budget"])
 @pytest.mark.parametrize("case", STREAM_CASES or [pytest.param(None, marks=pytest.mark.skip("no stream case"))])
 def test_concurrent_streams_share_flow_and_hift_calls(case, stream_cache, monkeypatch, one_thread):
     """Two streaming requests started together: their chunk jobs go through ONE flow call (the
-    usual pass, or the cached pass for streaming chunks with the flow stream cache on) and ONE HiFT
-    call per chunk (spied on the models), and each request's chunks still equal the reference
-    stream case's (WAVE_TOL)."""
+    usual pass, or the cached pass for streaming chunks with the flow stream cache on; with a cache
+    budget every stream outgrows, only the first chunk is cached) and ONE HiFT call per chunk
+    (spied on the models), and each request's chunks still equal the reference stream case's
+    (WAVE_TOL)."""
     from dataclasses import replace as dc_replace
 
     from _reference import WAVE_TOL
@@ -402,7 +403,9 @@ def test_concurrent_streams_share_flow_and_hift_calls(case, stream_cache, monkey
                         lambda inputs, caches: cached_batches.append(len(caches)) or real_cached(inputs, caches))
     monkeypatch.setattr(synth.models.hift, "inference_stream_batch",
                         lambda mels, *a, **k: hift_batches.append(len(mels)) or real_hift(mels, *a, **k))
-    engine = synth.new_engine(EngineConfig(max_active=2, t2w_batch_target=2, flow_stream_cache=stream_cache))
+    engine = synth.new_engine(EngineConfig(max_active=2, t2w_batch_target=2, flow_stream_cache=bool(stream_cache)))
+    if stream_cache == "budget":  # every stream outgrows it after its first cached call and recomputes after that
+        engine.t2w.flow_cache_max_bytes = 1
     params = lambda: SynthesisParams(seed=0, stream=True, min_tokens=0, max_tokens=len(tokens) + 1,  # noqa: E731
                                      sampler_factory=lambda: _Forced(tokens, stop))
     reqs = [synth.build_request("你好。", voice, params(), request_id=f"s{i}") for i in range(2)]
@@ -414,7 +417,9 @@ def test_concurrent_streams_share_flow_and_hift_calls(case, stream_cache, monkey
             if isinstance(ev, AudioChunk):
                 out[ev.request_id].append(ev)
     n_stream = sum(1 for ch in m["chunks"] if not ch["flow_finalize"])
-    if stream_cache:  # streaming chunks through the cache, the final chunk through the usual pass
+    if stream_cache == "budget":
+        assert cached_batches == [2] and flow_batches == [2] * (len(m["chunks"]) - 1)
+    elif stream_cache:  # streaming chunks through the cache, the final chunk through the usual pass
         assert cached_batches == [2] * n_stream and flow_batches == [2] * (len(m["chunks"]) - n_stream)
         assert engine.t2w.flow_stream_cache
     else:

@@ -285,7 +285,9 @@ class Cv3T2WState:
     without arguments (the engine resets a finished segment's state with ``type(state)()``)."""
 
     stream: CV3StreamState | None = None
-    #: the stream's :class:`~cosyserve.models.cv3_flow.DiTStreamCache` (flow stream cache on), else None
+    #: the stream's :class:`~cosyserve.models.cv3_flow.DiTStreamCache` (flow stream cache on), None
+    #: (none yet / cache off), or False: the stream outgrew the backend's ``flow_cache_max_bytes`` and
+    #: recomputes its chunks from then on
     flow_cache: object = None
 
     @property
@@ -326,6 +328,9 @@ class Cv3Token2WavBackend(Token2Wav):
         self.hift_window = hift_window
         #: streaming non-final jobs through the per-stream DiT cache (:meth:`set_flow_stream_cache`)
         self.flow_stream_cache = False
+        #: a stream whose cache would exceed this drops it and recomputes its later chunks (1 GiB:
+        #: ~580 frames = 11.6 s at full size in bf16, ~290 in float32)
+        self.flow_cache_max_bytes = 1 << 30
 
     def set_flow_stream_cache(self, enabled: bool | None) -> bool:
         """Turn the per-stream DiT cache of streaming chunk calls on or off
@@ -346,7 +351,8 @@ class Cv3Token2WavBackend(Token2Wav):
         stream cache on, the streaming non-final jobs run through
         :meth:`~cosyserve.models.cv3_flow.CV3FlowModel.stream_cached_batch` (one eager batch, issued
         here) and the others through the usual flow pass; HiFT then runs over all of them at once."""
-        cached = [i for i, j in enumerate(jobs) if self.flow_stream_cache and j.streaming and not j.finalize]
+        cached = [i for i, j in enumerate(jobs) if self.flow_stream_cache and j.streaming and not j.finalize
+                  and self._flow_cache(j) is not False]
         if not cached:
             return super().launch(jobs, stream, marks, queue_steps)
         from .token2wav import PendingToken2Wav
@@ -395,7 +401,7 @@ class Cv3Token2WavBackend(Token2Wav):
         jobs, marks, stream = p.jobs, p.marks_src, p.stream
         mels = p.run.mels()
         firsts = getattr(p.run, "firsts", None) or [0] * len(jobs)
-        flow_caches = getattr(p.run, "caches", None) or [None] * len(jobs)
+        flow_caches = list(getattr(p.run, "caches", None) or [None] * len(jobs))
         if marks is not None:
             p.stamps.append(marks.mark(stream))
         dev = self.hift_device
@@ -409,6 +415,11 @@ class Cv3Token2WavBackend(Token2Wav):
             states.append(st)
             cjobs.append(cj)
         speech, new_states = [], []
+        for k, j in enumerate(jobs):
+            if flow_caches[k] is None and self._flow_cache(j) is False:
+                flow_caches[k] = False  # sticky: the stream outgrew the budget
+            elif flow_caches[k] is not None and flow_caches[k].nbytes > self.flow_cache_max_bytes:
+                flow_caches[k] = False
         for (out, st), fc in zip(hift_stage(self.hift, states, cjobs, hift_in, self.hift_window), flow_caches):
             speech.append(out[0].float())
             new_states.append(Cv3T2WState() if st.finished else Cv3T2WState(st, fc))
