@@ -591,6 +591,23 @@ def test_stream_cache_equals_uncached_over_a_long_stream(flow, one_thread):
     assert cache.nbytes == per_frame * cache.frames + window
 
 
+def test_stream_cache_with_calls_off_the_chunk_grid(flow, one_thread):
+    """Calls whose frames do not end on a static-chunk boundary (other chunk policies): only complete
+    chunks are cached, the partial chunk is recomputed by the next call; every call == uncached."""
+    if not STREAM_CASES:
+        pytest.skip("no stream case")
+    t = tensors(STREAM_CASES[0])
+    tok = _long_tokens(t)
+    c = flow.decoder.estimator.cfg.static_chunk_size
+    cache, prev_end = None, 0
+    for k, n_tok in enumerate((37, 61, 62, 130, 171)):
+        mel, first, cache = _cached_call(flow, tok[:, :n_tok], t, cache)
+        full = flow.inference(tok[:, :n_tok], t["prompt_token"], t["prompt_feat"], t["embedding"], True, False)
+        check_close(mel, full[:, :, first:], f"off-grid call {k} ({n_tok} tokens)", CACHE_SELF_TOL)
+        assert first <= prev_end and cache.frames % c == 0
+        prev_end = full.shape[-1]
+
+
 def test_stream_cache_batch_with_different_cache_lengths(flow, one_thread):
     """Three streams at different points (no cache, one cached call, three cached calls) in one
     cached batch == each alone (1e-5)."""
