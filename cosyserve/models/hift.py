@@ -1451,7 +1451,7 @@ class CausalHiFTGenerator(HiFTGenerator):
         dev = f0.device
         work = torch.promote_types(f0.dtype, torch.float32)
         f0_up = self.upsample_f0(f0).to(work)  # [B, N, 1]
-        bsz, n = f0_up.shape[:2]
+        n = f0_up.shape[1]
         h = cfg.nb_harmonics + 1
         harmonics = torch.arange(1, h + 1, device=dev, dtype=work)[None, None, :]
         rad = (f0_up * harmonics / cfg.sampling_rate) % 1
