@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
 # CosyVoice3 on one GPU (issue 20): `serve --random-weights benchmarks/configs/cosyvoice3-0.5b.yaml` (the CV3-0.5B
 # architecture, random weights, ratio pinned), streaming at LEVELS clients (>= 3 requests each) with the voice `default`
-# (the shipped prompt behind upstream's default instruction), then offline at OFFLINE clients.
-# Usage: benchmarks/cv3_bench.sh OUT   (env: LEVELS 1,4,8, OFFLINE 32, RATIO 6, DTYPE bfloat16, SERVE_ARGS). Needs .whl.
+# (the shipped prompt behind upstream's default instruction), then offline at OFFLINE clients, then a steady-state
+# capacity run (`bench --capacity` at CAPACITY_LEVELS concurrent streams, 0 stalls, p99 chunk gap <= 500 ms, then 2x
+# overload; as benchmarks/session_capacity.sh does for the CosyVoice2 paths; CAPACITY_LEVELS= skips it).
+# Usage: benchmarks/cv3_bench.sh OUT   (env: LEVELS 1,4,8, OFFLINE 32, RATIO 6, DTYPE bfloat16, CAPACITY_LEVELS
+# 8,16,32,48,64, MAX_ACTIVE 64, SERVE_ARGS; e.g. SERVE_ARGS="--flow-stream-cache on" for the A/B of the per-stream DiT
+# cache, which the default `auto` leaves off while the flow runs as CUDA graphs). Needs .whl.
 set -u
 cd "$(dirname "$0")/.."
 OUTDIR=${1:-bench_cv3_out}; LEVELS=${LEVELS:-1,4,8}; OFFLINE=${OFFLINE:-32}; RATIO=${RATIO:-6}; DTYPE=${DTYPE:-bfloat16}
+CAPACITY_LEVELS=${CAPACITY_LEVELS-8,16,32,48,64}; MAX_ACTIVE=${MAX_ACTIVE:-64}
 mkdir -p "$OUTDIR"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/cosyserve-site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/cosyserve-site:$PWD PYTHONUNBUFFERED=1 COSYSERVE_CACHE_DIR=/tmp/cosyserve-cache
 CS="python3 -m cosyserve.cli"
 t0=$(date +%s)
 $CS serve --random-weights benchmarks/configs/cosyvoice3-0.5b.yaml --qwen-config benchmarks/configs/CosyVoice-BlankEN-config.json \
-  --device cuda --dtype "$DTYPE" --min-token-text-ratio "$RATIO" --max-token-text-ratio "$RATIO" --max-active-streams 64 \
+  --device cuda --dtype "$DTYPE" --min-token-text-ratio "$RATIO" --max-token-text-ratio "$RATIO" --max-active-streams "$MAX_ACTIVE" \
   --max-queue 256 --voices-dir /tmp/cosyserve-voices-cv3 --port 8000 --grpc-port 8001 ${SERVE_ARGS:-} >"$OUTDIR/server.log" 2>&1 &
 SERVER=$!; trap 'kill $SERVER 2>/dev/null' EXIT
 until python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/v2/health/ready', timeout=2).status_code != 200)" 2>/dev/null; do
@@ -22,3 +27,16 @@ URL=(--url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --n
 $CS bench "${URL[@]}" --concurrency "$LEVELS" --warmup 2 --out "$OUTDIR/streaming" 2>&1 | grep -v "^$" | head -12
 $CS bench "${URL[@]}" --mode offline --concurrency "$OFFLINE" --requests-per-level $((OFFLINE * 3)) --warmup 0 \
   --out "$OUTDIR/offline" 2>&1 | grep -v "^$" | head -12
+if [ -n "$CAPACITY_LEVELS" ]; then
+  echo "== capacity (voice default, 0 stalls, p99 <= 500 ms), then 2x overload"
+  $CS bench "${URL[@]}" --capacity --concurrency "$CAPACITY_LEVELS" --max-streams "$MAX_ACTIVE" --p99-bound-ms 500 \
+    --min-requests-per-client 3 --overload 2 --warmup 0 --out "$OUTDIR/capacity" 2>&1 | tail -40
+  grep -m3 -i "capacity" "$OUTDIR/server.log"
+fi
+echo "== token2wav stage times (server /metrics)"
+python3 - <<'PY' 2>/dev/null || true
+import httpx
+keep = ("cosyserve_stage_seconds_sum", "cosyserve_stage_seconds_count", "cosyserve_token2wav_batch_size_sum",
+        "cosyserve_token2wav_batch_size_count")
+print("\n".join(l for l in httpx.get("http://127.0.0.1:8000/metrics", timeout=5).text.splitlines() if l.startswith(keep)))
+PY

@@ -461,6 +461,10 @@ def _engine_args(p, in_process: bool = False) -> None:
     p.add_argument("--admission-target", type=float, default=0.8, metavar="FRACTION",
                    help="auto admission: the share of the scheduler thread / GPU the admitted streams may need "
                         "(default 0.8; headroom for jitter and prefills)" + note)
+    p.add_argument("--flow-stream-cache", choices=("auto", "on", "off"), default="auto",
+                   help="CosyVoice3: streaming chunk calls compute only the DiT frames after the stream's complete "
+                        "static chunks, reusing their cached keys/values (1.8 MB per cached frame at full size in "
+                        "bf16); auto (default) = on unless the flow runs as CUDA graphs" + note)
     p.add_argument("--lazy-graphs", action="store_true",
                    help="capture CUDA graphs (LM prefill, flow, HiFT) on first use instead of at start-up "
                         "(starts ~100 s faster; each capture while serving stalls every stream for 0.1-0.4 s)")
@@ -479,7 +483,8 @@ def _engine_config(args, **overrides):
                   t2w_gather_s=args.t2w_gather, t2w_length_window=args.t2w_length_window,
                   graph_warmup=not lazy, t2w_graph_warmup=not lazy,
                   decode_lookahead=args.decode_lookahead, admission=args.admission,
-                  admission_target=args.admission_target)
+                  admission_target=args.admission_target,
+                  flow_stream_cache={"auto": None, "on": True, "off": False}[args.flow_stream_cache])
     fields.update(overrides)
     if not 0 < fields["admission_target"] <= 1:
         raise CLIError(f"--admission-target must be in (0, 1], got {fields['admission_target']}")

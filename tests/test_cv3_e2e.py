@@ -359,8 +359,9 @@ def test_default_voice_of_a_cosyvoice3_benchmark_model_has_the_instruction(tmp_p
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", STREAM_CASES or [pytest.param(None, marks=pytest.mark.skip("no CosyVoice3 stream case"))])
 def test_gpu_engine_runs_cv3_eagerly_with_cuda_graphs_on(case):
-    """On CUDA with the default engine config (CUDA graphs on): the LM is graphed, CosyVoice3's flow
-    and causal HiFT run eagerly (no crash), and the streamed chunks of the stream case match."""
+    """On CUDA with the default engine config (CUDA graphs on): the LM and CosyVoice3's flow (DiT,
+    GraphedFlow) are graphed, the causal HiFT runs eagerly (bounded window), and the streamed chunks
+    of the stream case match."""
     from cosyserve.engine.pipeline import Synthesizer
 
     old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
@@ -373,7 +374,7 @@ def test_gpu_engine_runs_cv3_eagerly_with_cuda_graphs_on(case):
         voice = replace(base, flow_speech_token=d["prompt_token"].reshape(-1).to(base.flow_speech_token.dtype),
                         speech_feat=d["prompt_feat"][0], flow_embedding=d["embedding"].reshape(-1))
         engine = synth.new_engine(EngineConfig(max_active=2, kv_max_len=1024, max_prefill_tokens=1024))
-        assert getattr(synth.models.flow, "graph", None) is None and synth.models.hift.graph_decode is None
+        assert getattr(synth.models.flow, "graph", None) is not None and synth.models.hift.graph_decode is None
         req = synth.build_request("你好。", voice, _forced_params(tokens, synth.cfg.llm.stop_token_ids[0], True),
                                   request_id="stream")
         chunks, _ = _run(engine, [req])["stream"]

@@ -152,6 +152,9 @@ class EngineConfig:
     machine is; the estimate is still measured and reported); ``admission_target``: the share
     of the scheduler thread / device the admitted streams may need (headroom for jitter and
     prefills; the capacity is the most streams whose modelled need stays below it).
+    ``flow_stream_cache`` (CosyVoice3): streaming chunk calls through the per-stream DiT cache
+    (``Cv3Token2WavBackend.set_flow_stream_cache``); ``None`` (default): on while the flow is not
+    CUDA-graphed (the cached chunk runs eagerly).
     """
 
     max_active: int = 16
@@ -175,6 +178,7 @@ class EngineConfig:
     decode_lookahead: int = 1
     admission: AdmissionPolicy | str | int | None = None
     admission_target: float = 0.8
+    flow_stream_cache: bool | None = None
 
     def __post_init__(self):
         if self.max_t2w_batch is None:
@@ -330,15 +334,22 @@ class EngineCore:
                                                  max_batch=config.max_active, max_tokens=config.max_prefill_tokens)
             ratio = models.cfg.token_mel_ratio
             cv3 = getattr(models.cfg, "is_cosyvoice3", False) and getattr(models, "dit", None) is None
-            if cv3:
-                log.info("CosyVoice3: the flow (DiT) and the causal HiFT run eagerly (no CUDA graphs for them yet); "
-                         "the LM uses CUDA graphs")
-            elif getattr(models, "dit", None) is not None and models.flow.graph is None:
+            if cv3:  # CosyVoice3: its DiT flow through the same GraphedFlow grid, the causal HiFT's trunk graphed
+                log.info("CosyVoice3: the flow (DiT) and the causal HiFT's trunk run as CUDA graphs (HiFT over a "
+                         "bounded window per chunk)")
+            if getattr(models, "dit", None) is not None and models.flow.graph is None:
                 models.flow.enable_cuda_graphs()  # DiT estimator steps, captured on first use per shape
             elif getattr(models, "dit", None) is None and getattr(models.flow, "graph", None) is None:
                 models.flow.graph = GraphedFlow(models.flow, config.max_t2w_batch, max_tokens=config.kv_max_len,
                                                 max_area=config.max_t2w_tokens,
                                                 max_quad=config.max_t2w_tokens * T2W_ATTENTION_LEN)
+            if cv3 and getattr(models.hift, "graph_trunk", 1) is None and next(models.hift.parameters()).is_cuda:
+                from ..models.graphs import GraphedCausalHiFTTrunk  # HiFT input per job: window + new frames
+
+                look = sum(models.hift.stream_margins)
+                models.hift.graph_trunk = GraphedCausalHiFTTrunk(
+                    models.hift, config.max_t2w_batch, max_frames=ratio * config.kv_max_len + look,
+                    max_area=ratio * config.max_t2w_tokens + look * config.max_t2w_batch)
             if not cv3 and models.hift.graph_decode is None and next(models.hift.parameters()).is_cuda:
                 # HiFT input per job: the chunk's new frames plus the stream's mel overlap
                 extra = DEFAULT_MEL_CACHE_LEN
@@ -348,8 +359,11 @@ class EngineCore:
             if config.graph_warmup:  # every reachable prefill bucket now, none while serving
                 self.prefill_graphs.warmup()
             if config.t2w_graph_warmup:  # captured by the first step(), on the stepping thread
-                self._pending_warmup = [g for g in (getattr(models.flow, "graph", None), models.hift.graph_decode)
-                                        if g is not None]
+                self._pending_warmup = [g for g in (getattr(models.flow, "graph", None), models.hift.graph_decode,
+                                                    getattr(models.hift, "graph_trunk", None)) if g is not None]
+        if hasattr(self.t2w, "set_flow_stream_cache"):  # CosyVoice3: per-stream DiT cache (after the graphs)
+            log.info("CosyVoice3 flow stream cache: %s", "on" if self.t2w.set_flow_stream_cache(config.flow_stream_cache)
+                     else "off")
         self._free_slots = list(range(config.max_active))
         # on CUDA, token2wav batches run on their own CUDA stream while LM decoding continues;
         # launched from this thread (default) or from a worker thread (EngineConfig.t2w_thread)

@@ -23,6 +23,13 @@ between requests — here it is per stream, starting at ``token_hop_len``):
   (all frames so far) grows by ``new_mel``; HiFT runs over the *whole* accumulated mel
   (``finalize`` as the flow call) and the samples already emitted (``speech_offset``) are cut off;
   no cross-fade (unlike CosyVoice2).
+
+HiFT window (``hift_window=True``, the default everywhere here): instead of that whole-mel re-run,
+:meth:`~cosyserve.models.hift.CausalHiFTGenerator.inference_stream_batch` runs the causal HiFT over
+the last ``f0_margin + trunk_margin`` (8 + 35 for the official model) already emitted frames plus
+the new ones, with the excitation phase carried in the state (``hift_carry``): the same samples
+(bit for bit on the reference stream, ~1e-7 on long streams, see tests/test_cv3_fast.py) at a
+per-chunk cost that no longer grows with the stream. ``hift_window=False`` keeps the re-run (A/B).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from .token2wav import Token2Wav, copy_to_pinned_host
 
 __all__ = ["CV3StreamSchedule", "CV3StreamState", "CV3ChunkJob", "CV3ChunkTrace", "new_stream", "plan_chunk",
            "after_flow", "after_hift", "speed_mel", "token2wav_step", "CV3BatchItem", "token2wav_batch",
-           "stream_token2wav", "Cv3T2WState", "Cv3Token2WavBackend"]
+           "stream_token2wav", "hift_stage", "Cv3T2WState", "Cv3Token2WavBackend"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,10 @@ class CV3StreamState:
     ``token_offset``: speech tokens whose mel was already produced; ``hop_len``: the current
     ``token_hop_len``; ``prompt_token_pad``: extra tokens of the first chunk; ``mel``: the
     accumulated mel ``[1, n_mels, frames]`` (None before the first chunk); ``speech_offset``:
-    samples already emitted; ``finished``: the final chunk was emitted.
+    samples already emitted; ``finished``: the final chunk was emitted; ``hift_carry``: the
+    windowed HiFT's carried excitation phase
+    (:class:`~cosyserve.models.hift.CausalHiFTCarry`, 72 bytes; None when not windowed or while
+    the window starts at frame 0).
     """
 
     schedule: CV3StreamSchedule
@@ -74,6 +84,7 @@ class CV3StreamState:
     mel: Tensor | None = None
     speech_offset: int = 0
     finished: bool = False
+    hift_carry: object = None
 
 
 @dataclass(frozen=True)
@@ -119,29 +130,53 @@ def plan_chunk(state: CV3StreamState, n_tokens: int, llm_done: bool, stream: boo
     return None
 
 
-def after_flow(state: CV3StreamState, job: CV3ChunkJob, flow_mel: Tensor) -> tuple[Tensor, CV3StreamState]:
-    """Trim the flow output of ``job`` (``[1, n_mels, frames]``, prompt frames already removed) to
-    its new frames and append them to the accumulated mel. Returns ``(hift_mel, state)``: the
-    whole accumulated mel, HiFT's input for this chunk, and the state holding it."""
+def after_flow(state: CV3StreamState, job: CV3ChunkJob, flow_mel: Tensor,
+               first: int = 0) -> tuple[Tensor, CV3StreamState]:
+    """Trim the flow output of ``job`` (``[1, n_mels, frames]``, prompt frames already removed; with
+    ``first`` > 0 it starts at that frame, as the cached flow returns it) to its new frames and
+    append them to the accumulated mel. Returns ``(hift_mel, state)``: the whole accumulated mel,
+    HiFT's input for this chunk, and the state holding it."""
     if flow_mel.dim() != 3 or flow_mel.shape[0] != 1:
         raise ValueError(f"flow_mel must be [1, n_mels, frames], got {tuple(flow_mel.shape)}")
-    new = flow_mel[:, :, job.token_offset * state.schedule.token_mel_ratio:]
+    skip = job.token_offset * state.schedule.token_mel_ratio - first
+    if skip < 0:
+        raise ValueError(f"the flow output starts at frame {first}, after the chunk's first new frame")
+    new = flow_mel[:, :, skip:]
     mel = new if state.mel is None else torch.cat([state.mel.to(new), new], dim=2)
     return mel, replace(state, mel=mel)
 
 
-def after_hift(state: CV3StreamState, job: CV3ChunkJob, speech: Tensor) -> tuple[Tensor, CV3StreamState]:
-    """``speech`` ``[1, samples]``: HiFT's output over the accumulated mel for ``job``. Returns the
-    samples not yet emitted and the state advanced past ``job`` (``token_offset += hop``, hop
-    grown; or ``finished``)."""
-    out = speech[:, state.speech_offset:]
+def after_hift(state: CV3StreamState, job: CV3ChunkJob, speech: Tensor, new_only: bool = False,
+               carry=None) -> tuple[Tensor, CV3StreamState]:
+    """``speech`` ``[1, samples]``: HiFT's output over the accumulated mel for ``job`` (or, with
+    ``new_only``, only the samples not yet emitted, as the windowed HiFT returns them, with its
+    next ``carry``). Returns the samples not yet emitted and the state advanced past ``job``
+    (``token_offset += hop``, hop grown; or ``finished``)."""
+    out = speech if new_only else speech[:, state.speech_offset:]
     s = state.schedule
     if job.finalize:
-        return out, replace(state, speech_offset=state.speech_offset + out.shape[1], finished=True)
+        return out, replace(state, speech_offset=state.speech_offset + out.shape[1], finished=True, hift_carry=None)
     return out, replace(
         state, speech_offset=state.speech_offset + out.shape[1], token_offset=state.token_offset + job.hop,
-        hop_len=min(s.token_max_hop_len, state.hop_len * s.stream_scale_factor),
+        hop_len=min(s.token_max_hop_len, state.hop_len * s.stream_scale_factor), hift_carry=carry,
     )
+
+
+def hift_stage(hift, states: list[CV3StreamState], jobs: list[CV3ChunkJob], mels: list[Tensor],
+               window: bool = True) -> list[tuple[Tensor, CV3StreamState]]:
+    """The HiFT half of a chunk for several streams at once: ``mels`` their accumulated mels
+    ``[1, n_mels, frames]`` (after :func:`after_flow`, tempo applied), ``states`` the states
+    :func:`after_flow` returned. ``window``: the bounded-window HiFT with the carried phase
+    (:meth:`~cosyserve.models.hift.CausalHiFTGenerator.inference_stream_batch`), else the whole-mel
+    re-run (``inference_batch``) trimmed by ``speech_offset``. Returns per stream ``(new samples
+    [1, n], advanced state)``; both ways give the same samples (see the module docstring)."""
+    fin = [j.finalize for j in jobs]
+    if window:
+        outs, carries = hift.inference_stream_batch(mels, [st.speech_offset for st in states], fin,
+                                                    [st.hift_carry for st in states])
+        return [after_hift(st, j, o, new_only=True, carry=c) for st, j, o, c in zip(states, jobs, outs, carries)]
+    raws, _ = hift.inference_batch(mels, fin)
+    return [after_hift(st, j, r) for st, j, r in zip(states, jobs, raws)]
 
 
 @dataclass
@@ -168,18 +203,19 @@ def speed_mel(mel: Tensor, job: CV3ChunkJob, speed: float) -> Tensor:
 
 
 def token2wav_step(flow, hift, state: CV3StreamState, job: CV3ChunkJob, tokens: Tensor, prompt_token: Tensor,
-                   prompt_feat: Tensor, embedding: Tensor, speed: float = 1.0) -> tuple[CV3ChunkTrace, CV3StreamState]:
+                   prompt_feat: Tensor, embedding: Tensor, speed: float = 1.0,
+                   hift_window: bool = True) -> tuple[CV3ChunkTrace, CV3StreamState]:
     """Run one job for one request: ``flow`` a :class:`~cosyserve.models.cv3_flow.CV3FlowModel`,
     ``hift`` a :class:`~cosyserve.models.hift.CausalHiFTGenerator`; ``tokens [1, >= n_tokens]``,
     ``prompt_token [1, P]``, ``prompt_feat [1, F, n_mels]``, ``embedding [1, spk_embed_dim]``;
-    ``speed``: tempo factor (:func:`speed_mel`, non-streaming only).
-    Returns the chunk's trace (``speech [1, n]`` float32 at the HiFT's rate) and the new state."""
+    ``speed``: tempo factor (:func:`speed_mel`, non-streaming only); ``hift_window``: see
+    :func:`hift_stage`. Returns the chunk's trace (``speech [1, n]`` float32 at the HiFT's rate) and
+    the new state."""
     flow_mel = flow.inference(tokens[:, :job.n_tokens], prompt_token, prompt_feat, embedding,
                               streaming=job.streaming, finalize=job.finalize)
     hift_mel, state = after_flow(state, job, flow_mel)
     hift_mel = speed_mel(hift_mel, job, speed)
-    raw, _ = hift.inference(hift_mel, finalize=job.finalize)
-    speech, state = after_hift(state, job, raw)
+    ((speech, state),) = hift_stage(hift, [state], [job], [hift_mel], hift_window)
     return CV3ChunkTrace(job=job, flow_mel=flow_mel, hift_mel=hift_mel, speech=speech), state
 
 
@@ -198,7 +234,8 @@ class CV3BatchItem:
     speed: float = 1.0
 
 
-def token2wav_batch(flow, hift, items: list[CV3BatchItem]) -> list[tuple[CV3ChunkTrace, CV3StreamState]]:
+def token2wav_batch(flow, hift, items: list[CV3BatchItem],
+                    hift_window: bool = True) -> list[tuple[CV3ChunkTrace, CV3StreamState]]:
     """:func:`token2wav_step` for several requests at once: one padded flow pass
     (``FlowModel.inference_batch``, per-item streaming/finalize) and one HiFT pass
     (``CausalHiFTGenerator.inference_batch``). Returns ``(trace, new_state)`` per item, equal to
@@ -214,17 +251,14 @@ def token2wav_batch(flow, hift, items: list[CV3BatchItem]) -> list[tuple[CV3Chun
         m, st = after_flow(it.state, it.job, mel)
         hift_in.append(speed_mel(m, it.job, it.speed))
         states.append(st)
-    raws, _ = hift.inference_batch(hift_in, [it.job.finalize for it in items])
-    out = []
-    for it, mel, m, st, raw in zip(items, mels, hift_in, states, raws):
-        speech, st = after_hift(st, it.job, raw)
-        out.append((CV3ChunkTrace(job=it.job, flow_mel=mel, hift_mel=m, speech=speech), st))
-    return out
+    done = hift_stage(hift, states, [it.job for it in items], hift_in, hift_window)
+    return [(CV3ChunkTrace(job=it.job, flow_mel=mel, hift_mel=m, speech=speech), st)
+            for it, mel, m, (speech, st) in zip(items, mels, hift_in, done)]
 
 
 def stream_token2wav(flow, hift, tokens: Tensor, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor,
                      stream: bool = True, schedule: CV3StreamSchedule | None = None,
-                     speed: float = 1.0) -> Iterator[CV3ChunkTrace]:
+                     speed: float = 1.0, hift_window: bool = True) -> Iterator[CV3ChunkTrace]:
     """All chunks of a request whose speech tokens ``[1, N]`` are all known (upstream's
     ``tts(source_speech_token=..., stream=...)`` path), as :class:`CV3ChunkTrace` in order;
     ``speed`` only with ``stream=False`` (upstream ignores it when streaming; here that is a
@@ -235,7 +269,8 @@ def stream_token2wav(flow, hift, tokens: Tensor, prompt_token: Tensor, prompt_fe
     n = tokens.shape[1]
     while not state.finished:
         job = plan_chunk(state, n, llm_done=True, stream=stream)
-        trace, state = token2wav_step(flow, hift, state, job, tokens, prompt_token, prompt_feat, embedding, speed)
+        trace, state = token2wav_step(flow, hift, state, job, tokens, prompt_token, prompt_feat, embedding, speed,
+                                      hift_window)
         yield trace
 
 
@@ -250,6 +285,10 @@ class Cv3T2WState:
     without arguments (the engine resets a finished segment's state with ``type(state)()``)."""
 
     stream: CV3StreamState | None = None
+    #: the stream's :class:`~cosyserve.models.cv3_flow.DiTStreamCache` (flow stream cache on), None
+    #: (none yet / cache off), or False: the stream outgrew the backend's ``flow_cache_max_bytes`` and
+    #: recomputes its chunks from then on
+    flow_cache: object = None
 
     @property
     def empty(self) -> bool:
@@ -270,8 +309,8 @@ class Cv3Token2WavBackend(Token2Wav):
       upstream's ``token_hop_len`` schedule: first hop 25 + prompt pad, doubling up to 100);
     * :func:`after_flow`: the mel frames from ``token_mel_ratio * job.token_offset`` on are appended
       to the stream's accumulated mel (:class:`Cv3T2WState` in ``job.hift_state``);
-    * one :meth:`CausalHiFTGenerator.inference_batch` over every job's whole accumulated mel
-      (``finalize`` per job), then :func:`after_hift` cuts the samples already emitted.
+    * one HiFT batch (:func:`hift_stage`): by default the bounded window with the carried phase
+      (``hift_window``), else the whole-mel re-run cut by :func:`after_hift`.
 
     ``speed`` applies to an offline job only (a whole utterance in one call, as upstream); a
     streamed segment ignores it like upstream's streaming path. Results: speech ``[n]`` float32 on
@@ -280,10 +319,63 @@ class Cv3Token2WavBackend(Token2Wav):
     ``run_each``) on a state of another backend or a too short non-final chunk.
     """
 
-    def __init__(self, flow, hift, token_mel_ratio: int, schedule: CV3StreamSchedule | None = None):
+    def __init__(self, flow, hift, token_mel_ratio: int, schedule: CV3StreamSchedule | None = None,
+                 hift_window: bool = True):
         super().__init__(flow, hift, token_mel_ratio)
         pre = int(getattr(getattr(flow, "cfg", None), "pre_lookahead_len", 3))
         self.schedule = schedule or CV3StreamSchedule(pre_lookahead_len=pre, token_mel_ratio=token_mel_ratio)
+        #: the bounded-window HiFT with the carried phase (:func:`hift_stage`); False: whole-mel re-run
+        self.hift_window = hift_window
+        #: streaming non-final jobs through the per-stream DiT cache (:meth:`set_flow_stream_cache`)
+        self.flow_stream_cache = False
+        #: a stream whose cache would exceed this drops it and recomputes its later chunks (1 GiB:
+        #: ~580 frames = 11.6 s at full size in bf16, ~290 in float32)
+        self.flow_cache_max_bytes = 1 << 30
+
+    def set_flow_stream_cache(self, enabled: bool | None) -> bool:
+        """Turn the per-stream DiT cache of streaming chunk calls on or off
+        (:meth:`~cosyserve.models.cv3_flow.CV3FlowModel.stream_cached_batch`; the cache rides in
+        :class:`Cv3T2WState`, 1.8 MB per cached frame at full size in bf16, dropped at the final
+        chunk). ``None`` (auto): on while the flow has no CUDA graphs — the cached chunk runs
+        eagerly, which on a GPU costs more launches than a graphed full recompute saves. Returns the
+        setting."""
+        self.flow_stream_cache = (getattr(self.flow, "graph", None) is None) if enabled is None else bool(enabled)
+        return self.flow_stream_cache
+
+    def _flow_cache(self, job):
+        st = job.hift_state
+        return st.flow_cache if isinstance(st, Cv3T2WState) else None
+
+    def launch(self, jobs, stream=None, marks=None, queue_steps=None):
+        """As :meth:`Token2Wav.launch <cosyserve.engine.token2wav.Token2Wav.launch>`; with the flow
+        stream cache on, the streaming non-final jobs run through
+        :meth:`~cosyserve.models.cv3_flow.CV3FlowModel.stream_cached_batch` (one eager batch, issued
+        here) and the others through the usual flow pass; HiFT then runs over all of them at once."""
+        cached = [i for i, j in enumerate(jobs) if self.flow_stream_cache and j.streaming and not j.finalize
+                  and self._flow_cache(j) is not False]
+        if not cached:
+            return super().launch(jobs, stream, marks, queue_steps)
+        from .token2wav import PendingToken2Wav
+
+        pending = PendingToken2Wav(self, jobs, stream, marks)
+        with pending.on_stream():
+            if marks is not None:
+                pending.stamps.append(marks.mark(stream))
+            rest = [i for i in range(len(jobs)) if i not in cached]
+
+            def prepare(idx):
+                sel = [jobs[i] for i in idx]
+                return self.flow.prepare([j.tokens[None] for j in sel], [j.voice.flow_speech_token[None] for j in sel],
+                                         [j.voice.speech_feat[None] for j in sel],
+                                         torch.stack([j.voice.flow_embedding for j in sel]),
+                                         streaming=[j.streaming for j in sel], finalize=[j.finalize for j in sel])
+
+            mels, firsts, caches = self.flow.stream_cached_batch(prepare(cached),
+                                                                 [self._flow_cache(jobs[i]) for i in cached])
+            pending.run = _SplitFlowRun(len(jobs), cached, mels, firsts, caches,
+                                        self.flow.start(prepare(rest)) if rest else None, rest)
+        pending.advance(queue_steps)
+        return pending
 
     def _state(self, job) -> CV3StreamState:
         st = job.hift_state
@@ -308,27 +400,62 @@ class Cv3Token2WavBackend(Token2Wav):
         pinned host buffers and an event recorded on CUDA)."""
         jobs, marks, stream = p.jobs, p.marks_src, p.stream
         mels = p.run.mels()
+        firsts = getattr(p.run, "firsts", None) or [0] * len(jobs)
+        flow_caches = list(getattr(p.run, "caches", None) or [None] * len(jobs))
         if marks is not None:
             p.stamps.append(marks.mark(stream))
         dev = self.hift_device
         hift_in, states, cjobs = [], [], []
-        for j, mel in zip(jobs, mels):
+        for j, mel, first in zip(jobs, mels, firsts):
             st, cj = self._state(j), self._chunk_job(j)
-            m, st = after_flow(st, cj, mel.to(dev, torch.float32))
+            m, st = after_flow(st, cj, mel.to(dev, torch.float32), first)
             if j.speed != 1.0 and cj.finalize and cj.token_offset == 0 and st.speech_offset == 0:
                 m = speed_mel(m, cj, j.speed)
             hift_in.append(m)
             states.append(st)
             cjobs.append(cj)
-        raws, _ = self.hift.inference_batch(hift_in, [cj.finalize for cj in cjobs])
         speech, new_states = [], []
-        for st, cj, raw in zip(states, cjobs, raws):
-            out, st = after_hift(st, cj, raw)
+        for k, j in enumerate(jobs):
+            if flow_caches[k] is None and self._flow_cache(j) is False:
+                flow_caches[k] = False  # sticky: the stream outgrew the budget
+            elif flow_caches[k] is not None and flow_caches[k].nbytes > self.flow_cache_max_bytes:
+                flow_caches[k] = False
+        for (out, st), fc in zip(hift_stage(self.hift, states, cjobs, hift_in, self.hift_window), flow_caches):
             speech.append(out[0].float())
-            new_states.append(Cv3T2WState() if st.finished else Cv3T2WState(st))
+            new_states.append(Cv3T2WState() if st.finished else Cv3T2WState(st, fc))
         if marks is not None:
             p.stamps.append(marks.mark(stream))
         if stream is not None:
             speech, p.event = copy_to_pinned_host(speech, stream)
         p.speech, p.states = speech, new_states
         p.keep = (mels, hift_in)
+
+
+class _SplitFlowRun:
+    """A flow batch of :meth:`Cv3Token2WavBackend.launch` with the flow stream cache on: the
+    cached jobs' mels (already computed, each starting at frame ``firsts[i]``) and a
+    :class:`~cosyserve.models.flow.FlowRun` of the other jobs (or None), stepped as one run;
+    :meth:`mels`, :attr:`firsts` and :attr:`caches` (the new stream caches; None for uncached jobs)
+    in job order."""
+
+    def __init__(self, n: int, cached: list[int], mels: list, firsts: list[int], caches: list, run, rest: list[int]):
+        self._run, self._rest = run, rest
+        self._mels: list = [None] * n
+        self.firsts = [0] * n
+        self.caches: list = [None] * n
+        for i, m, f, c in zip(cached, mels, firsts, caches):
+            self._mels[i], self.firsts[i], self.caches[i] = m, f, c
+
+    @property
+    def steps_left(self) -> int:
+        return self._run.steps_left if self._run is not None else 0
+
+    def step(self) -> None:
+        self._run.step()
+
+    def mels(self) -> list:
+        out = list(self._mels)
+        if self._run is not None:
+            for i, m in zip(self._rest, self._run.mels()):
+                out[i] = m
+        return out

@@ -54,9 +54,10 @@ from .config import CFMConfig, Tagged, _get, _parse_cfm
 from .flow import CausalFlowMatching, FlowModel
 from .flow_encoder import PreLookaheadLayer, chunk_attention_mask
 from .flow_estimator import sinusoidal_time_embedding
+from .transfer import to_device
 
-__all__ = ["DiTConfig", "CV3FlowConfig", "parse_cv3_flow", "DiT", "DiTPlan", "CV3FlowModel", "load_cv3_flow",
-           "rotary_tables"]
+__all__ = ["DiTConfig", "CV3FlowConfig", "parse_cv3_flow", "DiT", "DiTPlan", "DiTStreamCache", "DiTCachedPlan",
+           "CV3FlowModel", "load_cv3_flow", "rotary_tables"]
 
 
 # --------------------------------------------------------------------------------------
@@ -249,6 +250,14 @@ class _CausalConvPositionEmbedding(nn.Module):
         h = self.conv2(F.pad(h, (self.kernel - 1, 0)))
         return h.transpose(1, 2)
 
+    def forward_tail(self, x_ext: Tensor, keep1: Tensor) -> Tensor:
+        """:meth:`forward` for the last ``T`` frames of a longer sequence, given ``x_ext [B, 2 (k - 1)
+        + T, D]``: the ``2 (k - 1)`` input frames before them (zeros where the sequence has none), then
+        theirs. ``keep1 [B, k - 1 + T, 1]`` (model dtype) is 0 where the first conv's output lies
+        before the sequence start (there :meth:`forward` pads the second conv's input with zeros)."""
+        h = self.conv1(x_ext.transpose(1, 2)) * keep1.transpose(1, 2)
+        return self.conv2(h).transpose(1, 2)
+
 
 class _InputEmbedding(nn.Module):
     def __init__(self, cfg: DiTConfig):
@@ -298,6 +307,23 @@ class _Attention(nn.Module):
         o = o.transpose(1, 2).reshape(b, t, self.heads * self.dim_head)
         return self.to_out[0](o) * plan.valid
 
+    def forward_cached(self, x: Tensor, cp: "DiTCachedPlan", k_cache: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Attention of new frames ``x [B, T, D]`` over the cached keys/values ``k_cache [2, B, H,
+        F, dh]`` (stacked K, V of earlier frames, rotary applied; None when no item has any) and
+        their own. Returns the output ``[B, T, D]`` and the new frames' stacked K, V ``[2, B, H, T,
+        dh]`` (what a later call reads from the cache)."""
+        b, t, _ = x.shape
+        q = apply_rotary(self.to_q(x), cp.cos, cp.sin)
+        k = apply_rotary(self.to_k(x), cp.cos, cp.sin)
+        v = self.to_v(x)
+        q, k, v = (y.view(b, t, self.heads, self.dim_head).transpose(1, 2) for y in (q, k, v))
+        new = torch.stack((k, v))
+        if k_cache is not None:
+            k, v = torch.cat((k_cache[0], k), dim=2), torch.cat((k_cache[1], v), dim=2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=cp.allowed)
+        o = o.transpose(1, 2).reshape(b, t, self.heads * self.dim_head)
+        return self.to_out[0](o) * cp.valid, new
+
 
 class _FeedForward(nn.Module):
     def __init__(self, dim: int, mult: float):
@@ -322,6 +348,12 @@ class _DiTBlock(nn.Module):
         x = x + gate_msa.unsqueeze(1) * self.attn(_modulate(x, scale_msa, shift_msa), plan)
         return x + gate_mlp.unsqueeze(1) * self.ff(_modulate(x, scale_mlp, shift_mlp))
 
+    def forward_cached(self, x: Tensor, t: Tensor, cp: "DiTCachedPlan", kv: Tensor | None) -> tuple[Tensor, Tensor]:
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(t)
+        a, new = self.attn.forward_cached(_modulate(x, scale_msa, shift_msa), cp, kv)
+        x = x + gate_msa.unsqueeze(1) * a
+        return x + gate_mlp.unsqueeze(1) * self.ff(_modulate(x, scale_mlp, shift_mlp)), new
+
 
 @dataclass
 class DiTPlan:
@@ -336,6 +368,126 @@ class DiTPlan:
     valid: Tensor
     cos: Tensor
     sin: Tensor
+
+
+@dataclass
+class DiTStreamCache:
+    """One stream's DiT cache between streaming (chunk-masked, non-final) flow calls
+    (:meth:`CV3FlowModel.stream_cached_batch`).
+
+    With the static chunk mask counted from frame 0, causal convolutions and fixed noise per frame,
+    the Euler trajectory of every frame in a complete static chunk is the same in every later
+    streaming call of the stream; so is what later frames read from it. Kept per Euler step, per
+    CFG row (conditional, unconditional) and per layer: ``kv`` ``[n_steps, depth, 2 (K, V), 2 (CFG),
+    heads, frames, dim_head]`` (rotary applied, model dtype) and ``h0`` ``[n_steps, 2 (CFG), 2 (k -
+    1), dim]``: the input projections of the ``2 (k - 1)`` frames before ``frames`` (the causal
+    conv position embedding's left field; zeros before frame 0). ``frames``: cached frames (prompt
+    included), a multiple of ``static_chunk_size``. Size: :meth:`bytes_per_frame` per frame (1.8 MB
+    at full size in bfloat16) plus the fixed ``h0``; freed with the object."""
+
+    frames: int
+    kv: Tensor
+    h0: Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size() + self.h0.numel() * self.h0.element_size()
+
+    @staticmethod
+    def bytes_per_frame(cfg: DiTConfig, n_steps: int, dtype: torch.dtype) -> int:
+        """``n_steps x depth x 2 (K, V) x 2 (CFG rows) x heads x dim_head x element size``."""
+        return n_steps * cfg.depth * 4 * cfg.heads * cfg.dim_head * torch.empty(0, dtype=dtype).element_size()
+
+
+class DiTCachedPlan:
+    """What the Euler steps of one cached streaming solve share (:meth:`DiT.forward_cached`): per
+    CFG row (``2B``: conditional rows, then unconditional) the new frames' rotary tables ``cos`` /
+    ``sin`` ``[2B, T, dim_head]`` at their absolute positions, the attention mask ``allowed`` ``[2B,
+    1, T, F + T]`` (cached keys ``< frames[b]``; new keys chunk-causal and valid), ``valid`` ``[2B,
+    T, 1]``, ``keep1`` ``[2B, k - 1 + T, 1]`` (see :meth:`_CausalConvPositionEmbedding.forward_tail`);
+    the items' caches (read per step as one right-padded batch) and the new frames' K/V and input
+    projections recorded per step. Eager only: ``step`` is a Python counter."""
+
+    def __init__(self, est: "DiT", caches: list, starts: list[int], new_lengths: list[int], n_steps: int,
+                 device, dtype):
+        cfg = est.cfg
+        b = len(starts)
+        self.b, self.caches, self.starts, self.n_steps = b, caches, starts, n_steps
+        self.depth, self.heads, self.dim_head = cfg.depth, cfg.heads, cfg.dim_head
+        self.window = 2 * (cfg.conv_pos_kernel - 1)
+        self.dim = cfg.dim
+        self.device, self.dtype = device, dtype
+        t = max(new_lengths)
+        self.fmax = max(starts)
+        st = to_device(torch.tensor(starts + starts), device)  # [2B]; pinned copies: no host sync
+        n_new = to_device(torch.tensor(new_lengths + new_lengths), device)
+        pos = st[:, None] + torch.arange(t, device=device)[None, :]  # absolute positions of the new frames
+        cos, sin = est.rotary(max(starts) + t)
+        self.cos, self.sin = cos[pos], sin[pos]
+        j = torch.arange(t, device=device)
+        valid = j[None, :] < n_new[:, None]  # [2B, T]
+        self.valid = valid[:, :, None].to(dtype)
+        c = cfg.static_chunk_size
+        chunk_end = (torch.div(j, c, rounding_mode="floor") + 1) * c  # starts are chunk multiples
+        new_ok = valid[:, None, :] & (j[None, :] < chunk_end[:, None])[None]  # [2B, T, T]
+        cache_ok = (torch.arange(self.fmax, device=device)[None, :] < st[:, None])[:, None, :].expand(-1, t, -1)
+        self.allowed = torch.cat([cache_ok, new_ok], dim=2).unsqueeze(1)
+        k1 = cfg.conv_pos_kernel - 1
+        q = st[:, None] - k1 + torch.arange(k1 + t, device=device)[None, :]
+        self.keep1 = (q >= 0)[:, :, None].to(dtype)
+        self.step = 0
+        self._kv_step = -1
+        self._kv = None
+        self.rec_h0: list[Tensor] = []
+        self.rec_kv: list[list[Tensor]] = []
+
+    def kv(self, step: int, layer: int) -> Tensor | None:
+        """Cached ``[2 (K, V), 2B, heads, F, dim_head]`` of ``layer`` at Euler ``step`` (zeros past an
+        item's cached frames, masked), or None when no item has cached frames."""
+        if self.fmax == 0:
+            return None
+        if self._kv_step != step:
+            b = self.b
+            kv = torch.zeros(self.depth, 2, 2 * b, self.heads, self.fmax, self.dim_head, device=self.device,
+                             dtype=self.dtype)
+            for i, c in enumerate(self.caches):
+                if c is not None and c.frames:
+                    kv[:, :, i, :, :c.frames] = c.kv[step, :, :, 0]
+                    kv[:, :, b + i, :, :c.frames] = c.kv[step, :, :, 1]
+            self._kv, self._kv_step = kv, step
+        return self._kv[layer]
+
+    def h0_tail(self, step: int) -> Tensor:
+        """``[2B, 2 (k - 1), dim]`` input projections of the frames before each item's new frames."""
+        b = self.b
+        out = torch.zeros(2 * b, self.window, self.dim, device=self.device, dtype=self.dtype)
+        for i, c in enumerate(self.caches):
+            if c is not None and c.frames:
+                out[i], out[b + i] = c.h0[step, 0], c.h0[step, 1]
+        return out
+
+    def record(self, h0: Tensor, news: list[Tensor]) -> None:
+        self.rec_h0.append(h0)
+        self.rec_kv.append(news)
+        self.step += 1
+
+    def new_caches(self, keep: list[int]) -> list[DiTStreamCache]:
+        """Per item the cache after this solve, extended by its first ``keep[b]`` new frames (those in
+        complete static chunks)."""
+        b, w = self.b, self.window
+        out = []
+        kv_all = torch.stack([torch.stack(layers) for layers in self.rec_kv])  # [n, depth, 2, 2B, H, T, dh]
+        h0_all = torch.stack(self.rec_h0)  # [n, 2B, T, dim]
+        for i, (c, m) in enumerate(zip(self.caches, keep)):
+            rows = [i, b + i]
+            new_kv = kv_all[:, :, :, rows, :, :m]  # [n, depth, 2, 2, H, m, dh]
+            old_h0 = c.h0 if c is not None else torch.zeros(self.n_steps, 2, w, self.dim, device=self.device,
+                                                            dtype=self.dtype)
+            h0 = torch.cat([old_h0, h0_all[:, rows, :m]], dim=2)[:, :, -w:]
+            kv = new_kv if c is None or not c.frames else torch.cat([c.kv, new_kv], dim=5)
+            out.append(DiTStreamCache(frames=(c.frames if c is not None else 0) + m, kv=kv.contiguous(),
+                                      h0=h0.contiguous()))
+        return out
 
 
 class DiT(nn.Module):
@@ -356,6 +508,8 @@ class DiT(nn.Module):
         self.long_skip_connection = nn.Linear(cfg.dim * 2, cfg.dim, bias=False) if cfg.long_skip_connection else None
         self.norm_out = _AdaLayerNorm(cfg.dim, 2)
         self.proj_out = nn.Linear(cfg.dim, cfg.mel_dim)
+        self._rotary_cache: tuple[Tensor, Tensor] | None = None
+        self._rotary_old: list[tuple[Tensor, Tensor]] = []
 
     def attention_plan(self, mask: Tensor, streaming: Tensor | bool) -> DiTPlan:
         """Masks and rotary tables from ``mask [B, 1, T]`` (1 valid / 0 padded, model dtype) and
@@ -366,13 +520,40 @@ class DiT(nn.Module):
             streaming = torch.full((b,), bool(streaming), device=mask.device)
         streaming = streaming.to(device=mask.device, dtype=torch.bool)
         allowed = chunk_attention_mask(mask[:, 0].bool(), streaming, self.cfg.static_chunk_size)
-        cos, sin = rotary_tables(self.rotary_embed.inv_freq, t)
+        cos, sin = self.rotary(t)
         return DiTPlan(allowed=allowed.unsqueeze(1), valid=mask.transpose(1, 2), cos=cos, sin=sin)
+
+    def rotary(self, frames: int, start: int = 0) -> tuple[Tensor, Tensor]:
+        """Rotary tables ``(cos, sin)`` ``[frames, dim_head]`` float32 of positions ``start ..
+        start + frames - 1``, sliced from a table cached on the device of ``inv_freq`` (grown to the
+        next power of two when a longer one is asked for; a row's values do not depend on the
+        table's length, so slices equal :func:`rotary_tables` of that length bit for bit). While
+        a CUDA graph is being captured, a missing table is computed without being cached (a
+        captured kernel writes it only at replay). Tables replaced by a longer one stay alive
+        (``_rotary_old``; kilobytes to a few MB): a graph captured earlier keeps reading the
+        address of the table it was captured with."""
+        inv = self.rotary_embed.inv_freq
+        need = start + frames
+        cached = self._rotary_cache
+        if cached is None or cached[0].device != inv.device or cached[0].shape[0] < need:
+            size = 1 << max(8, (need - 1).bit_length())
+            table = rotary_tables(inv, size)
+            capturing = inv.is_cuda and torch.cuda.is_current_stream_capturing()
+            if capturing:
+                return table[0][start:need], table[1][start:need]
+            if cached is not None:
+                self._rotary_old.append(cached)
+            self._rotary_cache = cached = table
+        return cached[0][start:need], cached[1][start:need]
 
     def forward_btc(self, h: Tensor, plan: DiTPlan, t: Tensor) -> Tensor:
         """Velocity ``[B, T, mel_dim]`` (zero at padded frames) from the packed input
         ``h [B, T, 4 * mel_dim]`` = ``cat(x, mu, spks broadcast over T, cond)`` along channels
-        (model dtype), a :class:`DiTPlan` and flow time ``t`` ``[B]`` or ``[1]``."""
+        (model dtype), a :class:`DiTPlan` and flow time ``t`` ``[B]`` or ``[1]``. With a
+        :class:`DiTCachedPlan` instead, ``h`` holds only the new frames of cached streams
+        (:meth:`forward_cached`)."""
+        if isinstance(plan, DiTCachedPlan):
+            return self.forward_cached(h, plan, t)
         n = self.cfg.mel_dim
         b = h.shape[0]
         x, mu, spks, cond = h[..., :n], h[..., n:2 * n], h[..., 2 * n:3 * n], h[..., 3 * n:]
@@ -385,6 +566,33 @@ class DiT(nn.Module):
             x = self.long_skip_connection(torch.cat((x, residual), dim=-1))
         scale, shift = self.norm_out(t_emb)
         return self.proj_out(_modulate(x, scale, shift)) * plan.valid
+
+    def forward_cached(self, h: Tensor, cp: "DiTCachedPlan", t: Tensor) -> Tensor:
+        """One Euler step's velocity for the new frames of cached streams: ``h [B, T, 4 * mel_dim]``
+        packed as in :meth:`forward_btc` for frames ``cp.start[b] ..`` of each row; reads the cache
+        of step ``cp.step`` (K/V of every layer for the frames before, the input projection of the
+        ``2 (k - 1)`` frames before for the causal conv position embedding), records the new frames'
+        K/V and projections in ``cp`` for the next call's cache, and advances ``cp.step``.
+        Eager only (Python state). Equals :meth:`forward_btc` over all frames with the streaming
+        chunk mask, restricted to the new frames, up to float summation order."""
+        n = self.cfg.mel_dim
+        b = h.shape[0]
+        x, mu, spks, cond = h[..., :n], h[..., n:2 * n], h[..., 2 * n:3 * n], h[..., 3 * n:]
+        t_emb = self.time_embed(t.reshape(-1).expand(b) if t.numel() == 1 else t)
+        emb = self.input_embed
+        h0 = emb.proj(torch.cat([x, cond, mu, spks], dim=-1))
+        step = cp.step
+        x = emb.conv_pos_embed.forward_tail(torch.cat([cp.h0_tail(step), h0], dim=1), cp.keep1) + h0
+        residual = x
+        news = []
+        for i, block in enumerate(self.transformer_blocks):
+            x, new = block.forward_cached(x, t_emb, cp, cp.kv(step, i))
+            news.append(new)
+        cp.record(h0, news)
+        if self.long_skip_connection is not None:
+            x = self.long_skip_connection(torch.cat((x, residual), dim=-1))
+        scale, shift = self.norm_out(t_emb)
+        return self.proj_out(_modulate(x, scale, shift)) * cp.valid
 
     def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                 streaming: bool | Tensor = False) -> Tensor:
@@ -461,6 +669,85 @@ class CV3FlowModel(FlowModel):
         spks = self.spk_embed_affine_layer(F.normalize(embeddings.to(dtype), dim=1))
         cond = F.pad(feats.to(dtype), (0, 0, 0, t - feats.size(1))).transpose(1, 2)
         return h, mu, spks, cond, mask
+
+    @torch.inference_mode()
+    def stream_cached_batch(self, inputs, caches: list) -> tuple[list[Tensor], list[int], list[DiTStreamCache]]:
+        """Streaming non-final calls (``streaming=True, finalize=False``; upstream's chunk calls) of
+        several streams computing only the frames from each stream's first uncached frame on
+        (:class:`DiTStreamCache`: K/V of complete static chunks per Euler step, CFG row and layer),
+        eagerly.
+
+        Args: ``inputs`` a :class:`~cosyserve.models.flow.FlowInputs` of :meth:`prepare` (every item
+        streaming and non-final); ``caches`` per item its cache from the stream's previous cached
+        call, or None (first call: computed from frame 0).
+
+        Returns ``(mels, first, caches)``: per item the float32 mel ``[1, n_mels, n]`` of the
+        non-prompt frames ``first[b] ..`` (``inference(...)[:, :, first[b]:]``, within float summation
+        order: the frames before ``first[b]`` were produced by earlier calls, identically), and its
+        new cache (extended by the new frames of complete static chunks; the caller keeps it per
+        stream and drops it at the stream's end or final call, which is a full re-run by upstream's
+        semantics). Raises ValueError for final or non-streaming items, a cache of another model,
+        dtype or step count, or a cache longer than the call.
+        """
+        return _cached_stream_batch(self, inputs, caches)
+
+
+def _cached_stream_batch(flow: "CV3FlowModel", inputs, caches: list) -> tuple[list[Tensor], list[int], list]:
+    """See :meth:`CV3FlowModel.stream_cached_batch`."""
+    from .flow import SolverState
+
+    b = inputs.ids.shape[0]
+    if len(caches) != b:
+        raise ValueError(f"flow: {len(caches)} stream caches for {b} items")
+    token_len, enc_len = inputs.lengths[0].tolist(), inputs.lengths[1].tolist()
+    if not bool(inputs.streaming.all()) or any(e == n for e, n in zip(enc_len, token_len)):
+        raise ValueError("flow: the stream cache serves streaming non-final calls only (streaming=True, finalize=False)")
+    est = flow.decoder.estimator
+    c = est.cfg.static_chunk_size
+    n_steps = flow.cfg.cfm.n_timesteps
+    device, dtype = flow._model_device(), flow._model_dtype()
+    total = list(inputs.mel_lengths)
+    starts = []
+    for i, (cache, tb) in enumerate(zip(caches, total)):
+        f = 0 if cache is None else int(cache.frames)
+        if cache is not None and (f % c or f > tb or cache.kv.shape[0] != n_steps or cache.kv.dtype != dtype):
+            raise ValueError(f"flow: item {i}'s stream cache ({f} frames) does not fit this call ({tb} frames, "
+                             f"chunks of {c}, {n_steps} steps, {dtype})")
+        starts.append(f)
+    new_len = [tb - f for tb, f in zip(total, starts)]
+    if min(new_len) < 1:
+        raise ValueError("flow: a cached streaming call must add frames")
+    dev = [to_device(x, device) for x in (inputs.ids, inputs.lengths, inputs.streaming, inputs.embeddings, inputs.feats)]
+    _, mu, spks, cond, _ = flow.encode(*dev, inputs.max_encoder_len)
+    t = max(new_len)
+    tmax = mu.shape[-1]
+    idx = (to_device(torch.tensor(starts), device)[:, None] + torch.arange(t, device=device)[None, :]).clamp(max=tmax - 1)
+    valid = (torch.arange(t, device=device)[None, :] < to_device(torch.tensor(new_len), device)[:, None])[:, :, None]
+    take = lambda z: z.transpose(1, 2).gather(1, idx[:, :, None].expand(-1, -1, z.shape[1]))  # noqa: E731
+    mu_n = take(mu) * valid.to(dtype)
+    cond_n = take(cond)
+    noise = flow.decoder.noise(tmax, device, dtype)  # [1, n_mels, Tmax]
+    n = flow.n_mels
+    x0 = take(noise.expand(b, -1, -1)).contiguous()
+    inp = torch.zeros(2 * b, t, 4 * n, device=device, dtype=dtype)
+    inp[:b, :, n:2 * n] = mu_n
+    inp[:b, :, 2 * n:3 * n] = spks.unsqueeze(1)
+    inp[:b, :, 3 * n:] = cond_n
+    t_span = flow.decoder.time_span(n_steps, device, dtype)
+    plan = DiTCachedPlan(est, caches, starts, new_len, n_steps, device, dtype)
+    state = SolverState(xt=x0, t=t_span[0].clone(), dt=t_span[1] - t_span[0],
+                        k=torch.zeros((), dtype=torch.long, device=device), t_span=t_span, n=n_steps, inp=inp, plan=plan)
+    for _ in range(n_steps):
+        flow.decoder.step(state)
+    mel = state.mels()  # [B, n_mels, T] float32, frames starts[b] ..
+    keep = [tb // c * c - f for tb, f in zip(total, starts)]
+    new_caches = plan.new_caches(keep)
+    out, first = [], []
+    for i, (f, tb, p) in enumerate(zip(starts, total, inputs.prompt_frames)):
+        s0 = max(f, p)
+        out.append(mel[i:i + 1, :, s0 - f:tb - f])
+        first.append(s0 - p)
+    return out, first, new_caches
 
 
 def load_cv3_flow(checkpoint, cfg: CV3FlowConfig, device: torch.device | str = "cpu",

@@ -560,6 +560,81 @@ class GraphedHiFTDecoder(_BucketGraphs):
         return out[:b, : t * spf].clone()
 
 
+class GraphedCausalHiFTTrunk(_BucketGraphs):
+    """CosyVoice3's causal HiFT after ``conv_pre`` — the upsampling trunk and the inverse STFT,
+    :meth:`CausalHiFTGenerator._trunk_istft <cosyserve.models.hift.CausalHiFTGenerator._trunk_istft>`
+    (deterministic, free of host synchronisation) — as CUDA graphs per batch bucket
+    (:func:`half_octave_buckets`) x frame bucket (:func:`length_buckets` of ``frame_bucket`` up to
+    ``max_frames``); :meth:`warmup` captures those that batches of at most ``max_area`` frames
+    (items x longest) reach. F0, the excitation, the source STFT and ``conv_pre`` (per item: right
+    context, reflection at each item's end) stay eager in
+    :meth:`~cosyserve.models.hift.CausalHiFTGenerator.decode_batch`, which calls this.
+
+    ``__call__(x [B, base, T], s_stft [B, n_fft+2, T*up+1], n_frames [B])`` returns the float32
+    speech ``[B, hop*up*T]`` (a fresh tensor) or None beyond the grid (run eagerly). Padding: the
+    trunk is causal, so frames past ``T`` never reach valid ones, and ``n_frames`` limits each
+    item's overlap-add; padding rows get zeros and one STFT frame. Valid samples therefore equal
+    the eager call's up to float rounding of differently shaped kernels (checked on CPU with the
+    same function over padded inputs, and on CUDA by the GPU tests).
+    """
+
+    name = "causal HiFT trunk"
+
+    def __init__(self, hift, max_batch: int, max_frames: int = 1024, max_area: int | None = None,
+                 frame_bucket: int = 32, pool=None):
+        super().__init__(BucketGrid(half_octave_buckets(max_batch), length_buckets(frame_bucket, max_frames),
+                                    max_area), next(hift.parameters()).device, pool)
+        self.hift = hift
+
+    def _shapes(self, bb: int, tb: int) -> tuple[tuple, tuple]:
+        up = math.prod(self.hift.cfg.upsample_rates)
+        return (bb, self.hift.conv_pre.out_channels, tb), (bb, self.hift.n_fft + 2, up * tb + 1)
+
+    def bucket(self, bb: int, tb: int, shared: "SharedBuffers | None" = None):
+        """``(run, bufs, out)`` of bucket ``(bb, tb)``: the static inputs ``bufs`` (``x``, ``s``,
+        ``n``; views of ``shared``, default this stage's), the output buffer and ``run`` — what a
+        capture records and a replay recomputes (callable eagerly on any device)."""
+        h = self.hift
+        shared = self.shared if shared is None else shared
+        d, tdt = next(h.parameters()).device, h.trunk_dtype
+        units = bb * tb
+        xs, ss = self._shapes(bb, tb)
+        bufs = {"x": shared.take("x", xs, tdt, units).zero_(),
+                "s": shared.take("s", ss, tdt, units).zero_(),
+                "n": torch.ones(bb, dtype=torch.long, device=d)}
+        up = math.prod(h.cfg.upsample_rates)
+        out = shared.take("out", (bb, h.hop * up * tb), torch.float32, units)
+
+        def run():
+            return out.copy_(h._trunk_istft(bufs["x"], bufs["s"], torch.float32, bufs["n"]))
+
+        return run, bufs, out
+
+    @torch.inference_mode()
+    def _capture(self, bb: int, tb: int):
+        run, bufs, _ = self.bucket(bb, tb)
+        g, out = _capture_graph(run, self.pool, self.stream, f"causal HiFT trunk graph batch {bb} x {tb} frames",
+                                self._level())
+        return g, bufs, out
+
+    @torch.inference_mode()
+    def __call__(self, x: torch.Tensor, s_stft: torch.Tensor, n_frames: torch.Tensor) -> torch.Tensor | None:
+        b, _, t = x.shape
+        key = self.grid.pick(b, t)
+        if key is None:
+            return None
+        g, bufs, out = self._entry(key)
+        bufs["x"].zero_()
+        bufs["x"][:b, :, :t].copy_(x)
+        bufs["s"].zero_()
+        bufs["s"][:b, :, : s_stft.shape[-1]].copy_(s_stft)
+        bufs["n"].fill_(1)
+        bufs["n"][:b].copy_(n_frames)
+        g.replay()
+        up = math.prod(self.hift.cfg.upsample_rates)
+        return out[:b, : self.hift.hop * up * t].clone()
+
+
 class GraphedFlow(_BucketGraphs):
     """The whole flow of a token2wav batch — token embedding, conformer encoder, projections and
     the 10-step CFG Euler solve — as CUDA graphs per batch bucket (:func:`half_octave_buckets`) x
@@ -592,19 +667,18 @@ class GraphedFlow(_BucketGraphs):
         noise_tokens = flow.rand_noise.size(-1) // flow.token_mel_ratio // token_bucket * token_bucket
         top = max(token_bucket, min(max_tokens, noise_tokens))
         super().__init__(BucketGrid(half_octave_buckets(max_batch), length_buckets(token_bucket, top), max_area,
-                                    max_quad), flow.encoder_proj.weight.device, pool)
+                                    max_quad), flow._model_device(), pool)
         self.flow = flow
 
     @torch.inference_mode()
     def _capture(self, bb: int, lb: int):
         flow = self.flow
-        bufs = flow_buffers(flow, bb, lb, flow.encoder_proj.weight.device, self.shared)
+        bufs = flow_buffers(flow, bb, lb, flow._model_device(), self.shared)
 
         def begin():  # the solver state the step graph works on, in the shared buffers
             st = flow_begin_from_buffers(flow, bufs)
             units, share = bb * lb, self.shared.share
-            plan = replace(st.plan, masks=[share(f"mask{d}", m, units) for d, m in enumerate(st.plan.masks)],
-                           streaming=share("streaming", st.plan.streaming, units))
+            plan = _share_plan(st.plan, lambda name, t: share(name, t, units))
             return replace(st, xt=share("xt", st.xt, units), inp=share("inp", st.inp, units), plan=plan)
 
         g_begin, state = _capture_graph(begin, self.pool, self.stream, f"flow begin graph batch {bb} x {lb} tokens", self._level())
@@ -641,6 +715,26 @@ class GraphedFlow(_BucketGraphs):
         while run.steps_left:
             run.step()
         return run.state.mels(inputs.ids.shape[0])
+
+
+def _share_plan(plan, share):
+    """The estimator's attention plan (a dataclass: CosyVoice2's
+    :class:`~cosyserve.models.flow_estimator.AttentionPlan`, CosyVoice3's
+    :class:`~cosyserve.models.cv3_flow.DiTPlan`) with every tensor field, and every tensor in a
+    list field, replaced by ``share(name, tensor)`` (a copy in a graph's static buffers); buffer
+    names: the field's name, ``mask{d}`` for the entries of a list field ``masks``, else
+    ``{field}{d}``."""
+    import dataclasses
+
+    changes = {}
+    for f in dataclasses.fields(plan):
+        v = getattr(plan, f.name)
+        if isinstance(v, torch.Tensor):
+            changes[f.name] = share(f.name, v)
+        elif isinstance(v, (list, tuple)) and v and all(isinstance(x, torch.Tensor) for x in v):
+            stem = "mask" if f.name == "masks" else f.name
+            changes[f.name] = type(v)(share(f"{stem}{d}", x) for d, x in enumerate(v))
+    return replace(plan, **changes)
 
 
 def flow_buffers(flow, bb: int, lb: int, device, shared: SharedBuffers | None = None) -> dict[str, torch.Tensor]:

@@ -130,6 +130,7 @@ __all__ = [
     "load_hift",
     "DEFAULT_MEL_CACHE_LEN",
     "CausalHiFTGenerator",
+    "CausalHiFTCarry",
     "CausalSourceNoise",
     "parse_causal_hift",
 ]
@@ -1203,6 +1204,9 @@ class CausalHiFTGenerator(HiFTGenerator):
         super().__init__(cfg)
         #: fixed excitation noise (see :class:`CausalSourceNoise`), a plain attribute as upstream
         self.noise = CausalSourceNoise(cfg)
+        #: optional :class:`~cosyserve.models.graphs.GraphedCausalHiFTTrunk`: :meth:`decode_batch`'s
+        #: trunk + iSTFT (:meth:`_trunk_istft`) as CUDA graphs per (batch, frames) bucket, on CUDA
+        self.graph_trunk = None
 
     def _apply(self, fn, recurse=True):
         # ``.to(dtype)`` / ``.half()`` / ``.cuda()`` on the whole module: once the F0 predictor is
@@ -1361,7 +1365,11 @@ class CausalHiFTGenerator(HiFTGenerator):
         s_stft = torch.cat([F.pad(s, (0, up * o_max + 1 - s.shape[-1])) for s in stfts]).to(tdt)
         x = F.conv1d(x_in, self.conv_pre.weight, self.conv_pre.bias)  # no padding: o_max frames out
         n_fr = _int_tensor([up * o + 1 for o in outs], x.device)
-        speech = self._trunk_istft(x, s_stft, mels[0].dtype, n_fr)
+        speech = None
+        if self.graph_trunk is not None and x.is_cuda and mels[0].dtype == torch.float32:
+            speech = self.graph_trunk(x, s_stft, n_fr)  # None beyond its buckets
+        if speech is None:
+            speech = self._trunk_istft(x, s_stft, mels[0].dtype, n_fr)
         res = []
         for b, (o, fin) in enumerate(zip(outs, finalize)):
             n = o * spf - (0 if fin else spf)
@@ -1406,6 +1414,202 @@ class CausalHiFTGenerator(HiFTGenerator):
             sources.append(self.excitation(self.predict_f0(m, f)))
             bodies.append(m if f else m[:, :, :-self.f0_lookahead])
         return self.decode_batch(bodies, sources, flags), sources
+
+    # ------------------------------------------------------------------ bounded-window streaming
+
+    @property
+    def stream_margins(self) -> tuple[int, int]:
+        """``(f0_margin, trunk_margin)`` mel frames (:func:`_causal_stream_margins`; 8 and 35 for
+        the official CosyVoice3 HiFT): a streaming call recomputes ``f0_margin + trunk_margin``
+        frames before the first new one."""
+        if getattr(self, "_stream_margins", None) is None:
+            self._stream_margins = _causal_stream_margins(self)
+        return self._stream_margins
+
+    def window_start(self, emitted_frames: int) -> int:
+        """First mel frame of the window a streaming call reads after ``emitted_frames`` frames
+        (``emitted samples / samples_per_frame``) were emitted: ``max(0, emitted - f0_margin -
+        trunk_margin)``."""
+        f0m, tm = self.stream_margins
+        return max(0, emitted_frames - f0m - tm)
+
+    def _window_excitation(self, f0: torch.Tensor, starts: Sequence[int], carry: torch.Tensor,
+                           ks: Sequence[int], frames: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Excitation of B windows at once: F0 ``[B, W]`` (Hz, right-padded) of window frames
+        ``starts[b] ..``; what :meth:`excitation` of each stream's whole F0 gives for those frames,
+        with the phase accumulator carried in: ``carry`` ``[B, H+1]`` float64 = the sum of frames ``0
+        .. starts[b] + ks[b] - 1``'s phase increments (zeros and ``ks[b] = 0`` for a window from frame
+        0); window frames ``< ks[b]`` (not exact F0) hold the carried phase. ``frames[b]``: the item's
+        valid F0 frames (the construction noise is read up to there). The sum runs in float64 and
+        is rounded to the working dtype afterwards, which is exactly what torch's CPU ``cumsum`` of
+        float32 does (its accumulator is double), so on CPU the phase equals the whole-mel run's bit
+        for bit; padding frames come after each item's own and never reach them. The noise is
+        indexed by absolute sample. Returns ``(source [B, 1, W * spf]`` in ``f0.dtype``,
+        ``accumulated phase [B, W, H+1]`` float64)."""
+        spf = self.samples_per_frame
+        cfg = self.cfg
+        dev = f0.device
+        work = torch.promote_types(f0.dtype, torch.float32)
+        f0_up = self.upsample_f0(f0).to(work)  # [B, N, 1]
+        n = f0_up.shape[1]
+        h = cfg.nb_harmonics + 1
+        harmonics = torch.arange(1, h + 1, device=dev, dtype=work)[None, None, :]
+        rad = (f0_up * harmonics / cfg.sampling_rate) % 1
+        if any(st == 0 for st in starts):  # upstream adds the initial phases at the stream's sample 0
+            first = (_int_tensor([int(st == 0) for st in starts], dev) == 1).to(work)[:, None]
+            rad[:, 0, :] = rad[:, 0, :] + self.noise.rand_ini(dev).to(work) * first
+        rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / spf, mode="linear").transpose(1, 2)
+        w = rad.shape[1]
+        keep = torch.arange(w, device=dev)[None, :] >= _int_tensor(ks, dev)[:, None]
+        inc = rad.to(torch.float64) * keep[:, :, None]
+        cum = torch.cumsum(torch.cat([carry.to(device=dev, dtype=torch.float64)[:, None, :], inc], dim=1), dim=1)[:, 1:]
+        phase = cum.to(work) * 2 * math.pi
+        phase = F.interpolate(phase.transpose(1, 2) * spf, scale_factor=float(spf), mode="nearest").transpose(1, 2)
+        sine = torch.sin(phase) * cfg.nsf_alpha
+        uv = (f0_up > cfg.nsf_voiced_threshold).to(work)
+        noise_amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
+        ends = [(st + fr) * spf for st, fr in zip(starts, frames)]
+        table = self.noise.sine_waves(max(ends), dev)[0]  # [M, H+1]
+        idx = _int_tensor([st * spf for st in starts], dev)[:, None] + torch.arange(n, device=dev)[None, :]
+        idx = torch.minimum(idx, _int_tensor(ends, dev)[:, None] - 1)  # padding samples: any valid index
+        sine = sine * uv + noise_amp * table[idx].to(work)
+        lin = self.m_source.l_linear
+        merged = torch.tanh(F.linear(sine, lin.weight.to(work), lin.bias.to(work)))
+        return merged.transpose(1, 2).to(f0.dtype), cum
+
+    @torch.inference_mode()
+    def inference_stream_batch(
+        self, mels: Sequence[torch.Tensor], emitted: Sequence[int], finalize: Sequence[bool],
+        carries: Sequence[CausalHiFTCarry | None],
+    ) -> tuple[list[torch.Tensor], list[CausalHiFTCarry | None]]:
+        """Streaming calls without the whole-mel re-run: per item the samples that
+        ``inference(mel, finalize)[0][:, emitted:]`` gives (upstream's ``CosyVoice3Model.token2wav``
+        trims its re-run over the accumulated mel by ``speech_offset``), computed over a bounded
+        window only.
+
+        Why this is exact: every layer after ``conv_pre`` is causal with a finite left field, F0 at
+        a frame reads a bounded left context (``f0_margin``), the construction noise is indexed
+        by sample, and the only unbounded dependency — the excitation phase, a running sum of
+        per-frame phase increments — is carried (:class:`CausalHiFTCarry`). So the window is
+        frames ``window_start(emitted / spf) ..`` of the accumulated mel (``f0_margin +
+        trunk_margin`` frames before the first new one), its first ``f0_margin`` frames' phase is
+        the carried sum, and the output before the new samples is dropped. Numerics: on CPU the
+        phase equals the whole-mel run's bit for bit and the rest differs only by convolution
+        rounding of other lengths (tests: ~1e-7); on CUDA the float64 phase sum is more accurate
+        than the re-run's float32 scan. Cost per call: window frames instead of all frames.
+
+        Args: ``mels`` B accumulated mels ``[1, in_channels, T_b]`` (all frames so far; only the
+        window is read); ``emitted`` samples already emitted per item (a multiple of
+        ``samples_per_frame``, as every causal HiFT output is); ``finalize`` per item;
+        ``carries`` per item: None for a stream's first call (or while its window starts at frame
+        0), else the carry the previous call returned; an item whose carry is missing or belongs to
+        another point of the stream is computed from frame 0 (the re-run's cost, same samples).
+
+        Returns ``(speeches, carries)``: per item the new samples ``[1, n]`` and the carry for its
+        next call (None after a final call or while the next window starts at frame 0).
+
+        Raises ValueError on inconsistent arguments or a too short non-final mel.
+        """
+        b = len(mels)
+        if not (b == len(emitted) == len(finalize) == len(carries)):
+            raise ValueError(f"inference_stream_batch needs one emitted count, flag and carry per mel, got "
+                             f"{b}, {len(emitted)}, {len(finalize)}, {len(carries)}")
+        if b == 0:
+            return [], []
+        spf = self.samples_per_frame
+        la = self.f0_lookahead
+        f0m, _ = self.stream_margins
+        wins, starts, ks, carry_rows, nf, flags, emitted_s = [], [], [], [], [], [], []
+        h = self.cfg.nb_harmonics + 1
+        for m, e_samples, fin, carry in zip(mels, emitted, finalize, carries):
+            if m.dim() != 3 or m.shape[0] != 1:
+                raise ValueError(f"each mel must be [1, {self.cfg.in_channels}, T], got {tuple(m.shape)}")
+            self._check_mel(m)
+            _check_flag(bool(fin) if isinstance(fin, (bool, int)) else fin)
+            fin = bool(fin)
+            e_samples = int(e_samples)
+            if e_samples < 0 or e_samples % spf:
+                raise ValueError(f"emitted samples must be a non-negative multiple of {spf}, got {e_samples}")
+            start = self.window_start(e_samples // spf)
+            if start > 0 and (carry is None or carry.frame != start + f0m):
+                start = 0  # no usable carry (e.g. a state built by hand): run from frame 0, as the re-run does
+            win = m[:, :, start:]
+            if not fin and win.shape[-1] <= la:
+                raise ValueError(f"a non-final causal HiFT call needs more than {la} mel frames")
+            wins.append(win)
+            starts.append(start)
+            ks.append(f0m if start else 0)
+            carry_rows.append(carry.phase.reshape(1, h).to(device=m.device, dtype=torch.float64) if start else
+                              torch.zeros(1, h, dtype=torch.float64, device=m.device))
+            nf.append(win.shape[-1] - (0 if fin else la))
+            flags.append(fin)
+            emitted_s.append(e_samples)
+        # F0 of every window in one padded pass: the predictor reads right context only in its first
+        # conv (a non-final window's own look-ahead frames, zeros after a final one), the rest is causal
+        longest = max(w.shape[-1] for w in wins)
+        f0 = self.predict_f0(torch.cat([F.pad(w, (0, longest - w.shape[-1])) for w in wins]), True)
+        source, cum = self._window_excitation(f0, starts, torch.cat(carry_rows), ks, nf)
+        bodies = [w if fin else w[:, :, :-la] for w, fin in zip(wins, flags)]
+        sources = [source[b:b + 1, :, :n * spf] for b, n in enumerate(nf)]
+        plans = [(st, e, cum[b:b + 1]) for b, (st, e) in enumerate(zip(starts, emitted_s))]
+        speeches = self.decode_batch(bodies, sources, [bool(f) for f in finalize])
+        outs, new_carries = [], []
+        for sp, fin, (start, e_samples, cum) in zip(speeches, finalize, plans):
+            out = sp[:, e_samples - start * spf:]
+            outs.append(out)
+            nxt = self.window_start((e_samples + out.shape[1]) // spf)
+            if fin or nxt == 0:
+                new_carries.append(None)
+            else:
+                frame = nxt + f0m
+                new_carries.append(CausalHiFTCarry(frame=frame, phase=cum[:, frame - 1 - start].clone()))
+        return outs, new_carries
+
+
+@dataclass(frozen=True)
+class CausalHiFTCarry:
+    """What a causal-HiFT stream carries between windowed calls
+    (:meth:`CausalHiFTGenerator.inference_stream_batch`): ``phase`` ``[1, H+1]`` float64, the
+    excitation phase accumulator (cycles per sample summed over frames, upstream's ``cumsum`` of
+    the frame-rate phase increments) over frames ``0 .. frame - 1``, where ``frame`` is the first
+    frame whose F0 the next window computes exactly (``window start + f0 margin``). 72 bytes per
+    stream at 8 harmonics."""
+
+    frame: int
+    phase: torch.Tensor
+
+
+def _conv_left_field(module: nn.Module) -> int:
+    """Sum over every ``nn.Conv1d`` in ``module`` of ``(kernel - 1) * dilation``: an upper bound of
+    the input samples left of an output sample that a causal chain of those convolutions reads."""
+    return sum((m.kernel_size[0] - 1) * m.dilation[0] for m in module.modules() if isinstance(m, nn.Conv1d))
+
+
+def _causal_stream_margins(hift: "CausalHiFTGenerator") -> tuple[int, int]:
+    """``(f0_margin, trunk_margin)`` in mel frames for :meth:`CausalHiFTGenerator.inference_stream_batch`.
+
+    ``f0_margin``: frames at a window's start whose F0 differs from the whole-mel run (the F0
+    predictor's causal convolutions after the first read zeros there; the first conv reads only
+    the right). ``trunk_margin``: an upper bound of the mel frames left of an output sample that
+    the decoder reads — per upsampling stage the upsampling conv plus the widest resblock (every
+    conv of it chained) at that stage's rate, the source branch (strided downsampling conv from
+    the STFT frame rate, its resblock), then ``conv_post``, the inverse STFT's overlap, the source
+    STFT's centring and the last stage's one-sample reflection — rounded up, plus one frame.
+    ``conv_pre`` reads only the right. Derived from the built modules, so from the yaml."""
+    cfg = hift.cfg
+    f0_margin = sum(m.pad_len for m in list(hift.f0_predictor.condnet)[1:] if isinstance(m, _CausalConv1d))
+    stft_rate = math.prod(cfg.upsample_rates)  # source STFT frames per mel frame (+1 frame in all)
+    total, rate = 0.0, 1
+    k = hift.num_kernels
+    for i, r in enumerate(cfg.upsample_rates):
+        rate *= r
+        widest = max(_conv_left_field(hift.resblocks[i * k + j]) for j in range(k))
+        total += (_conv_left_field(hift.ups[i]) + widest + _conv_left_field(hift.source_resblocks[i])) / rate
+        down = hift.source_downs[i]
+        total += (_conv_left_field(down) + down.stride[0] - 1) / stft_rate
+    total += (_conv_left_field(hift.conv_post) + hift.n_fft // hift.hop + 1) / stft_rate
+    total += (hift.n_fft // 2) / hift.samples_per_frame
+    return f0_margin, int(math.ceil(total)) + 1
 
 
 def _check_flag(finalize) -> None:
