@@ -465,6 +465,11 @@ def _engine_args(p, in_process: bool = False) -> None:
                    help="CosyVoice3: streaming chunk calls compute only the DiT frames after the stream's complete "
                         "static chunks, reusing their cached keys/values (1.8 MB per cached frame at full size in "
                         "bf16); auto (default) = on unless the flow runs as CUDA graphs" + note)
+    p.add_argument("--strict-min-len", action="store_true",
+                   help="mask every stop token (not only upstream's one id) until a segment has its minimum "
+                        "length: for benchmarks with random weights, where CosyVoice3's upstream min-length mask "
+                        "(it masks sos) lets any of its 200 stop ids end an utterance after a few tokens, so "
+                        "--min-token-text-ratio pins nothing; real weights do not need it" + note)
     p.add_argument("--lazy-graphs", action="store_true",
                    help="capture CUDA graphs (LM prefill, flow, HiFT) on first use instead of at start-up "
                         "(starts ~100 s faster; each capture while serving stalls every stream for 0.1-0.4 s)")
@@ -484,7 +489,8 @@ def _engine_config(args, **overrides):
                   graph_warmup=not lazy, t2w_graph_warmup=not lazy,
                   decode_lookahead=args.decode_lookahead, admission=args.admission,
                   admission_target=args.admission_target,
-                  flow_stream_cache={"auto": None, "on": True, "off": False}[args.flow_stream_cache])
+                  flow_stream_cache={"auto": None, "on": True, "off": False}[args.flow_stream_cache],
+                  strict_min_len=args.strict_min_len)
     fields.update(overrides)
     if not 0 < fields["admission_target"] <= 1:
         raise CLIError(f"--admission-target must be in (0, 1], got {fields['admission_target']}")

@@ -383,3 +383,35 @@ def test_gpu_engine_runs_cv3_eagerly_with_cuda_graphs_on(case):
             _check(f"cuda {case} chunk {i}", torch.from_numpy(c.samples), d[f"c{i}_speech"], DEVICE_WAVE_TOL)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def test_strict_min_len_masks_every_stop_id(synth):
+    """``strict_min_len`` (``--strict-min-len``, random-weight benchmarks): every stop id is masked until
+    min_len, on the host and device samplers, so pinned token/text ratios pin the length; by default only
+    upstream's one id (CosyVoice3's sos) is."""
+    from cosyserve.models.sampling import UpstreamSampler, ras_sample_device
+
+    cfg = synth.cfg.llm
+    stops = cfg.stop_token_ids
+    span = range(min(stops), max(stops) + 1)
+    v = cfg.num_speech_rows
+    logp = torch.full((v,), -30.0)
+    logp[list(stops)] = 0.0  # every stop id far likelier than any speech token
+    logp[3] = -5.0
+    logp = logp.log_softmax(0)
+    g = torch.Generator().manual_seed(0)
+    loose, strict = UpstreamSampler(cfg.sampling, cfg.min_len_mask_id), UpstreamSampler(cfg.sampling, span)
+    assert any(loose.sample(logp, [], g, ignore_eos=True) in stops for _ in range(5))
+    assert all(strict.sample(logp, [], g, ignore_eos=True) not in stops for _ in range(5))
+    assert all(t not in stops for t in strict.sample_batch(logp.expand(3, -1), [[]] * 3, [g] * 3, [True] * 3))
+    dev = ras_sample_device(logp.expand(4, -1), torch.full((4, cfg.sampling.win_size), -1), torch.arange(4),
+                            torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=torch.bool), cfg.sampling, span)
+    assert all(int(t) not in stops for t in dev)
+    assert synth.new_engine(EngineConfig(max_active=1))._min_len_mask == cfg.min_len_mask_id
+    engine = synth.new_engine(EngineConfig(max_active=2, strict_min_len=True))
+    assert engine._min_len_mask == span
+    voice = synth.make_voice("v", str(set_file("audio/zero_shot_prompt.wav")), PROMPT_TEXT)
+    reqs = [synth.build_request("你好，今天天气很好。", voice, SynthesisParams(seed=s, stream=False, min_tokens=40,
+                                                                          max_tokens=40)) for s in (1, 2)]
+    for _, fin in _run(engine, reqs).values():
+        assert [len(t) for t in fin.tokens] == [40] * len(fin.tokens)

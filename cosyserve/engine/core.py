@@ -152,6 +152,10 @@ class EngineConfig:
     machine is; the estimate is still measured and reported); ``admission_target``: the share
     of the scheduler thread / device the admitted streams may need (headroom for jitter and
     prefills; the capacity is the most streams whose modelled need stays below it).
+    ``strict_min_len``: before a segment's ``min_len`` mask every stop id, not only upstream's
+    one id (``LLMConfig.min_len_mask_id``; CosyVoice3 masks its sos there, so with random weights
+    a stop id ends most utterances after a few tokens): for random-weight benchmarks that pin the
+    length with the token/text ratios; off by default (upstream's numerics).
     ``flow_stream_cache`` (CosyVoice3): streaming chunk calls through the per-stream DiT cache
     (``Cv3Token2WavBackend.set_flow_stream_cache``); ``None`` (default): on while the flow is not
     CUDA-graphed (the cached chunk runs eagerly).
@@ -178,6 +182,7 @@ class EngineConfig:
     decode_lookahead: int = 1
     admission: AdmissionPolicy | str | int | None = None
     admission_target: float = 0.8
+    strict_min_len: bool = False
     flow_stream_cache: bool | None = None
 
     def __post_init__(self):
@@ -328,7 +333,7 @@ class EngineCore:
 
             sampling = models.cfg.llm.sampling if self._device_sampling else None
             self.decoder = GraphedDecoder(self.lm, self.cache, config.max_active, sampling=sampling,
-                                          eos_id=models.cfg.llm.min_len_mask_id, state=self._state)
+                                          eos_id=self._min_len_mask, state=self._state)
             self.decoder.warmup()  # capture every (batch, KV length) bucket now, not mid-request
             self.prefill_graphs = GraphedPrefill(self.lm, self.cache, pool=self.decoder.pool,
                                                  max_batch=config.max_active, max_tokens=config.max_prefill_tokens)
@@ -401,8 +406,17 @@ class EngineCore:
 
     # ------------------------------------------------------------------ public API
     def _new_sampler(self) -> UpstreamSampler:
+        return UpstreamSampler(self.models.cfg.llm.sampling, eos_id=self._min_len_mask)
+
+    @property
+    def _min_len_mask(self) -> "int | range":
+        """The ids masked before a segment's ``min_len``: upstream's one id, or with
+        ``strict_min_len`` every stop id (see :class:`EngineConfig`)."""
         c = self.models.cfg.llm
-        return UpstreamSampler(c.sampling, eos_id=c.min_len_mask_id)
+        if self.cfg.strict_min_len:
+            stops = c.stop_token_ids
+            return range(min(stops), max(stops) + 1)
+        return c.min_len_mask_id
 
     def prefix_len(self, req: EngineRequest, seg_ids: torch.Tensor) -> int:
         v = req.voice

@@ -27,6 +27,16 @@ import torch
 from .config import SamplingConfig
 
 
+def eos_span(eos_id: "int | range") -> slice:
+    """The ids a min-length mask covers: one id (upstream: ``LLMConfig.min_len_mask_id``) or a
+    ``range`` of ids (``--strict-min-len``: every stop id)."""
+    if isinstance(eos_id, range):
+        if eos_id.step != 1:
+            raise ValueError("an eos range must be contiguous")
+        return slice(eos_id.start, eos_id.stop)
+    return slice(int(eos_id), int(eos_id) + 1)
+
+
 class UpstreamSampler:
     """Per-step RAS sampler for one request; draws from a (CPU) ``torch.Generator``.
 
@@ -34,12 +44,14 @@ class UpstreamSampler:
     log-probability vector ``[S+E]`` of one step, ``decoded`` the tokens emitted so far.
     Returns the sampled id (an ``int``). ``ignore_eos`` masks ``eos_id`` (only that id,
     as upstream) before sampling: pass ``LLMConfig.min_len_mask_id`` (upstream masks index
-    ``speech_token_size``: CosyVoice2's eos, CosyVoice3's sos). ``logp`` is not modified.
+    ``speech_token_size``: CosyVoice2's eos, CosyVoice3's sos), or a ``range`` of ids
+    (:func:`eos_span`). ``logp`` is not modified.
     """
 
-    def __init__(self, cfg: SamplingConfig, eos_id: int):
+    def __init__(self, cfg: SamplingConfig, eos_id: "int | range"):
         self.cfg = cfg
         self.eos_id = eos_id
+        self._eos = eos_span(eos_id)
         self._top_p32 = torch.tensor(cfg.top_p, dtype=torch.float32).item()
 
     def nucleus(self, scores: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -69,7 +81,7 @@ class UpstreamSampler:
     ) -> int:
         scores = logp.detach().float().clone()
         if ignore_eos:
-            scores[self.eos_id] = -float("inf")
+            scores[self._eos] = -float("inf")
         tok = self.nucleus(scores, generator)
         window = decoded[-self.cfg.win_size:] if self.cfg.win_size > 0 else []
         reps = sum(1 for t in window if t == tok)
@@ -108,7 +120,7 @@ class UpstreamSampler:
         scores = logp.detach().float().clone()
         masked = [b for b, f in enumerate(ignore_eos) if f]
         if masked:
-            scores[masked, self.eos_id] = -float("inf")
+            scores[masked, self._eos] = -float("inf")
         probs = scores.softmax(dim=1)
         vals, idx = probs.topk(k, dim=1, largest=True, sorted=True)
         # order ties by index (the stable sort's order): by index, then stably by value
@@ -176,7 +188,7 @@ def counter_uniform(seed: torch.Tensor, step: torch.Tensor, stream: int, index: 
 
 
 def ras_sample_device(logp: torch.Tensor, recent: torch.Tensor, seed: torch.Tensor, step: torch.Tensor,
-                      ignore_eos: torch.Tensor, cfg: SamplingConfig, eos_id: int) -> torch.Tensor:
+                      ignore_eos: torch.Tensor, cfg: SamplingConfig, eos_id: "int | range") -> torch.Tensor:
     """Repetition-aware sampling for a batch on the device, without host synchronisation.
 
     The rule of :class:`UpstreamSampler` (nucleus of at most ``top_k`` tokens whose running
@@ -193,8 +205,10 @@ def ras_sample_device(logp: torch.Tensor, recent: torch.Tensor, seed: torch.Tens
     tokens decoded so far); ``ignore_eos`` bool ``[B]``. Returns int64 ``[B]`` token ids.
     """
     v = logp.shape[1]
-    scores = logp.float().masked_fill(
-        ignore_eos[:, None] & (torch.arange(v, device=logp.device) == eos_id)[None, :], float("-inf"))
+    sp = eos_span(eos_id)
+    ids = torch.arange(v, device=logp.device)
+    scores = logp.float().masked_fill(ignore_eos[:, None] & ((ids >= sp.start) & (ids < sp.stop))[None, :],
+                                      float("-inf"))
     probs = scores.softmax(dim=1)
     k = min(cfg.top_k, v)
     vals, idx = probs.topk(k, dim=1, largest=True, sorted=True)
