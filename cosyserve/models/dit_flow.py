@@ -850,7 +850,9 @@ class GraphedDiTStep:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
+        # thread_local: the engine's background capturer may be capturing in its own thread
+        # (a global-mode capture forbids its allocations and would be invalidated by them)
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
             out = self.est(*static)
         self.captures += 1
         return g, static, out
