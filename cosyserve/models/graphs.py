@@ -17,12 +17,18 @@ the launch cost. Graphs need static shapes, so inputs are padded to buckets:
   exactly like shorter items in an eager batch, so valid outputs are unchanged (the batched
   paths are padding-safe and tested to be).
 
-A capture costs 0.1-0.4 s of host time during which nothing else is launched, so the engine
-captures every bucket it can reach at start-up (``warmup()``: the grids are bounded by the
-engine's per-batch budgets, :meth:`BucketGrid.reachable`), never while serving; a bucket used
-before it was captured (``warmup()`` skipped) is captured then. All graphs of one stage share
-a memory pool. Capture checks only the capturing thread (``capture_error_mode="thread_local"``),
-so a token2wav worker thread may capture while the scheduler thread keeps decoding.
+A capture costs 0.1-0.4 s of host time; a full-size grid took ~136 s to capture before the
+server was ready (docs/perf.md, run 36). So by default the engine captures in the background
+(:class:`BackgroundCapturer`, one thread, started when the engine starts serving): every batch
+whose bucket has no published graph yet runs eagerly, with the same numerics, and each graph is
+published atomically once complete (:class:`_GraphStage`); the LM decode graphs come first. No
+capture ever happens on a serving thread then. ``graph_capture="startup"`` captures everything
+before serving instead (``warmup()``: the grids are bounded by the engine's per-batch budgets,
+:meth:`BucketGrid.reachable`); a bucket used before it was captured when nothing captures in the
+background (``--lazy-graphs``) is captured then, on the serving thread (the 0.1-0.4 s stall).
+All graphs of one stage share a memory pool. Capture checks only the capturing thread
+(``capture_error_mode="thread_local"``) on non-blocking capture streams, so other threads keep
+launching and replaying meanwhile.
 """
 
 from __future__ import annotations
@@ -262,6 +268,8 @@ def _record(run, pool, stream, settle_first: bool = True) -> tuple:
     if settle_first:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        if hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
         g.capture_begin(pool=pool, capture_error_mode="thread_local")
@@ -292,10 +300,12 @@ class _GraphStage:
     the stage's static buffers, then a wait for the capturing thread's streams, and only then
     is the graph *published*: one dict assignment, atomic for the serving thread, which uses a
     bucket's graph only once it is in the table and runs that batch eagerly otherwise (the
-    same numerics: graphs pad exactly as eager batches do). The warm-up runs on the capture
-    stream while the stage has no graph yet (so torch creates the cuBLAS workspace of that
-    stream before any graph uses it), on a stream of its own afterwards (a warm-up on the
-    capture stream would share that workspace with the graphs being replayed).
+    same numerics: graphs pad exactly as eager batches do). Warm-ups run on the capturing
+    thread's current stream, never on the capture stream: torch keeps one cuBLAS workspace per
+    (thread's handle, stream), captured GEMMs keep its address, and a warm-up there would race
+    with replays of the stage's graphs. Only a thread's first capture of the stage runs one
+    warm-up of the smallest bucket on the capture stream, before any graph of that thread uses
+    it, so that the workspace is created outside a capture.
 
     ``capture_on_use``: a bucket used before it was captured is captured then, on the serving
     thread (``--lazy-graphs``; the 0.1-0.4 s stall). False while a
@@ -308,7 +318,8 @@ class _GraphStage:
     def _init_stage(self, device, pool=None) -> None:
         self.device = torch.device(device)
         self._pool = pool
-        self._stream = self._warm_stream = None
+        self._stream = None
+        self._stream_ready: set[int] = set()  # threads that initialised the capture stream
         self._graphs: dict = {}
         self._failed: dict = {}  # key -> the capture's error text
         self.capture_on_use = True
@@ -359,13 +370,19 @@ class _GraphStage:
             t0 = time.perf_counter()
             if self.device.type == "cuda":
                 cur = torch.cuda.current_stream(self.device)
-                ws = self.stream if not self._graphs else self._warm()
-                ws.wait_stream(cur)
-                with torch.cuda.stream(ws):
-                    self._warm_up(*key)
+                me = threading.get_ident()
+                if me not in self._stream_ready:
+                    # this thread's first use of the capture stream: torch creates the cuBLAS
+                    # workspace of (this thread's handle, the stream) now, outside any capture and
+                    # before any graph of it exists; the smallest bucket keeps that cheap
+                    self.stream.wait_stream(cur)
+                    with torch.cuda.stream(self.stream):
+                        self._warm_up(*min(self.keys(), key=self._size))
+                    cur.wait_stream(self.stream)
+                    self._stream_ready.add(me)
+                self._warm_up(*key)  # on this thread's stream, whose cached blocks the next warm-up reuses
                 entry = self._record_entry(key, background)
-                for s in (cur, ws, self.stream):  # every input written before anyone replays it
-                    s.synchronize()
+                cur.synchronize()  # every input written before anyone replays the graph
             else:  # CPU: the bookkeeping only (tests substitute _record)
                 self._warm_up(*key)
                 entry = self._record_entry(key, background)
@@ -375,10 +392,9 @@ class _GraphStage:
         log.log(level, "captured %s graph %s in %.0f ms", self.name, "x".join(map(str, key)), dt * 1e3)
         return entry
 
-    def _warm(self) -> torch.cuda.Stream:
-        if self._warm_stream is None:
-            self._warm_stream = capture_stream(self.device, non_blocking=True)
-        return self._warm_stream
+    def _size(self, key) -> float:
+        """The work of a bucket (rows x length), which orders captures."""
+        return math.prod(key)
 
     def lookup(self, key):
         """The published entry of ``key``; None when it is not (yet) captured: run eagerly.
@@ -551,14 +567,7 @@ class BackgroundCapturer:
                 key = min(k for k in keys if k[0] == bb)
                 try:
                     with torch.inference_mode():
-                        if stage.device.type == "cuda":
-                            ws = stage._warm()
-                            ws.wait_stream(torch.cuda.current_stream(stage.device))
-                            with torch.cuda.stream(ws):
-                                stage._warm_up(*key)
-                            ws.synchronize()
-                        else:
-                            stage._warm_up(*key)
+                        stage._warm_up(*key)  # on this thread's stream: private inputs
                 except Exception as exc:  # noqa: BLE001 - its capture will report (and disable) it
                     log.warning("priming %s at %s failed: %s: %s", stage.name, key, type(exc).__name__, exc)
 
@@ -995,7 +1004,8 @@ class GraphedFlow(_BucketGraphs):
                                     max_quad), flow.encoder_proj.weight.device, pool)
         self.flow = flow
 
-    def _state_buffers(self, st, units: int) -> dict[str, torch.Tensor]:
+    @staticmethod
+    def _state_buffers(st) -> dict[str, torch.Tensor]:
         """The solver-state tensors of the begin graph that live in the shared buffers."""
         named = {f"mask{d}": m for d, m in enumerate(st.plan.masks)}
         named.update(streaming=st.plan.streaming, xt=st.xt, inp=st.inp)
@@ -1006,7 +1016,7 @@ class GraphedFlow(_BucketGraphs):
         flow = self.flow
         st = flow_begin_from_buffers(flow, flow_buffers(flow, bb, lb, self.device))  # private inputs
         flow.decoder.step(st)
-        for name, t in self._state_buffers(st, bb * lb).items():  # allocated now, outside any capture
+        for name, t in self._state_buffers(st).items():  # allocated now, outside any capture
             self.shared.take(name, t.shape, t.dtype, bb * lb)
 
     @torch.inference_mode()
@@ -1062,8 +1072,9 @@ class GraphedFlow(_BucketGraphs):
 
 def flow_buffers(flow, bb: int, lb: int, device, shared: SharedBuffers | None = None) -> dict[str, torch.Tensor]:
     """Static inputs of a :class:`GraphedFlow` bucket: ``bb`` rows of ``lb`` tokens
-    (``token_mel_ratio * lb`` frames), on ``device``, each holding one-token items (views of
-    ``shared`` buffers when given)."""
+    (``token_mel_ratio * lb`` frames), on ``device``, each holding one-token items (zeros); with
+    ``shared``, the large ones are views of its buffers, left as they are (zero when first
+    allocated: :func:`fill_flow_buffers` clears them before use)."""
     t = flow.token_mel_ratio * lb
 
     def zeros(name, shape, dtype=torch.float32):
