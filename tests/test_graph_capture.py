@@ -341,3 +341,44 @@ def test_cli_flags_choose_the_capture_mode():
     assert (e.graph_capture, e.graph_warmup, e.t2w_graph_warmup) == ("startup", True, True)
     e = _engine_config(p.parse_args(base + ["--lazy-graphs"]))
     assert (e.graph_capture, e.graph_warmup, e.t2w_graph_warmup) == ("background", False, False)
+
+
+def test_server_is_ready_and_serves_while_graphs_are_pending(tmp_path, monkeypatch):
+    """The server reports ready (and answers requests) while its background capture is still
+    under way; /metrics shows the buckets pending, then none once the capture is done. A
+    stand-in stage, held mid-capture, takes the place of the CUDA grids (CPU here)."""
+    import asyncio
+
+    from cosyserve.engine.pipeline import Synthesizer
+    from cosyserve.engine.request import AudioChunk, RequestFinished, SynthesisParams
+    from cosyserve.models.demo import write_demo_model
+    from cosyserve.server.state import ServerConfig, ServerState
+
+    gate = threading.Event()
+    stage = FakeStage("fake", [(1,), (2,), (3,)], gate={(2,): gate})
+    real = Synthesizer.new_engine
+
+    def new_engine(self, config, observer=None):
+        core = real(self, config, observer)
+        core.graph_capturer = G.BackgroundCapturer([[stage]], prime=False)
+        return core
+
+    monkeypatch.setattr(Synthesizer, "new_engine", new_engine)
+    state = ServerState(ServerConfig(model_dir=str(write_demo_model(tmp_path / "demo")), device="cpu"))
+
+    async def main():
+        await state.start()
+        assert state.ready  # ready while (2,) is still being captured
+        assert (2,) not in stage._graphs and not stage.capture_on_use
+        text = state.metrics.render().decode()
+        assert "\ncosyserve_graphs_pending 2.0" in text and "\ncosyserve_graphs_captured 1.0" in text
+        voice = await asyncio.to_thread(state.synth.make_voice, "v", (torch.zeros(1, 24000) + 0.1, 24000), "你好。")
+        req = state.synth.build_request("Hello.", voice, SynthesisParams(seed=0, max_token_text_ratio=3), "r1")
+        events = [ev async for ev in state.engine.generate(req)]
+        assert any(isinstance(ev, AudioChunk) for ev in events) and isinstance(events[-1], RequestFinished)
+        gate.set()
+        assert await asyncio.to_thread(state.engine.core.graph_capturer.wait, 10)
+        assert "\ncosyserve_graphs_pending 0.0" in state.metrics.render().decode()
+        await state.stop(drain_timeout=0)
+
+    asyncio.run(main())

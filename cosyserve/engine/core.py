@@ -538,6 +538,9 @@ class EngineCore:
         stages = [(g, warm) for g, warm in ((self.decoder, True), (self.prefill_graphs, self.cfg.graph_warmup),
                                             (hift, self.cfg.t2w_graph_warmup), (flow, self.cfg.t2w_graph_warmup))
                   if g is not None and hasattr(g, "pending")]  # the DiT's step graphs are not bucketed
+        if self.graph_capturer is not None:  # whatever else it captures
+            known = {id(g) for g, _ in stages}
+            stages += [(g, True) for g in self.graph_capturer.stages if id(g) not in known]
         return {"captured": float(sum(g.n_graphs for g, _ in stages)),
                 "pending": float(sum(len(g.pending()) for g, warm in stages if warm)),
                 "failed": float(sum(g.n_failed for g, _ in stages)),
