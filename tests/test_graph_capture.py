@@ -382,3 +382,35 @@ def test_server_is_ready_and_serves_while_graphs_are_pending(tmp_path, monkeypat
         await state.stop(drain_timeout=0)
 
     asyncio.run(main())
+
+
+@torch.inference_mode()
+def test_decoder_runs_eagerly_until_published_then_replays(model, monkeypatch):
+    """The LM decode step through :class:`GraphedDecoder`: a bucket not captured (background
+    capture owns it) runs the same slot-ordered step eagerly; once published, the replay gives
+    the same log-probabilities (CPU, stand-in recording)."""
+    from cosyserve.models.llm import KVCache
+
+    monkeypatch.setattr(G, "_record", fake_record)
+    lm = model.llm
+    lm.setup_rope(512)
+    cache = KVCache.allocate(lm, 5, 512)
+    prefixes = [lm.embed_prefix(torch.randint(0, 1000, (n,)), torch.zeros(0, dtype=torch.long),
+                                torch.randint(0, 6561, (20 + n,))) for n in (5, 17)]
+    for i, p in enumerate(prefixes):
+        lm.forward_cached(p[None], cache, torch.tensor([i]), torch.tensor([0]))
+    eager_cache = KVCache(cache.k.clone(), cache.v.clone())
+    dec = G.GraphedDecoder(lm, cache, 4)
+    dec.capture_on_use = False  # as under a BackgroundCapturer
+    lens = torch.tensor([p.shape[0] for p in prefixes])
+    slots = torch.tensor([1, 0])  # results in the order asked for
+    for step in range(3):
+        if step == 2:  # published between two steps
+            dec.capture((2, 256), background=True)
+            assert (2, 256) in dec._graphs
+        toks = torch.randint(0, 6561, (2,))
+        start = lens[[1, 0]] + step
+        got = dec(toks, slots, start)
+        ref = lm.logprobs(lm.forward_cached(lm.embed_speech(toks[:, None]), eager_cache, slots, start)[:, -1])
+        assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5), step
+    assert dec._graphs[(2, 256)][0].replays == 1
