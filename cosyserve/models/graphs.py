@@ -320,6 +320,7 @@ class _GraphStage:
         self._pool = pool
         self._stream = None
         self._stream_ready: set[int] = set()  # threads that initialised the capture stream
+        self._warmed: set = set()  # buckets warmed up already (BackgroundCapturer's priming)
         self._graphs: dict = {}
         self._failed: dict = {}  # key -> the capture's error text
         self.capture_on_use = True
@@ -380,11 +381,13 @@ class _GraphStage:
                         self._warm_up(*min(self.keys(), key=self._size))
                     cur.wait_stream(self.stream)
                     self._stream_ready.add(me)
-                self._warm_up(*key)  # on this thread's stream, whose cached blocks the next warm-up reuses
+                if key not in self._warmed:  # primed buckets are warm already
+                    self._warm_up(*key)  # on this thread's stream, whose cached blocks the next one reuses
                 entry = self._record_entry(key, background)
                 cur.synchronize()  # every input written before anyone replays the graph
             else:  # CPU: the bookkeeping only (tests substitute _record)
-                self._warm_up(*key)
+                if key not in self._warmed:
+                    self._warm_up(*key)
                 entry = self._record_entry(key, background)
             self._graphs[key] = entry  # published
             dt = time.perf_counter() - t0
@@ -449,7 +452,8 @@ class BackgroundCapturer:
     *Priming* (first, before any capture): one eager warm-up of the smallest bucket with one and
     with two rows per stage, which compiles the fused kernels (:mod:`~cosyserve.models.fused`:
     one variant for one row, one for more) so that neither the serving threads nor a later
-    capture compile one; :meth:`wait_primed` waits for it (the engine does, before serving).
+    capture compile one (those buckets' captures then skip their warm-up); :meth:`wait_primed`
+    waits for it (the engine does, before serving).
 
     Concurrency with serving (what CUDA and torch allow next to a capture in another thread):
     captures use ``capture_error_mode="thread_local"`` on non-blocking capture streams
@@ -568,6 +572,7 @@ class BackgroundCapturer:
                 try:
                     with torch.inference_mode():
                         stage._warm_up(*key)  # on this thread's stream: private inputs
+                    stage._warmed.add(key)  # its capture skips the warm-up
                 except Exception as exc:  # noqa: BLE001 - its capture will report (and disable) it
                     log.warning("priming %s at %s failed: %s: %s", stage.name, key, type(exc).__name__, exc)
 
