@@ -388,7 +388,7 @@ class EngineCore:
             self._worker = Token2WavWorker(self.t2w, self._t2w_stream, self._marks)
             weakref.finalize(self, self._worker.stop)  # an engine dropped without close() frees its thread
         if self.graph_capturer is not None:  # likewise the capture thread
-            weakref.finalize(self, self.graph_capturer.stop)
+            weakref.finalize(self, self.graph_capturer.stop, 60)
         self._inflight = None
         self._stop_ids = frozenset(models.cfg.llm.stop_token_ids)
         self._sampler = self._new_sampler()  # batched sampling for rows with the default sampler
