@@ -106,6 +106,15 @@ def test_a_failing_capture_disables_only_its_bucket(caplog):
     assert st.lookup((2,)) is None and (2,) not in st._graphs
 
 
+def test_captures_stop_after_too_many_failures_in_a_row(caplog):
+    st = FakeStage("s", [(k,) for k in range(1, 21)], fail={(k,) for k in range(3, 21)})
+    cap = G.BackgroundCapturer([[st]], prime=False)
+    cap.start()
+    assert cap.wait(10)
+    assert set(st._graphs) == {(1,), (2,)} and cap.failed == G.BackgroundCapturer.max_failures_in_a_row
+    assert cap.pending == 20 - 2 - cap.failed and "in a row failed" in caplog.text
+
+
 def test_stop_while_capturing_ends_after_the_capture_in_progress():
     gate = {(2,): threading.Event()}
     st = FakeStage("s", [(1,), (2,), (3,), (4,)], gate=gate)

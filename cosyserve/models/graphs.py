@@ -469,6 +469,9 @@ class BackgroundCapturer:
     Graphs"; torch.cuda.graph's ``capture_error_mode``).
     """
 
+    #: consecutive failed captures after which the loop gives up (a sticky CUDA error fails them all)
+    max_failures_in_a_row = 5
+
     def __init__(self, groups: list[list[_GraphStage]], device=None, pause_s: float = 0.0, prime: bool = True):
         self.groups = [list(g) for g in groups if g]
         self.stages = [s for g in self.groups for s in g]
@@ -551,7 +554,8 @@ class BackgroundCapturer:
     def _main(self) -> None:
         try:
             if self.device is not None and self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
+                if self.device.index is not None:  # a new thread starts on device 0
+                    torch.cuda.set_device(self.device)
                 # this thread's own work (buffers, settling) never touches the legacy default stream
                 torch.cuda.set_stream(capture_stream(self.device, non_blocking=True))
             self._loop(background=True)
@@ -588,9 +592,12 @@ class BackgroundCapturer:
         cuda = self.device is not None and self.device.type == "cuda"
         m0 = torch.cuda.memory_reserved(self.device) if cuda else 0
         t0 = self.started_at = time.perf_counter()
-        n = 0
+        n = streak = 0
         for stage, key in todo:
             if self._stop.is_set():
+                break
+            if streak >= self.max_failures_in_a_row:  # something is broken for good (a CUDA error)
+                log.error("%d graph captures in a row failed: capturing nothing more (the rest runs eagerly)", streak)
                 break
             if key in stage._graphs or key in stage._failed:
                 continue
@@ -598,25 +605,28 @@ class BackgroundCapturer:
             try:
                 stage.capture(key, background=background)
                 n += 1
+                streak = 0
             except Exception as exc:  # noqa: BLE001 - that bucket runs eagerly; the others go on
                 stage.disable(key, f"{type(exc).__name__}: {exc}")
                 self.failed += 1
+                streak += 1
                 log.warning("capturing the %s graph %s failed (%s: %s); that bucket runs eagerly", stage.name,
                             "x".join(map(str, key)), type(exc).__name__, exc)
             self.capture_s += time.perf_counter() - c0
             if self.pause_s and background:
                 time.sleep(self.pause_s)
         self.wall_s = time.perf_counter() - t0
+        m1 = m2 = torch.cuda.memory_reserved(self.device) if cuda else 0
         if background and cuda:
             # the warm-ups' private tensors are cached on this thread's streams, which nothing
             # else allocates from: hand them back once
             torch.cuda.empty_cache()
-        m1 = torch.cuda.memory_reserved(self.device) if cuda else 0
+            m2 = torch.cuda.memory_reserved(self.device)
         per_stage = ", ".join(f"{s.name} {s.n_graphs} ({s.capture_s:.1f} s)" for s in self.stages)
         log.info("captured %d CUDA graph buckets in %.1f s%s (%.1f s in captures; %s; %d failed, %d left%s); "
-                 "device memory reserved %+.2f GB", n, self.wall_s, " in the background" if background else "",
-                 self.capture_s, per_stage, self.failed, self.pending,
-                 ": stopped" if self._stop.is_set() else "", (m1 - m0) / 2**30)
+                 "device memory reserved %+.2f GB (%+.2f GB after emptying the cache)", n, self.wall_s,
+                 " in the background" if background else "", self.capture_s, per_stage, self.failed, self.pending,
+                 ": stopped" if self._stop.is_set() else "", (m1 - m0) / 2**30, (m2 - m0) / 2**30)
 
 
 def _pick(buckets: list[int], n: int) -> int:
