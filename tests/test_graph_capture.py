@@ -300,6 +300,35 @@ def test_published_buckets_give_the_eager_results(model, monkeypatch):
         assert torch.allclose(graphed[b, :n], eager[b, :n], rtol=1e-4, atol=1e-5)
 
 
+@torch.inference_mode()
+def test_priming_leaves_the_shared_buffers_to_the_largest_bucket(model, monkeypatch):
+    """Priming warms small buckets first, but the shared buffers are still allocated by the first
+    capture (the largest bucket), so every bucket's tensors are views of them (memory as the
+    old largest-first capture): nothing allocated per bucket."""
+    monkeypatch.setattr(G, "_record", no_run_record)
+    fl = G.GraphedFlow(model.flow, max_batch=2, max_tokens=64, max_area=128)
+    own = []
+    take = G.SharedBuffers.take
+
+    def spy(self, name, shape, dtype, units):
+        t = take(self, name, shape, dtype, units)
+        if t.data_ptr() != self._flat[name].data_ptr():
+            own.append((name, tuple(shape)))  # did not fit: an allocation of its own
+        return t
+
+    monkeypatch.setattr(G.SharedBuffers, "take", spy)
+    cap = G.BackgroundCapturer([[fl]])
+    cap._prime()
+    assert not fl.shared._flat  # priming allocated nothing shared
+    order = fl.pending()
+    fl.capture(order[0])
+    sizes = {k: v.numel() for k, v in fl.shared._flat.items()}
+    for key in order[1:]:
+        fl.capture(key)
+    assert {k: v.numel() for k, v in fl.shared._flat.items()} == sizes  # no buffer grew or was added
+    assert not own, own
+
+
 def test_engine_counts_graphs_and_metrics_show_them(model):
     """``EngineCore.graph_counts`` (CPU: no graphs, all 0) and the /metrics gauges read from it."""
     from cosyserve.engine.core import EngineConfig, EngineCore

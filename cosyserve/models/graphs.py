@@ -1018,6 +1018,7 @@ class GraphedFlow(_BucketGraphs):
         super().__init__(BucketGrid(half_octave_buckets(max_batch), length_buckets(token_bucket, top), max_area,
                                     max_quad), flow.encoder_proj.weight.device, pool)
         self.flow = flow
+        self._state_shapes: dict = {}  # bucket -> its solver state's shared tensors' (shape, dtype)
 
     @staticmethod
     def _state_buffers(st) -> dict[str, torch.Tensor]:
@@ -1031,13 +1032,17 @@ class GraphedFlow(_BucketGraphs):
         flow = self.flow
         st = flow_begin_from_buffers(flow, flow_buffers(flow, bb, lb, self.device))  # private inputs
         flow.decoder.step(st)
-        for name, t in self._state_buffers(st).items():  # allocated now, outside any capture
-            self.shared.take(name, t.shape, t.dtype, bb * lb)
+        # the state's shapes: the capture takes its shared buffers before recording (a first take
+        # allocates, which must not happen inside a capture), in capture order, so the first
+        # (largest) bucket sizes them
+        self._state_shapes[(bb, lb)] = {name: (t.shape, t.dtype) for name, t in self._state_buffers(st).items()}
 
     @torch.inference_mode()
     def _record_entry(self, key, background: bool):
         bb, lb = key
         flow = self.flow
+        for name, (shape, dtype) in self._state_shapes.pop(key, {}).items():
+            self.shared.take(name, shape, dtype, bb * lb)
         bufs = flow_buffers(flow, bb, lb, self.device, self.shared)
 
         def begin():  # the solver state the step graph works on, in the shared buffers
