@@ -849,10 +849,13 @@ class GraphedDiTStep:
         torch.cuda.current_stream(static[0].device).wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+        from .graphs import CAPTURE_LOCK
+
         g = torch.cuda.CUDAGraph()
-        # thread_local: the engine's background capturer may be capturing in its own thread
-        # (a global-mode capture forbids its allocations and would be invalidated by them)
-        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+        # the lock: the engine's background capturer may be capturing in its own thread, and
+        # torch.cuda.graph empties the allocator's cache first, which torch forbids during any
+        # capture; thread_local: a global-mode capture would forbid that thread's allocations
+        with CAPTURE_LOCK, torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
             out = self.est(*static)
         self.captures += 1
         return g, static, out

@@ -286,8 +286,11 @@ def _record(run, pool, stream, settle_first: bool = True) -> tuple:
 
 
 #: one capture at a time in the process: stages may share a memory pool (LM decode and prefill),
-#: and a capture on first use (``capture_on_use``) may meet the background capturer's
-_CAPTURE_LOCK = threading.RLock()
+#: a capture on first use (``capture_on_use``) may meet the background capturer's, and a capture
+#: before serving (``torch.cuda.graph``'s included) empties the allocator's cache, which torch
+#: forbids while any thread captures (``synchronize_and_free_events`` asserts no capture is under
+#: way). Every capture in cosyserve holds it (the DiT's too: :mod:`~cosyserve.models.dit_flow`).
+CAPTURE_LOCK = _CAPTURE_LOCK = threading.RLock()
 
 
 class _GraphStage:
@@ -619,8 +622,10 @@ class BackgroundCapturer:
         m1 = m2 = torch.cuda.memory_reserved(self.device) if cuda else 0
         if background and cuda:
             # the warm-ups' private tensors are cached on this thread's streams, which nothing
-            # else allocates from: hand them back once
-            torch.cuda.empty_cache()
+            # else allocates from: hand them back once (under the capture lock: torch's allocator
+            # asserts that no capture is under way when its cache is emptied)
+            with _CAPTURE_LOCK:
+                torch.cuda.empty_cache()
             m2 = torch.cuda.memory_reserved(self.device)
         per_stage = ", ".join(f"{s.name} {s.n_graphs} ({s.capture_s:.1f} s)" for s in self.stages)
         log.info("captured %d CUDA graph buckets in %.1f s%s (%.1f s in captures; %s; %d failed, %d left%s); "
