@@ -361,7 +361,7 @@ class EngineCore:
                 models.hift.graph_decode = GraphedHiFTDecoder(
                     models.hift, config.max_t2w_batch, max_frames=ratio * config.kv_max_len + extra,
                     max_area=ratio * config.max_t2w_tokens + extra * config.max_t2w_batch)
-            t2w = [g for g in (models.hift.graph_decode, getattr(models.flow, "graph", None))
+            t2w = [g for g in (getattr(models.hift, "graph_decode", None), getattr(models.flow, "graph", None))
                    if g is not None and hasattr(g, "pending")] if config.t2w_graph_warmup else []
             if background:  # decode first (every token), then prefill, HiFT and flow taking turns
                 from ..models.graphs import BackgroundCapturer
@@ -534,7 +534,7 @@ class EngineCore:
         """CUDA graph buckets ``captured``, ``pending`` (neither captured nor disabled, in the
         warmed grids and the decode grid), ``failed`` (disabled after a failed capture) and
         ``capture_seconds`` (spent in captures); all 0 without graphs. Thread-safe reads."""
-        flow, hift = getattr(self.models.flow, "graph", None), self.models.hift.graph_decode
+        flow, hift = getattr(self.models.flow, "graph", None), getattr(self.models.hift, "graph_decode", None)
         stages = [(g, warm) for g, warm in ((self.decoder, True), (self.prefill_graphs, self.cfg.graph_warmup),
                                             (hift, self.cfg.t2w_graph_warmup), (flow, self.cfg.t2w_graph_warmup))
                   if g is not None and hasattr(g, "pending")]  # the DiT's step graphs are not bucketed
