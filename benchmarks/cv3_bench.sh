@@ -18,7 +18,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/cosyserve-site:$PWD PYTHONUNBUFFERED=1 COSYSERVE_CACHE_DIR=/tmp/cosyserve-cache
 CS="python3 -m cosyserve.cli"
 t0=$(date +%s)
-$CS serve --random-weights benchmarks/configs/cosyvoice3-0.5b.yaml --qwen-config benchmarks/configs/CosyVoice-BlankEN-config.json \
+$CS serve --graphs-before-ready --random-weights benchmarks/configs/cosyvoice3-0.5b.yaml --qwen-config benchmarks/configs/CosyVoice-BlankEN-config.json \
   --device cuda --dtype "$DTYPE" --min-token-text-ratio "$RATIO" --max-token-text-ratio "$RATIO" --max-active-streams "$MAX_ACTIVE" \
   --max-queue 256 --strict-min-len --voices-dir /tmp/cosyserve-voices-cv3 --port 8000 --grpc-port 8001 ${SERVE_ARGS:-} >"$OUTDIR/server.log" 2>&1 &
 SERVER=$!; trap 'kill $SERVER 2>/dev/null' EXIT

@@ -60,7 +60,7 @@ def pct(xs, q):
 def run_concurrent(syn, voice, n, policy, ratio, max_active, seed0=0):
     """n requests submitted at once; returns per-request first-chunk latency, stalls, audio, wall."""
     eng = syn.new_engine(EngineConfig(max_active=max_active, max_queue=1024, kv_max_len=2048,
-                                      max_t2w_batch=max_active))
+                                      max_t2w_batch=max_active, graph_capture="startup"))  # graphs from the start
     reqs = [syn.build_request(TEXTS[i % len(TEXTS)], voice, SynthesisParams(
         seed=seed0 + i, stream=True, chunk_policy=policy, min_token_text_ratio=ratio, max_token_text_ratio=ratio),
         f"r{i}") for i in range(n)]
@@ -178,7 +178,7 @@ def main():
     if args.offline:
         for warm in (True, False):
             eng = syn.new_engine(EngineConfig(max_active=args.offline, max_queue=0, kv_max_len=2048,
-                                              max_t2w_batch=args.offline))
+                                              max_t2w_batch=args.offline, graph_capture="startup"))
             reqs = [syn.build_request(TEXTS[i % len(TEXTS)], voice, SynthesisParams(
                 seed=i, stream=False, min_token_text_ratio=args.ratio, max_token_text_ratio=args.ratio), f"o{i}")
                 for i in range(args.offline)]

@@ -6,7 +6,9 @@
 #   2. start `cosyserve serve --random-weights` (full-size CosyVoice2-0.5B architecture from
 #      benchmarks/configs/cosyvoice2-0.5b.yaml, random weights, bf16, output length pinned to
 #      RATIO speech tokens per text token because random weights never choose to stop)
-#   3. warm it up (captures the CUDA graphs of the flow's batch x length buckets)
+#   3. start-up (issue 18): time to ready, time until the background capture has every CUDA graph,
+#      first-chunk latency of requests sent meanwhile (benchmarks/startup_probe.py; a STARTUP line,
+#      OUT_DIR/startup*.json), then warm it up (requests over the levels' shapes, not counted)
 #   4. `cosyserve bench` over KServe gRPC: streaming at 1/2/4/8/16/32 clients with the Triton
 #      runtime's exponential schedule (15-token first hop), 1 client with the upstream schedule,
 #      offline at 64 clients; every level with the engine's stage breakdown from /metrics, and a
@@ -78,9 +80,10 @@ start_server() {
   SERVER=$!
   trap 'kill $SERVER 2>/dev/null' EXIT
   t0=$(date +%s)
+  T0=$(date +%s.%N)
   SERVER_PID=$SERVER python3 - <<'EOF' || { echo "server did not start:"; tail -30 "$log"; exit 1; }
 import os, time, httpx
-for _ in range(600):
+for _ in range(3000):
     try:
         with open(f"/proc/{os.environ['SERVER_PID']}/stat") as f:  # exited (zombie or gone)?
             if f.read().rsplit(")", 1)[1].split()[0] in "ZX":
@@ -92,10 +95,16 @@ for _ in range(600):
             raise SystemExit(0)
     except httpx.HTTPError:
         pass
-    time.sleep(0.5)
+    time.sleep(0.1)
 raise SystemExit(1)
 EOF
   echo "== server ready in $(( $(date +%s) - t0 )) s"
+}
+
+# startup JSON: start-up figures of the server just started (waits until every graph is captured)
+startup() {
+  echo "== start-up: ready, all CUDA graphs captured, first chunks during the capture"
+  python3 benchmarks/startup_probe.py --since "$T0" --json "$1" || exit 1
 }
 
 stop_server() {
@@ -131,6 +140,7 @@ EOF
 
 echo "== token2wav: UNet flow (the model's)"
 start_server "$OUTDIR/server.log"
+startup "$OUTDIR/startup.json"
 warm_up "$OUTDIR"
 if [ -z "${ONLY_CAPACITY:-}" ]; then
   echo "== server, KServe gRPC streaming, exponential schedule (15, 25, 50, ... tokens)"
@@ -152,6 +162,7 @@ if [ -n "${TOKEN2WAV_DIR:-}" ] || [ -n "${DIT:-}" ]; then
   elif [ -z "${SKIP_CAPACITY:-}" ]; then
     echo "== token2wav: DiT ($TOKEN2WAV_DIR)"
     start_server "$OUTDIR/server-dit.log" --token2wav-dir "$TOKEN2WAV_DIR"
+    startup "$OUTDIR/startup-dit.json"
     warm_up "$OUTDIR/dit"
     capacity "$OUTDIR/capacity-dit" "DiT token2wav"
     stop_server
@@ -161,7 +172,7 @@ fi
 if [ -z "${SKIP_IN_PROCESS:-}" ] && [ -z "${ONLY_CAPACITY:-}" ]; then
   echo "== in-process engine, streaming, exponential schedule"
   $CS bench --in-process "${MODEL[@]}" "${PIN[@]}" "${BENCH[@]}" --max-active-streams "$MAX_ACTIVE" \
-    --admission "$ADMISSION" --chunk-policy exponential \
+    --admission "$ADMISSION" --chunk-policy exponential --graphs-before-ready \
     --concurrency "$LEVELS" --warmup 8 --out "$OUTDIR/in-process-streaming" 2>/dev/null || exit 1
 fi
 echo "== done in $(( $(date +%s) - T_START )) s; reports in $OUTDIR"

@@ -21,7 +21,7 @@ MODEL=(--random-weights benchmarks/configs/cosyvoice2-0.5b.yaml --qwen-config be
 URL=(--url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --voice default --no-progress)
 for V in $VALUES; do
   echo "=== $OPTION $V"
-  $CS serve "${MODEL[@]}" --max-active-streams 64 --max-queue 256 --chunk-policy exponential \
+  $CS serve --graphs-before-ready "${MODEL[@]}" --max-active-streams 64 --max-queue 256 --chunk-policy exponential \
     --voices-dir /tmp/cosyserve-voices --port 8000 --grpc-port 8001 "$OPTION" "$V" > "$OUTDIR/server-$V.log" 2>&1 &
   S=$!
   python3 -c "

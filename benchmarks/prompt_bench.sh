@@ -39,7 +39,7 @@ if [ -z "${SKIP_PROBE:-}" ]; then
   python3 benchmarks/prompt_probe.py --reps 5 2>&1 | tee "$OUTDIR/prompt_probe.md"
 fi
 
-$CS serve --random-weights "$YAML" --qwen-config "$QWEN_CONFIG" --full-size-frontend --device cuda --dtype "$DTYPE" \
+$CS serve --graphs-before-ready --random-weights "$YAML" --qwen-config "$QWEN_CONFIG" --full-size-frontend --device cuda --dtype "$DTYPE" \
   --min-token-text-ratio "$RATIO" --max-token-text-ratio "$RATIO" --max-active-streams 64 --max-queue 256 \
   --chunk-policy exponential --prompt-cache 0 --voices-dir /tmp/cosyserve-voices --port 8000 --grpc-port 8001 \
   ${SERVE_ARGS:-} >"$OUTDIR/server.log" 2>&1 &

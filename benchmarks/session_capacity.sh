@@ -12,7 +12,7 @@ export PYTHONPATH=/tmp/cosyserve-site:$PWD PYTHONUNBUFFERED=1 COSYSERVE_CACHE_DI
 CS="python3 -m cosyserve.cli"
 EXTRA=(); [ -n "${TOKEN2WAV_DIR:-}" ] && EXTRA=(--token2wav-dir "$TOKEN2WAV_DIR")
 t0=$(date +%s)
-$CS serve --random-weights benchmarks/configs/cosyvoice2-0.5b.yaml --qwen-config benchmarks/configs/CosyVoice-BlankEN-config.json \
+$CS serve --graphs-before-ready --random-weights benchmarks/configs/cosyvoice2-0.5b.yaml --qwen-config benchmarks/configs/CosyVoice-BlankEN-config.json \
   --full-size-frontend --prompt-cache 0 --device cuda --dtype bfloat16 --min-token-text-ratio "$RATIO" --max-token-text-ratio "$RATIO" \
   --max-active-streams ${MAX_ACTIVE:-128} --max-queue 512 --chunk-policy exponential --voices-dir /tmp/cosyserve-voices --port 8000 --grpc-port 8001 \
   "${EXTRA[@]}" ${SERVE_ARGS:-} >"$OUTDIR/server.log" 2>&1 &

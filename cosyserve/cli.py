@@ -471,8 +471,14 @@ def _engine_args(p, in_process: bool = False) -> None:
                         "(it masks sos) lets any of its 200 stop ids end an utterance after a few tokens, so "
                         "--min-token-text-ratio pins nothing; real weights do not need it" + note)
     p.add_argument("--lazy-graphs", action="store_true",
-                   help="capture CUDA graphs (LM prefill, flow, HiFT) on first use instead of at start-up "
-                        "(starts ~100 s faster; each capture while serving stalls every stream for 0.1-0.4 s)")
+                   help="capture CUDA graphs (LM prefill, flow, HiFT) on first use, on the serving thread "
+                        "(each capture while serving stalls every stream for 0.1-0.4 s; the default captures "
+                        "them in the background instead, without stalls)")
+    p.add_argument("--graphs-before-ready", action="store_true",
+                   help="capture every CUDA graph before the server reports ready (the old start-up: ~2 min at "
+                        "full size on an H100) instead of in the background while serving eagerly (ready in "
+                        "seconds; requests run eagerly until their buckets' graphs are captured): for "
+                        "benchmarks that want the graphs' numbers from the first request")
 
 
 def _engine_config(args, **overrides):
@@ -487,6 +493,7 @@ def _engine_config(args, **overrides):
                   max_t2w_tokens=args.max_t2w_tokens, t2w_batch_target=args.t2w_batch_target,
                   t2w_gather_s=args.t2w_gather, t2w_length_window=args.t2w_length_window,
                   graph_warmup=not lazy, t2w_graph_warmup=not lazy,
+                  graph_capture="startup" if getattr(args, "graphs_before_ready", False) else "background",
                   decode_lookahead=args.decode_lookahead, admission=args.admission,
                   admission_target=args.admission_target,
                   flow_stream_cache={"auto": None, "on": True, "off": False}[args.flow_stream_cache],

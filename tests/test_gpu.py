@@ -237,19 +237,62 @@ def test_engine_captures_every_graph_at_start(yaml_dir):
         streams.extend(g.stream.cuda_stream for g in (eng.decoder, eng.prefill_graphs, m.flow.graph,
                                                       m.hift.graph_decode))
 
-    warm = _engine_tokens(m, audio=True, on_start=start, on_done=done)[0]
+    warm = _engine_tokens(m, audio=True, on_start=start, on_done=done, graph_capture="startup")[0]
     # every stage captures on a stream of its own: graphs sharing a capture stream share torch's
     # cuBLAS workspace and race on it when the LM's and the flow's are replayed concurrently
     assert len(set(streams)) == 4 and all(streams), streams
     assert counts[0] == (reachable[0][0], 0, 0), (counts, reachable)
     assert counts[1] == counts[2] == reachable[1] and min(counts[1]) > 1, (counts, reachable)
     lazy = _engine_tokens(m, audio=True, graph_warmup=False, t2w_graph_warmup=False, on_start=count,
-                          on_done=count)[0]
+                          on_done=count, graph_capture="startup")[0]
     assert counts[3] == (0, 0, 0) and min(counts[4]) >= 1 and all(b <= a for a, b in zip(counts[1], counts[4]))
     assert warm.keys() == lazy.keys()
     for rid, (tokens, wav) in warm.items():
         assert tokens == lazy[rid][0] and wav.shape == lazy[rid][1].shape
         assert float(abs(wav - lazy[rid][1]).max()) < 1e-4
+
+
+def test_background_capture_serves_eagerly_meanwhile_with_the_same_results(yaml_dir, monkeypatch):
+    """The default start-up: the engine serves while a background thread captures its graphs
+    (every capture on that thread, none on the serving thread), requests served during the
+    capture window (eager buckets, graphs as they are published) give the tokens and audio of an
+    engine that captured everything first, and at the end every reachable bucket is captured."""
+    import threading
+
+    from cosyserve.models import graphs as G
+
+    m = build(yaml_dir, torch.float32)
+    threads, seen = [], {}
+    real = G._GraphStage.capture
+
+    def capture(self, key, background=False, level=10):
+        threads.append((threading.current_thread().name, background))
+        return real(self, key, background, level)
+
+    monkeypatch.setattr(G._GraphStage, "capture", capture)
+
+    def start(eng):
+        assert eng.graph_counts()["captured"] == 0  # nothing captured when the engine is built
+        eng.start_graph_capture()  # what AsyncEngine does: start, wait for priming only
+        seen["pending_at_start"] = eng.graph_counts()["pending"]
+
+    def done(eng):
+        seen["pending_at_end_of_requests"] = eng.graph_counts()["pending"]
+        assert eng.graph_capturer.wait(600)
+        seen["counts"] = eng.graph_counts()
+        seen["reachable"] = sum(len(g.keys()) for g in eng.graph_capturer.stages)
+
+    bg = _engine_tokens(m, audio=True, on_start=start, on_done=done, graph_capture="background")[0]
+    assert seen["pending_at_start"] > 0, seen  # the requests did run during the capture window
+    assert seen["counts"]["captured"] == seen["reachable"] and seen["counts"]["failed"] == 0, seen
+    assert seen["counts"]["pending"] == 0
+    assert threads and all(name == "cosyserve-graph-capture" and bg for name, bg in threads), set(threads)
+    threads.clear()
+    first = _engine_tokens(m, audio=True, graph_capture="startup")[0]
+    assert bg.keys() == first.keys()
+    for rid, (tokens, wav) in bg.items():
+        assert tokens == first[rid][0] and wav.shape == first[rid][1].shape
+        assert float(abs(wav - first[rid][1]).max()) < 1e-4
 
 
 def _engine_tokens(m, audio: bool = False, on_start=None, on_done=None, **config) -> tuple[dict, list]:

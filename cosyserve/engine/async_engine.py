@@ -74,8 +74,10 @@ class AsyncEngine:
     def _run(self) -> None:
         core = self.core
         try:
-            core.warmup()  # flow/HiFT CUDA graphs captured before any request is served
-        except BaseException:  # noqa: BLE001 - buckets not captured are captured on first use instead
+            # CUDA graphs: the background capturer started (and primed) before any request is
+            # served, or with graph_capture="startup" every graph captured first
+            core.start_graph_capture()
+        except BaseException:  # noqa: BLE001 - buckets not captured run eagerly or are captured on first use
             log.exception("graph warm-up failed")
         while True:
             with self._cv:

@@ -115,7 +115,15 @@ class EngineConfig:
     starts (~6 s at full size; a capture while serving stalls every stream for 0.1-0.4 s,
     docs/perf-history.md run 20), otherwise on first use; ``t2w_graph_warmup``: the same for the flow
     and HiFT grids (~100 s at full size on an H100), done by :meth:`EngineCore.warmup` (or the first step) before any
-    request's work; every stage captures on a CUDA stream of its own
+    request's work; ``graph_capture``: how the warmed grids (and the LM decode graphs) are
+    captured — ``"background"`` (default): by a :class:`~cosyserve.models.graphs.BackgroundCapturer`
+    thread started by :meth:`EngineCore.start_graph_capture` (``AsyncEngine`` calls it; the
+    first step otherwise) while the engine serves, each bucket running eagerly until its graph
+    is published, so the server is ready in seconds; ``"startup"``: before serving (decode and
+    prefill graphs when the engine is built, flow and HiFT in :meth:`EngineCore.warmup`), the
+    old behaviour, for benchmarks that want the graphs' numbers from the first request. Grids
+    not warmed (``graph_warmup``/``t2w_graph_warmup`` False, ``--lazy-graphs``) are captured on
+    first use either way. Every stage captures on a CUDA stream of its own
     (:func:`~cosyserve.models.graphs.capture_stream`: graphs sharing a capture stream share a
     cuBLAS workspace, and replayed concurrently they stopped the GPU, docs/perf-history.md "Runs 23–26");
     ``t2w_thread``: run token2wav on its own thread
@@ -174,6 +182,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     graph_warmup: bool = True
     t2w_graph_warmup: bool = True
+    graph_capture: str = "background"
     t2w_thread: bool = False
     t2w_queue_steps: int | None = 4
     device_sampling: bool | None = None
@@ -198,8 +207,12 @@ class EngineConfig:
                 or (self.t2w_slack_s is not None and self.t2w_slack_s < 0) \
                 or (self.t2w_queue_steps is not None and self.t2w_queue_steps < 1) or self.decode_lookahead < 1:
             raise ValueError("invalid engine limits")
+        if self.graph_capture not in GRAPH_CAPTURE_MODES:
+            raise ValueError(f"graph_capture must be one of {', '.join(GRAPH_CAPTURE_MODES)}, "
+                             f"got {self.graph_capture!r}")
 
 
+GRAPH_CAPTURE_MODES = ("background", "startup")  #: see ``EngineConfig.graph_capture``
 T2W_ATTENTION_LEN = 1024  #: see ``EngineConfig.max_t2w_tokens``: the attention budget's unit length
 T2W_SLACK_MIN_S = 0.15  #: adaptive ``t2w_slack_s``: lower bound (seconds)
 T2W_SLACK_MAX_S = 1.0  #: adaptive ``t2w_slack_s``: upper bound (seconds)
@@ -328,13 +341,16 @@ class EngineCore:
         self._lm_pending: deque[_LMTicket] = deque()
         self.decoder = self.prefill_graphs = None
         self._pending_warmup: list = []  # graph grids the first step() captures (see t2w_graph_warmup)
+        self.graph_capturer = None  # background capture of the warmed grids (graph_capture="background")
+        background = config.graph_capture == "background"
         if use_graphs:
             from ..models.graphs import GraphedDecoder, GraphedFlow, GraphedHiFTDecoder, GraphedPrefill
 
             sampling = models.cfg.llm.sampling if self._device_sampling else None
             self.decoder = GraphedDecoder(self.lm, self.cache, config.max_active, sampling=sampling,
                                           eos_id=self._min_len_mask, state=self._state)
-            self.decoder.warmup()  # capture every (batch, KV length) bucket now, not mid-request
+            if not background:
+                self.decoder.warmup()  # capture every (batch, KV length) bucket now, not mid-request
             self.prefill_graphs = GraphedPrefill(self.lm, self.cache, pool=self.decoder.pool,
                                                  max_batch=config.max_active, max_tokens=config.max_prefill_tokens)
             ratio = models.cfg.token_mel_ratio
@@ -361,11 +377,19 @@ class EngineCore:
                 models.hift.graph_decode = GraphedHiFTDecoder(
                     models.hift, config.max_t2w_batch, max_frames=ratio * config.kv_max_len + extra,
                     max_area=ratio * config.max_t2w_tokens + extra * config.max_t2w_batch)
-            if config.graph_warmup:  # every reachable prefill bucket now, none while serving
-                self.prefill_graphs.warmup()
-            if config.t2w_graph_warmup:  # captured by the first step(), on the stepping thread
-                self._pending_warmup = [g for g in (getattr(models.flow, "graph", None), models.hift.graph_decode,
-                                                    getattr(models.hift, "graph_trunk", None)) if g is not None]
+            t2w = [g for g in (getattr(models.hift, "graph_decode", None), getattr(models.hift, "graph_trunk", None),
+                               getattr(models.flow, "graph", None))
+                   if g is not None and hasattr(g, "pending")] if config.t2w_graph_warmup else []
+            if background:  # decode first (every token), then prefill, HiFT and flow taking turns
+                from ..models.graphs import BackgroundCapturer
+
+                rest = ([self.prefill_graphs] if config.graph_warmup else []) + t2w
+                self.graph_capturer = BackgroundCapturer([[self.decoder], rest], device=self.cache.k.device)
+            else:
+                if config.graph_warmup:  # every reachable prefill bucket now, none while serving
+                    self.prefill_graphs.warmup()
+                # captured by warmup() or the first step(), on the stepping thread
+                self._pending_warmup = t2w[::-1]
         if hasattr(self.t2w, "set_flow_stream_cache"):  # CosyVoice3: per-stream DiT cache (after the graphs)
             log.info("CosyVoice3 flow stream cache: %s", "on" if self.t2w.set_flow_stream_cache(config.flow_stream_cache)
                      else "off")
@@ -383,6 +407,8 @@ class EngineCore:
         if config.t2w_thread:
             self._worker = Token2WavWorker(self.t2w, self._t2w_stream, self._marks)
             weakref.finalize(self, self._worker.stop)  # an engine dropped without close() frees its thread
+        if self.graph_capturer is not None:  # likewise the capture thread
+            weakref.finalize(self, self.graph_capturer.stop, 60)
         self._inflight = None
         self._stop_ids = frozenset(models.cfg.llm.stop_token_ids)
         self._sampler = self._new_sampler()  # batched sampling for rows with the default sampler
@@ -454,7 +480,10 @@ class EngineCore:
         self._inbox.put(("abort", request_id, outcome))
 
     def close(self) -> None:
-        """Stop the token2wav thread (after its batch in flight); the engine is unusable after."""
+        """Stop the graph capture thread (after the capture in progress) and the token2wav
+        thread (after its batch in flight); the engine is unusable after."""
+        if self.graph_capturer is not None:
+            self.graph_capturer.stop(timeout=60)
         if self._worker is not None:
             self._worker.close()
 
@@ -505,18 +534,53 @@ class EngineCore:
 
     # ------------------------------------------------------------------ step
     def warmup(self) -> None:
-        """Capture the flow/HiFT CUDA-graph grids still pending (``t2w_graph_warmup``; ~45 s at
-        full size), before serving (``AsyncEngine`` calls it on its thread before the server
-        reports ready); :meth:`step` does it first otherwise. Nothing to do on CPU or after the
-        first call."""
+        """Capture every CUDA graph still pending now and return when they are all captured:
+        with ``graph_capture="startup"`` the flow/HiFT grids (~100 s at full size), on the
+        calling thread; with ``"background"`` the capture thread is started (if it was not) and
+        waited for. Benchmarks call it for graphs from the first request; the server does not
+        (:meth:`start_graph_capture`). Nothing to do on CPU or once everything is captured."""
         pending, self._pending_warmup = self._pending_warmup, []
         for graphs in pending:
             graphs.warmup()
+        if self.graph_capturer is not None:
+            self.start_graph_capture()
+            self.graph_capturer.wait()
+
+    def start_graph_capture(self, wait_primed: bool = True) -> None:
+        """Begin capturing the pending CUDA graphs: ``"startup"`` mode captures the flow/HiFT
+        grids now (:meth:`warmup`); ``"background"`` mode starts the capture thread and, with
+        ``wait_primed``, waits for its priming (the fused kernels compiled: seconds), after which
+        requests are served eagerly until their buckets' graphs are published. ``AsyncEngine``
+        calls it on its thread before serving; :meth:`step` does otherwise."""
+        if self.graph_capturer is None:
+            self.warmup()
+            return
+        self.graph_capturer.start()
+        if wait_primed:
+            self.graph_capturer.wait_primed()
+
+    def graph_counts(self) -> dict[str, float]:
+        """CUDA graph buckets ``captured``, ``pending`` (neither captured nor disabled, in the
+        warmed grids and the decode grid), ``failed`` (disabled after a failed capture) and
+        ``capture_seconds`` (spent in captures); all 0 without graphs. Thread-safe reads."""
+        flow, hift = getattr(self.models.flow, "graph", None), getattr(self.models.hift, "graph_decode", None)
+        stages = [(g, warm) for g, warm in ((self.decoder, True), (self.prefill_graphs, self.cfg.graph_warmup),
+                                            (hift, self.cfg.t2w_graph_warmup), (flow, self.cfg.t2w_graph_warmup))
+                  if g is not None and hasattr(g, "pending")]  # the DiT's step graphs are not bucketed
+        if self.graph_capturer is not None:  # whatever else it captures
+            known = {id(g) for g, _ in stages}
+            stages += [(g, True) for g in self.graph_capturer.stages if id(g) not in known]
+        return {"captured": float(sum(g.n_graphs for g, _ in stages)),
+                "pending": float(sum(len(g.pending()) for g, warm in stages if warm)),
+                "failed": float(sum(g.n_failed for g, _ in stages)),
+                "capture_seconds": float(sum(g.capture_s for g, _ in stages))}
 
     def step(self) -> list:
         """Advance every request by at most one LM token and one audio chunk; return events."""
         if self._pending_warmup:  # before any request's work
             self.warmup()
+        if self.graph_capturer is not None and not self.graph_capturer.started:
+            self.start_graph_capture(wait_primed=False)
         if self._lm_stream is None:
             return self._step()
         with torch.cuda.stream(self._lm_stream):

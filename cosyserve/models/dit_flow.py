@@ -1069,8 +1069,13 @@ class GraphedDiTSolve:
             cur.wait_stream(side)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
+            from .graphs import CAPTURE_LOCK
+
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
+            # the lock: the engine's background capturer may be capturing in its own thread, and
+            # torch.cuda.graph empties the allocator's cache first, which torch forbids during any
+            # capture; thread_local: a global-mode capture would forbid that thread's allocations
+            with CAPTURE_LOCK, torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
                 flow._euler(bufs, n_timesteps)
             entry[0] = g
             self.captures += 1

@@ -17,18 +17,25 @@ the launch cost. Graphs need static shapes, so inputs are padded to buckets:
   exactly like shorter items in an eager batch, so valid outputs are unchanged (the batched
   paths are padding-safe and tested to be).
 
-A capture costs 0.1-0.4 s of host time during which nothing else is launched, so the engine
-captures every bucket it can reach at start-up (``warmup()``: the grids are bounded by the
-engine's per-batch budgets, :meth:`BucketGrid.reachable`), never while serving; a bucket used
-before it was captured (``warmup()`` skipped) is captured then. All graphs of one stage share
-a memory pool. Capture checks only the capturing thread (``capture_error_mode="thread_local"``),
-so a token2wav worker thread may capture while the scheduler thread keeps decoding.
+A capture costs 0.1-0.4 s of host time; a full-size grid took ~136 s to capture before the
+server was ready (docs/perf.md, run 36). So by default the engine captures in the background
+(:class:`BackgroundCapturer`, one thread, started when the engine starts serving): every batch
+whose bucket has no published graph yet runs eagerly, with the same numerics, and each graph is
+published atomically once complete (:class:`_GraphStage`); the LM decode graphs come first. No
+capture ever happens on a serving thread then. ``graph_capture="startup"`` captures everything
+before serving instead (``warmup()``: the grids are bounded by the engine's per-batch budgets,
+:meth:`BucketGrid.reachable`); a bucket used before it was captured when nothing captures in the
+background (``--lazy-graphs``) is captured then, on the serving thread (the 0.1-0.4 s stall).
+All graphs of one stage share a memory pool. Capture checks only the capturing thread
+(``capture_error_mode="thread_local"``) on non-blocking capture streams, so other threads keep
+launching and replaying meanwhile.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import replace
 
@@ -173,7 +180,7 @@ class SharedBuffers:
         return sum(f.numel() * f.element_size() for f in self._flat.values())
 
 
-def capture_stream(device) -> torch.cuda.Stream:
+def capture_stream(device, non_blocking: bool = False) -> torch.cuda.Stream:
     """A CUDA stream of its own for capturing one stage's graphs.
 
     Graphs captured on the same stream by the same thread share torch's cuBLAS workspace (it
@@ -184,18 +191,47 @@ def capture_stream(device) -> torch.cuda.Stream:
     So every graphed stage captures on a stream of its own. ``torch.cuda.Stream()`` hands out
     streams from a pool of 32 round-robin, so two stages could get the same one; the stream
     is created with ``cudaStreamCreate`` instead (``torch.cuda.Stream()`` only where the
-    runtime binding is missing)."""
+    runtime binding is missing).
+
+    ``non_blocking``: create it with ``cudaStreamNonBlocking``, so it never synchronises
+    implicitly with the legacy default stream. The graphed stages capture on such streams: a
+    capture runs in a background thread while serving threads may launch work on the legacy
+    default stream, and that implicit synchronisation with a capturing stream would invalidate
+    the capture (``cudaErrorStreamCaptureImplicit``)."""
     import ctypes
 
     device = torch.device(device)
     try:
         handle = ctypes.c_void_p()
         with torch.cuda.device(device):
-            torch.cuda.check_error(torch.cuda.cudart().cudaStreamCreate(ctypes.addressof(handle)))
+            rt = torch.cuda.cudart()
+            if not non_blocking:
+                torch.cuda.check_error(rt.cudaStreamCreate(ctypes.addressof(handle)))
+            elif hasattr(rt, "cudaStreamCreateWithFlags"):  # a torch build that binds it
+                torch.cuda.check_error(rt.cudaStreamCreateWithFlags(ctypes.addressof(handle), 1))
+            else:  # 1 = cudaStreamNonBlocking
+                err = _loaded_cudart().cudaStreamCreateWithFlags(ctypes.byref(handle), ctypes.c_uint(1))
+                if err != 0:
+                    raise OSError(f"cudaStreamCreateWithFlags failed with CUDA error {err}")
         return torch.cuda.ExternalStream(handle.value, device=device)
-    except (AttributeError, TypeError):
-        log.warning("cudaStreamCreate not available: capture stream from torch's stream pool")
+    except (AttributeError, TypeError, OSError):
+        # torch's pool streams are non-blocking too, but handed out round-robin (see above)
+        log.warning("cudaStreamCreate%s not available: capture stream from torch's stream pool",
+                    "WithFlags" if non_blocking else "")
         return torch.cuda.Stream(device=device)
+
+
+def _loaded_cudart():
+    """The CUDA runtime shared library this process has loaded (torch's: a stream must belong
+    to its context), through ctypes. Raises AttributeError when none is loaded (a statically
+    linked runtime) and OSError when it cannot be opened."""
+    import ctypes
+
+    with open("/proc/self/maps") as maps:
+        paths = sorted({ln.split()[-1] for ln in maps if "/libcudart.so" in ln})
+    if not paths:
+        raise AttributeError("no shared CUDA runtime library is loaded")
+    return ctypes.CDLL(paths[0])
 
 
 def _capture_graph(run, pool, stream: torch.cuda.Stream, what: str = "graph",
@@ -216,6 +252,386 @@ def _capture_graph(run, pool, stream: torch.cuda.Stream, what: str = "graph",
         out = run()
     log.log(level, "captured %s in %.0f ms", what, (time.perf_counter() - t0) * 1e3)
     return g, out
+
+
+def _record(run, pool, stream, settle_first: bool = True) -> tuple:
+    """Capture ``run`` into a CUDA graph in ``pool`` on ``stream`` without running it; returns
+    ``(graph, run's output)`` (static tensors the replays rewrite). Only the capturing thread is
+    checked (``capture_error_mode="thread_local"``), so other threads keep launching eager work
+    and replaying graphs on their own streams during the capture.
+
+    ``settle_first``: first wait for the whole device and return cached memory to the driver,
+    as ``torch.cuda.graph`` does (captures before serving). A background capture skips both: a
+    device-wide wait would only delay the capture, but emptying the allocator's cache would make
+    the serving threads' next allocations ``cudaMalloc`` again (a stall on their side).
+    A run that raises ends the capture (its error is the one raised)."""
+    if settle_first:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        if hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        g.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            out = run()
+        except BaseException:
+            try:
+                g.capture_end()
+            except Exception:  # noqa: BLE001 - the capture is invalid anyway; report run's error
+                pass
+            raise
+        g.capture_end()
+    return g, out
+
+
+#: one capture at a time in the process: stages may share a memory pool (LM decode and prefill),
+#: a capture on first use (``capture_on_use``) may meet the background capturer's, and a capture
+#: before serving (``torch.cuda.graph``'s included) empties the allocator's cache, which torch
+#: forbids while any thread captures (``synchronize_and_free_events`` asserts no capture is under
+#: way). Every capture in cosyserve holds it (the DiT's too: :mod:`~cosyserve.models.dit_flow`).
+CAPTURE_LOCK = _CAPTURE_LOCK = threading.RLock()
+
+
+class _GraphStage:
+    """The bucket table of one graphed stage and how a bucket gets captured and published.
+
+    A bucket's graph is captured by :meth:`capture`: an eager *warm-up* run of the bucket's
+    shapes on private, freshly allocated inputs (lazy initialisation: cuBLAS/cuDNN plans, fused
+    kernels compiled for the shapes; it never writes a tensor that a published graph or the
+    serving path uses), then the *recording* (nothing runs) on the stage's capture stream over
+    the stage's static buffers, then a wait for the capturing thread's streams, and only then
+    is the graph *published*: one dict assignment, atomic for the serving thread, which uses a
+    bucket's graph only once it is in the table and runs that batch eagerly otherwise (the
+    same numerics: graphs pad exactly as eager batches do). Warm-ups run on the capturing
+    thread's current stream, never on the capture stream: torch keeps one cuBLAS workspace per
+    (thread's handle, stream), captured GEMMs keep its address, and a warm-up there would race
+    with replays of the stage's graphs. Only a thread's first capture of the stage runs one
+    warm-up of the smallest bucket on the capture stream, before any graph of that thread uses
+    it, so that the workspace is created outside a capture.
+
+    ``capture_on_use``: a bucket used before it was captured is captured then, on the serving
+    thread (``--lazy-graphs``; the 0.1-0.4 s stall). False while a
+    :class:`BackgroundCapturer` owns the stage: such batches run eagerly. A bucket whose
+    capture raised is *disabled* (:meth:`disable`): its batches always run eagerly.
+    Subclasses implement :meth:`keys`, :meth:`_warm_up` and :meth:`_record_entry`."""
+
+    name = "stage"
+
+    def _init_stage(self, device, pool=None) -> None:
+        self.device = torch.device(device)
+        self._pool = pool
+        self._stream = None
+        self._stream_ready: set[int] = set()  # threads that initialised the capture stream
+        self._warmed: set = set()  # buckets warmed up already (BackgroundCapturer's priming)
+        self._graphs: dict = {}
+        self._failed: dict = {}  # key -> the capture's error text
+        self.capture_on_use = True
+        self.capture_s = 0.0  # seconds spent in captures (warm-up + recording + settling)
+
+    @property
+    def pool(self):
+        """The stage's CUDA graph memory pool (created on first use; None off CUDA)."""
+        if self._pool is None and self.device.type == "cuda":
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    @property
+    def stream(self) -> torch.cuda.Stream:
+        """The stage's capture stream (:func:`capture_stream`, non-blocking; never shared; None
+        off CUDA)."""
+        if self._stream is None and self.device.type == "cuda":
+            self._stream = capture_stream(self.device, non_blocking=True)
+        return self._stream
+
+    def keys(self) -> list:
+        """Every bucket the stage captures when warmed up."""
+        raise NotImplementedError
+
+    def order(self, keys: list) -> list:
+        """``keys`` in capture order (default: as given)."""
+        return list(keys)
+
+    def pending(self) -> list:
+        """Buckets neither captured nor disabled, in capture order."""
+        return [k for k in self.order(self.keys()) if k not in self._graphs and k not in self._failed]
+
+    def _warm_up(self, *key) -> None:
+        raise NotImplementedError
+
+    def _record_entry(self, key, background: bool) -> tuple:
+        raise NotImplementedError
+
+    def capture(self, key, background: bool = False, level: int = logging.DEBUG):
+        """Capture and publish the graph(s) of bucket ``key`` (see the class doc); returns the
+        table entry. ``background``: serving goes on meanwhile (no device-wide wait, no cache
+        emptying: :func:`_record`). Raises whatever the warm-up or the capture raised (the
+        bucket is then not published)."""
+        with _CAPTURE_LOCK:
+            got = self._graphs.get(key)
+            if got is not None:
+                return got
+            t0 = time.perf_counter()
+            if self.device.type == "cuda":
+                cur = torch.cuda.current_stream(self.device)
+                me = threading.get_ident()
+                if me not in self._stream_ready:
+                    # this thread's first use of the capture stream: torch creates the cuBLAS
+                    # workspace of (this thread's handle, the stream) now, outside any capture and
+                    # before any graph of it exists; the smallest bucket keeps that cheap
+                    self.stream.wait_stream(cur)
+                    with torch.cuda.stream(self.stream):
+                        self._warm_up(*min(self.keys(), key=self._size))
+                    cur.wait_stream(self.stream)
+                    self._stream_ready.add(me)
+                if key not in self._warmed:  # primed buckets are warm already
+                    self._warm_up(*key)  # on this thread's stream, whose cached blocks the next one reuses
+                entry = self._record_entry(key, background)
+                cur.synchronize()  # every input written before anyone replays the graph
+            else:  # CPU: the bookkeeping only (tests substitute _record)
+                if key not in self._warmed:
+                    self._warm_up(*key)
+                entry = self._record_entry(key, background)
+            self._graphs[key] = entry  # published
+            dt = time.perf_counter() - t0
+            self.capture_s += dt
+        log.log(level, "captured %s graph %s in %.0f ms", self.name, "x".join(map(str, key)), dt * 1e3)
+        return entry
+
+    def _size(self, key) -> float:
+        """The work of a bucket (rows x length), which orders captures."""
+        return math.prod(key)
+
+    def lookup(self, key):
+        """The published entry of ``key``; None when it is not (yet) captured: run eagerly.
+        With :attr:`capture_on_use` a bucket not disabled is captured now (logged at INFO)."""
+        got = self._graphs.get(key)
+        if got is None and self.capture_on_use and key not in self._failed:
+            got = self.capture(key, level=logging.INFO)
+        return got
+
+    def disable(self, key, error: BaseException | str) -> None:
+        """Never capture ``key`` (its capture failed with ``error``): its batches run eagerly."""
+        self._failed[key] = str(error)
+
+    def warmup(self) -> None:
+        """Capture every pending bucket now, in :meth:`order`; logs the count, the seconds taken
+        and the device memory the graphs hold. A failing capture raises."""
+        todo = self.pending()
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        m0 = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        for key in todo:
+            self.capture(key)
+        m1 = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        log.info("captured %d %s graph buckets in %.1f s (device memory reserved +%.2f GB)", len(todo), self.name,
+                 time.perf_counter() - t0, (m1 - m0) / 2**30)
+
+    @property
+    def n_graphs(self) -> int:
+        """Buckets captured so far."""
+        return len(self._graphs)
+
+    @property
+    def n_failed(self) -> int:
+        """Buckets disabled because their capture failed."""
+        return len(self._failed)
+
+
+class BackgroundCapturer:
+    """Captures the pending buckets of graphed stages (:class:`_GraphStage`) in one thread of
+    its own while the engine serves, so the server is ready before its graphs are.
+
+    Order: ``groups`` one after the other (the engine: the LM decode step first, since every
+    token runs it, then prefill, HiFT and flow); within a group the stages take turns, each in
+    its own :meth:`_GraphStage.order` (the largest bucket first, for memory, then the buckets a
+    lone stream uses: few rows, short lengths). Each capture publishes its bucket atomically
+    when it is complete (:meth:`_GraphStage.capture`); until then the serving threads run that
+    bucket's batches eagerly — :meth:`start` turns the stages' ``capture_on_use`` off, so no
+    capture ever happens on a serving thread. A capture that raises is logged and disables that
+    bucket only (:meth:`_GraphStage.disable`); the others go on.
+
+    *Priming* (first, before any capture): one eager warm-up of the smallest bucket with one and
+    with two rows per stage, which compiles the fused kernels (:mod:`~cosyserve.models.fused`:
+    one variant for one row, one for more) so that neither the serving threads nor a later
+    capture compile one (those buckets' captures then skip their warm-up); :meth:`wait_primed`
+    waits for it (the engine does, before serving).
+
+    Concurrency with serving (what CUDA and torch allow next to a capture in another thread):
+    captures use ``capture_error_mode="thread_local"`` on non-blocking capture streams
+    (:func:`capture_stream`), never wait for the whole device nor empty the allocator's cache
+    (:func:`_record`), and warm up on private inputs (:class:`_GraphStage`), so the serving
+    threads' eager work, graph replays and host waits are unaffected. The serving path must not
+    draw from torch's default CUDA generator (a capture registers it); cosyserve's does not.
+
+    ``pause_s``: a sleep between captures (gives the GIL and the GPU back to serving; 0 = none).
+    Counts: :attr:`captured`, :attr:`failed`, :attr:`pending`, :attr:`capture_s` (seconds in
+    captures), :attr:`wall_s` (first capture to last, once done). Source: the design of
+    issue 18 (start-up <= 30 s); CUDA's stream-capture modes (CUDA programming guide, "CUDA
+    Graphs"; torch.cuda.graph's ``capture_error_mode``).
+    """
+
+    #: consecutive failed captures after which the loop gives up (a sticky CUDA error fails them all)
+    max_failures_in_a_row = 5
+
+    def __init__(self, groups: list[list[_GraphStage]], device=None, pause_s: float = 0.0, prime: bool = True):
+        self.groups = [list(g) for g in groups if g]
+        self.stages = [s for g in self.groups for s in g]
+        self.device = None if device is None else torch.device(device)
+        self.pause_s, self.prime = pause_s, prime
+        self._stop = threading.Event()
+        self._primed = threading.Event()
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failed = 0
+        self.capture_s = 0.0
+        self.wall_s: float | None = None
+        self.started_at: float | None = None
+
+    # ------------------------------------------------------------------ plan and counts
+    def plan(self) -> list[tuple[_GraphStage, tuple]]:
+        """``(stage, bucket)`` pairs in capture order (see the class doc)."""
+        out = []
+        for group in self.groups:
+            queues = [[(s, k) for k in s.pending()] for s in group]
+            while any(queues):
+                for q in queues:
+                    if q:
+                        out.append(q.pop(0))
+        return out
+
+    @property
+    def captured(self) -> int:
+        """Buckets captured so far (by anyone) across the stages."""
+        return sum(s.n_graphs for s in self.stages)
+
+    @property
+    def pending(self) -> int:
+        """Buckets neither captured nor disabled."""
+        return sum(len(s.pending()) for s in self.stages)
+
+    @property
+    def started(self) -> bool:
+        """True once :meth:`start` was called."""
+        return self._thread is not None
+
+    @property
+    def done(self) -> bool:
+        """True once the capture loop has ended (all captured, or stopped)."""
+        return self._done.is_set()
+
+    # ------------------------------------------------------------------ control
+    def start(self) -> None:
+        """Start the capture thread (once); the stages stop capturing on use."""
+        if self._thread is not None:
+            return
+        for s in self.stages:
+            s.capture_on_use = False
+        self._thread = threading.Thread(target=self._main, name="cosyserve-graph-capture", daemon=True)
+        self._thread.start()
+
+    def run(self) -> None:
+        """Capture everything pending on the calling thread, before serving (torch.cuda.graph's
+        device wait and cache emptying included)."""
+        self._loop(background=False)
+
+    def wait_primed(self, timeout: float | None = None) -> bool:
+        """Wait until priming is done (or the loop ended); False on timeout."""
+        return self._primed.wait(timeout)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the capture loop has ended; False on timeout."""
+        return self._done.wait(timeout)
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Ask the thread to stop after the capture in progress and wait up to ``timeout``
+        seconds; True if it has ended. Buckets not captured stay eager."""
+        self._stop.set()
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # ------------------------------------------------------------------ the thread
+    def _main(self) -> None:
+        try:
+            if self.device is not None and self.device.type == "cuda":
+                if self.device.index is not None:  # a new thread starts on device 0
+                    torch.cuda.set_device(self.device)
+                # this thread's own work (buffers, settling) never touches the legacy default stream
+                torch.cuda.set_stream(capture_stream(self.device, non_blocking=True))
+            self._loop(background=True)
+        except BaseException:  # noqa: BLE001 - a bug here must not take the server down: stay eager
+            log.exception("background CUDA graph capture stopped")
+        finally:
+            self._primed.set()
+            self._done.set()
+
+    def _prime(self) -> None:
+        for stage in self.stages:
+            if self._stop.is_set():
+                return
+            keys = sorted(stage.keys(), key=lambda k: (k[0], k[1:]))
+            rows = sorted({k[0] for k in keys})[:2]
+            for bb in rows:
+                key = min(k for k in keys if k[0] == bb)
+                try:
+                    with torch.inference_mode():
+                        stage._warm_up(*key)  # on this thread's stream: private inputs
+                    stage._warmed.add(key)  # its capture skips the warm-up
+                except Exception as exc:  # noqa: BLE001 - its capture will report (and disable) it
+                    log.warning("priming %s at %s failed: %s: %s", stage.name, key, type(exc).__name__, exc)
+
+    def _loop(self, background: bool) -> None:
+        if self.prime and background:
+            t0 = time.perf_counter()
+            self._prime()
+            log.info("graph capture primed (fused kernels compiled, %d stages) in %.1f s; serving eagerly while "
+                     "%d graph buckets are captured in the background", len(self.stages), time.perf_counter() - t0,
+                     self.pending)
+        self._primed.set()
+        todo = self.plan()
+        cuda = self.device is not None and self.device.type == "cuda"
+        m0 = torch.cuda.memory_reserved(self.device) if cuda else 0
+        t0 = self.started_at = time.perf_counter()
+        n = streak = 0
+        for stage, key in todo:
+            if self._stop.is_set():
+                break
+            if streak >= self.max_failures_in_a_row:  # something is broken for good (a CUDA error)
+                log.error("%d graph captures in a row failed: capturing nothing more (the rest runs eagerly)", streak)
+                break
+            if key in stage._graphs or key in stage._failed:
+                continue
+            c0 = time.perf_counter()
+            try:
+                stage.capture(key, background=background)
+                n += 1
+                streak = 0
+            except Exception as exc:  # noqa: BLE001 - that bucket runs eagerly; the others go on
+                stage.disable(key, f"{type(exc).__name__}: {exc}")
+                self.failed += 1
+                streak += 1
+                log.warning("capturing the %s graph %s failed (%s: %s); that bucket runs eagerly", stage.name,
+                            "x".join(map(str, key)), type(exc).__name__, exc)
+            self.capture_s += time.perf_counter() - c0
+            if self.pause_s and background:
+                time.sleep(self.pause_s)
+        self.wall_s = time.perf_counter() - t0
+        m1 = m2 = torch.cuda.memory_reserved(self.device) if cuda else 0
+        if background and cuda:
+            # the warm-ups' private tensors are cached on this thread's streams, which nothing
+            # else allocates from: hand them back once (under the capture lock: torch's allocator
+            # asserts that no capture is under way when its cache is emptied)
+            with _CAPTURE_LOCK:
+                torch.cuda.empty_cache()
+            m2 = torch.cuda.memory_reserved(self.device)
+        per_stage = ", ".join(f"{s.name} {s.n_graphs} ({s.capture_s:.1f} s)" for s in self.stages)
+        log.info("captured %d CUDA graph buckets in %.1f s%s (%.1f s in captures; %s; %d failed, %d left%s); "
+                 "device memory reserved %+.2f GB (%+.2f GB after emptying the cache)", n, self.wall_s,
+                 " in the background" if background else "", self.capture_s, per_stage, self.failed, self.pending,
+                 ": stopped" if self._stop.is_set() else "", (m1 - m0) / 2**30, (m2 - m0) / 2**30)
 
 
 def _pick(buckets: list[int], n: int) -> int:
@@ -273,7 +689,7 @@ class SlotRows:
         return bb, packed, int(st.max()) + 1
 
 
-class GraphedDecoder:
+class GraphedDecoder(_GraphStage):
     """One LM decode step (embed -> Qwen2 -> ``llm_decoder`` -> log-softmax) as CUDA graphs.
 
     Rows are slots: the graph of batch bucket ``bb`` decodes slots ``0 .. bb-1``, row ``r``
@@ -317,21 +733,22 @@ class GraphedDecoder:
         self.kv_buckets = kv_buckets
         #: the packed step inputs; idle rows write their key/value at a slot's last position
         self.rows = SlotRows(self.batch_buckets, min(cache.max_len, lm.max_positions or cache.max_len) - 1)
-        self.pool = torch.cuda.graph_pool_handle()
-        self.stream = capture_stream(self.device)
-        self._bufs: dict[int, torch.Tensor] = {}
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
+        self._init_stage(self.device)
 
-    def _buffer(self, bb: int) -> torch.Tensor:
-        if bb not in self._bufs:
-            self._bufs[bb] = self.rows.idle(bb).to(self.device)
-        return self._bufs[bb]
+    name = "LM decode"
 
-    def _step(self, packed: torch.Tensor, bb: int, kv_len: int):
+    def keys(self) -> list[tuple[int, int]]:
+        """Every (batch bucket, KV-length bucket)."""
+        return [(bb, kvb) for bb in self.batch_buckets for kvb in self.kv_buckets]
+
+    def order(self, keys: list) -> list:
+        """Fewest rows x KV positions first (the steps of a few short sequences come first)."""
+        return sorted(keys, key=lambda k: (k[0] * k[1], k[0]))
+
+    def _step(self, packed: torch.Tensor, slots, kv_len: int, state):
         f = lambda name: self.rows.field(packed, name)  # noqa: E731
-        slots = slice(0, bb)  # row r decodes slot r
         if self.sampling is not None:
-            return self.lm.decode_sample(self.cache, self.state, slots, f("start"), f("seed"), f("step"),
+            return self.lm.decode_sample(self.cache, state, slots, f("start"), f("seed"), f("step"),
                                          f("ignore_eos") != 0, self.sampling, self.eos_id, kv_len=kv_len,
                                          active=f("active") != 0)
         emb = self.lm.embed_speech(f("tokens")[:, None])
@@ -339,19 +756,26 @@ class GraphedDecoder:
         return self.lm.logprobs(h)
 
     @torch.inference_mode()
-    def _capture(self, bb: int, kvb: int):
-        packed = self._buffer(bb)
-        packed.copy_(self.rows.idle(bb))  # capture (and its eager warm-up run) with every row idle
-        g, out = _capture_graph(lambda: self._step(packed, bb, kvb), self.pool, self.stream,
-                                f"LM decode graph batch {bb} x {kvb} KV")
-        self._graphs[(bb, kvb)] = (g, out)
-        return g, out
+    def _warm_up(self, bb: int, kvb: int) -> None:
+        # every row idle, on a private DecodeState; rows name the scratch slot (the engine's
+        # extra slot, junk by design) when there is one, so a warm-up next to serving writes no
+        # key/value of a live slot (read through a gather instead of views: the same GEMM and
+        # attention shapes, which is what a warm-up is for)
+        packed = self.rows.idle(bb).to(self.device)
+        scratch = self.cache.n_slots - 1
+        slots = torch.full((bb,), scratch, dtype=torch.long, device=self.device) if scratch >= bb else slice(0, bb)
+        state = None
+        if self.sampling is not None:
+            state = DecodeState.allocate(self.cache.n_slots, self.state.recent.shape[1], self.device)
+        self._step(packed, slots, kvb, state)
 
-    def warmup(self) -> None:
-        for bb in self.batch_buckets:
-            for kvb in self.kv_buckets:
-                if (bb, kvb) not in self._graphs:
-                    self._capture(bb, kvb)
+    @torch.inference_mode()
+    def _record_entry(self, key, background: bool):
+        bb, kvb = key
+        packed = self.rows.idle(bb).to(self.device)  # per bucket: no capture touches what a replay reads
+        g, out = _record(lambda: self._step(packed, slice(0, bb), kvb, self.state), self.pool, self.stream,
+                         settle_first=not background)
+        return g, out, packed
 
     @torch.inference_mode()
     def sample(self, slots: torch.Tensor, start: torch.Tensor, seed: torch.Tensor, step: torch.Tensor,
@@ -374,71 +798,54 @@ class GraphedDecoder:
     def _run(self, slots: torch.Tensor, start: torch.Tensor, **fields: torch.Tensor):
         bb, host, kv_need = self.rows.pack(slots, start, **fields)
         kvb = _pick(self.kv_buckets, kv_need)
-        packed = self._buffer(bb)
-        g_out = self._graphs.get((bb, kvb)) or self._capture(bb, kvb)
-        packed.copy_(host, non_blocking=True)
-        g, out = g_out
-        g.replay()
+        entry = self.lookup((bb, kvb))
+        if entry is None:  # not captured yet: the same step eagerly (same rows, same KV length)
+            packed = to_device(host, self.device)
+            out = self._step(packed, slice(0, bb), kvb, self.state)
+        else:
+            g, out, packed = entry
+            packed.copy_(host, non_blocking=True)
+            g.replay()
         order = self.rows.field(packed, "order")[: int(slots.numel())]
         return (*out, order) if isinstance(out, tuple) else (out, order)
 
 
-class _BucketGraphs:
-    """Graphs of one stage per :class:`BucketGrid` bucket, in one memory pool: :meth:`warmup`
-    captures every reachable bucket (what the engine does at start-up, so none is captured
-    while serving); a bucket missing when it is used is captured then, logged at INFO."""
+class _BucketGraphs(_GraphStage):
+    """Graphs of one stage per :class:`BucketGrid` bucket, in one memory pool, all buckets'
+    static tensors views of :class:`SharedBuffers`: :meth:`warmup` (or a
+    :class:`BackgroundCapturer`) captures every reachable bucket; see :class:`_GraphStage` for
+    capture, publication and the eager fallback."""
 
-    name = "stage"
     #: frames at which a bucket's quadratic (attention) memory matches its linear memory;
-    #: orders the warm-up captures (0: no attention)
+    #: orders the captures (0: no attention)
     quadratic_len = 0
 
     def __init__(self, grid: BucketGrid, device, pool=None):
         self.grid = grid
-        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        self.stream = capture_stream(device)  # see capture_stream: never shared with another stage
+        self._init_stage(device, pool)
         self.shared = SharedBuffers(grid.max_units(), device)
-        self._graphs: dict[tuple[int, int], tuple] = {}
-        self._warming = False
 
-    def _capture(self, bb: int, lb: int) -> tuple:
-        raise NotImplementedError
+    def keys(self) -> list[tuple[int, int]]:
+        """:meth:`BucketGrid.reachable`."""
+        return self.grid.reachable()
 
-    def _entry(self, key: tuple[int, int]) -> tuple:
-        got = self._graphs.get(key)
-        if got is None:
-            got = self._graphs[key] = self._capture(*key)
-        return got
-
-    def _level(self) -> int:
-        return logging.DEBUG if self._warming else logging.INFO
-
-    def warmup(self) -> None:
-        """Capture every bucket in :meth:`BucketGrid.reachable` not yet held; logs the count,
-        the seconds taken and the device memory the graphs' static buffers hold."""
-        # largest first: a capture's freed intermediates stay in the shared pool, and a larger
-        # free block can serve a smaller bucket's request but not the other way round (captured
-        # smallest first, a full flow grid reserved 38 GB; the order is vLLM's)
+    def _size(self, key) -> float:
         q = self.quadratic_len
-        todo = sorted((k for k in self.grid.reachable() if k not in self._graphs),
-                      key=lambda k: k[0] * k[1] * (1 + (k[1] / q if q else 0)), reverse=True)
-        if not todo:
-            return
-        t0, m0 = time.perf_counter(), torch.cuda.memory_reserved()
-        self._warming = True
-        try:
-            for key in todo:
-                self._graphs[key] = self._capture(*key)
-        finally:
-            self._warming = False
-        log.info("captured %d %s graph buckets in %.1f s (shared buffers %.2f GB; device memory reserved "
-                 "+%.2f GB)", len(todo), self.name, time.perf_counter() - t0, self.shared.nbytes / 2**30,
-                 (torch.cuda.memory_reserved() - m0) / 2**30)
+        return key[0] * key[1] * (1 + (key[1] / q if q else 0))
 
-    @property
-    def n_graphs(self) -> int:
-        """Buckets captured so far."""
-        return len(self._graphs)
+    def order(self, keys: list) -> list:
+        """The largest bucket first while the stage has no graph, then smallest first.
+
+        The largest first: a capture's freed intermediates stay in the stage's pool, where a
+        larger free block can serve a smaller bucket's request but not the other way round
+        (captured smallest first, a full flow grid reserved 38 GB; largest first is vLLM's
+        order), and the shared buffers get their size from the first bucket taking them. After
+        it, every capture fits in what that one left, so the rest go by likely use: few rows and
+        short lengths first (what a lone stream needs)."""
+        keys = sorted(keys, key=lambda k: (self._size(k), k))
+        if keys and not self._graphs:
+            keys.insert(0, keys.pop())
+        return keys
 
 
 class GraphedPrefill(_BucketGraphs):
@@ -469,11 +876,19 @@ class GraphedPrefill(_BucketGraphs):
         self._usable = top >= bucket
 
     @torch.inference_mode()
-    def _capture(self, bb: int, tb: int):
+    def _warm_up(self, bb: int, tb: int) -> None:
+        lm = self.lm
+        emb = torch.zeros(bb, tb, lm.qwen_config.hidden_size, dtype=lm.llm_decoder.weight.dtype, device=self.device)
+        slot = torch.full((bb,), self.scratch, dtype=torch.long, device=self.device)  # junk by design
+        lm.forward_cached(emb, self.cache, slot, torch.zeros(bb, dtype=torch.long, device=self.device), kv_len=tb)
+
+    @torch.inference_mode()
+    def _record_entry(self, key, background: bool):
+        bb, tb = key
         lm = self.lm
         dtype = lm.llm_decoder.weight.dtype
         shape = (bb, tb, lm.qwen_config.hidden_size)
-        bufs = {"emb": self.shared.take("emb", shape, dtype, bb * tb).zero_(),
+        bufs = {"emb": self.shared.take("emb", shape, dtype, bb * tb),
                 "slot": torch.full((bb,), self.scratch, dtype=torch.long, device=self.device),
                 "start": torch.zeros(bb, dtype=torch.long, device=self.device)}
         out = self.shared.take("out", shape, dtype, bb * tb)
@@ -481,7 +896,7 @@ class GraphedPrefill(_BucketGraphs):
         def run():
             return out.copy_(lm.forward_cached(bufs["emb"], self.cache, bufs["slot"], bufs["start"], kv_len=tb))
 
-        g, out = _capture_graph(run, self.pool, self.stream, f"LM prefill graph batch {bb} x {tb} positions", self._level())
+        g, out = _record(run, self.pool, self.stream, settle_first=not background)
         return g, bufs, out
 
     @torch.inference_mode()
@@ -491,7 +906,10 @@ class GraphedPrefill(_BucketGraphs):
         if key is None:
             return None
         bb, tb = key
-        g, bufs, out = self._entry(key)
+        entry = self.lookup(key)
+        if entry is None:
+            return None
+        g, bufs, out = entry
         bufs["emb"][:n, :t].copy_(embeds)
         if t < tb:
             bufs["emb"][:n, t:].zero_()
@@ -526,20 +944,28 @@ class GraphedHiFTDecoder(_BucketGraphs):
         self.hift = hift
 
     @torch.inference_mode()
-    def _capture(self, bb: int, tb: int):
+    def _warm_up(self, bb: int, tb: int) -> None:
+        w = next(self.hift.parameters())
+        mel = torch.zeros(bb, self.hift.cfg.in_channels, tb, dtype=w.dtype, device=w.device)
+        source = torch.zeros(bb, 1, tb * self.hift.samples_per_frame, dtype=w.dtype, device=w.device)
+        self.hift.decode(mel, source, torch.full((bb,), tb, dtype=torch.long, device=w.device))
+
+    @torch.inference_mode()
+    def _record_entry(self, key, background: bool):
+        bb, tb = key
         spf = self.hift.samples_per_frame
         w = next(self.hift.parameters())
         d, dt = w.device, w.dtype
         units = bb * tb
-        bufs = {"mel": self.shared.take("mel", (bb, self.hift.cfg.in_channels, tb), dt, units).zero_(),
-                "source": self.shared.take("source", (bb, 1, tb * spf), dt, units).zero_(),
+        bufs = {"mel": self.shared.take("mel", (bb, self.hift.cfg.in_channels, tb), dt, units),
+                "source": self.shared.take("source", (bb, 1, tb * spf), dt, units),
                 "lengths": torch.full((bb,), tb, dtype=torch.long, device=d)}
         out = self.shared.take("out", (bb, tb * spf), dt, units)
 
         def run():
             return out.copy_(self.hift.decode(bufs["mel"], bufs["source"], bufs["lengths"]))
 
-        g, out = _capture_graph(run, self.pool, self.stream, f"HiFT decoder graph batch {bb} x {tb} frames", self._level())
+        g, out = _record(run, self.pool, self.stream, settle_first=not background)
         return g, bufs, out
 
     @torch.inference_mode()
@@ -549,7 +975,10 @@ class GraphedHiFTDecoder(_BucketGraphs):
         key = self.grid.pick(b, t)
         if key is None:
             return self.hift.decode(mel, source, lengths)
-        g, bufs, out = self._entry(key)
+        entry = self.lookup(key)
+        if entry is None:  # not captured yet
+            return self.hift.decode(mel, source, lengths)
+        g, bufs, out = entry
         bufs["mel"].zero_()
         bufs["mel"][:b, :, :t].copy_(mel)
         bufs["source"].zero_()
@@ -611,10 +1040,18 @@ class GraphedCausalHiFTTrunk(_BucketGraphs):
         return run, bufs, out
 
     @torch.inference_mode()
-    def _capture(self, bb: int, tb: int):
-        run, bufs, _ = self.bucket(bb, tb)
-        g, out = _capture_graph(run, self.pool, self.stream, f"causal HiFT trunk graph batch {bb} x {tb} frames",
-                                self._level())
+    def _warm_up(self, bb: int, tb: int) -> None:
+        """One eager run on private inputs (nothing serving reads is written)."""
+        h = self.hift
+        d, tdt = next(h.parameters()).device, h.trunk_dtype
+        xs, ss = self._shapes(bb, tb)
+        h._trunk_istft(torch.zeros(xs, dtype=tdt, device=d), torch.zeros(ss, dtype=tdt, device=d), torch.float32,
+                       torch.ones(bb, dtype=torch.long, device=d))
+
+    @torch.inference_mode()
+    def _record_entry(self, key, background: bool):
+        run, bufs, _ = self.bucket(*key)
+        g, out = _record(run, self.pool, self.stream, settle_first=not background)
         return g, bufs, out
 
     @torch.inference_mode()
@@ -623,7 +1060,10 @@ class GraphedCausalHiFTTrunk(_BucketGraphs):
         key = self.grid.pick(b, t)
         if key is None:
             return None
-        g, bufs, out = self._entry(key)
+        entry = self.lookup(key)
+        if entry is None:  # not captured yet: the caller runs eagerly
+            return None
+        g, bufs, out = entry
         bufs["x"].zero_()
         bufs["x"][:b, :, :t].copy_(x)
         bufs["s"].zero_()
@@ -669,11 +1109,34 @@ class GraphedFlow(_BucketGraphs):
         super().__init__(BucketGrid(half_octave_buckets(max_batch), length_buckets(token_bucket, top), max_area,
                                     max_quad), flow._model_device(), pool)
         self.flow = flow
+        self._state_shapes: dict = {}  # bucket -> its solver state's shared tensors' (shape, dtype)
+
+    @staticmethod
+    def _state_buffers(st) -> dict[str, torch.Tensor]:
+        """The solver-state tensors of the begin graph that live in the shared buffers (the
+        estimator's attention plan, named as :func:`_share_plan` names them, and ``xt``/``inp``)."""
+        named: dict[str, torch.Tensor] = {}
+        _share_plan(st.plan, lambda name, t: named.setdefault(name, t))
+        named.update(xt=st.xt, inp=st.inp)
+        return named
 
     @torch.inference_mode()
-    def _capture(self, bb: int, lb: int):
+    def _warm_up(self, bb: int, lb: int) -> None:
         flow = self.flow
-        bufs = flow_buffers(flow, bb, lb, flow._model_device(), self.shared)
+        st = flow_begin_from_buffers(flow, flow_buffers(flow, bb, lb, self.device))  # private inputs
+        flow.decoder.step(st)
+        # the state's shapes: the capture takes its shared buffers before recording (a first take
+        # allocates, which must not happen inside a capture), in capture order, so the first
+        # (largest) bucket sizes them
+        self._state_shapes[(bb, lb)] = {name: (t.shape, t.dtype) for name, t in self._state_buffers(st).items()}
+
+    @torch.inference_mode()
+    def _record_entry(self, key, background: bool):
+        bb, lb = key
+        flow = self.flow
+        for name, (shape, dtype) in self._state_shapes.pop(key, {}).items():
+            self.shared.take(name, shape, dtype, bb * lb)
+        bufs = flow_buffers(flow, bb, lb, self.device, self.shared)
 
         def begin():  # the solver state the step graph works on, in the shared buffers
             st = flow_begin_from_buffers(flow, bufs)
@@ -681,10 +1144,9 @@ class GraphedFlow(_BucketGraphs):
             plan = _share_plan(st.plan, lambda name, t: share(name, t, units))
             return replace(st, xt=share("xt", st.xt, units), inp=share("inp", st.inp, units), plan=plan)
 
-        g_begin, state = _capture_graph(begin, self.pool, self.stream, f"flow begin graph batch {bb} x {lb} tokens", self._level())
-        g_begin.replay()  # real values in the state before the step is warmed up and captured
-        g_step, _ = _capture_graph(lambda: flow.decoder.step(state), self.pool, self.stream,
-                                   f"flow step graph batch {bb} x {lb} tokens", self._level())
+        settle = not background
+        g_begin, state = _record(begin, self.pool, self.stream, settle_first=settle)
+        g_step, _ = _record(lambda: flow.decoder.step(state), self.pool, self.stream, settle_first=settle)
         return g_begin, g_step, bufs, state
 
     def buckets(self, n_items: int, n_tokens: int) -> tuple[int, int] | None:
@@ -700,7 +1162,10 @@ class GraphedFlow(_BucketGraphs):
         key = self.buckets(*inputs.ids.shape)
         if key is None:
             return None
-        g_begin, g_step, bufs, state = self._entry(key)
+        entry = self.lookup(key)
+        if entry is None:  # not captured yet: the caller runs it eagerly
+            return None
+        g_begin, g_step, bufs, state = entry
         fill_flow_buffers(bufs, inputs, self.flow.token_mel_ratio)
         g_begin.replay()
         return FlowRun(g_step.replay, state, inputs)
@@ -739,14 +1204,17 @@ def _share_plan(plan, share):
 
 def flow_buffers(flow, bb: int, lb: int, device, shared: SharedBuffers | None = None) -> dict[str, torch.Tensor]:
     """Static inputs of a :class:`GraphedFlow` bucket: ``bb`` rows of ``lb`` tokens
-    (``token_mel_ratio * lb`` frames), on ``device``, each holding one-token items (views of
-    ``shared`` buffers when given)."""
+    (``token_mel_ratio * lb`` frames), on ``device``, each holding one-token items (zeros); with
+    ``shared``, the large ones are views of its buffers, left as they are (zero when first
+    allocated: :func:`fill_flow_buffers` clears them before use)."""
     t = flow.token_mel_ratio * lb
 
     def zeros(name, shape, dtype=torch.float32):
         if shared is None:
             return torch.zeros(shape, dtype=dtype, device=device)
-        return shared.take(name, shape, dtype, bb * lb).zero_()
+        # a view, not cleared (zero when first allocated): a bucket captured next to serving
+        # must not write what another bucket's replay reads; fill_flow_buffers clears it
+        return shared.take(name, shape, dtype, bb * lb)
 
     lengths = torch.ones(3, bb, dtype=torch.long, device=device)
     lengths[2] = flow.token_mel_ratio

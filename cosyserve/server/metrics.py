@@ -18,7 +18,12 @@ stage ``cosyserve_stage_seconds{stage}`` and items per stage ``cosyserve_stage_i
 :class:`~cosyserve.engine.core.EngineObserver`) and where first-chunk latency goes,
 ``cosyserve_first_chunk_phase_seconds{phase}`` (``queue``, ``prefill``, ``decode``, ``t2w_wait``,
 ``token2wav``; see :class:`~cosyserve.engine.request.RequestFinished`). Process:
-``cosyserve_gc_pause_seconds{generation}`` (see :mod:`cosyserve.engine.gc_pauses`).
+``cosyserve_gc_pause_seconds{generation}`` (see :mod:`cosyserve.engine.gc_pauses`). Start-up:
+``cosyserve_graphs_captured`` (CUDA graph buckets captured so far), ``cosyserve_graphs_pending``
+(buckets still to capture; their batches run eagerly meanwhile: 0 once the background capture
+is done), ``cosyserve_graphs_failed`` (buckets whose capture failed: always eager),
+``cosyserve_graph_capture_seconds`` (time spent capturing; see
+:class:`~cosyserve.models.graphs.BackgroundCapturer`).
 """
 
 from __future__ import annotations
@@ -88,6 +93,13 @@ class Metrics(EngineObserver):
         self.gc_pause = Histogram(
             "cosyserve_gc_pause_seconds", "Python garbage-collection pauses (all threads stop)", ["generation"],
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
+        self.graphs_captured = Gauge("cosyserve_graphs_captured", "CUDA graph buckets captured", registry=r)
+        self.graphs_pending = Gauge("cosyserve_graphs_pending",
+                                    "CUDA graph buckets not captured yet (served eagerly meanwhile)", registry=r)
+        self.graphs_failed = Gauge("cosyserve_graphs_failed", "CUDA graph buckets whose capture failed (eager)",
+                                   registry=r)
+        self.graph_capture_seconds = Gauge("cosyserve_graph_capture_seconds", "Seconds spent capturing CUDA graphs",
+                                           registry=r)
         self._core = None
 
     def gc_observed(self, generation: int, seconds: float) -> None:
@@ -153,6 +165,18 @@ class Metrics(EngineObserver):
                 self.rtf.labels(protocol).observe(total_s / audio_s)
         self.audio.labels(protocol).inc(audio_s)
 
+    def _graph_gauges(self) -> None:
+        """The CUDA graph gauges from the engine (at scrape time only: counting pending buckets
+        walks the grids, too slow for every scheduler step)."""
+        c = self._core
+        counts = c.graph_counts() if c is not None and hasattr(c, "graph_counts") else None
+        if counts is not None:
+            self.graphs_captured.set(counts["captured"])
+            self.graphs_pending.set(counts["pending"])
+            self.graphs_failed.set(counts["failed"])
+            self.graph_capture_seconds.set(counts["capture_seconds"])
+
     def render(self) -> bytes:
         self._gauges()
+        self._graph_gauges()
         return generate_latest(self.registry)

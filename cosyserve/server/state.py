@@ -1,7 +1,9 @@
 """What every protocol adapter shares: configuration, models, engine, voices, metrics.
 
 :class:`ServerState` loads the model directory in a worker thread (the process is *live*
-at once and *ready* only after the models are loaded and a warm-up request has run),
+at once and *ready* only after the models are loaded and a warm-up request has run; CUDA
+graphs are by default captured after that, in the background, while requests are served
+eagerly: :class:`~cosyserve.models.graphs.BackgroundCapturer`),
 owns the :class:`~cosyserve.engine.async_engine.AsyncEngine` and the voice store, and
 offers one instrumented path, :meth:`ServerState.stream`, through which every protocol
 runs its requests (metrics, structured logs, outcome accounting). Protocol modules only
@@ -223,8 +225,13 @@ class ServerState:
             log.info("froze %d start-up objects out of garbage collection", frozen)
             self.ready = True
             self.metrics.ready.set(1)
+            # with background graph capture the server is ready before its CUDA graphs are: the
+            # buckets still pending run eagerly (cosyserve_graphs_pending on /metrics)
+            graphs = core.graph_counts() if hasattr(core, "graph_counts") else {"captured": 0, "pending": 0}
             log.info("ready", extra={"event": "ready", "load_s": round(time.time() - self.started, 2),
-                                     "device": c.device, "model_dir": str(c.model_dir)})
+                                     "device": c.device, "model_dir": str(c.model_dir),
+                                     "graphs_captured": int(graphs["captured"]),
+                                     "graphs_pending": int(graphs["pending"])})
         except BaseException as exc:
             self.load_error = exc
             log.error("model loading failed: %s", exc, exc_info=not isinstance(exc, CosyServeError))
