@@ -464,6 +464,13 @@ def _engine_args(p, in_process: bool = False) -> None:
     p.add_argument("--lazy-graphs", action="store_true",
                    help="capture CUDA graphs (LM prefill, flow, HiFT) on first use instead of at start-up "
                         "(starts ~100 s faster; each capture while serving stalls every stream for 0.1-0.4 s)")
+    p.add_argument("--flow-stream-cache", choices=["on", "off"], default="on",
+                   help="CosyVoice2 streaming: keep each stream's flow work on complete static chunks (per-step "
+                        "attention keys/values) so a chunk solves only its new frames (default on; 'off' = "
+                        "upstream's full recomputation, for A/B runs; cached chunks run without CUDA graphs)" + note)
+    p.add_argument("--flow-stream-cache-frames", type=_positive_int, default=None, metavar="N",
+                   help="at most N mel frames (50/s, prompt included) cached per stream; later frames are "
+                        "recomputed every chunk (default: no limit besides the segment's length)" + note)
 
 
 def _engine_config(args, **overrides):
@@ -479,7 +486,8 @@ def _engine_config(args, **overrides):
                   t2w_gather_s=args.t2w_gather, t2w_length_window=args.t2w_length_window,
                   graph_warmup=not lazy, t2w_graph_warmup=not lazy,
                   decode_lookahead=args.decode_lookahead, admission=args.admission,
-                  admission_target=args.admission_target)
+                  admission_target=args.admission_target, flow_stream_cache=args.flow_stream_cache == "on",
+                  flow_stream_cache_frames=args.flow_stream_cache_frames)
     fields.update(overrides)
     if not 0 < fields["admission_target"] <= 1:
         raise CLIError(f"--admission-target must be in (0, 1], got {fields['admission_target']}")

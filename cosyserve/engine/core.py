@@ -175,6 +175,12 @@ class EngineConfig:
     decode_lookahead: int = 1
     admission: AdmissionPolicy | str | int | None = None
     admission_target: float = 0.8
+    #: issue 17: per-stream flow caches (CosyVoice2 U-Net): a non-final chunk's flow solves only
+    #: the frames from the first incomplete static chunk (``--flow-stream-cache on|off``);
+    #: ``flow_stream_cache_frames``: at most this many mel frames cached per stream (None: the
+    #: segment's length bounds it)
+    flow_stream_cache: bool = True
+    flow_stream_cache_frames: int | None = None
 
     def __post_init__(self):
         if self.max_t2w_batch is None:
@@ -187,7 +193,8 @@ class EngineConfig:
                 or self.max_t2w_tokens < 1 or self.t2w_batch_target < 1 or self.t2w_gather_s < 0 \
                 or not 0 <= self.t2w_length_window < 1 \
                 or (self.t2w_slack_s is not None and self.t2w_slack_s < 0) \
-                or (self.t2w_queue_steps is not None and self.t2w_queue_steps < 1) or self.decode_lookahead < 1:
+                or (self.t2w_queue_steps is not None and self.t2w_queue_steps < 1) or self.decode_lookahead < 1 \
+                or (self.flow_stream_cache_frames is not None and self.flow_stream_cache_frames < 0):
             raise ValueError("invalid engine limits")
 
 
@@ -621,6 +628,7 @@ class EngineCore:
         for seg in st.segments:
             self._release_slot(seg)
             seg.hift_state = type(seg.hift_state)()
+            seg.flow_cache = None  # frees the stream's flow cache (an in-flight job keeps its own reference)
         self._active.pop(st.request_id, None)
         self._waiting.pop(st.request_id, None)
         with self._lock:
@@ -926,8 +934,12 @@ class EngineCore:
         """The :class:`Token2WavJob` of a chunk found by :meth:`_next_chunk`."""
         tokens = torch.tensor(seg.t2w_tokens[:n_tokens])
         if not final:
+            if seg.flow_cache is None and self.cfg.flow_stream_cache \
+                    and getattr(self.t2w, "supports_flow_cache", False):
+                seg.flow_cache = self.t2w.new_flow_cache(self.cfg.flow_stream_cache_frames)
             return Token2WavJob(st.req.voice, tokens, seg.schedule.token_offset, False, True, seg.hift_state,
-                                st.hift_generator(seg, self.t2w.hift_device))
+                                st.hift_generator(seg, self.t2w.hift_device), flow_cache=seg.flow_cache)
+        seg.flow_cache = None  # the final call attends to everything (full recomputation): free it
         offset = seg.schedule.token_offset if seg.stream else 0
         return Token2WavJob(st.req.voice, tokens, offset, True, False, seg.hift_state,
                             st.hift_generator(seg, self.t2w.hift_device), speed=st.req.params.speed)
