@@ -186,9 +186,14 @@ def test_cache_size_bound_and_release(flow, prompt):
         assert rel_l2(got, full[..., full.shape[-1] - got.shape[-1]:]) <= SELF_TOL
         ctx = n_steps * sum(2 * (m.kernel_size[0] - 1) * m.in_channels * elem for m in est.modules()
                             if isinstance(m, CausalConv1d))
+        enc = flow.encoder.cfg
+        ratio = enc.upsample_stride
         for c in (capped, free):  # keys/values: the documented per-frame count; contexts: kernel - 1 frames
-            assert c.frames > 0
-            assert c.nbytes() == c.frames * n_steps * est.stream_cache_values_per_frame() * elem + ctx
+            assert c.frames > 0 and c.encoder.tokens * ratio == c.frames
+            assert c.estimator.nbytes() == c.frames * n_steps * est.stream_cache_values_per_frame() * elem + ctx
+            enc_kv = 2 * enc.output_size * (enc.num_blocks * c.encoder.tokens + enc.num_up_blocks * c.frames)
+            assert c.encoder.nbytes() == (enc_kv + flow.encoder.UP_CONTEXT * enc.output_size) * elem
+            assert c.nbytes() == c.estimator.nbytes() + c.encoder.nbytes()
     assert capped.frames == cap and free.frames > cap
     # another stream's tokens (not an extension of the cached ids): starts from an empty cache
     other = _long_stream(flow, 200, seed=6)

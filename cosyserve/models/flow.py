@@ -53,7 +53,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..errors import ConfigError
 from .config import CFMConfig, EstimatorConfig, FlowConfig
-from .flow_encoder import UpsampleConformerEncoder
+from .flow_encoder import EncoderStreamCache, UpsampleConformerEncoder
 from .flow_estimator import EstimatorStreamCache, FlowEstimator, StreamCachePlan
 from .transfer import to_device
 
@@ -340,6 +340,8 @@ class FlowStreamCache:
     * ``estimator``: :class:`~cosyserve.models.flow_estimator.EstimatorStreamCache`, per Euler step
       and CFG row the attention keys/values of every transformer block and the causal
       convolutions' left context for the first ``frames`` mel frames (prompt included);
+    * ``encoder``: :class:`~cosyserve.models.flow_encoder.EncoderStreamCache`, both conformer
+      stages' keys/values and the upsampling's left context for the same frames;
     * ``ids``: CPU int64 ``[L]``: the prompt + token ids of the call that last used it; a later
       call whose ids do not start with them, has another prompt length, step count or dtype,
       starts from an empty cache (never a wrong one);
@@ -357,6 +359,7 @@ class FlowStreamCache:
             raise ValueError(f"flow stream cache: max_frames must be >= 0, got {max_frames}")
         self.max_frames = max_frames
         self.estimator = EstimatorStreamCache()
+        self.encoder = EncoderStreamCache()
         self.ids: Tensor | None = None
         self.prompt_frames = -1
         self.dtype: torch.dtype | None = None
@@ -368,11 +371,12 @@ class FlowStreamCache:
 
     def nbytes(self) -> int:
         """Bytes of device memory held."""
-        return self.estimator.nbytes()
+        return self.estimator.nbytes() + self.encoder.nbytes()
 
     def clear(self) -> None:
         """Free every cached tensor."""
         self.estimator.clear()
+        self.encoder.clear()
         self.ids, self.prompt_frames, self.dtype = None, -1, None
 
     def _usable(self, ids: Tensor, prompt_frames: int, n_steps: int, dtype: torch.dtype) -> int:
@@ -383,6 +387,7 @@ class FlowStreamCache:
               and torch.equal(ids[:self.ids.numel()], self.ids))
         if not ok:
             self.estimator.clear()
+            self.encoder.clear()
             return 0
         return e.frames
 
@@ -638,7 +643,7 @@ class FlowModel(nn.Module):
 
     def _start_cached(self, inputs: FlowInputs, n_timesteps: int | None,
                       caches: list[FlowStreamCache | None]) -> "FlowRun":
-        """:meth:`start` with stream caches (eager; the encoder still runs over every token).
+        """:meth:`start` with stream caches (eager).
 
         Item ``b`` with a usable cache of ``s_b`` frames (streaming call, same stream: its ids
         extend the cached call's) runs the solver on frames ``[s_b, T_b)`` only: ``mu``/``cond``
@@ -646,7 +651,10 @@ class FlowModel(nn.Module):
         keys/values and convolution contexts of frames ``< s_b``
         (:class:`~cosyserve.models.flow_estimator.StreamCachePlan`). After the last step the
         cache holds the frames of this call's complete static chunks (``T_b`` rounded down to
-        ``static_chunk_size``, at most ``max_frames``). A non-streaming item's cache is cleared
+        ``static_chunk_size``, at most ``max_frames``). The encoder likewise computes only the
+        positions from its cache's end (whole encoder chunks, at most the estimator's first frame;
+        :meth:`~cosyserve.models.flow_encoder.UpsampleConformerEncoder.forward_stream`), so ``mu``
+        exists from there on. A non-streaming item's cache is cleared
         (full attention: nothing is reusable) and the item runs whole, as do items without one.
         Items of different ``s_b`` share the batch (cached keys padded to the longest, masked).
         """
@@ -657,7 +665,11 @@ class FlowModel(nn.Module):
         streaming = [bool(x) for x in inputs.streaming.tolist()]
         token_len = inputs.lengths[0].tolist()
         ids_host = inputs.ids if inputs.ids.device.type == "cpu" else inputs.ids.cpu()
+        enc_chunk = self.encoder.cfg.static_chunk_size
+        ratio = self.encoder.cfg.upsample_stride
+        enc_len = inputs.lengths[1].tolist()
         starts, commit, used = [], [], []
+        e_starts, e_commit, e_used = [], [], []
         for b, cache in enumerate(caches):
             frames = inputs.mel_lengths[b]
             if cache is None or not streaming[b] or chunk <= 0:
@@ -666,6 +678,9 @@ class FlowModel(nn.Module):
                 starts.append(0)
                 commit.append(0)
                 used.append(None)
+                e_starts.append(0)
+                e_commit.append(0)
+                e_used.append(None)
                 continue
             ids = ids_host[b, :token_len[b]].clone()
             s = min(cache._usable(ids, inputs.prompt_frames[b], n, dtype), frames)
@@ -676,22 +691,41 @@ class FlowModel(nn.Module):
             starts.append(s)
             commit.append(max(full, s))
             used.append(cache.estimator)
-        c = self.condition_inputs(inputs)
+            # the encoder's cache: whole encoder chunks, never past the estimator's first frame
+            enc = cache.encoder
+            if enc.tokens * ratio > s or enc.tokens > enc_len[b]:
+                enc.clear()
+            e_starts.append(enc.tokens)
+            e_full = min(enc_len[b], commit[-1] // ratio)
+            e_commit.append((e_full // enc_chunk) * enc_chunk if enc_chunk > 0 else 0)
+            e_used.append(enc)
         b_n = len(caches)
+        dev = [to_device(x, device) for x in (inputs.ids, inputs.lengths, inputs.embeddings, inputs.feats)]
+        ids_d, lengths_d, emb_d, feats_d = dev
+        token_mask = torch.arange(ids_d.size(1), device=device).unsqueeze(0) < lengths_d[0].unsqueeze(1)
+        x = self.input_embedding(ids_d.clamp(min=0)) * token_mask.unsqueeze(-1).to(dtype)
+        h = self.encoder.forward_stream(x, lengths_d[0], enc_len, streaming, e_starts, e_used, e_commit)
+        mu_enc = self.encoder_proj(h).transpose(1, 2)  # [B, n_mels, ratio * T_enc_new], from frame ratio * e_starts
+        spks = self.spk_embed_affine_layer(F.normalize(emb_d.to(dtype), dim=1))
         new = [f - s for f, s in zip(inputs.mel_lengths, starts)]
         t_new = max(new)
-        mu = c.mu.new_zeros(b_n, self.n_mels, t_new)
+        mu = mu_enc.new_zeros(b_n, self.n_mels, t_new)
         cond = torch.zeros_like(mu)
-        x0 = c.mu.new_zeros(b_n, t_new, self.n_mels)
+        x0 = mu_enc.new_zeros(b_n, t_new, self.n_mels)
         noise = self.decoder.noise(max(inputs.mel_lengths), device, dtype)[0]  # [n_mels, T]
+        feats_t = feats_d.to(dtype).transpose(1, 2)  # [B, n_mels, F_max]
         for b, (s, m) in enumerate(zip(starts, new)):
-            mu[b, :, :m] = c.mu[b, :, s:s + m]
-            cond[b, :, :m] = c.cond[b, :, s:s + m]
+            off = s - ratio * e_starts[b]
+            mu[b, :, :m] = mu_enc[b, :, off:off + m]
+            p = inputs.prompt_frames[b]
+            if s < p:
+                cond[b, :, :min(m, p - s)] = feats_t[b, :, s:min(p, s + m)]
             x0[b, :m] = noise[:, s:s + m].transpose(0, 1)
         mask = (torch.arange(t_new, device=device).unsqueeze(0)
                 < torch.tensor(new, device=device).unsqueeze(1)).unsqueeze(1).to(dtype)
         plan = est.stream_plan(used, starts, new, commit, streaming, n, device, dtype)
-        state = self.decoder.begin(mu, mask, c.spks, cond, c.streaming, n, x0=x0, plan=plan)
+        streaming_d = torch.tensor(streaming, dtype=torch.bool, device=device)
+        state = self.decoder.begin(mu, mask, spks, cond, streaming_d, n, x0=x0, plan=plan)
         return FlowRun(lambda: self.decoder.step(state), state, inputs, starts)
 
     @torch.inference_mode()
