@@ -416,8 +416,9 @@ class EstimatorStreamCache:
         keys, values: per step ``[n_sites, 2, heads, s, head_dim]``: every transformer block's
             (U-Net order) attention keys/values of frames ``[0, s)``; row 0 conditional, row 1
             unconditional (CFG).
-        contexts: per step a list, one per causal convolution (U-Net order), ``[2, kernel - 1,
-            C_in]``: its input at frames ``[s - kernel + 1, s)``.
+        contexts: per step ``[2, W]``: every causal convolution's (U-Net order) input at frames
+            ``[s - kernel + 1, s)``, each flattened ``(kernel - 1) * C_in`` and concatenated
+            (``W`` = their sum), so that a step gathers them with one copy per stream.
 
     Owned by one stream (the engine's :class:`~cosyserve.engine.request.SegmentState` through
     :class:`~cosyserve.models.flow.FlowStreamCache`); never shared, freed by :meth:`clear`.
@@ -436,7 +437,7 @@ class EstimatorStreamCache:
 
     def nbytes(self) -> int:
         """Bytes held by the cached tensors."""
-        ts = list(self.keys) + list(self.values) + [c for step in self.contexts for c in step]
+        ts = list(self.keys) + list(self.values) + list(self.contexts)
         return sum(t.numel() * t.element_size() for t in ts)
 
 
@@ -502,11 +503,7 @@ class StreamCachePlan:
             for buf, old in ((io.kbuf, cache.keys), (io.vbuf, cache.values)):
                 new = buf[:, :, b, :, s0:s0 + m]
                 kv.append(torch.cat([old[io.step], new], dim=3) if self.starts[b] > 0 else new.clone())
-            ctxs = []
-            for ext in io.inputs:
-                c = ext.size(1) - self.t_new
-                ctxs.append(ext.view(2, self.b, ext.size(1), ext.size(2))[:, b, m:m + c].clone())
-            self._pending[b].append((kv[0], kv[1], ctxs))
+            self._pending[b].append((kv[0], kv[1], io.new_contexts()[:, b]))
         self.k += 1
         if self.k == self.n_steps:
             for b, cache in enumerate(self.caches):
@@ -527,24 +524,49 @@ class StreamStepIO:
 
     def __init__(self, plan: StreamCachePlan, step: int):
         self.plan, self.step = plan, step
-        self._conv = 0
+        self._offset = 0
         self._attn = 0
         self.kbuf: Tensor | None = None
         self.vbuf: Tensor | None = None
+        self._ctx: Tensor | None = None
         self.inputs: list[Tensor] = []
+        self._new_ctx: Tensor | None = None
 
     def context(self, x: Tensor, kernel: int) -> Tensor:
         """``x [2B, Tn, C]`` (new frames) -> ``[2B, kernel - 1 + Tn, C]`` with each item's cached
         left context (zeros for an item without cache: the causal zero padding)."""
-        p, c = self.plan, kernel - 1
-        ctx = x.new_zeros(2, p.b, c, x.size(-1))
-        for b, cache in enumerate(p.caches):
-            if cache is not None and p.starts[b] > 0:
-                ctx[:, b] = cache.contexts[self.step][self._conv]
-        self._conv += 1
-        ext = torch.cat([ctx.view(2 * p.b, c, -1), x], dim=1)
+        p, c, ch = self.plan, kernel - 1, x.size(-1)
+        if self._ctx is None:  # all sites' contexts of this step, one copy per cached stream
+            widths = [cache.contexts[self.step].size(-1) for b, cache in enumerate(p.caches)
+                      if cache is not None and p.starts[b] > 0]
+            self._ctx = x.new_zeros(2, p.b, max(widths, default=0))
+            for b, cache in enumerate(p.caches):
+                if cache is not None and p.starts[b] > 0:
+                    self._ctx[:, b] = cache.contexts[self.step]
+        w = c * ch
+        if self._ctx.size(-1) >= self._offset + w:
+            ctx = self._ctx[..., self._offset:self._offset + w].reshape(2 * p.b, c, ch)
+        else:  # no stream of the batch has a cache
+            ctx = x.new_zeros(2 * p.b, c, ch)
+        self._offset += w
+        ext = torch.cat([ctx, x], dim=1)
         self.inputs.append(ext)
         return ext
+
+    def new_contexts(self) -> Tensor:
+        """``[2, B, W]``: every site's input at the ``kernel - 1`` frames before each item's
+        ``commit`` frame (gathered once per step; rows of items that do not grow are unused)."""
+        if self._new_ctx is None:
+            p = self.plan
+            m = torch.tensor([max(0, c - s) for c, s in zip(p.commit, p.starts)], device=self.inputs[0].device)
+            rows = torch.arange(p.b, device=m.device).view(-1, 1)
+            parts = []
+            for ext in self.inputs:
+                k1 = ext.size(1) - p.t_new
+                idx = m.view(-1, 1) + torch.arange(k1, device=m.device).view(1, -1)  # [B, k - 1]
+                parts.append(ext.view(2, p.b, ext.size(1), ext.size(2))[:, rows, idx].reshape(2, p.b, -1))
+            self._new_ctx = torch.cat(parts, dim=-1)
+        return self._new_ctx
 
     def keys_values(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """``k, v [2B, H, Tn, D]`` of the new frames -> ``[2B, H, S + Tn, D]``: each item's cached
