@@ -63,7 +63,8 @@ def estimator_macs(est, n_mels: int, frames_new: int, frames_keys: int) -> float
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ref = Path(os.environ.get("COSYSERVE_REFERENCE_DIR", Path(__file__).resolve().parents[1].parent / "shared" / "reference"))
+    default_ref = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
+    ref = Path(os.environ.get("COSYSERVE_REFERENCE_DIR", default_ref))
     ap.add_argument("--yaml", default=str(ref / "manifests" / "cosyvoice2.real.yaml"))
     ap.add_argument("--seconds", type=float, default=20.0, help="speech to stream (25 tokens/s)")
     ap.add_argument("--prompt-seconds", type=float, default=5.0, help="prompt speech (flow prompt tokens)")

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from _reference import PARITY_TOL, SELF_TOL, WAVE_TOL, discover, meta, model_dir, rel_l2, require_reference_dir, tensors
+from _reference import (PARITY_TOL, SELF_TOL, WAVE_TOL, discover, meta, model_dir, rel_l2, require_reference_dir,
+                        tensors)
 from cosyserve.engine.chunking import ChunkPolicy
 from cosyserve.models.checkpoint import load_strict, read_state_dict
 from cosyserve.models.config import load_config

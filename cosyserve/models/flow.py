@@ -722,9 +722,9 @@ class FlowModel(nn.Module):
                 cond[b, :, :min(m, p - s)] = feats_t[b, :, s:min(p, s + m)]
             x0[b, :m] = noise[:, s:s + m].transpose(0, 1)
         mask = (torch.arange(t_new, device=device).unsqueeze(0)
-                < torch.tensor(new, device=device).unsqueeze(1)).unsqueeze(1).to(dtype)
+                < to_device(torch.tensor(new), device).unsqueeze(1)).unsqueeze(1).to(dtype)
         plan = est.stream_plan(used, starts, new, commit, streaming, n, device, dtype)
-        streaming_d = torch.tensor(streaming, dtype=torch.bool, device=device)
+        streaming_d = to_device(torch.tensor(streaming, dtype=torch.bool), device)
         state = self.decoder.begin(mu, mask, spks, cond, streaming_d, n, x0=x0, plan=plan)
         return FlowRun(lambda: self.decoder.step(state), state, inputs, starts)
 

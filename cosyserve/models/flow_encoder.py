@@ -52,6 +52,7 @@ from torch import Tensor, nn
 
 from ..errors import ConfigError
 from .config import EncoderConfig
+from .transfer import to_device
 
 _ACTIVATIONS = {"swish": nn.SiLU, "relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
 
@@ -316,7 +317,8 @@ class EncoderStreamCache:
 
     def nbytes(self) -> int:
         """Bytes held by the cached tensors."""
-        ts = self.keys + self.values + self.up_keys + self.up_values + ([self.context] if self.context is not None else [])
+        ts = self.keys + self.values + self.up_keys + self.up_values
+        ts += [self.context] if self.context is not None else []
         return sum(t.numel() * t.element_size() for t in ts)
 
 
@@ -444,9 +446,9 @@ class UpsampleConformerEncoder(nn.Module):
         xn = x.new_zeros(b_n, t_new, x.size(-1))
         for b, (s, m) in enumerate(zip(starts, new)):
             xn[b, :m] = x[b, s:s + m]
-        start_t = torch.tensor(starts, device=device)
-        new_t = torch.tensor(new, device=device)
-        stream_t = torch.tensor(streaming, device=device, dtype=torch.bool)
+        start_t = to_device(torch.tensor(starts), device)
+        new_t = to_device(torch.tensor(new), device)
+        stream_t = to_device(torch.tensor(streaming, dtype=torch.bool), device)
 
         def stage(layers, h, scale, attr_k, attr_v):
             k_tab = scale * max(s + m for s, m in zip(starts, new))

@@ -44,6 +44,7 @@ from ..errors import ConfigError
 from .config import EstimatorConfig
 from .flow_encoder import chunk_attention_mask
 from .fused import FusedOp, linear_gelu
+from .transfer import to_device
 
 _MASK_BIAS = -1.0e10  # upstream cosyvoice.utils.common.mask_to_bias
 
@@ -466,9 +467,9 @@ class StreamCachePlan:
         self.n_steps, self.n_sites, self.heads, self.head_dim = n_steps, n_sites, heads, head_dim
         self.k = 0
         self._pending: list[list] = [[] for _ in range(self.b)]
-        start = torch.tensor(starts, device=device).view(-1, 1)
-        n_new = torch.tensor(new, device=device).view(-1, 1)
-        stream = torch.tensor(streaming, device=device, dtype=torch.bool).view(-1, 1, 1)
+        start = to_device(torch.tensor(starts), device).view(-1, 1)
+        n_new = to_device(torch.tensor(new), device).view(-1, 1)
+        stream = to_device(torch.tensor(streaming, dtype=torch.bool), device).view(-1, 1, 1)
         i = torch.arange(self.t_new, device=device).view(1, -1)
         q_abs = start + i                                                   # [B, Tn]
         cache_ok = torch.arange(self.s_max, device=device).view(1, -1) < start  # [B, S]
@@ -558,7 +559,7 @@ class StreamStepIO:
         ``commit`` frame (gathered once per step; rows of items that do not grow are unused)."""
         if self._new_ctx is None:
             p = self.plan
-            m = torch.tensor([max(0, c - s) for c, s in zip(p.commit, p.starts)], device=self.inputs[0].device)
+            m = to_device(torch.tensor([max(0, c - s) for c, s in zip(p.commit, p.starts)]), self.inputs[0].device)
             rows = torch.arange(p.b, device=m.device).view(-1, 1)
             parts = []
             for ext in self.inputs:
