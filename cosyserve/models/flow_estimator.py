@@ -226,8 +226,12 @@ def _with_context(io: "StreamStepIO", x: Tensor, add: Tensor | None, kernel: int
     """``x`` with its cached left context prepended (``kernel - 1`` frames), ``add`` padded to
     match when it is per frame, and the number of leading output frames to drop."""
     cut = kernel - 1
+    # a per-frame add (the residual, [2B, T, C]) gets zeros for the context frames; a broadcast one
+    # ([1 or 2B, 1, C]) is left as it is unless T == 1, where padding it is harmless too: the
+    # context frames' outputs are dropped and every other frame keeps its add
+    per_frame = add is not None and add.dim() == 3 and add.size(1) == x.size(1)
     x = io.context(x, kernel)
-    if add is not None and add.dim() == 3 and add.size(1) > 1:
+    if per_frame:
         add = F.pad(add, (0, 0, cut, 0))
     return x, add, cut
 
