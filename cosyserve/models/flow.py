@@ -32,6 +32,12 @@ Batching (:meth:`FlowModel.inference_batch`) pads items on the right and gives e
 its own masks, streaming/finalize behaviour and noise prefix; results equal single-item
 results up to float summation order (relative L2 ~1e-7 in float32).
 
+Streaming (issue 17): a per-stream :class:`FlowStreamCache` passed to :meth:`FlowModel.start` /
+:meth:`FlowModel.inference_batch` keeps the encoder's and the estimator's work on the frames of
+complete static chunks (every Euler step's keys/values and causal-conv contexts, both CFG rows),
+so a later streaming call of the stream computes only the frames from the first chunk that was
+incomplete; exact by the chunk-causal structure (docs/architecture.md, "Flow stream cache").
+
 Host synchronisation: none on CUDA (inputs on the CPU are copied through pinned memory,
 :mod:`~cosyserve.models.transfer`), so a batch can be issued on a side stream while other
 work keeps the GPU busy.
