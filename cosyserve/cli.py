@@ -462,9 +462,11 @@ def _engine_args(p, in_process: bool = False) -> None:
                    help="auto admission: the share of the scheduler thread / GPU the admitted streams may need "
                         "(default 0.8; headroom for jitter and prefills)" + note)
     p.add_argument("--flow-stream-cache", choices=("auto", "on", "off"), default="auto",
-                   help="CosyVoice3: streaming chunk calls compute only the DiT frames after the stream's complete "
-                        "static chunks, reusing their cached keys/values (1.8 MB per cached frame at full size in "
-                        "bf16); auto (default) = on unless the flow runs as CUDA graphs" + note)
+                   help="streaming chunks compute only the flow frames after the stream's complete static chunks, "
+                        "reusing their cached per-step keys/values (CosyVoice2 U-Net: 2.2 MiB, CosyVoice3 DiT: "
+                        "1.8 MB per cached frame at full size in bf16); cached chunks run without CUDA graphs; "
+                        "auto (default) = on unless the flow runs as CUDA graphs, 'off' = upstream's full "
+                        "recomputation" + note)
     p.add_argument("--strict-min-len", action="store_true",
                    help="mask every stop token (not only upstream's one id) until a segment has its minimum "
                         "length: for benchmarks with random weights, where CosyVoice3's upstream min-length mask "
@@ -479,6 +481,9 @@ def _engine_args(p, in_process: bool = False) -> None:
                         "full size on an H100) instead of in the background while serving eagerly (ready in "
                         "seconds; requests run eagerly until their buckets' graphs are captured): for "
                         "benchmarks that want the graphs' numbers from the first request")
+    p.add_argument("--flow-stream-cache-frames", type=_positive_int, default=None, metavar="N",
+                   help="at most N mel frames (50/s, prompt included) cached per stream; later frames are "
+                        "recomputed every chunk (default: no limit besides the segment's length)" + note)
 
 
 def _engine_config(args, **overrides):
@@ -497,7 +502,7 @@ def _engine_config(args, **overrides):
                   decode_lookahead=args.decode_lookahead, admission=args.admission,
                   admission_target=args.admission_target,
                   flow_stream_cache={"auto": None, "on": True, "off": False}[args.flow_stream_cache],
-                  strict_min_len=args.strict_min_len)
+                  flow_stream_cache_frames=args.flow_stream_cache_frames, strict_min_len=args.strict_min_len)
     fields.update(overrides)
     if not 0 < fields["admission_target"] <= 1:
         raise CLIError(f"--admission-target must be in (0, 1], got {fields['admission_target']}")

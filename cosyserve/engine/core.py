@@ -164,9 +164,13 @@ class EngineConfig:
     one id (``LLMConfig.min_len_mask_id``; CosyVoice3 masks its sos there, so with random weights
     a stop id ends most utterances after a few tokens): for random-weight benchmarks that pin the
     length with the token/text ratios; off by default (upstream's numerics).
-    ``flow_stream_cache`` (CosyVoice3): streaming chunk calls through the per-stream DiT cache
-    (``Cv3Token2WavBackend.set_flow_stream_cache``); ``None`` (default): on while the flow is not
-    CUDA-graphed (the cached chunk runs eagerly).
+    ``flow_stream_cache``: streaming chunks compute only the flow frames after the stream's
+    complete static chunks, reusing per-stream caches of the rest (issue 17 part 3 for the
+    CosyVoice2 U-Net: :class:`~cosyserve.models.flow.FlowStreamCache`; CosyVoice3's DiT:
+    ``Cv3Token2WavBackend.set_flow_stream_cache``); ``None`` (default): on while the flow is not
+    CUDA-graphed (cached chunks run eagerly), ``True``/``False``: on/off (``--flow-stream-cache``);
+    ``flow_stream_cache_frames``: at most this many mel frames cached per CosyVoice2 stream (None:
+    the segment's length bounds it; 2.2 MiB per frame at full size in bf16).
     """
 
     max_active: int = 16
@@ -193,6 +197,7 @@ class EngineConfig:
     admission_target: float = 0.8
     strict_min_len: bool = False
     flow_stream_cache: bool | None = None
+    flow_stream_cache_frames: int | None = None
 
     def __post_init__(self):
         if self.max_t2w_batch is None:
@@ -205,7 +210,8 @@ class EngineConfig:
                 or self.max_t2w_tokens < 1 or self.t2w_batch_target < 1 or self.t2w_gather_s < 0 \
                 or not 0 <= self.t2w_length_window < 1 \
                 or (self.t2w_slack_s is not None and self.t2w_slack_s < 0) \
-                or (self.t2w_queue_steps is not None and self.t2w_queue_steps < 1) or self.decode_lookahead < 1:
+                or (self.t2w_queue_steps is not None and self.t2w_queue_steps < 1) or self.decode_lookahead < 1 \
+                or (self.flow_stream_cache_frames is not None and self.flow_stream_cache_frames < 0):
             raise ValueError("invalid engine limits")
         if self.graph_capture not in GRAPH_CAPTURE_MODES:
             raise ValueError(f"graph_capture must be one of {', '.join(GRAPH_CAPTURE_MODES)}, "
@@ -390,6 +396,12 @@ class EngineCore:
                     self.prefill_graphs.warmup()
                 # captured by warmup() or the first step(), on the stepping thread
                 self._pending_warmup = t2w[::-1]
+        #: CosyVoice2 per-stream flow caches (EngineConfig.flow_stream_cache; auto: off while graphed)
+        self._unet_flow_cache = bool(getattr(self.t2w, "supports_flow_cache", False)) and (
+            getattr(models.flow, "graph", None) is None if config.flow_stream_cache is None
+            else config.flow_stream_cache)
+        if getattr(self.t2w, "supports_flow_cache", False):
+            log.info("CosyVoice2 flow stream cache: %s", "on" if self._unet_flow_cache else "off")
         if hasattr(self.t2w, "set_flow_stream_cache"):  # CosyVoice3: per-stream DiT cache (after the graphs)
             log.info("CosyVoice3 flow stream cache: %s", "on" if self.t2w.set_flow_stream_cache(config.flow_stream_cache)
                      else "off")
@@ -718,6 +730,7 @@ class EngineCore:
         for seg in st.segments:
             self._release_slot(seg)
             seg.hift_state = type(seg.hift_state)()
+            seg.flow_cache = None  # frees the stream's flow cache (an in-flight job keeps its own reference)
         self._active.pop(st.request_id, None)
         self._waiting.pop(st.request_id, None)
         with self._lock:
@@ -1023,8 +1036,11 @@ class EngineCore:
         """The :class:`Token2WavJob` of a chunk found by :meth:`_next_chunk`."""
         tokens = torch.tensor(seg.t2w_tokens[:n_tokens])
         if not final:
+            if seg.flow_cache is None and self._unet_flow_cache:
+                seg.flow_cache = self.t2w.new_flow_cache(self.cfg.flow_stream_cache_frames)
             return Token2WavJob(st.req.voice, tokens, seg.schedule.token_offset, False, True, seg.hift_state,
-                                st.hift_generator(seg, self.t2w.hift_device))
+                                st.hift_generator(seg, self.t2w.hift_device), flow_cache=seg.flow_cache)
+        seg.flow_cache = None  # the final call attends to everything (full recomputation): free it
         offset = seg.schedule.token_offset if seg.stream else 0
         return Token2WavJob(st.req.voice, tokens, offset, True, False, seg.hift_state,
                             st.hift_generator(seg, self.t2w.hift_device), speed=st.req.params.speed)

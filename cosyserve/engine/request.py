@@ -185,6 +185,8 @@ class SegmentState:
     t2w_tokens: list[int] = field(default_factory=list)
     silent: object | None = None
     stop_reason: str | None = None  # "stop" / "length" once the LM has finished
+    #: the stream's :class:`~cosyserve.models.flow.FlowStreamCache` (issue 17) while it streams
+    flow_cache: object | None = None
 
 
 @dataclass

@@ -9,10 +9,14 @@ different streams that are ready at the same time run as ONE flow batch and ONE 
 batch; each keeps its own caches and random generator, and its result equals what it
 would be alone (see the batching tests).
 
-The first chunk of a stream therefore costs one flow solve over prompt + first chunk,
-later chunks recompute the flow over everything so far (as upstream: the chunk-causal
+The first chunk of a stream therefore costs one flow solve over prompt + first chunk;
+upstream's later chunks recompute the flow over everything so far (the chunk-causal
 attention makes earlier frames unchanged, and the look-ahead tokens of the last chunk are
-refined when more tokens arrive).
+refined when more tokens arrive). With a per-stream :class:`~cosyserve.models.flow.FlowStreamCache`
+in the job (``Token2WavJob.flow_cache``, the engine's ``--flow-stream-cache on``), a non-final
+chunk's flow solve covers only the frames from the first static chunk that was incomplete in
+the stream's previous call (the earlier frames' per-step keys/values and convolution contexts
+come from the cache): the same mel (docs/architecture.md, "Flow stream cache").
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ class Token2WavJob:
     up to and including the look-ahead for non-final chunks). ``token_offset``: tokens
     already turned into audio by earlier chunks. ``finalize``: last chunk of the segment
     (no look-ahead exclusion, no held-back tail). ``streaming``: chunk-causal flow
-    attention (upstream passes ``stream`` for non-final chunks only).
+    attention (upstream passes ``stream`` for non-final chunks only). ``flow_cache``: the
+    stream's :class:`~cosyserve.models.flow.FlowStreamCache` (owned by the engine's segment
+    state, read and extended in place by the flow) or None (full recomputation).
     """
 
     voice: Voice
@@ -47,6 +53,7 @@ class Token2WavJob:
     hift_state: HiFTStreamState
     generator: torch.Generator | None
     speed: float = 1.0
+    flow_cache: object | None = None
 
 
 @dataclass
@@ -111,6 +118,18 @@ class Token2Wav(Token2WavBackend):
         self.hift = hift
         self.ratio = token_mel_ratio
 
+    @property
+    def supports_flow_cache(self) -> bool:
+        """Whether jobs may carry a :class:`~cosyserve.models.flow.FlowStreamCache` (a one-level
+        U-Net estimator: CosyVoice2)."""
+        return bool(getattr(self.flow, "supports_stream_cache", False))
+
+    def new_flow_cache(self, max_frames: int | None = None):
+        """An empty :class:`~cosyserve.models.flow.FlowStreamCache` for one stream."""
+        from ..models.flow import FlowStreamCache
+
+        return FlowStreamCache(max_frames)
+
     def length_bucket(self, n_tokens: int) -> int:
         """Flow input length (tokens) a batch whose longest job takes ``n_tokens`` is padded
         to: the flow graph's token bucket on CUDA, else ``n_tokens`` rounded up to 32."""
@@ -164,7 +183,11 @@ class Token2Wav(Token2WavBackend):
                 streaming=[j.streaming for j in jobs],
                 finalize=[j.finalize for j in jobs],
             )
-            pending.run = self.flow.start(inputs)
+            caches = [j.flow_cache for j in jobs]
+            if any(c is not None for c in caches):  # stream-cached: eager (no CUDA graph)
+                pending.run = self.flow.start(inputs, caches=caches)
+            else:
+                pending.run = self.flow.start(inputs)
         pending.advance(queue_steps)
         return pending
 
@@ -177,8 +200,13 @@ class Token2Wav(Token2WavBackend):
             p.stamps.append(marks.mark(stream))
         hift_dev = self.hift_device
         chunks = []
-        for j, mel in zip(jobs, mels):
-            m = mel[:, :, j.token_offset * self.ratio:].to(hift_dev, torch.float32)
+        starts = getattr(p.run, "mel_starts", (0,) * len(jobs))
+        for j, mel, start in zip(jobs, mels, starts):
+            skip = j.token_offset * self.ratio - start  # a stream-cached mel starts at frame `start`
+            if skip < 0:
+                raise RuntimeError(f"flow stream cache: the mel starts at frame {start}, after the chunk's first "
+                                   f"new frame {j.token_offset * self.ratio}")
+            m = mel[:, :, skip:].to(hift_dev, torch.float32)
             if j.finalize and j.speed != 1.0 and j.hift_state.empty:
                 m = F.interpolate(m, size=max(1, int(m.shape[2] / j.speed)), mode="linear")
             chunks.append(m)

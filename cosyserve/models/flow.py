@@ -32,6 +32,12 @@ Batching (:meth:`FlowModel.inference_batch`) pads items on the right and gives e
 its own masks, streaming/finalize behaviour and noise prefix; results equal single-item
 results up to float summation order (relative L2 ~1e-7 in float32).
 
+Streaming (issue 17): a per-stream :class:`FlowStreamCache` passed to :meth:`FlowModel.start` /
+:meth:`FlowModel.inference_batch` keeps the encoder's and the estimator's work on the frames of
+complete static chunks (every Euler step's keys/values and causal-conv contexts, both CFG rows),
+so a later streaming call of the stream computes only the frames from the first chunk that was
+incomplete; exact by the chunk-causal structure (docs/architecture.md, "Flow stream cache").
+
 Host synchronisation: none on CUDA (inputs on the CPU are copied through pinned memory,
 :mod:`~cosyserve.models.transfer`), so a batch can be issued on a side stream while other
 work keeps the GPU busy.
@@ -53,11 +59,12 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..errors import ConfigError
 from .config import CFMConfig, EstimatorConfig, FlowConfig
-from .flow_encoder import UpsampleConformerEncoder
-from .flow_estimator import FlowEstimator
+from .flow_encoder import EncoderStreamCache, UpsampleConformerEncoder
+from .flow_estimator import EstimatorStreamCache, FlowEstimator, StreamCachePlan
 from .transfer import to_device
 
-__all__ = ["FlowModel", "FlowConditioning", "FlowInputs", "FlowRun", "CausalFlowMatching", "SolverState"]
+__all__ = ["FlowModel", "FlowConditioning", "FlowInputs", "FlowRun", "CausalFlowMatching", "SolverState",
+           "FlowStreamCache"]
 
 
 @dataclass
@@ -185,10 +192,13 @@ class CausalFlowMatching(nn.Module):
         return state.mels()
 
     def begin(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, streaming: Tensor,
-              n_timesteps: int | None = None) -> "SolverState":
+              n_timesteps: int | None = None, x0: Tensor | None = None, plan=None) -> "SolverState":
         """The solver's state before the first Euler step (arguments as :meth:`solve`); the
         CFG inputs (conditional rows, then unconditional rows with ``mu``, ``spks``, ``cond``
-        zeroed) and the attention masks are built once here."""
+        zeroed) and the attention masks are built once here. ``x0`` ``[B, T, n_mels]``: the
+        start state instead of the fixed noise's first ``T`` frames; ``plan``: the estimator's
+        plan instead of one built from ``mask`` (a stream-cached solve,
+        :meth:`FlowModel.start`)."""
         n = self.cfm.n_timesteps if n_timesteps is None else int(n_timesteps)
         b, n_mels, frames = mu.shape
         dtype, device = mu.dtype, mu.device
@@ -199,11 +209,14 @@ class CausalFlowMatching(nn.Module):
         inp[:b, :, n_mels:2 * n_mels] = mu.transpose(1, 2)
         inp[:b, :, 2 * n_mels:3 * n_mels] = spks.unsqueeze(1)
         inp[:b, :, 3 * n_mels:] = cond.transpose(1, 2)
+        if x0 is None:
+            x0 = self.noise(frames, device, dtype).transpose(1, 2).expand(b, -1, -1)
+        if plan is None:
+            plan = self.estimator.attention_plan(torch.cat([mask, mask]), torch.cat([streaming, streaming]))
         return SolverState(
-            xt=self.noise(frames, device, dtype).transpose(1, 2).expand(b, -1, -1).contiguous(),
+            xt=x0.to(dtype).contiguous(),
             t=t_span[0].clone(), dt=t_span[1] - t_span[0], k=torch.zeros((), dtype=torch.long, device=device),
-            t_span=t_span, n=n, inp=inp,
-            plan=self.estimator.attention_plan(torch.cat([mask, mask]), torch.cat([streaming, streaming])),
+            t_span=t_span, n=n, inp=inp, plan=plan,
         )
 
     def step(self, s: "SolverState") -> None:
@@ -285,14 +298,24 @@ class FlowRun:
     ``steps_left``: Euler steps not yet issued; :meth:`step` issues the next one (no host
     synchronisation); :meth:`mels` (after the last step) returns per item the float32 log-mel
     ``[1, n_mels, T_b]`` of its non-prompt frames, as :meth:`FlowModel.inference_batch` (views
-    of one fresh tensor, never of the solver's buffers).
+    of one fresh tensor, never of the solver's buffers) — for a stream-cached item only those
+    from :attr:`mel_starts` on (the earlier ones were computed by earlier calls of the stream).
     """
 
-    def __init__(self, step, state: SolverState, inputs: FlowInputs):
+    def __init__(self, step, state: SolverState, inputs: FlowInputs, starts: Sequence[int] | None = None):
         self._step = step
         self.state = state
         self.inputs = inputs
         self.steps_left = state.n
+        #: per item the first frame (prompt included) the solver state holds: 0, or for a
+        #: stream-cached item its cached frames (the state then holds frames ``starts[b]`` on)
+        self.starts = tuple(starts) if starts is not None else (0,) * inputs.ids.shape[0]
+
+    @property
+    def mel_starts(self) -> tuple[int, ...]:
+        """Per item the first non-prompt frame :meth:`mels` returns (``max(0, starts - prompt
+        frames)``; 0 without stream caches)."""
+        return tuple(max(0, s - p) for s, p in zip(self.starts, self.inputs.prompt_frames))
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -309,8 +332,70 @@ class FlowRun:
         # a copy even in float32: with CUDA graphs ``state.x`` is the bucket's static buffer, which
         # the next batch overwrites while callers (HiFT's stream cache) may still hold these frames
         mel = self.state.mels(b)
-        return [mel[i:i + 1, :, p:n] for i, (p, n) in enumerate(zip(self.inputs.prompt_frames,
-                                                                   self.inputs.mel_lengths))]
+        return [mel[i:i + 1, :, max(p, s) - s:n - s]
+                for i, (p, n, s) in enumerate(zip(self.inputs.prompt_frames, self.inputs.mel_lengths, self.starts))]
+
+
+class FlowStreamCache:
+    """Per-stream state of the exactly removable flow work of streaming calls (issue 17).
+
+    One object per stream (the engine keeps it in the segment's state and passes it with every
+    non-final chunk's job); :meth:`FlowModel.start` reads it and, after the solve's last Euler
+    step, extends it to the frames of this call's complete static chunks. Holds:
+
+    * ``estimator``: :class:`~cosyserve.models.flow_estimator.EstimatorStreamCache`, per Euler step
+      and CFG row the attention keys/values of every transformer block and the causal
+      convolutions' left context for the first ``frames`` mel frames (prompt included);
+    * ``encoder``: :class:`~cosyserve.models.flow_encoder.EncoderStreamCache`, both conformer
+      stages' keys/values and the upsampling's left context for the same frames;
+    * ``ids``: CPU int64 ``[L]``: the prompt + token ids of the call that last used it; a later
+      call whose ids do not start with them, has another prompt length, step count or dtype,
+      starts from an empty cache (never a wrong one);
+    * ``max_frames``: bound on cached frames (None: unbounded). Frames past it are recomputed
+      every call (still exact). Memory at ``frames``: ``frames * n_timesteps *
+      FlowEstimator.stream_cache_values_per_frame()`` values of the model dtype, plus the
+      convolutions' contexts (a few frames).
+
+    :meth:`clear` frees everything (the engine calls it at the final chunk / request end; the
+    final, non-streaming call uses full attention and never reads it).
+    """
+
+    def __init__(self, max_frames: int | None = None):
+        if max_frames is not None and max_frames < 0:
+            raise ValueError(f"flow stream cache: max_frames must be >= 0, got {max_frames}")
+        self.max_frames = max_frames
+        self.estimator = EstimatorStreamCache()
+        self.encoder = EncoderStreamCache()
+        self.ids: Tensor | None = None
+        self.prompt_frames = -1
+        self.dtype: torch.dtype | None = None
+
+    @property
+    def frames(self) -> int:
+        """Mel frames (prompt included) whose estimator work is cached."""
+        return self.estimator.frames
+
+    def nbytes(self) -> int:
+        """Bytes of device memory held."""
+        return self.estimator.nbytes() + self.encoder.nbytes()
+
+    def clear(self) -> None:
+        """Free every cached tensor."""
+        self.estimator.clear()
+        self.encoder.clear()
+        self.ids, self.prompt_frames, self.dtype = None, -1, None
+
+    def _usable(self, ids: Tensor, prompt_frames: int, n_steps: int, dtype: torch.dtype) -> int:
+        """Cached frames valid for a call over ``ids`` (CPU int64), else 0 (and cleared)."""
+        e = self.estimator
+        ok = (e.frames > 0 and self.ids is not None and self.prompt_frames == prompt_frames
+              and e.n_steps == n_steps and self.dtype == dtype and ids.numel() >= self.ids.numel()
+              and torch.equal(ids[:self.ids.numel()], self.ids))
+        if not ok:
+            self.estimator.clear()
+            self.encoder.clear()
+            return 0
+        return e.frames
 
 
 class FlowModel(nn.Module):
@@ -490,7 +575,8 @@ class FlowModel(nn.Module):
     def inference_batch(self, tokens: Sequence[Tensor], prompt_tokens: Sequence[Tensor],
                         prompt_feats: Sequence[Tensor], embeddings: Tensor | Sequence[Tensor],
                         streaming: bool | Sequence[bool] = False, finalize: bool | Sequence[bool] = True,
-                        n_timesteps: int | None = None) -> list[Tensor]:
+                        n_timesteps: int | None = None,
+                        caches: Sequence[FlowStreamCache | None] | None = None) -> list[Tensor]:
         """Several utterances in one forward pass (right-padded, per-item masks).
 
         Args:
@@ -507,6 +593,11 @@ class FlowModel(nn.Module):
             finalize: one bool or one per item; False marks a non-final streaming chunk
                 whose last ``pre_lookahead_len`` tokens are look-ahead context only.
             n_timesteps: Euler steps (default ``CFMConfig.n_timesteps`` = 10).
+            caches: optional per item :class:`FlowStreamCache` (or None): the stream's cache,
+                read and extended by streaming items (see :meth:`_start_cached`); an item with a
+                usable cache returns only its frames from the first uncached one (non-prompt
+                frame ``max(0, cache.frames - F_b)`` as of the call's start), i.e. a suffix of
+                the full result.
 
         Returns:
             ``B`` float32 tensors ``[1, n_mels, T_b]``: log-mel of the non-prompt frames,
@@ -520,17 +611,33 @@ class FlowModel(nn.Module):
                 (``CFMConfig.noise_frames``, 300 s).
         """
         run = self.start(self.prepare(tokens, prompt_tokens, prompt_feats, embeddings, streaming, finalize),
-                         n_timesteps)
+                         n_timesteps, caches)
         while run.steps_left:
             run.step()
         return run.mels()
 
+    @property
+    def supports_stream_cache(self) -> bool:
+        """Whether :class:`FlowStreamCache` can be used (a one-level causal U-Net estimator)."""
+        return bool(getattr(self.decoder.estimator, "supports_stream_cache", False))
+
     @torch.inference_mode()
-    def start(self, inputs: FlowInputs, n_timesteps: int | None = None) -> "FlowRun":
+    def start(self, inputs: FlowInputs, n_timesteps: int | None = None,
+              caches: Sequence[FlowStreamCache | None] | None = None) -> "FlowRun":
         """Issue the encoder and the solver's set-up for a prepared batch; the Euler steps are
         then issued one at a time with :meth:`FlowRun.step` (so a caller can keep the GPU's
         queue short and stay responsive: see :class:`~cosyserve.engine.token2wav.Token2Wav`).
-        Uses the CUDA graphs of :attr:`graph` when set (CUDA, default number of steps)."""
+        Uses the CUDA graphs of :attr:`graph` when set (CUDA, default number of steps) unless
+        a stream cache is given (``caches``: per item a :class:`FlowStreamCache` or None; see
+        :meth:`_start_cached`: eager)."""
+        if caches is not None and len(caches) != inputs.ids.shape[0]:
+            raise ValueError(f"flow: {len(caches)} stream caches for {inputs.ids.shape[0]} items")
+        if caches is not None and any(c is not None for c in caches):
+            if self.supports_stream_cache:
+                return self._start_cached(inputs, n_timesteps, list(caches))
+            for c in caches:  # a deeper U-Net: caching would not be exact
+                if c is not None:
+                    c.clear()
         default_steps = n_timesteps in (None, self.cfg.cfm.n_timesteps)
         if self.graph is not None and self._model_device().type == "cuda" and default_steps:
             run = self.graph.start(inputs)
@@ -539,6 +646,93 @@ class FlowModel(nn.Module):
         c = self.condition_inputs(inputs)
         state = self.decoder.begin(c.mu, c.mask, c.spks, c.cond, c.streaming, n_timesteps)
         return FlowRun(lambda: self.decoder.step(state), state, inputs)
+
+    def _start_cached(self, inputs: FlowInputs, n_timesteps: int | None,
+                      caches: list[FlowStreamCache | None]) -> "FlowRun":
+        """:meth:`start` with stream caches (eager).
+
+        Item ``b`` with a usable cache of ``s_b`` frames (streaming call, same stream: its ids
+        extend the cached call's) runs the solver on frames ``[s_b, T_b)`` only: ``mu``/``cond``
+        and the fixed noise are taken from frame ``s_b`` on, and every Euler step reads the cached
+        keys/values and convolution contexts of frames ``< s_b``
+        (:class:`~cosyserve.models.flow_estimator.StreamCachePlan`). After the last step the
+        cache holds the frames of this call's complete static chunks (``T_b`` rounded down to
+        ``static_chunk_size``, at most ``max_frames``). The encoder likewise computes only the
+        positions from its cache's end (whole encoder chunks, at most the estimator's first frame;
+        :meth:`~cosyserve.models.flow_encoder.UpsampleConformerEncoder.forward_stream`), so ``mu``
+        exists from there on. A non-streaming item's cache is cleared
+        (full attention: nothing is reusable) and the item runs whole, as do items without one.
+        Items of different ``s_b`` share the batch (cached keys padded to the longest, masked).
+        """
+        est = self.decoder.estimator
+        n = self.cfg.cfm.n_timesteps if n_timesteps is None else int(n_timesteps)
+        chunk = est.cfg.static_chunk_size
+        dtype, device = self._model_dtype(), self._model_device()
+        streaming = [bool(x) for x in inputs.streaming.tolist()]
+        token_len = inputs.lengths[0].tolist()
+        ids_host = inputs.ids if inputs.ids.device.type == "cpu" else inputs.ids.cpu()
+        enc_chunk = self.encoder.cfg.static_chunk_size
+        ratio = self.encoder.cfg.upsample_stride
+        enc_len = inputs.lengths[1].tolist()
+        starts, commit, used = [], [], []
+        e_starts, e_commit, e_used = [], [], []
+        for b, cache in enumerate(caches):
+            frames = inputs.mel_lengths[b]
+            if cache is None or not streaming[b] or chunk <= 0:
+                if cache is not None:
+                    cache.clear()
+                starts.append(0)
+                commit.append(0)
+                used.append(None)
+                e_starts.append(0)
+                e_commit.append(0)
+                e_used.append(None)
+                continue
+            ids = ids_host[b, :token_len[b]].clone()
+            s = min(cache._usable(ids, inputs.prompt_frames[b], n, dtype), frames)
+            full = (frames // chunk) * chunk
+            if cache.max_frames is not None:
+                full = min(full, (cache.max_frames // chunk) * chunk)
+            cache.ids, cache.prompt_frames, cache.dtype = ids, inputs.prompt_frames[b], dtype
+            starts.append(s)
+            commit.append(max(full, s))
+            used.append(cache.estimator)
+            # the encoder's cache: whole encoder chunks, never past the estimator's first frame
+            enc = cache.encoder
+            if enc.tokens * ratio > s or enc.tokens > enc_len[b]:
+                enc.clear()
+            e_starts.append(enc.tokens)
+            e_full = min(enc_len[b], commit[-1] // ratio)
+            e_commit.append((e_full // enc_chunk) * enc_chunk if enc_chunk > 0 else 0)
+            e_used.append(enc)
+        b_n = len(caches)
+        dev = [to_device(x, device) for x in (inputs.ids, inputs.lengths, inputs.embeddings, inputs.feats)]
+        ids_d, lengths_d, emb_d, feats_d = dev
+        token_mask = torch.arange(ids_d.size(1), device=device).unsqueeze(0) < lengths_d[0].unsqueeze(1)
+        x = self.input_embedding(ids_d.clamp(min=0)) * token_mask.unsqueeze(-1).to(dtype)
+        h = self.encoder.forward_stream(x, lengths_d[0], enc_len, streaming, e_starts, e_used, e_commit)
+        mu_enc = self.encoder_proj(h).transpose(1, 2)  # [B, n_mels, ratio * T_enc_new], from frame ratio * e_starts
+        spks = self.spk_embed_affine_layer(F.normalize(emb_d.to(dtype), dim=1))
+        new = [f - s for f, s in zip(inputs.mel_lengths, starts)]
+        t_new = max(new)
+        mu = mu_enc.new_zeros(b_n, self.n_mels, t_new)
+        cond = torch.zeros_like(mu)
+        x0 = mu_enc.new_zeros(b_n, t_new, self.n_mels)
+        noise = self.decoder.noise(max(inputs.mel_lengths), device, dtype)[0]  # [n_mels, T]
+        feats_t = feats_d.to(dtype).transpose(1, 2)  # [B, n_mels, F_max]
+        for b, (s, m) in enumerate(zip(starts, new)):
+            off = s - ratio * e_starts[b]
+            mu[b, :, :m] = mu_enc[b, :, off:off + m]
+            p = inputs.prompt_frames[b]
+            if s < p:
+                cond[b, :, :min(m, p - s)] = feats_t[b, :, s:min(p, s + m)]
+            x0[b, :m] = noise[:, s:s + m].transpose(0, 1)
+        mask = (torch.arange(t_new, device=device).unsqueeze(0)
+                < to_device(torch.tensor(new), device).unsqueeze(1)).unsqueeze(1).to(dtype)
+        plan = est.stream_plan(used, starts, new, commit, streaming, n, device, dtype)
+        streaming_d = to_device(torch.tensor(streaming, dtype=torch.bool), device)
+        state = self.decoder.begin(mu, mask, spks, cond, streaming_d, n, x0=x0, plan=plan)
+        return FlowRun(lambda: self.decoder.step(state), state, inputs, starts)
 
     @torch.inference_mode()
     def inference(self, token: Tensor, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor,

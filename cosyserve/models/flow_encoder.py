@@ -44,6 +44,7 @@ upsample stride ``EncoderConfig.upsample_stride`` (literal 2 upstream, = token_m
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,7 @@ from torch import Tensor, nn
 
 from ..errors import ConfigError
 from .config import EncoderConfig
+from .transfer import to_device
 
 _ACTIVATIONS = {"swish": nn.SiLU, "relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
 
@@ -174,6 +176,33 @@ class RelPositionSelfAttention(nn.Module):
         return self.linear_out(out.transpose(1, 2).reshape(b, t, self.h * self.d_k))
 
 
+    def forward_cached(self, x: Tensor, pos_table: Tensor, allowed: Tensor, rel_index: Tensor,
+                       k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`forward` for ``T`` new positions of each item after ``S`` cached ones.
+
+        ``x [B, T, F]``; ``pos_table [1, 2K-1, F]`` (:func:`relative_position_table` of ``K``
+        positions, ``K`` >= every item's cached + new positions); ``allowed [B, T, S + T]`` bool
+        over the keys ``[cache | new]``; ``rel_index [B, T, S + T]`` int64: the table row of each
+        (query, key) pair, ``K - 1 - (query position - key position)`` (any valid row where not
+        allowed); ``k_cache, v_cache [B, H, S, d_k]``. Returns ``(out [B, T, F], k, v)`` with the
+        new positions' keys/values ``[B, H, T, d_k]``. The position term is gathered per pair
+        instead of ESPnet's rel-shift: the same products."""
+        b, t, _ = x.shape
+        q = self.linear_q(x).view(b, t, self.h, self.d_k)
+        k = self.linear_k(x).view(b, t, self.h, self.d_k).transpose(1, 2)
+        v = self.linear_v(x).view(b, t, self.h, self.d_k).transpose(1, 2)
+        p = self.linear_pos(pos_table).view(1, -1, self.h, self.d_k).transpose(1, 2)  # [1, H, 2K-1, dk]
+        q_u = (q + self.pos_bias_u).transpose(1, 2)
+        q_v = (q + self.pos_bias_v).transpose(1, 2)
+        scale = 1.0 / math.sqrt(self.d_k)
+        scores = torch.matmul(q_v, p.transpose(-2, -1))  # [B, H, T, 2K-1]
+        pos_scores = scores.gather(-1, rel_index.unsqueeze(1).expand(-1, self.h, -1, -1)) * scale
+        bias = pos_scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+        out = F.scaled_dot_product_attention(q_u, torch.cat([k_cache, k], 2), torch.cat([v_cache, v], 2),
+                                             attn_mask=bias, scale=scale)
+        return self.linear_out(out.transpose(1, 2).reshape(b, t, self.h * self.d_k)), k, v
+
+
 class PositionwiseFeedForward(nn.Module):
     """``w_2(act(w_1(x)))`` applied per position."""
 
@@ -204,6 +233,14 @@ class ConformerLayer(nn.Module):
     def forward(self, x: Tensor, pos_table: Tensor, allowed: Tensor) -> Tensor:
         x = x + self.self_attn(self.norm_mha(x), pos_table, allowed)
         return x + self.feed_forward(self.norm_ff(x))
+
+    def forward_cached(self, x: Tensor, pos_table: Tensor, allowed: Tensor, rel_index: Tensor,
+                       k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`forward` of new positions after cached ones (see
+        :meth:`RelPositionSelfAttention.forward_cached`); returns ``(out, k, v)``."""
+        a, k, v = self.self_attn.forward_cached(self.norm_mha(x), pos_table, allowed, rel_index, k_cache, v_cache)
+        x = x + a
+        return x + self.feed_forward(self.norm_ff(x)), k, v
 
 
 class PreLookaheadLayer(nn.Module):
@@ -247,6 +284,62 @@ class RepeatUpsample(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x = F.interpolate(x, scale_factor=float(self.stride), mode="nearest")
         return self.conv(F.pad(x, (2 * self.stride, 0)))
+
+
+@dataclass
+class EncoderStreamCache:
+    """One stream's exactly reusable encoder work (issue 17): the first :attr:`tokens` encoder
+    positions (a whole number of ``static_chunk_size`` chunks, prompt included) and their
+    ``upsample_stride`` x as many frames, as later streaming calls of the stream need them.
+
+    In streaming mode a position in a complete chunk reads only positions of complete chunks
+    (chunk-causal attention), its look-ahead convolution reads ``pre_lookahead_len`` tokens
+    that a non-final call already holds, and the causal upsampling reads earlier positions only;
+    so all of it is unchanged when tokens are appended.
+
+    Attributes (model dtype/device): ``keys``/``values``: per first-stage conformer layer
+    ``[H, tokens, d_k]``; ``up_keys``/``up_values``: per up-conformer layer ``[H, stride * tokens,
+    d_k]``; ``context``: ``[2, D]`` first-stage outputs of positions ``tokens - 2, tokens - 1``
+    (the upsampling convolution's left context). :meth:`clear` frees them.
+    """
+
+    tokens: int = 0
+    keys: list = field(default_factory=list)
+    values: list = field(default_factory=list)
+    up_keys: list = field(default_factory=list)
+    up_values: list = field(default_factory=list)
+    context: Tensor | None = None
+
+    def clear(self) -> None:
+        """Drop every tensor (``tokens`` = 0)."""
+        self.tokens = 0
+        self.keys, self.values, self.up_keys, self.up_values, self.context = [], [], [], [], None
+
+    def nbytes(self) -> int:
+        """Bytes held by the cached tensors."""
+        ts = self.keys + self.values + self.up_keys + self.up_values
+        ts += [self.context] if self.context is not None else []
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _stream_masks(starts: Tensor, new: Tensor, s_max: int, t_new: int, k_tab: int, streaming: Tensor, chunk: int):
+    """``(allowed [B, T, S + T] bool, rel_index [B, T, S + T] int64)`` for new positions
+    ``starts[b] + i`` (``i < new[b]``) attending to cached positions ``j < starts[b]`` (padded to
+    ``S``) and new ones (chunk-causal for streaming items, chunks from position 0); ``k_tab`` >=
+    every ``starts[b] + new[b]``: the relative-position table's size."""
+    device = starts.device
+    i = torch.arange(t_new, device=device).view(1, -1)
+    q_abs = starts.view(-1, 1) + i                                            # [B, T]
+    j = torch.arange(s_max, device=device).view(1, -1)
+    k_abs = torch.cat([j.expand(starts.numel(), -1), q_abs], dim=1)           # [B, S + T]
+    k_ok = torch.cat([j < starts.view(-1, 1), i < new.view(-1, 1)], dim=1)    # [B, S + T]
+    allowed = k_ok.unsqueeze(1).expand(-1, t_new, -1)
+    if chunk > 0:
+        chunk_end = (torch.div(q_abs, chunk, rounding_mode="floor") + 1) * chunk
+        causal = k_abs.unsqueeze(1) < chunk_end.unsqueeze(2)
+        allowed = allowed & (causal | ~streaming.view(-1, 1, 1))
+    rel = q_abs.unsqueeze(2) - k_abs.unsqueeze(1)
+    return allowed, (k_tab - 1 - rel).clamp(0, 2 * k_tab - 2)
 
 
 class UpsampleConformerEncoder(nn.Module):
@@ -320,3 +413,84 @@ class UpsampleConformerEncoder(nn.Module):
         for layer in self.up_encoders:
             x = layer(x, pos, allowed)
         return self.after_norm(x)
+
+    #: first-stage positions of left context the causal upsampling convolution reads
+    UP_CONTEXT = 2
+
+    def forward_stream(self, tokens: Tensor, token_lengths: Tensor, lengths: list[int], streaming: list[bool],
+                       starts: list[int], caches: list, commit: list[int]) -> Tensor:
+        """:meth:`forward` of the positions from ``starts[b]`` on, the earlier ones from stream caches.
+
+        Args: ``tokens [B, L_max, input_size]``, ``token_lengths [B]`` as :meth:`forward`;
+        ``lengths``, ``streaming``: host lists (encoder positions, chunk-causal flag per item);
+        ``starts[b]``: cached positions used (``caches[b].tokens`` or 0; a multiple of
+        ``static_chunk_size``); ``caches[b]``: :class:`EncoderStreamCache` or None;
+        ``commit[b]``: positions the cache holds afterwards (``> starts[b]``: the positions
+        ``[starts[b], commit[b])`` are appended; a multiple of ``static_chunk_size`` within
+        this call's complete chunks). Look-ahead embedding and convolution still run over every
+        token (position-wise, ~5 % of the encoder).
+
+        Returns ``[B, stride * T, output_size]`` with ``T = max(lengths[b] - starts[b])``: item
+        ``b``'s frames ``stride * starts[b] ...``, valid for ``stride * (lengths[b] - starts[b])``.
+        Equal (up to summation order) to the same frames of :meth:`forward`.
+        """
+        stride = self.cfg.upsample_stride
+        device = tokens.device
+        b_n = tokens.size(0)
+        new = [n - s for n, s in zip(lengths, starts)]
+        t_new, s_max = max(new), max(starts)
+        x = self.embed(tokens)
+        keep = _prefix_mask(token_lengths, x.size(1))
+        x = torch.where(keep.unsqueeze(-1), x, x.new_zeros(()))
+        x = self.pre_lookahead_layer(x)
+        xn = x.new_zeros(b_n, t_new, x.size(-1))
+        for b, (s, m) in enumerate(zip(starts, new)):
+            xn[b, :m] = x[b, s:s + m]
+        start_t = to_device(torch.tensor(starts), device)
+        new_t = to_device(torch.tensor(new), device)
+        stream_t = to_device(torch.tensor(streaming, dtype=torch.bool), device)
+
+        def stage(layers, h, scale, attr_k, attr_v):
+            k_tab = scale * max(s + m for s, m in zip(starts, new))
+            allowed, rel_index = _stream_masks(start_t * scale, new_t * scale, s_max * scale, t_new * scale, k_tab,
+                                               stream_t, self.cfg.static_chunk_size * scale)
+            pos = relative_position_table(k_tab, self.output_size, device, h.dtype)
+            out_k, out_v = [], []
+            for li, layer in enumerate(layers):
+                att = layer.self_attn
+                kc = h.new_zeros(b_n, att.h, s_max * scale, att.d_k)
+                vc = torch.zeros_like(kc)
+                for b, c in enumerate(caches):
+                    if c is not None and starts[b] > 0:
+                        kc[b, :, :starts[b] * scale] = getattr(c, attr_k)[li]
+                        vc[b, :, :starts[b] * scale] = getattr(c, attr_v)[li]
+                h, k, v = layer.forward_cached(h, pos, allowed, rel_index, kc, vc)
+                out_k.append(k)
+                out_v.append(v)
+            return h, out_k, out_v
+
+        xn, k1, v1 = stage(self.encoders, xn, 1, "keys", "values")
+        ctx_n = self.UP_CONTEXT
+        ctx = xn.new_zeros(b_n, ctx_n, xn.size(-1))
+        for b, c in enumerate(caches):
+            if c is not None and starts[b] > 0:
+                ctx[b] = c.context
+        ext = torch.cat([ctx, xn], dim=1)
+        up = self.up_layer(ext.transpose(1, 2)).transpose(1, 2)[:, stride * ctx_n:]
+        up = self.up_embed(up)
+        up, k2, v2 = stage(self.up_encoders, up, stride, "up_keys", "up_values")
+        for b, c in enumerate(caches):
+            m = commit[b] - starts[b]
+            if c is None or m <= 0:
+                continue
+            s = starts[b]
+
+            def grow(old, new_parts, scale):
+                parts = [p[b, :, :m * scale] for p in new_parts]
+                return [torch.cat([o, p], dim=1) for o, p in zip(old, parts)] if s > 0 else [p.clone() for p in parts]
+
+            c.keys, c.values = grow(c.keys, k1, 1), grow(c.values, v1, 1)
+            c.up_keys, c.up_values = grow(c.up_keys, k2, stride), grow(c.up_values, v2, stride)
+            c.context = ext[b, m:m + ctx_n].clone()
+            c.tokens = commit[b]
+        return self.after_norm(up)

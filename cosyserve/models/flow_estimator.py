@@ -34,7 +34,7 @@ planned forward suitable for CUDA-graph capture / ``torch.compile`` by the calle
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,7 @@ from ..errors import ConfigError
 from .config import EstimatorConfig
 from .flow_encoder import chunk_attention_mask
 from .fused import FusedOp, linear_gelu
+from .transfer import to_device
 
 _MASK_BIAS = -1.0e10  # upstream cosyvoice.utils.common.mask_to_bias
 
@@ -119,8 +120,12 @@ class CausalConv1d(nn.Conv1d):
         w = self.weight
         return self._derived.get("matrix", (w,), lambda: w.detach().permute(0, 2, 1).reshape(w.shape[0], -1))
 
-    def forward_btc(self, x: Tensor) -> Tensor:
-        """``[B, T, C_in] -> [B, T, C_out]``."""
+    def forward_btc(self, x: Tensor, io: "StreamStepIO | None" = None) -> Tensor:
+        """``[B, T, C_in] -> [B, T, C_out]``; with ``io`` (a stream-cached step) the left context
+        comes from the stream caches instead of zeros (:meth:`StreamStepIO.context`)."""
+        if io is not None:
+            k = self.kernel_size[0]
+            return self.forward_btc(io.context(x, k))[:, k - 1:]
         b, t, _ = x.shape
         return F.linear(causal_im2col(x, self.kernel_size[0]), self.matrix(), self.bias).view(b, t, -1)
 
@@ -191,21 +196,44 @@ class CausalBlock(nn.Module):
         super().__init__()
         self.block = nn.Sequential(CausalConv1d(dim, dim_out, 3), nn.Identity(), nn.LayerNorm(dim_out), nn.Identity())
 
-    def forward(self, x: Tensor, add: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, add: Tensor | None = None, io: "StreamStepIO | None" = None) -> Tensor:
         """``mish(LayerNorm(conv(x))) (+ add)``; ``add`` broadcasts to ``[B, T, C_out]``.
 
         The convolution is one GEMM of ``x`` with every tap (:meth:`CausalConv1d.taps`); the
         shifted sum of the taps, LayerNorm, Mish and the add are one fused kernel on CUDA
-        (:data:`conv_layer_norm_mish`, computed in float32 and rounded once)."""
+        (:data:`conv_layer_norm_mish`, computed in float32 and rounded once). With ``io`` (a
+        stream-cached step) the conv's left context comes from the stream caches."""
         conv, ln = self.block[0], self.block[2]
+        if io is not None:
+            x, add, cut = _with_context(io, x, add, conv.kernel_size[0])
+            return self.forward(x, add)[:, cut:]
         return conv_layer_norm_mish(F.linear(x, conv.taps()), conv.bias, ln.weight, ln.bias, ln.eps, add)
 
-    def forward_normed(self, x: Tensor, add: Tensor | None, norm: nn.LayerNorm) -> tuple[Tensor, Tensor]:
+    def forward_normed(self, x: Tensor, add: Tensor | None, norm: nn.LayerNorm,
+                       io: "StreamStepIO | None" = None) -> tuple[Tensor, Tensor]:
         """``(forward(x, add), norm(forward(x, add)))``, the LayerNorm in the same fused kernel
         (:data:`conv_layer_norm_mish_norm`): the pre-norm of the transformer block that follows."""
         conv, ln = self.block[0], self.block[2]
+        if io is not None:
+            x, add, cut = _with_context(io, x, add, conv.kernel_size[0])
+            out, normed = self.forward_normed(x, add, norm)
+            return out[:, cut:], normed[:, cut:]
         return conv_layer_norm_mish_norm(F.linear(x, conv.taps()), conv.bias, ln.weight, ln.bias, ln.eps, add,
                                          norm.weight, norm.bias, norm.eps)
+
+
+def _with_context(io: "StreamStepIO", x: Tensor, add: Tensor | None, kernel: int):
+    """``x`` with its cached left context prepended (``kernel - 1`` frames), ``add`` padded to
+    match when it is per frame, and the number of leading output frames to drop."""
+    cut = kernel - 1
+    # a per-frame add (the residual, [2B, T, C]) gets zeros for the context frames; a broadcast one
+    # ([1 or 2B, 1, C]) is left as it is unless T == 1, where padding it is harmless too: the
+    # context frames' outputs are dropped and every other frame keeps its add
+    per_frame = add is not None and add.dim() == 3 and add.size(1) == x.size(1)
+    x = io.context(x, kernel)
+    if per_frame:
+        add = F.pad(add, (0, 0, cut, 0))
+    return x, add, cut
 
 
 class CausalResnetBlock(nn.Module):
@@ -225,15 +253,17 @@ class CausalResnetBlock(nn.Module):
     def forward(self, x: Tensor, t_term: Tensor) -> Tensor:
         return self.forward_normed(x, t_term, None)[0]
 
-    def forward_normed(self, x: Tensor, t_term: Tensor, norm: nn.LayerNorm | None) -> tuple[Tensor, Tensor | None]:
+    def forward_normed(self, x: Tensor, t_term: Tensor, norm: nn.LayerNorm | None,
+                       io: "StreamStepIO | None" = None) -> tuple[Tensor, Tensor | None]:
         """``(forward(x, t_term), norm(...) or None)``: with ``norm`` (the next transformer block's
-        pre-norm) the LayerNorm is computed by ``block2``'s fused kernel."""
+        pre-norm) the LayerNorm is computed by ``block2``'s fused kernel; ``io``: a stream-cached
+        step (both causal convolutions read their left context from the stream caches)."""
         w = self.res_conv.weight
         res = F.linear(x, w.view(w.shape[0], w.shape[1]), self.res_conv.bias)
-        h = self.block1(x, t_term.unsqueeze(1))
+        h = self.block1(x, t_term.unsqueeze(1), io=io)
         if norm is None:
-            return self.block2(h, res), None
-        return self.block2.forward_normed(h, res, norm)
+            return self.block2(h, res, io=io), None
+        return self.block2.forward_normed(h, res, norm, io=io)
 
 
 class Downsample(nn.Module):
@@ -280,14 +310,18 @@ class SelfAttention(nn.Module):
         ws = (self.to_q.weight, self.to_k.weight, self.to_v.weight)
         return self._derived.get("qkv", ws, lambda: torch.cat([w.detach() for w in ws]))
 
-    def forward(self, x: Tensor, bias: Tensor) -> Tensor:
-        """``x [B, T, dim]``, ``bias [B, 1, T, T]`` (0 or -1e10) -> ``[B, T, dim]``."""
+    def forward(self, x: Tensor, bias: Tensor, io: "StreamStepIO | None" = None) -> Tensor:
+        """``x [B, T, dim]``, ``bias [B, 1, T, T]`` (0 or -1e10) -> ``[B, T, dim]``. With ``io``
+        (a stream-cached step) the keys/values are the cached ones followed by these
+        (:meth:`StreamStepIO.keys_values`) and ``bias`` is ``[B, 1, T, S + T]``."""
         b, t, _ = x.shape
         q, k, v = F.linear(x, self.qkv_weight()).view(b, t, 3, self.heads, self.head_dim).unbind(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        if io is not None:
+            k, v = io.keys_values(k, v)
         # q/k/v are strided views of the one GEMM's output; the fused attention kernels read them
         # in place and return [B, H, T, D] laid out as [B, T, H, D], so the reshape below is a view
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=bias)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=bias)
         return self.to_out[0](out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
@@ -328,12 +362,13 @@ class TransformerBlock(nn.Module):
         """``x + attn1(norm1(x))``, then ``+ ff(norm3(.))``: ``[B, T, dim]``, ``bias [B, 1, T, T]``."""
         return self.forward_fused(x, self.norm1(x), bias, None)[0]
 
-    def forward_fused(self, x: Tensor, x_norm1: Tensor, bias: Tensor, next_norm: nn.LayerNorm | None):
+    def forward_fused(self, x: Tensor, x_norm1: Tensor, bias: Tensor, next_norm: nn.LayerNorm | None,
+                      io: "StreamStepIO | None" = None):
         """:meth:`forward` given ``x_norm1 = norm1(x)``, with each residual add fused into the
         LayerNorm that follows it (:func:`add_layer_norm`): returns ``(out, next_norm(out))``,
-        or ``(out, None)`` without ``next_norm``."""
+        or ``(out, None)`` without ``next_norm``. ``io``: a stream-cached step (cached keys/values)."""
         n3 = self.norm3
-        x, h = add_layer_norm(x, self.attn1(x_norm1, bias), n3.weight, n3.bias, n3.eps)
+        x, h = add_layer_norm(x, self.attn1(x_norm1, bias, io), n3.weight, n3.bias, n3.eps)
         f = self.ff(h)
         if next_norm is None:
             return x + f, None
@@ -366,6 +401,202 @@ class AttentionPlan:
             out.append(torch.zeros(allowed.shape, dtype=m.dtype, device=m.device)
                        .masked_fill_(~allowed, masked_value).unsqueeze(1))
         return out
+
+
+@dataclass
+class EstimatorStreamCache:
+    """One stream's exactly reusable estimator work (issue 17): for the first :attr:`frames`
+    mel frames (a whole number of static chunks, prompt included, counted from frame 0) the
+    state of every Euler step, for both CFG rows, as later streaming calls need it.
+
+    In streaming mode (chunk-causal attention over ``static_chunk_size`` frames, causal
+    convolutions, one U-Net level) a frame in a complete static chunk reads only frames of
+    complete chunks, and its inputs (noise indexed by frame, ``mu`` of complete encoder chunks,
+    ``cond``, ``spks``, ``t``) do not change when tokens are appended; so its keys/values and
+    activations at every step are those of any later streaming call of the same stream.
+
+    Attributes (model dtype, model device; per Euler step ``k``):
+        frames: cached frames ``s`` (a multiple of the chunk size; 0 = empty).
+        n_steps: Euler steps the cache was built with.
+        keys, values: per step ``[n_sites, 2, heads, s, head_dim]``: every transformer block's
+            (U-Net order) attention keys/values of frames ``[0, s)``; row 0 conditional, row 1
+            unconditional (CFG).
+        contexts: per step ``[2, W]``: every causal convolution's (U-Net order) input at frames
+            ``[s - kernel + 1, s)``, each flattened ``(kernel - 1) * C_in`` and concatenated
+            (``W`` = their sum), so that a step gathers them with one copy per stream.
+
+    Owned by one stream (the engine's :class:`~cosyserve.engine.request.SegmentState` through
+    :class:`~cosyserve.models.flow.FlowStreamCache`); never shared, freed by :meth:`clear`.
+    """
+
+    frames: int = 0
+    n_steps: int = 0
+    keys: list = field(default_factory=list)
+    values: list = field(default_factory=list)
+    contexts: list = field(default_factory=list)
+
+    def clear(self) -> None:
+        """Drop every tensor (``frames`` = 0)."""
+        self.frames, self.n_steps = 0, 0
+        self.keys, self.values, self.contexts = [], [], []
+
+    def nbytes(self) -> int:
+        """Bytes held by the cached tensors."""
+        ts = list(self.keys) + list(self.values) + list(self.contexts)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+class StreamCachePlan:
+    """Masks and cache traffic of one stream-cached solve (used in place of an
+    :class:`AttentionPlan`; :meth:`FlowEstimator.forward_btc` dispatches on the type).
+
+    The batch holds, per item ``b``, only the frames ``[starts[b], starts[b] + new[b])`` (right-
+    padded to ``Tn``); frames before ``starts[b]`` come from ``caches[b]`` (keys/values padded to
+    ``S = max(starts)`` and masked past ``starts[b]``; causal convolutions' left context).
+    ``commit[b]``: frames of the item's cache after the last step (``> starts[b]`` appends the
+    keys/values and contexts of ``[starts[b], commit[b])``, else the cache is left as it is).
+    The attention bias ``[2B, 1, Tn, S + Tn]`` is built once: key ``j`` of the cache part is
+    allowed iff ``j < starts[b]``; key ``j`` of the new part iff ``j < new[b]`` and, for a
+    streaming item, frame ``starts[b] + j`` lies before the end of the query's static chunk.
+    Steps must be run in order (:meth:`step_io` / :meth:`StreamStepIO.finish`), the caches are
+    written after the last one only, so a failed solve leaves them as they were.
+    """
+
+    def __init__(self, caches: list, starts: list[int], new: list[int], commit: list[int],
+                 streaming: list[bool], chunk: int, n_steps: int, n_sites: int, heads: int, head_dim: int,
+                 device: torch.device, dtype: torch.dtype):
+        self.caches, self.starts, self.new, self.commit = caches, starts, new, commit
+        self.b = len(starts)
+        self.s_max, self.t_new = max(starts), max(new)
+        self.n_steps, self.n_sites, self.heads, self.head_dim = n_steps, n_sites, heads, head_dim
+        self.k = 0
+        self._pending: list[list] = [[] for _ in range(self.b)]
+        start = to_device(torch.tensor(starts), device).view(-1, 1)
+        n_new = to_device(torch.tensor(new), device).view(-1, 1)
+        stream = to_device(torch.tensor(streaming, dtype=torch.bool), device).view(-1, 1, 1)
+        i = torch.arange(self.t_new, device=device).view(1, -1)
+        q_abs = start + i                                                   # [B, Tn]
+        cache_ok = torch.arange(self.s_max, device=device).view(1, -1) < start  # [B, S]
+        k_abs = start + i                                                   # [B, Tn] key frames
+        k_ok = i < n_new                                                    # [B, Tn]
+        if chunk > 0:
+            chunk_end = (torch.div(q_abs, chunk, rounding_mode="floor") + 1) * chunk
+            causal = k_abs.unsqueeze(1) < chunk_end.unsqueeze(2)            # [B, Tn(q), Tn(k)]
+            new_ok = k_ok.unsqueeze(1) & (causal | ~stream)
+        else:
+            new_ok = k_ok.unsqueeze(1).expand(-1, self.t_new, -1)
+        allowed = torch.cat([cache_ok.unsqueeze(1).expand(-1, self.t_new, -1), new_ok], dim=2)
+        masked_value = max(_MASK_BIAS, torch.finfo(dtype).min)
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, masked_value)
+        self.bias = torch.cat([bias, bias]).unsqueeze(1)                    # [2B, 1, Tn, S + Tn]
+        valid = (i < n_new).to(dtype).unsqueeze(-1)                         # [B, Tn, 1]
+        self.mask = torch.cat([valid, valid])                               # [2B, Tn, 1]
+
+    def step_io(self) -> "StreamStepIO":
+        """The cache access of the next Euler step."""
+        if self.k >= self.n_steps:
+            raise RuntimeError("stream-cached solve: all steps were already run")
+        return StreamStepIO(self, self.k)
+
+    def _finish_step(self, io: "StreamStepIO") -> None:
+        for b, cache in enumerate(self.caches):
+            m = self.commit[b] - self.starts[b]
+            if cache is None or m <= 0:
+                continue
+            s0 = self.s_max
+            kv = []
+            for buf, old in ((io.kbuf, cache.keys), (io.vbuf, cache.values)):
+                new = buf[:, :, b, :, s0:s0 + m]
+                kv.append(torch.cat([old[io.step], new], dim=3) if self.starts[b] > 0 else new.clone())
+            self._pending[b].append((kv[0], kv[1], io.new_contexts()[:, b]))
+        self.k += 1
+        if self.k == self.n_steps:
+            for b, cache in enumerate(self.caches):
+                if cache is None or self.commit[b] <= self.starts[b]:
+                    continue
+                steps = self._pending[b]
+                cache.keys = [s[0] for s in steps]
+                cache.values = [s[1] for s in steps]
+                cache.contexts = [s[2] for s in steps]
+                cache.frames, cache.n_steps = self.commit[b], self.n_steps
+            self._pending = [[] for _ in range(self.b)]
+
+
+class StreamStepIO:
+    """One Euler step's access to the stream caches of a :class:`StreamCachePlan` (the U-Net's
+    sites are visited in the same order every step: causal convolutions and attention blocks are
+    numbered by their order of use)."""
+
+    def __init__(self, plan: StreamCachePlan, step: int):
+        self.plan, self.step = plan, step
+        self._offset = 0
+        self._attn = 0
+        self.kbuf: Tensor | None = None
+        self.vbuf: Tensor | None = None
+        self._ctx: Tensor | None = None
+        self.inputs: list[Tensor] = []
+        self._new_ctx: Tensor | None = None
+
+    def context(self, x: Tensor, kernel: int) -> Tensor:
+        """``x [2B, Tn, C]`` (new frames) -> ``[2B, kernel - 1 + Tn, C]`` with each item's cached
+        left context (zeros for an item without cache: the causal zero padding)."""
+        p, c, ch = self.plan, kernel - 1, x.size(-1)
+        if self._ctx is None:  # all sites' contexts of this step, one copy per cached stream
+            widths = [cache.contexts[self.step].size(-1) for b, cache in enumerate(p.caches)
+                      if cache is not None and p.starts[b] > 0]
+            self._ctx = x.new_zeros(2, p.b, max(widths, default=0))
+            for b, cache in enumerate(p.caches):
+                if cache is not None and p.starts[b] > 0:
+                    self._ctx[:, b] = cache.contexts[self.step]
+        w = c * ch
+        if self._ctx.size(-1) >= self._offset + w:
+            ctx = self._ctx[..., self._offset:self._offset + w].reshape(2 * p.b, c, ch)
+        else:  # no stream of the batch has a cache
+            ctx = x.new_zeros(2 * p.b, c, ch)
+        self._offset += w
+        ext = torch.cat([ctx, x], dim=1)
+        self.inputs.append(ext)
+        return ext
+
+    def new_contexts(self) -> Tensor:
+        """``[2, B, W]``: every site's input at the ``kernel - 1`` frames before each item's
+        ``commit`` frame (gathered once per step; rows of items that do not grow are unused)."""
+        if self._new_ctx is None:
+            p = self.plan
+            m = to_device(torch.tensor([max(0, c - s) for c, s in zip(p.commit, p.starts)]), self.inputs[0].device)
+            rows = torch.arange(p.b, device=m.device).view(-1, 1)
+            parts = []
+            for ext in self.inputs:
+                k1 = ext.size(1) - p.t_new
+                idx = m.view(-1, 1) + torch.arange(k1, device=m.device).view(1, -1)  # [B, k - 1]
+                parts.append(ext.view(2, p.b, ext.size(1), ext.size(2))[:, rows, idx].reshape(2, p.b, -1))
+            self._new_ctx = torch.cat(parts, dim=-1)
+        return self._new_ctx
+
+    def keys_values(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """``k, v [2B, H, Tn, D]`` of the new frames -> ``[2B, H, S + Tn, D]``: each item's cached
+        keys/values (padded to ``S``), then the new ones."""
+        p = self.plan
+        if self.kbuf is None:
+            shape = (p.n_sites, 2, p.b, p.heads, p.s_max + p.t_new, p.head_dim)
+            self.kbuf, self.vbuf = k.new_zeros(shape), v.new_zeros(shape)
+            for b, cache in enumerate(p.caches):
+                s = p.starts[b]
+                if cache is not None and s > 0:
+                    self.kbuf[:, :, b, :, :s] = cache.keys[self.step]
+                    self.vbuf[:, :, b, :, :s] = cache.values[self.step]
+        site = self._attn
+        self._attn += 1
+        shape = (2, p.b, p.heads, p.t_new, p.head_dim)
+        kb, vb = self.kbuf[site], self.vbuf[site]
+        kb[:, :, :, p.s_max:] = k.reshape(shape)
+        vb[:, :, :, p.s_max:] = v.reshape(shape)
+        full = (2 * p.b, p.heads, p.s_max + p.t_new, p.head_dim)
+        return kb.view(full), vb.view(full)
+
+    def finish(self) -> None:
+        """After the step: stage the new cache parts (written to the caches after the last step)."""
+        self.plan._finish_step(self)
 
 
 class FlowEstimator(nn.Module):
@@ -438,6 +669,55 @@ class FlowEstimator(nn.Module):
             m = m[:, :, ::2]
         return AttentionPlan(masks, streaming, self.cfg.static_chunk_size)
 
+    @property
+    def supports_stream_cache(self) -> bool:
+        """Stream caching (:class:`EstimatorStreamCache`) is exact only for a one-level U-Net
+        (CosyVoice2: ``channels: [256]``): the resampling convolutions of deeper U-Nets read the
+        next frame, so a frame's value would depend on a later chunk."""
+        return self.depth == 1
+
+    def attention_sites(self) -> int:
+        """Transformer blocks (each one attention) in the U-Net."""
+        return sum(len(blk[1]) for blk in list(self.down_blocks) + list(self.mid_blocks) + list(self.up_blocks))
+
+    def stream_cache_values_per_frame(self) -> int:
+        """Cached values per mel frame of an :class:`EstimatorStreamCache` (all steps, both CFG
+        rows, keys and values; the convolution contexts are a constant ``kernel - 1`` frames):
+        ``n_timesteps * 2 * 2 * attention_sites * heads * head_dim`` with ``n_timesteps`` given
+        by the caller (:class:`~cosyserve.models.config.CFMConfig`)."""
+        return 2 * 2 * self.attention_sites() * self.cfg.num_heads * self.cfg.attention_head_dim
+
+    def stream_plan(self, caches: list, starts: list[int], new: list[int], commit: list[int],
+                    streaming: list[bool], n_steps: int, device: torch.device,
+                    dtype: torch.dtype) -> StreamCachePlan:
+        """A :class:`StreamCachePlan` for this U-Net (see there for the arguments)."""
+        if not self.supports_stream_cache:
+            raise ValueError(f"flow estimator: stream caching needs a one-level U-Net, this one has {self.depth}")
+        return StreamCachePlan(caches, starts, new, commit, streaming, self.cfg.static_chunk_size, n_steps,
+                               self.attention_sites(), self.cfg.num_heads, self.cfg.attention_head_dim,
+                               device, dtype)
+
+    def _forward_stream_cached(self, h: Tensor, plan: StreamCachePlan, t: Tensor) -> Tensor:
+        """:meth:`forward_btc` of the new frames of a stream-cached batch (one-level U-Net):
+        ``h [2B, Tn, in_channels]`` -> ``[2B, Tn, out_channels]``, zero at padded frames."""
+        io = plan.step_io()
+        terms = iter(self.time_terms(t))
+        bias = plan.bias
+        resnet, blocks, down = self.down_blocks[0]
+        h = self._resnet_transformers(resnet, blocks, h, next(terms), bias, io)
+        skip = h
+        h = down.forward_btc(h, io)
+        for resnet, blocks in self.mid_blocks:
+            h = self._resnet_transformers(resnet, blocks, h, next(terms), bias, io)
+        resnet, blocks, up = self.up_blocks[0]
+        h = self._resnet_transformers(resnet, blocks, torch.cat([h, skip], dim=-1), next(terms), bias, io)
+        h = up.forward_btc(h, io)
+        h = self.final_block(h, io=io)
+        w = self.final_proj.weight
+        out = F.linear(h, w.view(w.shape[0], w.shape[1]), self.final_proj.bias) * plan.mask
+        io.finish()
+        return out
+
     def _resnets(self) -> list[CausalResnetBlock]:
         """Every ResNet block in forward order (down, mid, up)."""
         return [blk[0] for blk in self.down_blocks] + [blk[0] for blk in self.mid_blocks] + \
@@ -456,13 +736,14 @@ class FlowEstimator(nn.Module):
         return list(F.linear(F.mish(t_emb), w, bias).split([lin.out_features for lin in lins], dim=-1))
 
     def _resnet_transformers(self, resnet: CausalResnetBlock, blocks: nn.ModuleList, h: Tensor, t_term: Tensor,
-                             bias: Tensor) -> Tensor:
+                             bias: Tensor, io: "StreamStepIO | None" = None) -> Tensor:
         """One U-Net stage's ResNet block and transformer blocks; the first block's pre-norm is
         fused into the ResNet block's last kernel."""
-        h, h_norm = resnet.forward_normed(h, t_term, blocks[0].norm1 if len(blocks) else None)
-        return self._transformers(blocks, h, bias, h_norm)
+        h, h_norm = resnet.forward_normed(h, t_term, blocks[0].norm1 if len(blocks) else None, io)
+        return self._transformers(blocks, h, bias, h_norm, io)
 
-    def _transformers(self, blocks: nn.ModuleList, h: Tensor, bias: Tensor, h_norm: Tensor | None) -> Tensor:
+    def _transformers(self, blocks: nn.ModuleList, h: Tensor, bias: Tensor, h_norm: Tensor | None,
+                      io: "StreamStepIO | None" = None) -> Tensor:
         """The transformer blocks of one U-Net stage (:meth:`TransformerBlock.forward_fused`:
         each residual add fused with the next block's pre-norm); ``h_norm``: the first block's
         ``norm1(h)`` (None only without blocks)."""
@@ -470,7 +751,7 @@ class FlowEstimator(nn.Module):
             return h
         for i, block in enumerate(blocks):
             nxt = blocks[i + 1].norm1 if i + 1 < len(blocks) else None
-            h, h_norm = block.forward_fused(h, h_norm, bias, nxt)
+            h, h_norm = block.forward_fused(h, h_norm, bias, nxt, io)
         return h
 
     def forward_btc(self, h: Tensor, plan: AttentionPlan, t: Tensor) -> Tensor:
@@ -484,6 +765,8 @@ class FlowEstimator(nn.Module):
         masked attention keys, per-frame norms), which is what upstream's extra masking
         guarantees too.
         """
+        if isinstance(plan, StreamCachePlan):
+            return self._forward_stream_cached(h, plan, t)
         terms = iter(self.time_terms(t))
         biases = plan.biases()
         skips = []
