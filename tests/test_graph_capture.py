@@ -450,3 +450,30 @@ def test_decoder_runs_eagerly_until_published_then_replays(model, monkeypatch):
         ref = lm.logprobs(lm.forward_cached(lm.embed_speech(toks[:, None]), eager_cache, slots, start)[:, -1])
         assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5), step
     assert dec._graphs[(2, 256)][0].replays == 1
+
+
+def test_fused_op_runs_eagerly_while_another_thread_traces(monkeypatch):
+    """torch's FX-tracing flag is process-wide: while one thread compiles (traces), a compiled op called
+    in another thread raises. FusedOp then runs the eager formula for that call and stays usable."""
+    import torch.fx._symbolic_trace as st
+
+    from cosyserve.models import fused
+
+    calls = []
+
+    def compiled(*args):
+        calls.append("compiled")
+        if st._is_fx_tracing_flag:
+            raise RuntimeError("Detected that you are using FX to symbolically trace a dynamo-optimized function.")
+        return args[0] * 2
+
+    op = fused.FusedOp(lambda x: x * 2, "double")
+    op._compiled = compiled
+    x = torch.ones(3)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(st, "_is_fx_tracing_flag", True)
+    assert torch.equal(op(x), x * 2) and calls == [] and not op._broken  # checked before the call
+    monkeypatch.setattr(fused, "_other_thread_tracing", lambda: False)  # the flag set during the call
+    assert torch.equal(op(x), x * 2) and calls == ["compiled"] and not op._broken
+    monkeypatch.setattr(st, "_is_fx_tracing_flag", False)
+    assert torch.equal(op(x), x * 2) and calls == ["compiled"] * 2 and op.compiled

@@ -84,6 +84,21 @@ def _raise_recompile_limit(limit: int = 64) -> None:
             setattr(cfg, name, limit)
 
 
+#: what dynamo raises when a compiled function runs while FX tracing is active anywhere in the process
+_TRACING_RACE = "symbolically trace a dynamo-optimized function"
+
+
+def _other_thread_tracing() -> bool:
+    """True while FX tracing is active in the process. torch keeps that flag process-wide, so while
+    one thread compiles a function (Inductor traces it), a compiled function called in another
+    thread raises instead of running (seen on the H100 with graphs captured in a background thread
+    while requests were served): such a call runs the eager formula instead, once, and the op is
+    not marked broken."""
+    import torch.fx._symbolic_trace as st  # the flag itself (is_fx_tracing() logs a warning per call)
+
+    return bool(getattr(st, "_is_fx_tracing_flag", False))
+
+
 class FusedOp:
     """A torch function of tensors that runs as one compiled kernel on CUDA, eagerly elsewhere.
 
@@ -119,9 +134,13 @@ class FusedOp:
         if _enabled and not self._broken and x.is_cuda:
             fn = self._get()
             if fn is not None:
+                if _other_thread_tracing():  # another thread is compiling: eager this once
+                    return self.fn(*args)
                 try:
                     return fn(*args)
                 except Exception as exc:  # noqa: BLE001 - fall back to the eager formula
+                    if _other_thread_tracing() or _TRACING_RACE in str(exc):
+                        return self.fn(*args)  # transient (see _other_thread_tracing), not broken
                     if torch.cuda.is_current_stream_capturing():
                         raise
                     self._broken = True
