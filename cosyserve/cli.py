@@ -497,6 +497,9 @@ def cmd_serve(args) -> int:
 
     setup_logging(args.log_format, logging.DEBUG if args.verbose else logging.INFO)
     _router_gpus(args)  # router options checked before anything is loaded
+    llm_api_key = args.llm_api_key or os.environ.get("COSYSERVE_LLM_API_KEY") or None
+    if args.llm_url:
+        _check_llm_url(args.llm_url, args.llm_model, llm_api_key)
     if args.prompt_cache < 0:
         raise CLIError(f"--prompt-cache must be >= 0, not {args.prompt_cache}")
     if not 0 <= args.prompt_batch_window <= 1:
@@ -524,9 +527,6 @@ def cmd_serve(args) -> int:
     if args.llm_url:  # the LM runs elsewhere: its weights need not be here
         need = tuple(n for n in need if n != "llm")
     open_model_dir(args.model_dir, need=need)  # fail fast with a clear message
-    llm_api_key = args.llm_api_key or os.environ.get("COSYSERVE_LLM_API_KEY") or None
-    if args.llm_url:
-        _check_llm_url(args.llm_url, args.llm_model, llm_api_key)
     if args.token2wav_dir:
         from .models.dit_token2wav import open_token2wav_dir
 
