@@ -300,3 +300,31 @@ def test_disaggregated_router_answers_every_protocol(cache):
         assert r.status_code == 200 and len(r.content) > 0
     finally:
         assert s.stop() == 0, s.logs()
+
+
+@pytest.mark.gpu
+def test_remote_engine_on_cuda_uses_token2wav_graphs(llm):
+    """On CUDA the remote engine builds the flow/HiFT CUDA graphs as EngineCore does and streams."""
+    import torch
+
+    from cosyserve.engine.core import EngineConfig
+    from cosyserve.engine.pipeline import Synthesizer
+    from cosyserve.engine.request import AudioChunk, RequestFinished, SynthesisParams
+    from cosyserve.engine.token_source import RemoteLMEngine, remote_source_for
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    remote = Synthesizer(llm.cache / "demo-model", device="cuda", load_llm=False)
+    voice = remote.make_voice("v", str(PROMPT), TRANSCRIPT)
+    source = remote_source_for(remote.models, len(remote.frontend.tokenizer), llm.url)
+    engine = RemoteLMEngine(remote.models, source, EngineConfig(max_active=2))
+    try:
+        assert remote.models.flow.graph is not None and remote.models.hift.graph_decode is not None
+        engine.warmup()
+        req = remote.build_request("你好，世界。Hello.", voice, SynthesisParams(
+            seed=3, stream=True, min_token_text_ratio=6, max_token_text_ratio=6), "g1")
+        evs = list(engine.run_to_completion(req))
+    finally:
+        engine.close()
+    assert isinstance(evs[-1], RequestFinished) and evs[-1].outcome.value == "ok", evs[-1].error
+    assert sum(isinstance(e, AudioChunk) for e in evs) >= 2
