@@ -328,3 +328,70 @@ def test_remote_engine_on_cuda_uses_token2wav_graphs(llm):
         engine.close()
     assert isinstance(evs[-1], RequestFinished) and evs[-1].outcome.value == "ok", evs[-1].error
     assert sum(isinstance(e, AudioChunk) for e in evs) >= 2
+
+
+def _client_with(handler):
+    from cosyserve.client.remote_lm import StreamingCompletionsLM, speech_vocab
+
+    c = StreamingCompletionsLM("http://lm.example:9/v1", speech_vocab(151663, 6561), model="m", timeout_s=1.0)
+    c._http = httpx.AsyncClient(base_url=c.base, transport=httpx.MockTransport(handler))
+    return c
+
+
+def _collect(client):
+    import asyncio
+
+    async def go():
+        out = []
+        try:
+            async for d in client.stream([1, 2], 1, 10, seed=3):
+                out.append(d)
+        finally:
+            await client.aclose()
+        return out
+    return asyncio.run(go())
+
+
+class _Chunks(httpx.AsyncByteStream):
+    def __init__(self, parts, fail: Exception | None = None):
+        self.parts, self.fail = parts, fail
+
+    async def __aiter__(self):
+        for p in self.parts:
+            yield p
+        if self.fail is not None:
+            raise self.fail
+
+
+def _event(text, reason=None):
+    return ("data: " + json.dumps({"choices": [{"index": 0, "text": text, "finish_reason": reason}]}) + "\n\n").encode()
+
+
+def test_streaming_client_parses_split_tokens_and_sends_the_request():
+    from cosyserve.client.remote_lm import RemoteLMError
+
+    seen = {}
+
+    def handler(request):
+        seen.update(json.loads(request.content))
+        return httpx.Response(200, stream=_Chunks([_event("<|s_1|><|s"), _event("_2|> "), _event("<|s_3|><|eos1|>"),
+                                                   b"data: [DONE]\n\n"]))
+    out = _collect(_client_with(handler))
+    assert [t for d in out for t in d.tokens] == [1, 2, 3] and out[-1].finish_reason == "stop"
+    assert seen["stream"] is True and seen["prompt"] == [1, 2] and seen["seed"] == 3 and seen["model"] == "m"
+    assert seen["min_tokens"] == 1 and seen["max_tokens"] == 10
+
+    cases = [
+        (lambda r: httpx.Response(503, text="overloaded"), "answered HTTP 503: overloaded"),
+        (lambda r: (_ for _ in ()).throw(httpx.ConnectError("refused")), "ConnectError"),
+        (lambda r: (_ for _ in ()).throw(httpx.ReadTimeout("slow")), "timed out"),
+        (lambda r: httpx.Response(200, stream=_Chunks([_event("<|s_1|>")], httpx.RemoteProtocolError("cut"))),
+         "RemoteProtocolError"),
+        (lambda r: httpx.Response(200, stream=_Chunks([_event("<|s_1|>")])), "before its finish_reason"),
+        (lambda r: httpx.Response(200, stream=_Chunks([b"data: {not json\n\n"])), "malformed stream event"),
+        (lambda r: httpx.Response(200, stream=_Chunks([b'data: {"error": {"message": "boom"}}\n\n'])), "boom"),
+    ]
+    for handler, needle in cases:
+        with pytest.raises(RemoteLMError) as e:
+            _collect(_client_with(handler))
+        assert "LLM server http://lm.example:9" in str(e.value) and needle in str(e.value), str(e.value)

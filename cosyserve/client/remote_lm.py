@@ -372,8 +372,8 @@ class StreamingCompletionsLM(CompletionsSettings):
             await self.discover_model()
         where = f"LLM server {self.base}"
         try:
-            async with self._client().stream("POST", "/v1/completions",
-                                             json=self.body(prompt_ids, min_tokens, max_tokens, seed, stream=True)) as r:
+            body = self.body(prompt_ids, min_tokens, max_tokens, seed, stream=True)
+            async with self._client().stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     text = (await r.aread()).decode("utf-8", "replace")[:500]
                     raise RemoteLMError(f"{where} answered HTTP {r.status_code}: {text}")
@@ -407,7 +407,7 @@ class StreamingCompletionsLM(CompletionsSettings):
                         return
                 raise RemoteLMError(f"{where} ended the stream before its finish_reason")
         except httpx.TimeoutException as exc:
-            raise RemoteLMError(f"{where}: timed out ({type(exc).__name__}; nothing received for "
-                                f"{self.timeout_s:g} s, or no connection within {self.connect_timeout_s:g} s)") from None
+            raise RemoteLMError(f"{where}: timed out ({type(exc).__name__}; nothing received for {self.timeout_s:g} s, "
+                                f"or no connection within {self.connect_timeout_s:g} s)") from None
         except httpx.HTTPError as exc:
             raise RemoteLMError(f"{where}: {type(exc).__name__}: {exc or 'connection failed'}") from None

@@ -383,7 +383,8 @@ async def create_completion(body: CompletionRequest, request: Request):
     if not prompts or len(prompts) > 256:
         raise InvalidInputError("give 1 to 256 prompts", field="prompt")
     seeds = [None if body.seed is None else body.seed + i for i in range(len(prompts))]
-    reqs = [_engine_request(st, body, p, sv, s) for p, s in zip(prompts, seeds)]  # every prompt checked before any is queued
+    # every prompt is checked before any is queued
+    reqs = [_engine_request(st, body, p, sv, s) for p, s in zip(prompts, seeds)]
     if body.stream:
         queues = []
         try:
