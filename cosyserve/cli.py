@@ -500,6 +500,15 @@ def cmd_serve(args) -> int:
     llm_api_key = args.llm_api_key or os.environ.get("COSYSERVE_LLM_API_KEY") or None
     if args.llm_url:
         _check_llm_url(args.llm_url, args.llm_model, llm_api_key)
+    if args.llm_checkpoint:
+        from .client.remote_lm import RemoteLMError, load_checkpoint_info
+
+        if not args.llm_url:
+            raise CLIError("--llm-checkpoint goes with --llm-url (the server that serves that checkpoint)")
+        try:
+            load_checkpoint_info(args.llm_checkpoint)
+        except RemoteLMError as exc:
+            raise CLIError(str(exc)) from None
     if args.prompt_cache < 0:
         raise CLIError(f"--prompt-cache must be >= 0, not {args.prompt_cache}")
     if not 0 <= args.prompt_batch_window <= 1:
@@ -546,6 +555,7 @@ def cmd_serve(args) -> int:
         tokenizer_backend=args.speech_tokenizer,
         prompt_cache_size=args.prompt_cache, prompt_batch_window_s=args.prompt_batch_window,
         llm_url=args.llm_url, llm_model=args.llm_model, llm_api_key=llm_api_key, llm_timeout_s=args.llm_timeout,
+        llm_checkpoint=args.llm_checkpoint,
         metrics_port=args.metrics_port,
     )
     try:
@@ -871,6 +881,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--llm-api-key", help="bearer key of the --llm-url server (also $COSYSERVE_LLM_API_KEY)")
     sv.add_argument("--llm-timeout", type=float, default=60.0, metavar="SECONDS",
                     help="--llm-url: a stream that receives nothing for this long fails (default 60)")
+    sv.add_argument("--llm-checkpoint", metavar="DIR",
+                    help="--llm-url served by vLLM / SGLang / trtllm-serve: the convert-llm folder it serves; its "
+                         "speech-logit bias is sent as logit_bias (the native --llm-only server needs none)")
     sv.add_argument("--llm-gpus", metavar="LIST",
                     help="disaggregated layout: one --llm-only LLM worker per listed GPU (with --t2w-gpus)")
     sv.add_argument("--t2w-gpus", metavar="LIST",

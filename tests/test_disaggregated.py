@@ -223,6 +223,15 @@ def test_llm_killed_mid_stream_fails_that_stream_and_recovers(cache, llm, t2w):
     r = httpx.post(t2w.url + "/v1/audio/speech", headers=KEY, timeout=60,
                    json={"model": "tts-1", "voice": "default", "input": "你好。"})
     assert r.status_code == 502 and "LLM server" in r.json()["error"]["message"], r.text
+    import tritonclient.grpc as tg
+    from tritonclient.utils import InferenceServerException
+
+    t = tg.InferInput("target_text", [1, 1], "BYTES")
+    t.set_data_from_numpy(np.array([["你好。"]], dtype=object))
+    with pytest.raises(InferenceServerException) as e:
+        tg.InferenceServerClient(f"127.0.0.1:{t2w.grpc_port}").infer(
+            "cosyvoice2", [t], headers={"authorization": KEY["Authorization"]})
+    assert "UNAVAILABLE" in str(e.value) and f"LLM server http://127.0.0.1:{port}" in str(e.value), str(e.value)
     assert httpx.get(t2w.url + "/v2/health/live").status_code == 200
     back = start(cache, "--llm-only", "--max-active-streams", "4", port=port)
     try:
@@ -395,3 +404,27 @@ def test_streaming_client_parses_split_tokens_and_sends_the_request():
         with pytest.raises(RemoteLMError) as e:
             _collect(_client_with(handler))
         assert "LLM server http://lm.example:9" in str(e.value) and needle in str(e.value), str(e.value)
+
+
+def test_llm_checkpoint_sends_the_decoder_bias(llm, tmp_path):
+    """--llm-checkpoint (external servers): the convert-llm folder's vocabulary and its decoder
+    bias as logit_bias; a folder that is no checkpoint is a one-line CLI error."""
+    from cosyserve.cli import main
+    from cosyserve.client.remote_lm import load_checkpoint_info
+    from cosyserve.engine.pipeline import Synthesizer
+    from cosyserve.engine.token_source import remote_source_for
+    from cosyserve.models.export import export_llm
+
+    model_dir = llm.cache / "demo-model"
+    export_llm(model_dir, tmp_path / "ck")
+    sv, bias = load_checkpoint_info(tmp_path / "ck")
+    syn = Synthesizer(model_dir, load_llm=False)
+    src = remote_source_for(syn.models, len(syn.frontend.tokenizer), llm.url, checkpoint=str(tmp_path / "ck"))
+    try:
+        lb = src.client.logit_bias
+        assert src.client.sv == sv and len(lb) == len(bias)
+        assert lb[str(sv.speech_token_offset + 5)] == pytest.approx(max(-100, min(100, bias[5])))
+    finally:
+        src.close()
+    assert main(["serve", "--model-dir", str(model_dir), "--llm-url", llm.url, "--llm-checkpoint",
+                 str(tmp_path)]) == 2

@@ -174,18 +174,30 @@ class RemoteTokenSource:
 
 
 def remote_source_for(models: CosyVoice2Models, text_vocab_size: int, url: str, model: str | None = None,
-                      api_key: str | None = None, timeout_s: float = 60.0) -> RemoteTokenSource:
+                      api_key: str | None = None, timeout_s: float = 60.0,
+                      checkpoint: str | None = None) -> RemoteTokenSource:
     """A :class:`RemoteTokenSource` for ``models``' speech LM served at ``url``: the exported
     vocabulary of ``cosyserve convert-llm`` (``text_vocab_size``: the frontend tokenizer's
     size), the yaml's top-p / top-k, stop ids as ``stop_token_ids``, special tokens kept.
-    ``timeout_s``: the longest wait for the next piece of a stream. Raises
-    :class:`RemoteLMError` for a malformed URL."""
-    from ..client.remote_lm import speech_vocab
+    ``timeout_s``: the longest wait for the next piece of a stream. ``checkpoint``: the
+    ``convert-llm`` folder an external server (vLLM, SGLang, trtllm-serve) serves: its
+    vocabulary is used and its decoder bias sent as ``logit_bias`` (the native server has the
+    bias built in: give none). Raises :class:`RemoteLMError` for a malformed URL or a folder
+    that is not a ``convert-llm`` checkpoint (or disagrees with the model's speech tokens)."""
+    from ..client.remote_lm import load_checkpoint_info, logit_bias_map, speech_vocab
 
     cfg = models.cfg
     sv: SpeechVocab = speech_vocab(text_vocab_size, cfg.llm.speech_token_size, cfg.model_family)
+    bias = None
+    if checkpoint is not None:
+        ck, raw = load_checkpoint_info(checkpoint)
+        if ck.speech_token_size != sv.speech_token_size or ck.speech_token_offset != sv.speech_token_offset:
+            raise RemoteLMError(f"{checkpoint}: speech tokens at {ck.speech_token_offset}+{ck.speech_token_size}, "
+                                f"the model's at {sv.speech_token_offset}+{sv.speech_token_size}")
+        sv, bias = ck, (logit_bias_map(ck, raw) if raw is not None else None)
     s = cfg.llm.sampling
     client = StreamingCompletionsLM(url, sv, model=model, api_key=api_key, top_p=s.top_p, top_k=s.top_k,
+                                    logit_bias=bias,
                                     extra={"skip_special_tokens": False, "stop_token_ids": list(sv.stop_token_ids)},
                                     timeout_s=timeout_s)
     return RemoteTokenSource(client)

@@ -163,6 +163,8 @@ class ServerConfig:
     llm_model: str | None = None  # its served model name (None: the first of GET /v1/models)
     llm_api_key: str | None = None
     llm_timeout_s: float = 60.0  # the longest wait for the next piece of an LM stream
+    #: the convert-llm folder an external LM server serves (``--llm-checkpoint``): its decoder bias is sent
+    llm_checkpoint: str | None = None
     #: a second plain-HTTP listener that serves only GET /metrics, without the API key (``--metrics-port``)
     metrics_port: int | None = None
     extra: dict = field(default_factory=dict)
@@ -247,7 +249,7 @@ class ServerState:
         c = self.config
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per LM stream otherwise
         source = remote_source_for(self.synth.models, len(self.synth.frontend.tokenizer), c.llm_url, c.llm_model,
-                                   c.llm_api_key, timeout_s=c.llm_timeout_s)
+                                   c.llm_api_key, timeout_s=c.llm_timeout_s, checkpoint=c.llm_checkpoint)
         if c.llm_model is None:
             try:
                 source.check()
