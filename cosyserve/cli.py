@@ -697,12 +697,12 @@ def _router_gpus(args) -> list[str]:
 
 
 def _serve_router(args) -> int:
-    """`serve --workers N` / `--gpus LIST`: the router on the public ports over N worker processes."""
+    """`serve --workers N` / `--gpus LIST`: the router on the public ports over N worker processes;
+    with `--llm-gpus/--t2w-gpus` or `--llm-workers` the disaggregated layout (LLM workers +
+    token2wav workers streaming from them, round-robin)."""
     import asyncio
 
-    from .server.router import RouterConfig, WorkerSpec, serve_router
-
-    from .server.router import free_port
+    from .server.router import RouterConfig, WorkerSpec, free_port, serve_router
 
     gpus = _router_gpus(args)
     base = _worker_argv(args.argv)
@@ -715,10 +715,12 @@ def _serve_router(args) -> int:
     # the disaggregated layout: --llm-only workers on fixed loopback ports, token2wav workers streaming from them
     llm_places = [({"CUDA_VISIBLE_DEVICES": g}, f"llm, gpu {g}") for g in llm_gpus] or \
         [({}, "llm, shared device")] * (args.llm_workers or 0)
-    llm_specs = [WorkerSpec(i, base + ["--llm-only"], env, label, args.max_active_streams, role="llm",
-                            port=free_port()) for i, (env, label) in enumerate(llm_places)]
     t2w_places = [({"CUDA_VISIBLE_DEVICES": g}, f"gpu {g}") for g in gpus] or \
         [({}, "shared device")] * args.workers
+    # an LLM worker serves the streams of all its token2wav workers at once: as many KV slots
+    llm_slots = args.max_active_streams * -(-len(t2w_places) // max(1, len(llm_places)))
+    llm_specs = [WorkerSpec(i, base + ["--llm-only", "--max-active-streams", str(llm_slots)], env, label,
+                            llm_slots, role="llm", port=free_port()) for i, (env, label) in enumerate(llm_places)]
     specs = []
     for i, (env, label) in enumerate(t2w_places):
         argv, env = list(base), dict(env)
