@@ -182,7 +182,7 @@ def test_t2w_server_streams_over_openai_and_grpc(t2w):
     code, events = _openai_sse(t2w.url, "你好，世界。")
     assert code == 200, events
     audio = [e for e in events if e["type"] == "speech.audio.delta"]
-    assert len(audio) >= 2 and events[-1]["type"] == "speech.audio.done", events[-1]
+    assert len(audio) >= 2 and events[-1]["type"] == "speech.audio.done", (len(audio), events[-1], t2w.logs()[-4000:])
 
     g = tg.InferenceServerClient(f"127.0.0.1:{t2w.grpc_port}")
     results: queue.Queue = queue.Queue()
@@ -195,12 +195,12 @@ def test_t2w_server_streams_over_openai_and_grpc(t2w):
     chunks = []
     while True:
         r = results.get(timeout=120)
-        assert not isinstance(r, InferenceServerException), r
+        assert not isinstance(r, InferenceServerException), (r, t2w.logs()[-4000:])
         if r.get_response().parameters["triton_final_response"].bool_param:
             break
         chunks.append(r.as_numpy("waveform").reshape(-1))
     g.stop_stream()
-    assert len(chunks) >= 2 and all(c.size for c in chunks)
+    assert len(chunks) >= 2 and all(c.size for c in chunks), (len(chunks), t2w.logs()[-4000:])
 
 
 def test_metrics_port_needs_no_key_and_opens_nothing_else(t2w):
