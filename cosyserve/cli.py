@@ -520,6 +520,18 @@ def cmd_serve(args) -> int:
 
     setup_logging(args.log_format, logging.DEBUG if args.verbose else logging.INFO)
     _router_gpus(args)  # router options checked before anything is loaded
+    llm_api_key = args.llm_api_key or os.environ.get("COSYSERVE_LLM_API_KEY") or None
+    if args.llm_url:
+        _check_llm_url(args.llm_url, args.llm_model, llm_api_key)
+    if args.llm_checkpoint:
+        from .client.remote_lm import RemoteLMError, load_checkpoint_info
+
+        if not args.llm_url:
+            raise CLIError("--llm-checkpoint goes with --llm-url (the server that serves that checkpoint)")
+        try:
+            load_checkpoint_info(args.llm_checkpoint)
+        except RemoteLMError as exc:
+            raise CLIError(str(exc)) from None
     if args.prompt_cache < 0:
         raise CLIError(f"--prompt-cache must be >= 0, not {args.prompt_cache}")
     if not 0 <= args.prompt_batch_window <= 1:
@@ -543,13 +555,15 @@ def cmd_serve(args) -> int:
         raise CLIError("--model-dir (or --demo, or --random-weights YAML) is required")
     from .models.loader import open_model_dir
 
-    open_model_dir(args.model_dir, need=("llm", "onnx", "qwen") if args.token2wav_dir else
-                   ("llm", "flow", "hift", "onnx", "qwen"))  # fail fast with a clear message
+    need = ("llm", "onnx", "qwen") if args.token2wav_dir else ("llm", "flow", "hift", "onnx", "qwen")
+    if args.llm_url:  # the LM runs elsewhere: its weights need not be here
+        need = tuple(n for n in need if n != "llm")
+    open_model_dir(args.model_dir, need=need)  # fail fast with a clear message
     if args.token2wav_dir:
         from .models.dit_token2wav import open_token2wav_dir
 
         open_token2wav_dir(args.token2wav_dir)
-    if args.workers > 1 or args.gpus:
+    if args.workers > 1 or args.gpus or args.llm_gpus or args.llm_workers:
         return _serve_router(args)
     cfg = ServerConfig(
         model_dir=args.model_dir, host=args.host, port=args.port, grpc_port=args.grpc_port, voices_dir=voices_dir,
@@ -563,6 +577,9 @@ def cmd_serve(args) -> int:
         warmup=not args.no_warmup, llm_only=args.llm_only, token2wav_dir=args.token2wav_dir,
         tokenizer_backend=args.speech_tokenizer,
         prompt_cache_size=args.prompt_cache, prompt_batch_window_s=args.prompt_batch_window,
+        llm_url=args.llm_url, llm_model=args.llm_model, llm_api_key=llm_api_key, llm_timeout_s=args.llm_timeout,
+        llm_checkpoint=args.llm_checkpoint,
+        metrics_port=args.metrics_port,
     )
     try:
         asyncio.run(serve(cfg, args.log_format))
@@ -571,6 +588,30 @@ def cmd_serve(args) -> int:
     except RuntimeError as exc:
         raise CLIError(str(exc)) from None
     return 0
+
+
+def _check_llm_url(url: str, model: str | None, api_key: str | None) -> None:
+    """`serve --llm-url`: the URL must be http(s)://; without --llm-model the server must answer
+    GET /v1/models now (its first model is served). Raises :class:`CLIError` (one line)."""
+    import httpx
+
+    from .client.remote_lm import RemoteLMError, completions_base_url
+
+    try:
+        base = completions_base_url(url)
+    except RemoteLMError as exc:
+        raise CLIError(str(exc)) from None
+    if model is not None:
+        return  # the LLM server may start later (a worker of a disaggregated router): checked at warm-up
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(base + "/v1/models", headers=headers, timeout=10)
+        r.raise_for_status()
+        (r.json().get("data") or [])[0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise CLIError(f"--llm-url {url}: cannot list the LLM server's models (GET {base}/v1/models: "
+                       f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no answer'}); start it, "
+                       "fix the URL, or pass --llm-model") from None
 
 
 def cmd_convert_llm(args) -> int:
@@ -623,7 +664,8 @@ def cmd_bench(args) -> int:
 
 
 #: options of `serve` that belong to the router, not its workers (value-taking unless listed in _ROUTER_FLAGS)
-_ROUTER_OPTIONS = ("--workers", "--gpus", "--host", "--port", "--grpc-port")
+_ROUTER_OPTIONS = ("--workers", "--gpus", "--host", "--port", "--grpc-port", "--metrics-port", "--llm-gpus",
+                   "--t2w-gpus", "--llm-workers")
 
 
 def _worker_argv(argv: list[str]) -> list[str]:
@@ -644,38 +686,77 @@ def _worker_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def _router_gpus(args) -> list[str]:
-    """The GPUs of `serve --gpus` (empty without it); raises :class:`CLIError` for inconsistent
-    router options."""
-    gpus = [g.strip() for g in args.gpus.split(",")] if args.gpus else []
-    if args.gpus is not None and (not gpus or any(not g.isdigit() for g in gpus) or len(set(gpus)) != len(gpus)):
-        raise CLIError(f"--gpus takes distinct GPU indices separated by commas, e.g. 0,1 (got {args.gpus!r})")
-    if gpus and args.workers > 1 and args.workers != len(gpus):
-        raise CLIError(f"--workers {args.workers} disagrees with --gpus {args.gpus} (one worker per GPU)")
-    if (gpus or args.workers > 1) and args.llm_only:
-        raise CLIError("--llm-only serves one process; run one per GPU instead of --workers/--gpus")
+def _gpu_list(value: str | None, flag: str) -> list[str]:
+    gpus = [g.strip() for g in value.split(",")] if value else []
+    if value is not None and (not gpus or any(not g.isdigit() for g in gpus) or len(set(gpus)) != len(gpus)):
+        raise CLIError(f"{flag} takes distinct GPU indices separated by commas, e.g. 0,1 (got {value!r})")
     return gpus
 
 
+def _router_gpus(args) -> list[str]:
+    """The GPUs of `serve --gpus` (or of the token2wav workers, `--t2w-gpus`; empty without
+    them); raises :class:`CLIError` for inconsistent router / disaggregation options."""
+    gpus = _gpu_list(args.gpus, "--gpus")
+    llm_gpus, t2w_gpus = _gpu_list(args.llm_gpus, "--llm-gpus"), _gpu_list(args.t2w_gpus, "--t2w-gpus")
+    if gpus and args.workers > 1 and args.workers != len(gpus):
+        raise CLIError(f"--workers {args.workers} disagrees with --gpus {args.gpus} (one worker per GPU)")
+    if bool(llm_gpus) != bool(t2w_gpus):
+        raise CLIError("the disaggregated layout needs both --llm-gpus (LLM workers) and --t2w-gpus "
+                       "(token2wav workers)")
+    if llm_gpus and (gpus or args.llm_workers):
+        raise CLIError("--llm-gpus/--t2w-gpus replace --gpus and --llm-workers (one LLM worker per --llm-gpus "
+                       "GPU, one token2wav worker per --t2w-gpus GPU)")
+    if t2w_gpus and args.workers > 1 and args.workers != len(t2w_gpus):
+        raise CLIError(f"--workers {args.workers} disagrees with --t2w-gpus {args.t2w_gpus} (one worker per GPU)")
+    disagg = bool(llm_gpus or args.llm_workers)
+    if disagg and args.llm_url:
+        raise CLIError("--llm-url names an external LLM server; --llm-gpus/--llm-workers start LLM workers: "
+                       "give one or the other")
+    if args.llm_only and (gpus or args.workers > 1 or disagg):
+        raise CLIError("--llm-only serves one process; run one per GPU instead of --workers/--gpus")
+    if args.llm_only and args.llm_url:
+        raise CLIError("--llm-only serves the LM; --llm-url takes the LM from another server: give one of them")
+    return t2w_gpus or gpus
+
+
 def _serve_router(args) -> int:
-    """`serve --workers N` / `--gpus LIST`: the router on the public ports over N worker processes."""
+    """`serve --workers N` / `--gpus LIST`: the router on the public ports over N worker processes;
+    with `--llm-gpus/--t2w-gpus` or `--llm-workers` the disaggregated layout (LLM workers +
+    token2wav workers streaming from them, round-robin)."""
     import asyncio
 
-    from .server.router import RouterConfig, WorkerSpec, serve_router
+    from .server.router import RouterConfig, WorkerSpec, free_port, serve_router
 
     gpus = _router_gpus(args)
     base = _worker_argv(args.argv)
     if args.demo:  # the router wrote the demo model once; the workers share it
         base = [a for a in base if a != "--demo"] + ["--model-dir", args.model_dir, "--default-voice", "default"]
-    if gpus:
+    llm_gpus = _gpu_list(args.llm_gpus, "--llm-gpus")
+    if gpus or llm_gpus:
         base = [a for i, a in enumerate(base) if not (a == "--device" or (i and base[i - 1] == "--device")
                                                       or a.startswith("--device="))] + ["--device", "cuda"]
-        specs = [WorkerSpec(i, base, {"CUDA_VISIBLE_DEVICES": g}, f"gpu {g}", args.max_active_streams)
-                 for i, g in enumerate(gpus)]
-    else:
-        specs = [WorkerSpec(i, base, {}, "shared device", args.max_active_streams) for i in range(args.workers)]
-    cfg = RouterConfig(host=args.host, port=args.port, grpc_port=args.grpc_port, workers=specs,
-                       max_upload_bytes=int(args.max_upload_mb * 1024 * 1024))
+    # the disaggregated layout: --llm-only workers on fixed loopback ports, token2wav workers streaming from them
+    llm_places = [({"CUDA_VISIBLE_DEVICES": g}, f"llm, gpu {g}") for g in llm_gpus] or \
+        [({}, "llm, shared device")] * (args.llm_workers or 0)
+    t2w_places = [({"CUDA_VISIBLE_DEVICES": g}, f"gpu {g}") for g in gpus] or \
+        [({}, "shared device")] * args.workers
+    # an LLM worker serves the streams of all its token2wav workers at once: as many KV slots
+    llm_slots = args.max_active_streams * -(-len(t2w_places) // max(1, len(llm_places)))
+    llm_specs = [WorkerSpec(i, base + ["--llm-only", "--max-active-streams", str(llm_slots)], env, label,
+                            llm_slots, role="llm", port=free_port()) for i, (env, label) in enumerate(llm_places)]
+    specs = []
+    for i, (env, label) in enumerate(t2w_places):
+        argv, env = list(base), dict(env)
+        if llm_specs:
+            llm = llm_specs[i % len(llm_specs)]
+            argv += ["--llm-url", f"http://127.0.0.1:{llm.port}", "--llm-model", "cosyvoice2"]
+            label = f"token2wav, {label}, LM worker {llm.index}"
+            key = args.api_key or os.environ.get("COSYSERVE_API_KEY")
+            if key:  # the LLM workers inherit the API key; their clients send it
+                env["COSYSERVE_LLM_API_KEY"] = key
+        specs.append(WorkerSpec(len(llm_specs) + i, argv, env, label, args.max_active_streams))
+    cfg = RouterConfig(host=args.host, port=args.port, grpc_port=args.grpc_port, workers=llm_specs + specs,
+                       max_upload_bytes=int(args.max_upload_mb * 1024 * 1024), metrics_port=args.metrics_port)
     try:
         asyncio.run(serve_router(cfg))
     except (OSError, RuntimeError) as exc:
@@ -814,7 +895,31 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--llm-only", action="store_true",
                     help="serve only the speech LM as an OpenAI-compatible POST /v1/completions endpoint "
                          "(the exported vocabulary of convert-llm; for 'cosyserve batch --llm-url'); no speech "
-                         "routes, no gRPC port")
+                         "routes, no gRPC port; POST /v1/completions streams with stream=true)")
+    sv.add_argument("--llm-url", metavar="URL",
+                    help="disaggregated token2wav server: stream the speech tokens from this OpenAI-compatible "
+                         "completions server (cosyserve serve --llm-only, or vLLM / SGLang / trtllm-serve serving the "
+                         "convert-llm checkpoint) instead of running the LM here; no LM weights are loaded")
+    sv.add_argument("--llm-model", metavar="NAME",
+                    help="the LLM server's served model name (default: the first of its GET /v1/models, checked "
+                         "at start-up)")
+    sv.add_argument("--llm-api-key", help="bearer key of the --llm-url server (also $COSYSERVE_LLM_API_KEY)")
+    sv.add_argument("--llm-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="--llm-url: a stream that receives nothing for this long fails (default 60)")
+    sv.add_argument("--llm-checkpoint", metavar="DIR",
+                    help="--llm-url served by vLLM / SGLang / trtllm-serve: the convert-llm folder it serves; its "
+                         "speech-logit bias is sent as logit_bias (the native --llm-only server needs none)")
+    sv.add_argument("--llm-gpus", metavar="LIST",
+                    help="disaggregated layout: one --llm-only LLM worker per listed GPU (with --t2w-gpus)")
+    sv.add_argument("--t2w-gpus", metavar="LIST",
+                    help="disaggregated layout: one token2wav worker per listed GPU, streaming its tokens from "
+                         "the --llm-gpus workers (spread round-robin); requests go to these by load")
+    sv.add_argument("--llm-workers", type=_positive_int, metavar="N",
+                    help="disaggregated layout on one shared device (CPU tests, one GPU): N LLM workers, and "
+                         "--workers token2wav workers streaming from them")
+    sv.add_argument("--metrics-port", type=int, metavar="PORT",
+                    help="also serve GET /metrics on this port, WITHOUT the API key and nothing else there (for "
+                         "Prometheus scrapers; keep it off public networks)")
     sv.add_argument("--speech-tokenizer", default="auto", choices=["auto", "torch", "onnxruntime"],
                     help="speech tokenizer backend: auto (default: PyTorch, batched, when serving on CUDA with a "
                          "real-structure speech_tokenizer_v2.onnx; else onnxruntime), torch or onnxruntime")

@@ -356,7 +356,7 @@ def test_llm_only_completions(llm):
     ({"prompt": "<|sos|><|task_id|>"}, 400, "prompt"),
     ({"prompt": "<|sos|>hi<|task_id|><|eos1|>"}, 400, "prompt"),
     ({"prompt": "<|sos|>hi<|task_id|><|s_9999|>"}, 400, "prompt"),
-    ({"prompt": "<|sos|>hi<|task_id|>", "stream": True}, 400, "stream"),
+    ({"prompt": "<|sos|>hi<|task_id|>", "stream": True, "echo": True}, 400, "echo"),  # stream itself is served
     ({"prompt": "<|sos|>hi<|task_id|>", "n": 2}, 400, "n"),
     ({"prompt": "<|sos|>hi<|task_id|>", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "<|sos|>hi<|task_id|>", "bogus": 1}, 400, "bogus"),

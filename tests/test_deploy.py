@@ -417,7 +417,8 @@ def test_deployment_matches_server_and_image():
     args = _parse_cli(c["args"], "deployment.yaml args")
     assert args.command == "serve" and args.host == "0.0.0.0"
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"http": args.port, "grpc": args.grpc_port}
+    assert ports == {"http": args.port, "grpc": args.grpc_port} | ({"metrics": args.metrics_port} if args.metrics_port
+                                                                   else {})
     # probes: GET routes of the app, on the HTTP port, answering without the API key
     app, gets = _app_routes(api_key="secret")
     probes = {k: c[k]["httpGet"] for k in ("startupProbe", "livenessProbe", "readinessProbe")}
@@ -437,7 +438,8 @@ def test_deployment_matches_server_and_image():
     # Prometheus annotations point at /metrics on the HTTP port
     ann = dep["spec"]["template"]["metadata"]["annotations"]
     assert ann["prometheus.io/scrape"] == "true"
-    assert int(ann["prometheus.io/port"]) == args.port and ann["prometheus.io/path"] in gets
+    # (on --metrics-port when given: /metrics without the API key, nothing else)
+    assert int(ann["prometheus.io/port"]) == (args.metrics_port or args.port) and ann["prometheus.io/path"] in gets
     assert ann["prometheus.io/path"] == "/metrics"
     # GPU requests and limits
     res = c["resources"]
@@ -572,13 +574,14 @@ def test_compose_services_match_cli_and_image(path):
             if not args.llm_only:
                 assert _under(args.voices_dir, writable)
                 published = {int(str(p).rsplit(":", 1)[1]) for p in svc["ports"]}
-                assert published == {args.port, args.grpc_port}
+                assert published == {args.port, args.grpc_port} | ({args.metrics_port} if args.metrics_port else set())
             hc = svc["healthcheck"]["test"]
             assert hc[0] == "CMD" and hc[-1] == "/opt/cosyserve/healthcheck.py"
             assert args.port == int(re.search(r":(\d+)/", df.envs["COSYSERVE_HEALTH_URL"]).group(1))
             assert "/v2/health/ready" in gets
         if args.command == "batch":
             assert _under(args.out, writable), f"{where}: --out must be writable"
+        if args.command in ("batch", "serve"):
             if args.llm_url:
                 m = re.fullmatch(r"http://([a-z0-9-]+):(\d+)", args.llm_url)
                 assert m and m.group(1) in services, f"{where}: --llm-url {args.llm_url} names no service"
@@ -587,7 +590,7 @@ def test_compose_services_match_cli_and_image(path):
                 if lm.get("image") == IMAGE:
                     lm_args = _parse_cli(lm["command"], f"{path.name} service {m.group(1)}")
                     assert lm_args.llm_only and lm_args.port == int(m.group(2))
-            if args.set and args.set.startswith("/opt/cosyserve/"):
+            if getattr(args, "set", None) and args.set.startswith("/opt/cosyserve/"):
                 copied = [shlex.split(s["value"])[-1] for s in _final_stage(df.structure) if s["instruction"] == "COPY"]
                 assert any(args.set.startswith(c.rstrip("/") + "/") for c in copied), args.set
                 rel = Path(args.set).relative_to("/opt/cosyserve")

@@ -88,44 +88,85 @@ def logit_bias_map(sv: SpeechVocab, bias: list[float]) -> dict[str, float]:
     return {str(sv.speech_token_offset + i): max(-100.0, min(100.0, float(b))) for i, b in enumerate(bias)}
 
 
+class SpeechTokenParser:
+    """Incremental parser of one completion choice's output into speech tokens.
+
+    Feed it the choice's ``text`` pieces (:meth:`feed_text`, e.g. the deltas of a streamed
+    completion, split anywhere: a ``<|...|>`` token cut between two pieces is completed by the
+    next) or its generated ids (:meth:`feed_ids`, exported-vocabulary ids); each call returns
+    the new speech tokens (ints in ``[0, speech_token_size)``). Parsing stops at the first stop
+    token (``<|eos1|>``, ``<|eos2|>``, ``<|fill|>``, CosyVoice3's ``<|s_N|>`` with N >= S, or
+    their ids): :attr:`stopped` is then True and later input is ignored. :attr:`ignored`
+    counts what was skipped (text ids, out-of-range tokens, runs of stray characters other
+    than whitespace).
+    """
+
+    def __init__(self, sv: SpeechVocab):
+        self.sv = sv
+        self.stopped = False
+        self.ignored = 0
+        self._buf = ""
+        self._stops = frozenset(sv.stop_token_ids)
+
+    def feed_ids(self, token_ids) -> list[int]:
+        out: list[int] = []
+        for i in token_ids:
+            if self.stopped:
+                break
+            if int(i) in self._stops:
+                self.stopped = True
+                break
+            t = self.sv.id_to_speech(int(i))
+            if t is None:
+                self.ignored += 1
+            else:
+                out.append(t)
+        return out
+
+    def feed_text(self, text: str | None, final: bool = False) -> list[int]:
+        out: list[int] = []
+        if self.stopped:
+            return out
+        text = self._buf + (text or "")
+        pos = 0
+        for m in SPEECH_TOKEN_RE.finditer(text):
+            if text[pos:m.start()].strip():
+                self.ignored += 1
+            pos = m.end()
+            if m.group(2) is None:  # a stop token
+                self.stopped = True
+                self._buf = ""
+                return out
+            t = int(m.group(2))
+            if t < self.sv.speech_token_size:
+                out.append(t)
+            elif self.sv.is_cosyvoice3:  # <|s_N|>, N >= S: one of CosyVoice3's 200 stop ids
+                self.stopped = True
+                self._buf = ""
+                return out
+            else:
+                self.ignored += 1
+        rest = text[pos:]
+        cut = rest.rfind("<")
+        if not final and cut >= 0 and "|>" not in rest[cut:]:  # a token may continue in the next piece
+            rest, self._buf = rest[:cut], rest[cut:]
+        else:
+            self._buf = ""
+        if rest.strip():
+            self.ignored += 1
+        return out
+
+
 def parse_speech_tokens(text: str | None, token_ids: list[int] | None, sv: SpeechVocab) -> tuple[list[int], int]:
     """Speech tokens of one completion choice; returns ``(tokens, n_ignored)``.
 
     Uses ``token_ids`` (exported-vocabulary ids) when given, else ``<|s_N|>`` tokens in
     ``text``. Stops at the first stop token. ``n_ignored`` counts what was skipped (text ids,
-    out-of-range tokens, stray characters other than whitespace).
+    out-of-range tokens, stray characters other than whitespace). See :class:`SpeechTokenParser`.
     """
-    out: list[int] = []
-    ignored = 0
-    if token_ids:
-        stops = set(sv.stop_token_ids)
-        for i in token_ids:
-            if int(i) in stops:
-                break
-            t = sv.id_to_speech(int(i))
-            if t is None:
-                ignored += 1
-            else:
-                out.append(t)
-        return out, ignored
-    text = text or ""
-    pos = 0
-    for m in SPEECH_TOKEN_RE.finditer(text):
-        if text[pos:m.start()].strip():
-            ignored += 1
-        pos = m.end()
-        if m.group(2) is None:  # a stop token
-            return out, ignored
-        t = int(m.group(2))
-        if t < sv.speech_token_size:
-            out.append(t)
-        elif sv.is_cosyvoice3:  # <|s_N|>, N >= S: one of CosyVoice3's 200 stop ids
-            return out, ignored
-        else:
-            ignored += 1
-    if text[pos:].strip():
-        ignored += 1
-    return out, ignored
+    p = SpeechTokenParser(sv)
+    out = p.feed_ids(token_ids) if token_ids else p.feed_text(text, final=True)
+    return out, p.ignored
 
 
 @dataclass
@@ -138,9 +179,21 @@ class LMResult:
     ignored: int = 0
 
 
+def completions_base_url(url: str) -> str:
+    """``url`` without a trailing ``/`` or ``/v1``; raises :class:`RemoteLMError` unless it is an
+    ``http://`` or ``https://`` URL with a host."""
+    base = str(url).strip().rstrip("/")
+    if base.endswith("/v1"):
+        base = base[:-3]
+    if not base.startswith(("http://", "https://")) or not base.split("://", 1)[1].split("/", 1)[0]:
+        raise RemoteLMError(f"--llm-url must be http://HOST:PORT or https://..., got {url!r}")
+    return base
+
+
 @dataclass
-class CompletionsLM:
-    """Client of an OpenAI-compatible completions server that serves the speech LM.
+class CompletionsSettings:
+    """What a request to an OpenAI-compatible completions server serving the speech LM is made
+    of (shared by the blocking :class:`CompletionsLM` and the streaming :class:`StreamingCompletionsLM`).
 
     ``url``: the server's base URL (``http://host:port``; a trailing ``/v1`` is accepted).
     ``model``: the served model name (``None``: the first of ``GET /v1/models``).
@@ -148,7 +201,8 @@ class CompletionsLM:
     ``logit_bias``: optional OpenAI ``logit_bias`` map (see module docstring).
     ``extra``: more request fields, merged into every body (default
     ``{"skip_special_tokens": False}``; ``cosyserve batch`` adds ``stop_token_ids``).
-    ``timeout_s``: per call.
+    ``timeout_s``: per call (streaming: the longest wait for the next bytes of the stream).
+    Raises :class:`RemoteLMError` for a URL that is not ``http(s)://``.
     """
 
     url: str
@@ -163,16 +217,42 @@ class CompletionsLM:
     timeout_s: float = 600.0
 
     def __post_init__(self):
+        self.base = completions_base_url(self.url)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def body(self, prompt_ids: list[int], min_tokens: int, max_tokens: int, seed: int | None,
+             stream: bool = False) -> dict:
+        """The JSON body of one completion (``stream``: OpenAI server-sent events)."""
+        b = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": int(max_tokens),
+             "min_tokens": int(min_tokens), "temperature": self.temperature, "n": 1, "stream": bool(stream)}
+        if self.top_p is not None:
+            b["top_p"] = self.top_p
+        if self.top_k is not None:
+            b["top_k"] = self.top_k
+        if seed is not None:
+            b["seed"] = int(seed)
+        if self.logit_bias:
+            b["logit_bias"] = self.logit_bias
+        b.update(self.extra)
+        return b
+
+    def _models_error(self, exc) -> RemoteLMError:
+        return RemoteLMError(f"cannot list the models of {self.base} (GET /v1/models): {exc}; pass --llm-model")
+
+
+@dataclass
+class CompletionsLM(CompletionsSettings):
+    """Blocking client (one thread per call in flight) of a completions server that serves the
+    speech LM; fields: :class:`CompletionsSettings`."""
+
+    def __post_init__(self):
         import httpx
 
-        base = self.url.rstrip("/")
-        if base.endswith("/v1"):
-            base = base[:-3]
-        if not base.startswith(("http://", "https://")):
-            raise RemoteLMError(f"--llm-url must be http://HOST:PORT or https://..., got {self.url!r}")
-        self.base = base
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        self._http = httpx.Client(base_url=base, headers=headers, timeout=self.timeout_s)
+        super().__post_init__()
+        self._http = httpx.Client(base_url=self.base, headers=self.headers, timeout=self.timeout_s)
         if self.model is None:
             self.model = self.discover_model()
 
@@ -189,22 +269,7 @@ class CompletionsLM:
             data = r.json().get("data") or []
             return str(data[0]["id"])
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
-            raise RemoteLMError(f"cannot list the models of {self.base} (GET /v1/models): {exc}; "
-                                "pass --llm-model") from None
-
-    def body(self, prompt_ids: list[int], min_tokens: int, max_tokens: int, seed: int | None) -> dict:
-        b = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": int(max_tokens),
-             "min_tokens": int(min_tokens), "temperature": self.temperature, "n": 1, "stream": False}
-        if self.top_p is not None:
-            b["top_p"] = self.top_p
-        if self.top_k is not None:
-            b["top_k"] = self.top_k
-        if seed is not None:
-            b["seed"] = int(seed)
-        if self.logit_bias:
-            b["logit_bias"] = self.logit_bias
-        b.update(self.extra)
-        return b
+            raise self._models_error(exc) from None
 
     def generate(self, prompt_ids: list[int], min_tokens: int, max_tokens: int, seed: int | None = None) -> LMResult:
         """One completion; raises :class:`RemoteLMError` on an HTTP error or a malformed answer."""
@@ -239,3 +304,110 @@ class CompletionsLM:
                 if on_done is not None:
                     on_done(futs[f])
         return results  # type: ignore[return-value]
+
+
+@dataclass
+class StreamDelta:
+    """New speech tokens of a streamed completion; ``finish_reason`` (``stop``/``length``) is set
+    on the last delta only."""
+
+    tokens: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class StreamingCompletionsLM(CompletionsSettings):
+    """Asynchronous **streaming** client (``stream: true``, OpenAI server-sent events) of a
+    completions server that serves the speech LM: tokens are handed out as the server sends
+    them. Fields: :class:`CompletionsSettings`, plus ``connect_timeout_s`` (connecting to the
+    server). ``timeout_s`` bounds the wait for each next piece of the stream, not the whole
+    completion. One :class:`httpx.AsyncClient` (connection pool) per instance, created on the
+    event loop that first uses it; call :meth:`aclose` on that loop.
+
+    Every failure raises :class:`RemoteLMError` naming the server's URL and what went wrong
+    (refused connection, HTTP status and body, timeout, a stream cut before its end, a
+    malformed event, an error event)."""
+
+    connect_timeout_s: float = 10.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._http = None
+
+    def _client(self):
+        if self._http is None:
+            import httpx
+
+            self._http = httpx.AsyncClient(
+                base_url=self.base, headers=self.headers,
+                timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        return self._http
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    async def discover_model(self) -> str:
+        """The first model id of ``GET /v1/models`` (also sets :attr:`model`)."""
+        import httpx
+
+        try:
+            r = await self._client().get("/v1/models")
+            r.raise_for_status()
+            self.model = str((r.json().get("data") or [])[0]["id"])
+            return self.model
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+            raise self._models_error(exc) from None
+
+    async def stream(self, prompt_ids: list[int], min_tokens: int, max_tokens: int, seed: int | None = None):
+        """Async iterator of :class:`StreamDelta` for one completion of ``prompt_ids``
+        (exported-vocabulary ids, :meth:`SpeechVocab.prompt_ids`) with ``min_tokens`` /
+        ``max_tokens`` speech tokens and ``seed``; the last delta has the finish reason.
+        Leaving the iteration early closes the connection (the server frees the request)."""
+        import httpx
+
+        if self.model is None:
+            await self.discover_model()
+        where = f"LLM server {self.base}"
+        try:
+            body = self.body(prompt_ids, min_tokens, max_tokens, seed, stream=True)
+            async with self._client().stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    text = (await r.aread()).decode("utf-8", "replace")[:500]
+                    raise RemoteLMError(f"{where} answered HTTP {r.status_code}: {text}")
+                parser = SpeechTokenParser(self.sv)
+                async for line in r.aiter_lines():
+                    line = line.strip()
+                    if not line.startswith("data:"):  # blank separators, comments, 'event:' lines
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        yield StreamDelta([], "length")  # ended without a finish reason
+                        return
+                    try:
+                        ev = json.loads(data)
+                        choices = ev.get("choices") or []
+                    except (ValueError, AttributeError):
+                        raise RemoteLMError(f"{where} sent a malformed stream event: {data[:200]!r}") from None
+                    if not choices:
+                        if isinstance(ev.get("error"), (dict, str)):
+                            err = ev["error"]
+                            msg = err.get("message", err) if isinstance(err, dict) else err
+                            raise RemoteLMError(f"{where} reported an error mid-stream: {msg}")
+                        continue  # e.g. a usage-only chunk
+                    ch = choices[0] if isinstance(choices[0], dict) else {}
+                    ids = ch.get("token_ids")
+                    new = parser.feed_ids(ids) if isinstance(ids, list) and ids else parser.feed_text(ch.get("text"))
+                    reason = "stop" if parser.stopped else ch.get("finish_reason")
+                    if new or reason:
+                        yield StreamDelta(new, reason)
+                    if reason:
+                        return
+                raise RemoteLMError(f"{where} ended the stream before its finish_reason")
+        except httpx.TimeoutException as exc:
+            raise RemoteLMError(f"{where}: timed out ({type(exc).__name__}; nothing received for {self.timeout_s:g} s, "
+                                f"or no connection within {self.connect_timeout_s:g} s)") from None
+        except httpx.HTTPError as exc:
+            raise RemoteLMError(f"{where}: {type(exc).__name__}: {exc or 'connection failed'}") from None

@@ -69,6 +69,7 @@ from .request import (
     RequestFinished,
     RequestState,
     SegmentState,
+    TokensGenerated,
 )
 from .token2wav import Token2WavJob, Token2WavWorker
 
@@ -941,18 +942,22 @@ class EngineCore:
         live = [(i, st, seg) for i, (st, seg) in enumerate(tk.rows)
                 if st.request_id in self._active and not seg.lm_done and seg.slot is not None]
         tokens = self._sample_host(live, logp, sampled)
+        streamed: dict[str, TokensGenerated] = {}  # LM-only streaming requests: tokens as they come
         for i, st, seg in live:
             tok = tokens[i]
             if tok in self._stop_ids:
                 self._lm_finish_segment(st, seg, "stop")
                 continue
             seg.tokens.append(tok)
+            if st.req.params.lm_only and st.req.params.stream:
+                streamed.setdefault(st.request_id, TokensGenerated(st.request_id, seg.index, [])).tokens.append(tok)
             if seg.silent is None or seg.silent.keep(tok):
                 seg.t2w_tokens.append(tok)
             if st.t_first_token is None:
                 st.t_first_token = t_tok
             if len(seg.tokens) >= seg.max_len:
                 self._lm_finish_segment(st, seg, "length")
+        events.extend(streamed.values())
         self._host("sampling", time.perf_counter() - t3)
 
     def _sample_host(self, live: list, logp: torch.Tensor, sampled: dict[int, int]) -> dict[int, int]:

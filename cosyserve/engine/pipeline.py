@@ -101,6 +101,8 @@ class Synthesizer:
       tokenizer_backend: speech tokenizer backend (``auto``: PyTorch on the networks' device when
         that is CUDA and ``speech_tokenizer_v2.onnx`` has the real structure, else onnxruntime;
         ``torch``; ``onnxruntime``).
+      load_llm: load the speech LM (False: its tokens come from a remote completions server,
+        :mod:`cosyserve.engine.token_source`; the LM weights need not be in the directory).
     Raises :class:`~cosyserve.errors.ModelDirError` for an unusable model directory.
     """
 
@@ -117,14 +119,19 @@ class Synthesizer:
         hift_dtype: str | torch.dtype = "auto",
         token2wav_dir: str | Path | None = None,
         tokenizer_backend: str = "auto",
+        load_llm: bool = True,
     ):
         random_dir = models is None and is_random_weights_dir(model_dir)
         need = ("llm", "onnx", "qwen") if token2wav_dir is not None else ("llm", "flow", "hift", "onnx", "qwen")
+        if not load_llm:  # the LM runs elsewhere (serve --llm-url): its weights need not be there
+            need = tuple(n for n in need if n != "llm")
         md = open_model_dir(model_dir, need=("onnx", "qwen") if models is not None else need)
         self.is_demo = is_demo_model(md.root)
         if self.is_demo:
             log.warning("%s is a DEMO model with random weights: its audio is noise", md.root)
         parts = ("llm",) if token2wav_dir is not None else ("llm", "flow", "hift")
+        if not load_llm:
+            parts = tuple(p for p in parts if p != "llm")
         if random_dir:  # a --random-weights directory: full-size networks from the yaml alone
             models = build_random(md.yaml, device=device, dtype=dtype, seed=random_weights_seed(md.root),
                                   components=parts)

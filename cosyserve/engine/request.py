@@ -126,6 +126,17 @@ class AudioChunk:
         return self.samples.shape[0] / self.sample_rate
 
 
+@dataclass
+class TokensGenerated:
+    """New speech tokens of a streaming LM-only request (``SynthesisParams(lm_only=True,
+    stream=True)``: the completions endpoint's ``stream: true``), emitted by the step that
+    produced them: ``tokens`` (speech token ids, stop tokens excluded) of segment ``segment``."""
+
+    request_id: str
+    segment: int
+    tokens: list[int]
+
+
 class Outcome(enum.Enum):
     OK = "ok"
     ABORTED = "aborted"

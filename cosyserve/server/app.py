@@ -9,6 +9,10 @@ With ``--llm-only`` the process serves the speech LM alone (``POST /v1/completio
 :mod:`cosyserve.server.completions`): the speech routes answer 404 and no gRPC port is
 opened.
 
+With ``--llm-url`` the speech LM's tokens come from that completions server
+(:mod:`cosyserve.engine.token_source`); its failures answer 502 (``llm_server_error``).
+``--metrics-port`` adds a listener that serves only ``GET /metrics``, without the API key.
+
 Cross-cutting rules implemented here: optional API key (``Authorization: Bearer``) on
 every route except health; request bodies larger than ``--max-upload-mb`` are refused
 (413: from ``Content-Length`` before reading, or once a chunked body passes the limit);
@@ -30,6 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.base import BaseHTTPMiddleware
 
+from ..client.remote_lm import RemoteLMError
 from ..engine.core import QueueFullError
 from ..errors import CosyServeError, InvalidInputError, VoiceNotFoundError
 from . import completions, kserve_http, openai_api
@@ -156,6 +161,10 @@ def create_app(state: ServerState) -> FastAPI:
     async def _gone(request: Request, exc: ClientDisconnectedError):
         return Response(status_code=499)  # nobody is listening any more
 
+    @app.exception_handler(RemoteLMError)
+    async def _remote_lm(request: Request, exc: RemoteLMError):
+        return _error(request, 502, str(exc), None, "llm_server_error")  # the LM server (--llm-url) failed
+
     @app.exception_handler(CosyServeError)
     async def _other(request: Request, exc: CosyServeError):
         return _error(request, 400, str(exc), getattr(exc, "field", None))
@@ -201,6 +210,49 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
+def create_metrics_app(render, content_type: str) -> FastAPI:
+    """A plain HTTP app serving only ``GET /metrics`` (``render()`` -> bytes), without the API
+    key (``--metrics-port``): Prometheus scrapers usually hold no key, and this listener opens
+    nothing else (every other path is 404)."""
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(render(), media_type=content_type)
+
+    return app
+
+
+async def serve_metrics(render, content_type: str, host: str, port: int):
+    """Start the ``--metrics-port`` listener; returns its uvicorn server (``should_exit = True``
+    stops it) and its task. Raises OSError when the port cannot be bound."""
+    import socket
+
+    import uvicorn
+
+    try:
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as exc:
+        raise OSError(f"cannot listen on {host}:{port} (--metrics-port): {exc.strerror or exc}") from None
+    uv = _UvicornServer(uvicorn.Config(create_metrics_app(render, content_type), host=host, port=port,
+                                       log_level="warning", access_log=False, lifespan="off"))
+    if not uv.config.loaded:
+        uv.config.load()
+    uv.lifespan = uv.config.lifespan_class(uv.config)
+    await uv.startup(sockets=[sock])
+    task = asyncio.create_task(uv.main_loop())
+    return uv, task
+
+
+async def stop_metrics(handle) -> None:
+    if handle is None:
+        return
+    uv, task = handle
+    uv.should_exit = True
+    await task
+    await uv.shutdown()
+
+
 class _UvicornServer:
     """uvicorn without its own signal handling (cosyserve drains streams first, then stops it)."""
 
@@ -234,6 +286,10 @@ async def serve(config: ServerConfig, log_format: str = "text", drain_seconds: f
     uv = _UvicornServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                        access_log=False, lifespan="off", timeout_graceful_shutdown=2))
     grpc_server = None if config.llm_only else await start_grpc_server(state, config.host, config.grpc_port)
+    metrics_srv = None
+    if config.metrics_port:
+        metrics_srv = await serve_metrics(state.metrics.render, state.metrics.content_type, config.host,
+                                          config.metrics_port)
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task] = []
 
@@ -273,5 +329,6 @@ async def serve(config: ServerConfig, log_format: str = "text", drain_seconds: f
             if grpc_server is not None:
                 await grpc_server.stop(grace=0)
             await state.stop(drain_timeout=0)
+        await stop_metrics(metrics_srv)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

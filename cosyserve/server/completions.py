@@ -18,16 +18,26 @@ Request fields:
   ``logit_bias`` (``{"id": value}`` over speech/stop ids, added to the log-probabilities).
 * ``return_token_ids`` (also vLLM's name): add the generated ids to each choice.
 * Accepted and ignored: ``skip_special_tokens``, ``spaces_between_special_tokens``,
-  ``stop_token_ids``, ``allowed_token_ids``, ``user``. Refused with 400: ``stream``,
+  ``stop_token_ids``, ``allowed_token_ids``, ``user``. Refused with 400:
   ``n`` > 1, ``echo``, ``logprobs``, ``best_of`` > 1, ``suffix``, string ``stop`` sequences.
 
 Response: OpenAI's ``text_completion`` object; each choice's ``text`` is the generated
 ``<|s_N|>`` tokens, ``finish_reason`` is ``stop`` (end-of-speech sampled) or ``length``.
+
+``stream: true``: OpenAI server-sent events, sent as the engine samples the tokens (one event
+per prompt and engine step that produced tokens): ``data: {text_completion chunk}`` whose
+choice ``text`` is the new ``<|s_N|>`` tokens (``token_ids`` too with ``return_token_ids``)
+and ``finish_reason`` null; then one event per prompt with its ``finish_reason`` and empty
+text; with ``stream_options: {"include_usage": true}`` a usage chunk (no choices); then
+``data: [DONE]``. Errors found before the response starts are HTTP 4xx (429 when the engine
+is full); a request that fails later gets an ``{"error": {...}}`` event and the stream ends.
+A client that disconnects aborts its requests (their KV slots are freed at the next step).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 import uuid
@@ -35,9 +45,10 @@ from dataclasses import replace
 
 import torch
 from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..engine.request import EngineRequest, RequestFinished, SynthesisParams
+from ..engine.request import EngineRequest, RequestFinished, SynthesisParams, TokensGenerated
 from ..errors import CosyServeError, InvalidInputError
 from ..frontend.voice import Voice
 from ..models.export import SpeechVocab
@@ -65,6 +76,7 @@ class CompletionRequest(BaseModel):
     return_token_ids: bool = False
     n: int = 1
     stream: bool = False
+    stream_options: dict | None = None
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -188,8 +200,6 @@ def _lm_voice(speech: torch.Tensor) -> Voice:
 
 
 def _check_unsupported(body: CompletionRequest) -> None:
-    if body.stream:
-        raise InvalidInputError("stream=true is not supported by this endpoint; send stream=false", field="stream")
     if body.n != 1:
         raise InvalidInputError("only n=1 is supported", field="n")
     if body.echo:
@@ -227,7 +237,10 @@ def _bias_tensor(logit_bias: dict[str, float] | None, sv: SpeechVocab, n_rows: i
     return bias
 
 
-async def _complete_one(state: ServerState, body: CompletionRequest, prompt, sv: SpeechVocab, seed: int | None):
+def _engine_request(state: ServerState, body: CompletionRequest, prompt, sv: SpeechVocab,
+                    seed: int | None) -> tuple[EngineRequest, int]:
+    """The LM-only engine request of one prompt and the prompt's length in tokens; raises
+    :class:`InvalidInputError` naming what is wrong (before anything is queued)."""
     ids = prompt_ids_from(prompt, state, sv)
     text, speech = split_prompt(ids, sv)
     core = state.engine.core
@@ -245,22 +258,32 @@ async def _complete_one(state: ServerState, body: CompletionRequest, prompt, sv:
                                 f"({core.cfg.kv_max_len} positions)", field="prompt")
     max_tokens = min(max_tokens, room - 1)
     min_tokens = min(body.min_tokens, max_tokens)
-    params = SynthesisParams(seed=seed, stream=False, lm_only=True, min_tokens=min_tokens, max_tokens=max_tokens,
-                             sampler_factory=factory, timeout_s=state.config.request_timeout_s)
-    req = EngineRequest("cmpl-" + uuid.uuid4().hex, [text], _lm_voice(speech), params)
+    params = SynthesisParams(seed=seed, stream=body.stream, lm_only=True, min_tokens=min_tokens,
+                             max_tokens=max_tokens, sampler_factory=factory, timeout_s=state.config.request_timeout_s)
+    return EngineRequest("cmpl-" + uuid.uuid4().hex, [text], _lm_voice(speech), params), len(ids)
+
+
+def _outcome_error(finished: RequestFinished | None) -> Exception | None:
+    if finished is None:
+        return CosyServeError("the request ended without a result")
+    if finished.error is not None:
+        return finished.error
+    if finished.outcome.value != "ok":
+        return CosyServeError(f"request {finished.outcome.value}")
+    return None
+
+
+async def _complete_one(state: ServerState, req: EngineRequest, n_prompt: int):
     t0 = time.monotonic()
     outcome, finished = "error", None
     try:
         async for ev in state.engine.generate(req):
             if isinstance(ev, RequestFinished):
                 finished = ev
-        if finished is None:
-            raise CosyServeError("the request ended without a result")
-        outcome = finished.outcome.value
-        if finished.error is not None:
-            raise finished.error
-        if finished.outcome.value != "ok":
-            raise CosyServeError(f"request {finished.outcome.value}")
+        outcome = "error" if finished is None else finished.outcome.value
+        err = _outcome_error(finished)
+        if err is not None:
+            raise err
     except (asyncio.CancelledError, GeneratorExit):
         outcome = "cancelled"
         raise
@@ -268,7 +291,77 @@ async def _complete_one(state: ServerState, body: CompletionRequest, prompt, sv:
         state.metrics.record("completions", outcome, None, time.monotonic() - t0, 0.0)
     tokens = finished.tokens[0] if finished.tokens else []
     reason = (finished.stop_reasons[0] if finished.stop_reasons else None) or "length"
-    return len(ids), tokens, reason
+    return n_prompt, tokens, reason
+
+
+def _choice(index: int, tokens: list[int], reason: str | None, sv: SpeechVocab, with_ids: bool) -> dict:
+    c = {"index": index, "text": "".join(f"<|s_{t}|>" for t in tokens), "logprobs": None, "finish_reason": reason}
+    if with_ids:
+        c["token_ids"] = [sv.speech_to_id(t) for t in tokens]
+    return c
+
+
+def _sse(payload) -> bytes:
+    return b"data: " + (payload if isinstance(payload, bytes) else json.dumps(payload).encode()) + b"\n\n"
+
+
+async def _stream_events(state: ServerState, body: CompletionRequest, reqs: list, queues: list, sv: SpeechVocab):
+    """OpenAI completion chunks (server-sent events) of the submitted requests ``reqs`` (their
+    engine queues ``queues``), tokens as the engine produces them; ``data: [DONE]`` last. A
+    failure after the first event is reported in-band (an ``error`` event, then ``[DONE]``).
+    Leaving early (the client disconnected) aborts the requests still running: their KV slots
+    are freed at the engine's next step."""
+    cid = "cmpl-" + uuid.uuid4().hex
+    created = int(time.time())
+    merged: asyncio.Queue = asyncio.Queue()
+    t0 = time.monotonic()
+    done = [False] * len(reqs)
+    n_out = 0
+
+    async def pump(i: int, q: asyncio.Queue):
+        while True:
+            ev = await q.get()
+            await merged.put((i, ev))
+            if isinstance(ev, RequestFinished):
+                return
+
+    pumps = [asyncio.create_task(pump(i, q)) for i, q in enumerate(queues)]
+    try:
+        left = len(reqs)
+        while left:
+            i, ev = await merged.get()
+            chunk = {"id": cid, "object": "text_completion", "created": created, "model": body.model}
+            if isinstance(ev, TokensGenerated):
+                n_out += len(ev.tokens)
+                chunk["choices"] = [_choice(i, ev.tokens, None, sv, body.return_token_ids)]
+                yield _sse(chunk)
+                continue
+            if not isinstance(ev, RequestFinished):
+                continue
+            done[i] = True
+            left -= 1
+            state.metrics.record("completions", ev.outcome.value, None, time.monotonic() - t0, 0.0)
+            err = _outcome_error(ev)
+            if err is not None:
+                yield _sse({"error": {"message": str(err), "type": "server_error", "param": None, "code": None}})
+                break
+            reason = (ev.stop_reasons[0] if ev.stop_reasons else None) or "length"
+            chunk["choices"] = [_choice(i, [], reason, sv, body.return_token_ids)]
+            yield _sse(chunk)
+        else:
+            if body.stream_options and body.stream_options.get("include_usage"):
+                n_in = sum(n for _, n in reqs)
+                yield _sse({"id": cid, "object": "text_completion", "created": created, "model": body.model,
+                            "choices": [], "usage": {"prompt_tokens": n_in, "completion_tokens": n_out,
+                                                     "total_tokens": n_in + n_out}})
+        yield _sse(b"[DONE]")
+    finally:
+        for t in pumps:
+            t.cancel()
+        for (req, _), d in zip(reqs, done):
+            if not d:  # the client went away (or another prompt failed): free its slot
+                state.engine.abort(req.request_id)
+                state.metrics.record("completions", "cancelled", None, time.monotonic() - t0, 0.0)
 
 
 @router.post("/v1/completions")
@@ -290,15 +383,25 @@ async def create_completion(body: CompletionRequest, request: Request):
     if not prompts or len(prompts) > 256:
         raise InvalidInputError("give 1 to 256 prompts", field="prompt")
     seeds = [None if body.seed is None else body.seed + i for i in range(len(prompts))]
-    results = await asyncio.gather(*[_complete_one(st, body, p, sv, s) for p, s in zip(prompts, seeds)])
+    # every prompt is checked before any is queued
+    reqs = [_engine_request(st, body, p, sv, s) for p, s in zip(prompts, seeds)]
+    if body.stream:
+        queues = []
+        try:
+            for req, _ in reqs:
+                queues.append(st.engine.submit(req))  # QueueFullError (429) before the response starts
+        except BaseException:
+            for req, _ in reqs[:len(queues)]:
+                st.engine.abort(req.request_id)
+            raise
+        return StreamingResponse(_stream_events(st, body, reqs, queues, sv), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    results = await asyncio.gather(*[_complete_one(st, req, n) for req, n in reqs])
     choices, n_prompt, n_out = [], 0, 0
     for i, (n_in, tokens, reason) in enumerate(results):
         n_prompt += n_in
         n_out += len(tokens)
-        c = {"index": i, "text": "".join(f"<|s_{t}|>" for t in tokens), "logprobs": None, "finish_reason": reason}
-        if body.return_token_ids:
-            c["token_ids"] = [sv.speech_to_id(t) for t in tokens]
-        choices.append(c)
+        choices.append(_choice(i, tokens, reason, sv, body.return_token_ids))
     return {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
             "model": body.model, "choices": choices,
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}

@@ -33,6 +33,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from .. import __version__
+from ..client.remote_lm import RemoteLMError
 from ..engine.core import QueueFullError
 from ..errors import CosyServeError, InvalidInputError, VoiceNotFoundError
 from .kserve_common import (
@@ -70,6 +71,8 @@ def _status_of(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(exc, RemoteLMError):  # the LM server of --llm-url failed
+        return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, CosyServeError):
         return grpc.StatusCode.INVALID_ARGUMENT
     return grpc.StatusCode.INTERNAL

@@ -19,6 +19,17 @@ in-flight counts the router's own open requests to that worker and capacity is t
 Voices live in the one ``--voices-dir`` every worker reads from disk per request, so a voice
 added through the router is usable on every worker at once.
 
+**Disaggregated layout** (``--llm-gpus 0 --t2w-gpus 1,2``, or ``--llm-workers N --workers M``
+on a shared device): the LLM workers are ``cosyserve serve --llm-only`` processes (streaming
+``POST /v1/completions``) on fixed loopback ports; the token2wav workers (role ``speech``) are
+started with ``--llm-url`` pointing at them, spread round-robin over the LLM workers, and are
+the only ones the router sends requests to (by load, as above). An LLM worker that dies is
+restarted on the same port like any worker; the streams whose tokens it was generating end
+with a clear error from their token2wav worker (``RemoteLMError``: HTTP 502 before the
+response started, an in-band error after; gRPC ``UNAVAILABLE``), the others continue, and the
+token2wav workers use it again once it is back. With ``serve --workers N --llm-url URL`` every
+worker streams its tokens from an external LLM server instead (vLLM, SGLang, trtllm-serve).
+
 Supervision (:class:`Worker`, one explicit state object per worker process): a worker that exits
 is marked down, its in-flight requests end with a clear error (gRPC ``UNAVAILABLE`` naming the
 worker; an HTTP response already streaming is cut off, as nothing else can be said after its
@@ -68,13 +79,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 @dataclass
 class WorkerSpec:
     """How to start one worker process: its command line (without ports), extra environment
-    (e.g. ``CUDA_VISIBLE_DEVICES``) and a label for logs (``"gpu 1"``, ``"cpu"``)."""
+    (e.g. ``CUDA_VISIBLE_DEVICES``) and a label for logs (``"gpu 1"``, ``"cpu"``).
+
+    ``role``: ``"speech"`` (a worker the router sends requests to: all-in-one, or token2wav with
+    ``--llm-url``) or ``"llm"`` (a ``--llm-only`` worker of the disaggregated layout: only the
+    token2wav workers talk to it, on its fixed loopback ``port``, which it keeps across restarts).
+    """
 
     index: int
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     label: str = "cpu"
     capacity: float = 16.0  # --max-active-streams, used until the worker reports its own capacity
+    role: str = "speech"
+    port: int | None = None  # fixed HTTP port (LLM workers: the token2wav workers' --llm-url); None: a free one
 
 
 @dataclass
@@ -82,7 +100,8 @@ class RouterConfig:
     """The router's public address, its workers and its limits.
 
     ``max_upload_bytes`` bounds a forwarded HTTP body (the workers enforce the same limit);
-    ``ready_timeout_s``: a worker that is not ready this long after its start is restarted.
+    ``ready_timeout_s``: a worker that is not ready this long after its start is restarted;
+    ``metrics_port``: a second listener serving only ``GET /metrics`` (``--metrics-port``).
     """
 
     host: str
@@ -92,6 +111,7 @@ class RouterConfig:
     max_upload_bytes: int = 20 * 1024 * 1024
     ready_timeout_s: float = 900.0
     drain_seconds: float = 5.0
+    metrics_port: int | None = None
 
 
 class WorkerUnavailable(Exception):
@@ -137,7 +157,7 @@ class Worker:
         return (self.inflight + 1) / max(self.capacity, 1e-9)
 
     def info(self) -> dict:
-        return {"index": self.spec.index, "label": self.spec.label, "state": self.state,
+        return {"index": self.spec.index, "label": self.spec.label, "role": self.spec.role, "state": self.state,
                 "pid": self.proc.pid if self.proc else None, "http_port": self.http_port,
                 "grpc_port": self.grpc_port, "inflight": self.inflight, "capacity": self.capacity,
                 "admitted": self.admitted, "restarts": self.restarts, "last_exit": self.last_exit}
@@ -149,6 +169,8 @@ class Router:
     def __init__(self, config: RouterConfig):
         self.config = config
         self.workers = [Worker(s) for s in config.workers]
+        #: the workers requests are sent to (the LLM workers of the disaggregated layout serve only them)
+        self.speech_workers = [w for w in self.workers if w.spec.role == "speech"]
         self._rr = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
@@ -174,14 +196,14 @@ class Router:
     # ------------------------------------------------------------------ selection
     @property
     def ready(self) -> bool:
-        return any(w.ready for w in self.workers)
+        return any(w.ready for w in self.speech_workers)
 
     def pick(self, speech: bool) -> Worker:
         """The worker for the next request: least loaded among ready ones for speech, round-robin
         otherwise. Raises :class:`WorkerUnavailable` when none is ready."""
-        ready = [w for w in self.workers if w.ready]
+        ready = [w for w in self.speech_workers if w.ready]
         if not ready:
-            states = ", ".join(f"{w.spec.index}: {w.state}" for w in self.workers)
+            states = ", ".join(f"{w.spec.index}: {w.state}" for w in self.speech_workers)
             raise WorkerUnavailable(f"no worker is ready ({states}); retry shortly")
         if speech:
             return min(ready, key=lambda w: (w.load(), w.spec.index))
@@ -235,7 +257,7 @@ class Router:
             w.channel = None
 
     async def _spawn(self, w: Worker) -> None:
-        w.http_port, w.grpc_port = free_port(), free_port()
+        w.http_port, w.grpc_port = w.spec.port or free_port(), free_port()
         argv = [sys.executable, "-m", "cosyserve.cli", "serve", *w.spec.argv, "--host", w.host,
                 "--port", str(w.http_port), "--grpc-port", str(w.grpc_port)]
         env = dict(os.environ, COSYSERVE_WORKER_INDEX=str(w.spec.index), **w.spec.env)
@@ -300,7 +322,7 @@ class Router:
     async def _poll_metrics(self, period_s: float = 2.0) -> None:
         """Read each ready worker's capacity / admitted-streams gauges (when it exports them)."""
         while True:
-            for w in self.workers:
+            for w in self.speech_workers:
                 if not w.ready or w.http is None:
                     continue
                 try:
@@ -315,7 +337,7 @@ class Router:
             await asyncio.sleep(period_s)
 
     def refresh_gauges(self) -> None:
-        ready = [w for w in self.workers if w.ready]
+        ready = [w for w in self.speech_workers if w.ready]
         cap = sum(w.capacity for w in ready)
         adm = sum(max(w.admitted, w.inflight) for w in ready)
         self._m_capacity.set(cap)
@@ -574,6 +596,12 @@ async def serve_router(config: RouterConfig) -> None:
     uv = _UvicornServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                        access_log=False, lifespan="off", timeout_graceful_shutdown=2))
     grpc_server = await start_router_grpc(router)
+    metrics_srv = None
+    if config.metrics_port:
+        from .app import serve_metrics
+
+        metrics_srv = await serve_metrics(router.render_metrics, "text/plain; version=0.0.4; charset=utf-8",
+                                          config.host, config.metrics_port)
     await router.start()
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task] = []
@@ -603,5 +631,8 @@ async def serve_router(config: RouterConfig) -> None:
         else:
             await router.stop()
             await grpc_server.stop(grace=0)
+        from .app import stop_metrics
+
+        await stop_metrics(metrics_srv)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

@@ -159,6 +159,16 @@ class ServerConfig:
     prompt_cache_size: int = 64
     #: how long an idle prompt batcher waits for more prompts (``--prompt-batch-window``, seconds)
     prompt_batch_window_s: float = 0.002
+    #: the speech LM's completions server (``--llm-url``): this process runs frontend + token2wav
+    #: only, speech tokens are streamed from there (:mod:`cosyserve.engine.token_source`)
+    llm_url: str | None = None
+    llm_model: str | None = None  # its served model name (None: the first of GET /v1/models)
+    llm_api_key: str | None = None
+    llm_timeout_s: float = 60.0  # the longest wait for the next piece of an LM stream
+    #: the convert-llm folder an external LM server serves (``--llm-checkpoint``): its decoder bias is sent
+    llm_checkpoint: str | None = None
+    #: a second plain-HTTP listener that serves only GET /metrics, without the API key (``--metrics-port``)
+    metrics_port: int | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -191,7 +201,7 @@ class ServerState:
         synth = Synthesizer(c.model_dir, device=c.device, dtype=DTYPES[c.dtype], voices_dir=None,
                             normalizer=c.normalizer, max_text_chars=c.max_text_chars, hift_dtype=c.hift_dtype,
                             token2wav_dir=c.token2wav_dir,
-                            tokenizer_backend=c.tokenizer_backend)
+                            tokenizer_backend=c.tokenizer_backend, load_llm=c.llm_url is None)
         synth.frontend.warmup()
         self.synth = synth
         md = synth.frontend.model_dir
@@ -212,7 +222,8 @@ class ServerState:
             await asyncio.to_thread(self._load_sync)
             c = self.config
             self.prompt_batcher = PromptBatcher(self.synth.frontend, window_s=c.prompt_batch_window_s)
-            core = self.synth.new_engine(c.engine, observer=self.metrics)
+            core = await asyncio.to_thread(self._remote_engine) if c.llm_url else \
+                self.synth.new_engine(c.engine, observer=self.metrics)
             self.metrics.attach(core)
             self.engine = AsyncEngine(core)
             self.engine.start()
@@ -237,7 +248,42 @@ class ServerState:
             log.error("model loading failed: %s", exc, exc_info=not isinstance(exc, CosyServeError))
             raise
 
+    def _remote_engine(self):
+        """The engine of ``--llm-url``: token2wav here, speech tokens streamed from the LM server
+        (its model name resolved now when not given; RemoteLMError if unreachable)."""
+        from ..engine.token_source import RemoteLMEngine, remote_source_for
+
+        c = self.config
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per LM stream otherwise
+        source = remote_source_for(self.synth.models, len(self.synth.frontend.tokenizer), c.llm_url, c.llm_model,
+                                   c.llm_api_key, timeout_s=c.llm_timeout_s, checkpoint=c.llm_checkpoint)
+        if c.llm_model is None:
+            try:
+                source.check()
+            except BaseException:
+                source.close()
+                raise
+        return RemoteLMEngine(self.synth.models, source, c.engine, observer=self.metrics)
+
+    async def _warmup_remote(self) -> None:
+        """``--llm-url``: warm up once the LM server answers (a worker of a disaggregated router
+        may start before its LM server is up): retried every 2 s, logged, until it succeeds."""
+        attempt = 0
+        while True:
+            try:
+                return await self._warmup_local()
+            except CosyServeError as exc:
+                attempt += 1
+                if attempt == 1 or attempt % 15 == 0:
+                    log.warning("warm-up through the LM server %s failed (%s); retrying", self.config.llm_url, exc)
+                await asyncio.sleep(2.0)
+
     async def _warmup(self) -> None:
+        if self.config.llm_url and not self.config.llm_only:
+            return await self._warmup_remote()
+        return await self._warmup_local()
+
+    async def _warmup_local(self) -> None:
         """One short streaming and one offline request through the whole engine (an LM-only
         request with ``--llm-only``)."""
         if self.config.llm_only:
@@ -256,8 +302,9 @@ class ServerState:
         for stream in (True, False):
             req = self.synth.build_request("你好，世界。Hello.", voice, SynthesisParams(
                 seed=0, stream=stream, min_token_text_ratio=2, max_token_text_ratio=3), "warmup-" + str(stream))
-            async for _ in self.engine.generate(req):
-                pass
+            async for ev in self.engine.generate(req):
+                if self.config.llm_url and isinstance(ev, RequestFinished) and ev.error is not None:
+                    raise ev.error  # the LM server is not reachable (yet): _warmup_remote retries
 
     async def stop(self, drain_timeout: float = 5.0) -> None:
         """Stop accepting requests, let running ones finish for ``drain_timeout`` seconds,
