@@ -351,7 +351,7 @@ class EngineCore:
         self.graph_capturer = None  # background capture of the warmed grids (graph_capture="background")
         background = config.graph_capture == "background"
         if use_graphs:
-            from ..models.graphs import GraphedDecoder, GraphedFlow, GraphedHiFTDecoder, GraphedPrefill
+            from ..models.graphs import GraphedDecoder, GraphedPrefill
 
             sampling = models.cfg.llm.sampling if self._device_sampling else None
             self.decoder = GraphedDecoder(self.lm, self.cache, config.max_active, sampling=sampling,
@@ -360,33 +360,7 @@ class EngineCore:
                 self.decoder.warmup()  # capture every (batch, KV length) bucket now, not mid-request
             self.prefill_graphs = GraphedPrefill(self.lm, self.cache, pool=self.decoder.pool,
                                                  max_batch=config.max_active, max_tokens=config.max_prefill_tokens)
-            ratio = models.cfg.token_mel_ratio
-            cv3 = getattr(models.cfg, "is_cosyvoice3", False) and getattr(models, "dit", None) is None
-            if cv3:  # CosyVoice3: its DiT flow through the same GraphedFlow grid, the causal HiFT's trunk graphed
-                log.info("CosyVoice3: the flow (DiT) and the causal HiFT's trunk run as CUDA graphs (HiFT over a "
-                         "bounded window per chunk)")
-            if getattr(models, "dit", None) is not None and models.flow.graph is None:
-                models.flow.enable_cuda_graphs()  # DiT estimator steps, captured on first use per shape
-            elif getattr(models, "dit", None) is None and getattr(models.flow, "graph", None) is None:
-                models.flow.graph = GraphedFlow(models.flow, config.max_t2w_batch, max_tokens=config.kv_max_len,
-                                                max_area=config.max_t2w_tokens,
-                                                max_quad=config.max_t2w_tokens * T2W_ATTENTION_LEN)
-            if cv3 and getattr(models.hift, "graph_trunk", 1) is None and next(models.hift.parameters()).is_cuda:
-                from ..models.graphs import GraphedCausalHiFTTrunk  # HiFT input per job: window + new frames
-
-                look = sum(models.hift.stream_margins)
-                models.hift.graph_trunk = GraphedCausalHiFTTrunk(
-                    models.hift, config.max_t2w_batch, max_frames=ratio * config.kv_max_len + look,
-                    max_area=ratio * config.max_t2w_tokens + look * config.max_t2w_batch)
-            if not cv3 and models.hift.graph_decode is None and next(models.hift.parameters()).is_cuda:
-                # HiFT input per job: the chunk's new frames plus the stream's mel overlap
-                extra = DEFAULT_MEL_CACHE_LEN
-                models.hift.graph_decode = GraphedHiFTDecoder(
-                    models.hift, config.max_t2w_batch, max_frames=ratio * config.kv_max_len + extra,
-                    max_area=ratio * config.max_t2w_tokens + extra * config.max_t2w_batch)
-            t2w = [g for g in (getattr(models.hift, "graph_decode", None), getattr(models.hift, "graph_trunk", None),
-                               getattr(models.flow, "graph", None))
-                   if g is not None and hasattr(g, "pending")] if config.t2w_graph_warmup else []
+            t2w = self._t2w_graphs(models, config)
             if background:  # decode first (every token), then prefill, HiFT and flow taking turns
                 from ..models.graphs import BackgroundCapturer
 
@@ -397,15 +371,7 @@ class EngineCore:
                     self.prefill_graphs.warmup()
                 # captured by warmup() or the first step(), on the stepping thread
                 self._pending_warmup = t2w[::-1]
-        #: CosyVoice2 per-stream flow caches (EngineConfig.flow_stream_cache; auto: off while graphed)
-        self._unet_flow_cache = bool(getattr(self.t2w, "supports_flow_cache", False)) and (
-            getattr(models.flow, "graph", None) is None if config.flow_stream_cache is None
-            else config.flow_stream_cache)
-        if getattr(self.t2w, "supports_flow_cache", False):
-            log.info("CosyVoice2 flow stream cache: %s", "on" if self._unet_flow_cache else "off")
-        if hasattr(self.t2w, "set_flow_stream_cache"):  # CosyVoice3: per-stream DiT cache (after the graphs)
-            log.info("CosyVoice3 flow stream cache: %s", "on" if self.t2w.set_flow_stream_cache(config.flow_stream_cache)
-                     else "off")
+        self._set_flow_stream_cache(models, config)
         self._free_slots = list(range(config.max_active))
         # on CUDA, token2wav batches run on their own CUDA stream while LM decoding continues;
         # launched from this thread (default) or from a worker thread (EngineConfig.t2w_thread)
@@ -442,6 +408,59 @@ class EngineCore:
         self._last_admitted_arrival = float("-inf")
         self._logged_capacity: int | None = None
         self._limit = self._admission_limit()
+
+    def _t2w_graphs(self, models, config: EngineConfig) -> list:
+        """Build the token2wav stages' CUDA graphs (not captured yet) on the models, as the
+        budgets of ``config`` bound them: the flow (CosyVoice2 U-Net and CosyVoice3 DiT through
+        :class:`~cosyserve.models.graphs.GraphedFlow`; the Step-Audio2 DiT's own solve graphs,
+        captured on first use), HiFT's decoder (CosyVoice2) or causal trunk (CosyVoice3). Returns
+        the stages to capture ahead of use (empty without ``t2w_graph_warmup``)."""
+        from ..models.graphs import GraphedFlow, GraphedHiFTDecoder
+
+        ratio = models.cfg.token_mel_ratio
+        dit = getattr(models, "dit", None)
+        cv3 = getattr(models.cfg, "is_cosyvoice3", False) and dit is None
+        if cv3:  # CosyVoice3: its DiT flow through the same GraphedFlow grid, the causal HiFT's trunk graphed
+            log.info("CosyVoice3: the flow (DiT) and the causal HiFT's trunk run as CUDA graphs (HiFT over a "
+                     "bounded window per chunk)")
+        if dit is not None and models.flow.graph is None:
+            models.flow.enable_cuda_graphs()  # DiT solves, captured on first use per shape
+        elif dit is None and getattr(models.flow, "graph", None) is None:
+            models.flow.graph = GraphedFlow(models.flow, config.max_t2w_batch, max_tokens=config.kv_max_len,
+                                            max_area=config.max_t2w_tokens,
+                                            max_quad=config.max_t2w_tokens * T2W_ATTENTION_LEN)
+        on_cuda = next(models.hift.parameters()).is_cuda
+        if cv3 and getattr(models.hift, "graph_trunk", 1) is None and on_cuda:
+            from ..models.graphs import GraphedCausalHiFTTrunk  # HiFT input per job: window + new frames
+
+            look = sum(models.hift.stream_margins)
+            models.hift.graph_trunk = GraphedCausalHiFTTrunk(
+                models.hift, config.max_t2w_batch, max_frames=ratio * config.kv_max_len + look,
+                max_area=ratio * config.max_t2w_tokens + look * config.max_t2w_batch)
+        if not cv3 and models.hift.graph_decode is None and on_cuda:
+            # HiFT input per job: the chunk's new frames plus the stream's mel overlap
+            extra = DEFAULT_MEL_CACHE_LEN
+            models.hift.graph_decode = GraphedHiFTDecoder(
+                models.hift, config.max_t2w_batch, max_frames=ratio * config.kv_max_len + extra,
+                max_area=ratio * config.max_t2w_tokens + extra * config.max_t2w_batch)
+        if not config.t2w_graph_warmup:
+            return []
+        return [g for g in (getattr(models.hift, "graph_decode", None), getattr(models.hift, "graph_trunk", None),
+                            getattr(models.flow, "graph", None)) if g is not None and hasattr(g, "pending")]
+
+    def _set_flow_stream_cache(self, models, config: EngineConfig) -> None:
+        """Per-stream flow caches (``EngineConfig.flow_stream_cache``; auto: on while the flow is
+        not CUDA-graphed), after the graphs were set up: CosyVoice2's through the jobs
+        (:attr:`_unet_flow_cache`), CosyVoice3's in its backend."""
+        #: CosyVoice2 per-stream flow caches
+        self._unet_flow_cache = bool(getattr(self.t2w, "supports_flow_cache", False)) and (
+            getattr(models.flow, "graph", None) is None if config.flow_stream_cache is None
+            else config.flow_stream_cache)
+        if getattr(self.t2w, "supports_flow_cache", False):
+            log.info("CosyVoice2 flow stream cache: %s", "on" if self._unet_flow_cache else "off")
+        if hasattr(self.t2w, "set_flow_stream_cache"):  # CosyVoice3: per-stream DiT cache
+            log.info("CosyVoice3 flow stream cache: %s", "on" if self.t2w.set_flow_stream_cache(config.flow_stream_cache)
+                     else "off")
 
     # ------------------------------------------------------------------ public API
     def _new_sampler(self) -> UpstreamSampler:

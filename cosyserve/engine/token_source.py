@@ -258,37 +258,13 @@ class RemoteLMEngine(EngineCore):
         self._last_admitted_arrival = float("-inf")
         self._logged_capacity = None
         self._limit = self._admission_limit()
-        if cuda and config.cuda_graphs:
-            self._t2w_graphs(models, config)
+        self.graph_capturer = None
+        if cuda and config.cuda_graphs:  # EngineCore's token2wav graphs, captured by warmup() / the first step
+            self._pending_warmup = self._t2w_graphs(models, config)[::-1]
+        self._set_flow_stream_cache(models, config)
         self._streams: dict[str, SegmentStream] = {}  # request id -> its current segment's stream
         self._progress = True  # the last step did something (else the next waits for remote tokens)
         self._got = False  # this step's LM stage received something
-
-    def _t2w_graphs(self, models: CosyVoice2Models, config: EngineConfig) -> None:
-        """The flow / HiFT CUDA graphs of ``EngineCore.__init__`` (which builds them together with
-        the LM's; the same construction and budgets, captured by :meth:`warmup`)."""
-        from ..models.graphs import GraphedFlow, GraphedHiFTDecoder
-        from ..models.hift import DEFAULT_MEL_CACHE_LEN
-        from .core import T2W_ATTENTION_LEN
-
-        dit = getattr(models, "dit", None)
-        if getattr(models.cfg, "is_cosyvoice3", False) and dit is None:
-            log.info("CosyVoice3: the flow (DiT) and the causal HiFT run eagerly (no CUDA graphs for them yet)")
-            return
-        if dit is not None and models.flow.graph is None:
-            models.flow.enable_cuda_graphs()  # DiT estimator steps, captured on first use per shape
-        elif dit is None and getattr(models.flow, "graph", None) is None:
-            models.flow.graph = GraphedFlow(models.flow, config.max_t2w_batch, max_tokens=config.kv_max_len,
-                                            max_area=config.max_t2w_tokens,
-                                            max_quad=config.max_t2w_tokens * T2W_ATTENTION_LEN)
-        if models.hift.graph_decode is None and next(models.hift.parameters()).is_cuda:
-            ratio, extra = models.cfg.token_mel_ratio, DEFAULT_MEL_CACHE_LEN
-            models.hift.graph_decode = GraphedHiFTDecoder(
-                models.hift, config.max_t2w_batch, max_frames=ratio * config.kv_max_len + extra,
-                max_area=ratio * config.max_t2w_tokens + extra * config.max_t2w_batch)
-        if config.t2w_graph_warmup:
-            self._pending_warmup = [g for g in (getattr(models.flow, "graph", None), models.hift.graph_decode)
-                                    if g is not None]
 
     # ------------------------------------------------------------------ public API
     @property

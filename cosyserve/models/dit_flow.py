@@ -742,7 +742,6 @@ class DitFlowModel(nn.Module):
         buffer in one copy, already trimmed to ``[:P] ++ [-trim_keep:]`` when ``trim_keep`` is given
         (the driver's rule, see :func:`trim_state`); items with ``keep_state[i]`` False get None.
         """
-        dcfg = self.decoder.estimator.cfg
         b, m_real, n_mels = mu.shape
         dev, dtype = mu.device, mu.dtype
         ce = [0 if it.state is None else it.state.cache_frames for it in items]

@@ -60,7 +60,7 @@ from torch.nn.utils.rnn import pad_sequence
 from ..errors import ConfigError
 from .config import CFMConfig, EstimatorConfig, FlowConfig
 from .flow_encoder import EncoderStreamCache, UpsampleConformerEncoder
-from .flow_estimator import EstimatorStreamCache, FlowEstimator, StreamCachePlan
+from .flow_estimator import EstimatorStreamCache, FlowEstimator
 from .transfer import to_device
 
 __all__ = ["FlowModel", "FlowConditioning", "FlowInputs", "FlowRun", "CausalFlowMatching", "SolverState",
