@@ -507,7 +507,7 @@ class DitFlowModel(nn.Module):
             self.rand_noise = noise.to(self.rand_noise.device)
         return self
 
-    def enable_cuda_graphs(self, frames_bucket: int = 25, cache_bucket: int = 64, max_graphs: int = 128) -> "GraphedDiTSolve":
+    def enable_cuda_graphs(self, frames_bucket: int = 25, cache_bucket: int = 64, max_graphs: int = 512) -> "GraphedDiTSolve":
         """Replay the whole CUDA solve from a CUDA graph (captured on first use per (items, padded
         frames, padded cache) shape; see :class:`GraphedDiTSolve`). Returns it."""
         self.graph = GraphedDiTSolve(frames_bucket, cache_bucket, max_graphs)
@@ -981,14 +981,14 @@ class GraphedDiTSolve:
     results equal eager up to float summation order), so a stream in steady state (its cache trimmed
     to ``P + 100`` frames) reuses one graph per chunk size. Each graph owns its small inputs/outputs;
     the large ones (the per-step key/value buffer ``[S, depth, 2B, H, M + C, 2hd]`` and the conv caches)
-    are views of storage shared by every graph (graphs replay one at a time on the caller's stream),
-    grown geometrically when a larger bucket appears (graphs on the old storage are then dropped and
-    recaptured on use). Graphs are captured lazily on first use (one eager warm-up on a side stream,
+    are views of storage shared by the graphs (graphs replay one at a time on the caller's stream),
+    grown 2x when a larger bucket appears (graphs captured on the old storage keep it: nothing is
+    recaptured; the storages of all generations together stay below twice the largest). Graphs are captured lazily on first use (one eager warm-up on a side stream,
     then the capture; all graphs share one memory pool); past ``max_graphs`` the solve runs eagerly.
     Not thread-safe: one solve at a time.
     """
 
-    def __init__(self, frames_bucket: int = 25, cache_bucket: int = 64, max_graphs: int = 128):
+    def __init__(self, frames_bucket: int = 25, cache_bucket: int = 64, max_graphs: int = 512):
         if frames_bucket < 1 or cache_bucket < 1 or max_graphs < 1:
             raise ValueError("graph buckets and max_graphs must be positive")
         self.fb, self.cb, self.max_graphs = frames_bucket, cache_bucket, max_graphs
@@ -1018,11 +1018,9 @@ class GraphedDiTSolve:
         numel = math.prod(shape)
         flat = self._flat.get(name)
         if flat is None or flat.numel() < numel or flat.dtype != dtype or flat.device != torch.device(dev):
-            grown = numel if flat is None else max(numel, int(flat.numel() * 1.5))
-            self.graphs.clear()  # graphs captured on the old storage are recaptured on use
-            self.pool = None  # (their memory pool goes with them: a pool without graphs cannot be reused)
-            self._flat.pop(name, None)
-            flat = None
+            # grown 2x: graphs captured on the old storage keep it (their buffers are views of it)
+            # and stay valid, so a larger bucket never forces recaptures (that thrashed under load)
+            grown = numel if flat is None else max(numel, 2 * flat.numel())
             flat = self._flat[name] = torch.zeros(grown, dtype=dtype, device=dev)
         return flat[:numel].view(shape)
 
@@ -1041,7 +1039,7 @@ class GraphedDiTSolve:
         shapes = {"att": (n_timesteps, d.depth, n, d.num_heads, mmax + cmax, 2 * d.head_dim),
                   "cnn_in": (n_timesteps, d.depth, n, 2 * d.hidden_size, k1),
                   "cnn_out": (n_timesteps, d.depth, n, 2 * d.hidden_size, k1)}
-        for name in shapes:  # grow every shared storage first (growing clears the graph table)
+        for name in shapes:  # grow every shared storage first
             self._shared(name, shapes[name], dtype, dev)
         bufs = {name: self._shared(name, shape, dtype, dev) for name, shape in shapes.items()}
         bufs.update(x0=torch.zeros(b, flow.n_mels, mmax, device=dev),

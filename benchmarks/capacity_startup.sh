@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One GPU call: start-up of `cosyserve serve` with the default background graph capture (benchmarks/startup_probe.py:
+# ready, all graphs captured, first chunks sent during the capture), then the steady-state capacity search
+# (`bench --capacity`: >= 3 requests per client per level, 0 stalls, first-chunk p99 <= 500 ms, then 2x overload) on
+# the same server. Full-size CosyVoice2-0.5B with random weights, ratio 6, exponential schedule, KServe gRPC, voice
+# `default`. PATH_KIND=unet (CosyVoice2 flow) or dit (Step-Audio2 DiT token2wav, full size, built here).
+# Usage: benchmarks/capacity_startup.sh OUT  (env: PATH_KIND, CAPACITY_LEVELS, MAX_ACTIVE, SERVE_ARGS). Needs .whl.
+set -u
+cd "$(dirname "$0")/.."
+OUTDIR=${1:-capacity_startup_out}; KIND=${PATH_KIND:-unet}; RATIO=${RATIO:-6}
+CAPACITY_LEVELS=${CAPACITY_LEVELS:-32,48,64,96}; MAX_ACTIVE=${MAX_ACTIVE:-128}
+mkdir -p "$OUTDIR"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/cosyserve-site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/cosyserve-site:$PWD PYTHONUNBUFFERED=1 COSYSERVE_CACHE_DIR=/tmp/cosyserve-cache
+CS="python3 -m cosyserve.cli"
+EXTRA=()
+if [ "$KIND" = dit ]; then
+  $CS demo-model /tmp/dit-t2w --dit-token2wav --dit-size full --no-weight-files >/dev/null || exit 1
+  EXTRA=(--token2wav-dir /tmp/dit-t2w)
+fi
+T0=$(date +%s.%N)
+$CS serve --random-weights benchmarks/configs/cosyvoice2-0.5b.yaml --qwen-config benchmarks/configs/CosyVoice-BlankEN-config.json \
+  --device cuda --dtype bfloat16 --min-token-text-ratio "$RATIO" --max-token-text-ratio "$RATIO" \
+  --max-active-streams "$MAX_ACTIVE" --max-queue 512 --chunk-policy exponential --voices-dir /tmp/cosyserve-voices \
+  --port 8000 --grpc-port 8001 "${EXTRA[@]}" ${SERVE_ARGS:-} >"$OUTDIR/server.log" 2>&1 &
+SERVER=$!; trap 'kill $SERVER 2>/dev/null' EXIT
+echo "== $KIND: $(nvidia-smi --query-gpu=name --format=csv,noheader), serve options: ${SERVE_ARGS:-(defaults)}"
+python3 benchmarks/startup_probe.py --since "$T0" --url http://127.0.0.1:8000 --json "$OUTDIR/startup.json" 2>&1 | tail -6
+echo "== warm-up (not counted): lazily captured graphs (the DiT solves) get captured here"
+$CS bench --url grpc://127.0.0.1:8001 --no-progress --voice default --concurrency 1,4,16,32 --requests-per-level 24 \
+  --min-requests-per-client 1 --warmup 0 --out "$OUTDIR/warmup" >/dev/null 2>&1
+echo "== capacity (voice default, 0 stalls, p99 <= 500 ms), then 2x overload"
+$CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default --capacity \
+  --concurrency "$CAPACITY_LEVELS" --max-streams "$MAX_ACTIVE" --p99-bound-ms 500 --min-requests-per-client 3 \
+  --overload 2 --warmup 0 --out "$OUTDIR/capacity" 2>&1 | tail -30
+grep -i "capacity estimate" "$OUTDIR/server.log" | tail -3
+grep -i "graphs\b.*captured\|captured .* graph buckets" "$OUTDIR/server.log" | tail -3
