@@ -474,13 +474,14 @@ def _engine_args(p, in_process: bool = False) -> None:
                         "--min-token-text-ratio pins nothing; real weights do not need it" + note)
     p.add_argument("--lazy-graphs", action="store_true",
                    help="capture CUDA graphs (LM prefill, flow, HiFT) on first use, on the serving thread "
-                        "(each capture while serving stalls every stream for 0.1-0.4 s; the default captures "
-                        "them in the background instead, without stalls)")
+                        "(starts faster; each capture while serving stalls every stream for 0.1-0.4 s)")
+    p.add_argument("--background-graphs", action="store_true",
+                   help="EXPERIMENTAL: report ready once the weights are loaded and capture the CUDA graphs in a "
+                        "background thread while serving eagerly (ready in ~50 s instead of ~2 min at full size). "
+                        "On the H100 a capture failed when a serving thread compiled a fused kernel meanwhile, and "
+                        "every later capture then failed (all eager): see docs/perf.md, 'Start-up'")
     p.add_argument("--graphs-before-ready", action="store_true",
-                   help="capture every CUDA graph before the server reports ready (the old start-up: ~2 min at "
-                        "full size on an H100) instead of in the background while serving eagerly (ready in "
-                        "seconds; requests run eagerly until their buckets' graphs are captured): for "
-                        "benchmarks that want the graphs' numbers from the first request")
+                   help="capture every CUDA graph before the server reports ready (the default; kept for scripts)")
     p.add_argument("--flow-stream-cache-frames", type=_positive_int, default=None, metavar="N",
                    help="at most N mel frames (50/s, prompt included) cached per stream; later frames are "
                         "recomputed every chunk (default: no limit besides the segment's length)" + note)
@@ -498,7 +499,7 @@ def _engine_config(args, **overrides):
                   max_t2w_tokens=args.max_t2w_tokens, t2w_batch_target=args.t2w_batch_target,
                   t2w_gather_s=args.t2w_gather, t2w_length_window=args.t2w_length_window,
                   graph_warmup=not lazy, t2w_graph_warmup=not lazy,
-                  graph_capture="startup" if getattr(args, "graphs_before_ready", False) else "background",
+                  graph_capture="background" if getattr(args, "background_graphs", False) else "startup",
                   decode_lookahead=args.decode_lookahead, admission=args.admission,
                   admission_target=args.admission_target,
                   flow_stream_cache={"auto": None, "on": True, "off": False}[args.flow_stream_cache],

@@ -364,18 +364,21 @@ def test_engine_counts_graphs_and_metrics_show_them(model):
 
 
 def test_cli_flags_choose_the_capture_mode():
-    """``serve`` captures in the background by default; ``--graphs-before-ready`` captures before
-    ready (``graph_capture="startup"``); ``--lazy-graphs`` still captures prefill/flow/HiFT on
-    first use (and combines with either)."""
+    """``serve`` captures before ready by default (``graph_capture="startup"``;
+    ``--graphs-before-ready`` names that default); ``--background-graphs`` opts into the
+    background capture; ``--lazy-graphs`` still captures prefill/flow/HiFT on first use (and
+    combines with either)."""
     from cosyserve.cli import _engine_config, build_parser
 
     p = build_parser()
     base = ["serve", "--model-dir", "m"]
     e = _engine_config(p.parse_args(base))
-    assert (e.graph_capture, e.graph_warmup, e.t2w_graph_warmup) == ("background", True, True)
+    assert (e.graph_capture, e.graph_warmup, e.t2w_graph_warmup) == ("startup", True, True)
     e = _engine_config(p.parse_args(base + ["--graphs-before-ready"]))
     assert (e.graph_capture, e.graph_warmup, e.t2w_graph_warmup) == ("startup", True, True)
-    e = _engine_config(p.parse_args(base + ["--lazy-graphs"]))
+    e = _engine_config(p.parse_args(base + ["--background-graphs"]))
+    assert (e.graph_capture, e.graph_warmup, e.t2w_graph_warmup) == ("background", True, True)
+    e = _engine_config(p.parse_args(base + ["--lazy-graphs", "--background-graphs"]))
     assert (e.graph_capture, e.graph_warmup, e.t2w_graph_warmup) == ("background", False, False)
 
 

@@ -117,12 +117,13 @@ class EngineConfig:
     docs/perf-history.md run 20), otherwise on first use; ``t2w_graph_warmup``: the same for the flow
     and HiFT grids (~100 s at full size on an H100), done by :meth:`EngineCore.warmup` (or the first step) before any
     request's work; ``graph_capture``: how the warmed grids (and the LM decode graphs) are
-    captured — ``"background"`` (default): by a :class:`~cosyserve.models.graphs.BackgroundCapturer`
-    thread started by :meth:`EngineCore.start_graph_capture` (``AsyncEngine`` calls it; the
-    first step otherwise) while the engine serves, each bucket running eagerly until its graph
-    is published, so the server is ready in seconds; ``"startup"``: before serving (decode and
-    prefill graphs when the engine is built, flow and HiFT in :meth:`EngineCore.warmup`), the
-    old behaviour, for benchmarks that want the graphs' numbers from the first request. Grids
+    captured — ``"startup"`` (default): before serving (decode and prefill graphs when the engine
+    is built, flow and HiFT in :meth:`EngineCore.warmup`); ``"background"`` (experimental,
+    ``--background-graphs``): by a :class:`~cosyserve.models.graphs.BackgroundCapturer` thread
+    started by :meth:`EngineCore.start_graph_capture` (``AsyncEngine`` calls it; the first step
+    otherwise) while the engine serves, each bucket running eagerly until its graph is published
+    (ready sooner; on the H100 one capture failed while the serving thread compiled a fused
+    kernel, and every later one failed after it: docs/perf.md, "Start-up"). Grids
     not warmed (``graph_warmup``/``t2w_graph_warmup`` False, ``--lazy-graphs``) are captured on
     first use either way. Every stage captures on a CUDA stream of its own
     (:func:`~cosyserve.models.graphs.capture_stream`: graphs sharing a capture stream share a
@@ -187,7 +188,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     graph_warmup: bool = True
     t2w_graph_warmup: bool = True
-    graph_capture: str = "background"
+    graph_capture: str = "startup"
     t2w_thread: bool = False
     t2w_queue_steps: int | None = 4
     device_sampling: bool | None = None
