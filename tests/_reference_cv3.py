@@ -16,6 +16,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from _reference import one_thread, reference_dir, rel_l2  # noqa: F401  (re-exported)
@@ -169,3 +170,30 @@ def full_size_config(tmp_path: Path):
         (tmp_path / "CosyVoice-BlankEN").mkdir(exist_ok=True)
         shutil.copy(qwen, tmp_path / "CosyVoice-BlankEN" / "config.json")
     return load_config(tmp_path / "cosyvoice3.yaml")
+
+
+# module-scoped fixtures of the tiny CosyVoice3 model's parts; a test module imports them
+# (``from _reference_cv3 import yaml_data_fixture, flow_fixture, hift_fixture``)
+@pytest.fixture(scope="module", name="yaml_data")
+def yaml_data_fixture():
+    """The tiny model's ``cosyvoice3.yaml`` as data (skips without the CosyVoice3 reference set)."""
+    from cosyserve.models.config import load_hyperpyyaml
+
+    require_cv3_dir()
+    return load_hyperpyyaml(model_dir() / "cosyvoice3.yaml")
+
+
+@pytest.fixture(scope="module", name="flow")
+def flow_fixture(yaml_data):
+    """The tiny model's CosyVoice3 flow (float32, CPU)."""
+    from cosyserve.models.cv3_flow import load_cv3_flow, parse_cv3_flow
+
+    return load_cv3_flow(model_dir() / "flow.pt", parse_cv3_flow(yaml_data))
+
+
+@pytest.fixture(scope="module", name="hift")
+def hift_fixture(yaml_data):
+    """The tiny model's causal HiFT (float32, CPU)."""
+    from cosyserve.models.hift import load_hift, parse_causal_hift
+
+    return load_hift(model_dir() / "hift.pt", parse_causal_hift(yaml_data))

@@ -21,3 +21,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def one_thread():
+    """The test runs on one torch thread: the reference data were computed so, and with one thread
+    the float summation order is the same, so exact equality can be observed (tolerances do not
+    depend on it)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -40,12 +40,6 @@ def _check(what: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None
     check_close(got, want, what, tol)
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

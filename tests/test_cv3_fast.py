@@ -21,7 +21,8 @@ from cosyserve.models.cv3_flow import load_cv3_flow, parse_cv3_flow, rotary_tabl
 from cosyserve.models.hift import load_hift, parse_causal_hift
 
 from _reference import check_close
-from _reference_cv3 import discover, meta, model_dir, require_cv3_dir, tensors
+from _reference_cv3 import flow_fixture, hift_fixture, yaml_data_fixture  # noqa: F401  (fixtures)
+from _reference_cv3 import discover, meta, model_dir, tensors
 
 FLOW_CASES = discover("flow", has=("token", "prompt_token", "prompt_feat", "embedding", "mel"))
 HIFT_STREAM_CASES = discover("hift", has=("mel",), where=lambda m: bool(m.get("calls")))
@@ -29,28 +30,8 @@ STREAM_CASES = discover("stream", has=("source_speech_token", "prompt_token", "p
                         where=lambda m: bool(m.get("chunks")))
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
-@pytest.fixture(scope="module")
-def yaml_data():
-    require_cv3_dir()
-    return load_hyperpyyaml(model_dir() / "cosyvoice3.yaml")
-
-
-@pytest.fixture(scope="module")
-def flow(yaml_data):
-    return load_cv3_flow(model_dir() / "flow.pt", parse_cv3_flow(yaml_data))
-
-
-@pytest.fixture(scope="module")
-def hift(yaml_data):
-    return load_hift(model_dir() / "hift.pt", parse_causal_hift(yaml_data))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from cosyserve.engine.token2wav_cv3 import (CV3BatchItem, CV3StreamSchedule, aft
                                             plan_chunk, stream_token2wav, token2wav_batch)
 
 from _reference import DEVICE_WAVE_TOL, PARITY_TOL, check_close, rel_l2
-from _reference_cv3 import discover, manifests_dir, meta, model_dir, require_cv3_dir, tensors
+from _reference_cv3 import flow_fixture, hift_fixture, yaml_data_fixture  # noqa: F401  (fixtures)
+from _reference_cv3 import discover, manifests_dir, meta, model_dir, tensors
 
 FLOW_CASES = discover("flow", has=("token", "prompt_token", "prompt_feat", "embedding", "mu", "spks", "cond",
                                    "est0_x_in", "est0_out", "mel"))
@@ -38,28 +39,8 @@ def _report(what: str, err: float, exact: bool | None = None) -> None:
     print(f"[cv3] {what}: rel_l2={err:.3e}{extra}")
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
-@pytest.fixture(scope="module")
-def yaml_data():
-    require_cv3_dir()
-    return load_hyperpyyaml(model_dir() / "cosyvoice3.yaml")
-
-
-@pytest.fixture(scope="module")
-def flow(yaml_data):
-    return load_cv3_flow(model_dir() / "flow.pt", parse_cv3_flow(yaml_data))
-
-
-@pytest.fixture(scope="module")
-def hift(yaml_data):
-    return load_hift(model_dir() / "hift.pt", parse_causal_hift(yaml_data))
 
 
 # ----------------------------------------------------------------------------------------------

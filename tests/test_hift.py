@@ -45,14 +45,6 @@ def _report(what: str, err: float, exact: bool | None = None) -> None:
     print(f"[hift] {what}: rel_l2={err:.3e}{extra}")
 
 
-@pytest.fixture
-def one_thread():
-    """The reference was computed with one torch thread; with one thread the float summation order
-    is the same and exact equality can be observed (tolerances do not depend on it)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
