@@ -560,7 +560,6 @@ def test_sigkill_during_voice_uploads_keeps_the_store_consistent(tmp_path):
 
 _WRITER = r"""
 import os, sys, time, torch
-import safetensors.torch
 from cosyserve.frontend.voice import Voice, VoiceStore
 
 def voice(take):
@@ -569,24 +568,25 @@ def voice(take):
 
 store = VoiceStore(sys.argv[1])
 store.add(voice(0))
-stage, save, rename = sys.argv[2], safetensors.torch.save_file, os.replace
+stage, fsync, rename = sys.argv[2], os.fsync, os.replace
 
 def stop_here():
     print("paused", flush=True)
     time.sleep(60)  # SIGKILLed here
 
-def half_save(tensors, path, metadata=None):  # killed in the middle of writing the file
-    save(tensors, path, metadata=metadata)
-    with open(path, "r+b") as f:
-        f.truncate(os.path.getsize(path) // 2)
-    stop_here()
+def half_written(fd):  # killed in the middle of writing the file (half of it on disk)
+    path = os.readlink(f"/proc/self/fd/{fd}")
+    if path.endswith(".tmp"):
+        os.truncate(path, os.path.getsize(path) // 2)
+        stop_here()
+    fsync(fd)
 
 def late_rename(src, dst):  # killed with the file complete but not yet renamed
     stop_here()
     rename(src, dst)
 
 if stage == "mid_write":
-    safetensors.torch.save_file = half_save
+    os.fsync = half_written
 else:
     os.replace = late_rename
 store.add(voice(1), overwrite=True)
@@ -626,10 +626,12 @@ def test_voice_store_ignores_and_cleans_temporaries(tmp_path):
 
     (tmp_path / ".alice.x1.tmp").write_bytes(b"half a safetensors file")
     (tmp_path / ".bob.x2.tmp").write_bytes(b"being written right now")
+    (tmp_path / ".tmpXstjWm").write_bytes(b"safetensors 0.8's own temporary, from an older cosyserve")
     old = time.time() - STALE_TMP_S - 5
     os.utime(tmp_path / ".alice.x1.tmp", (old, old))
+    os.utime(tmp_path / ".tmpXstjWm", (old, old))
     store = VoiceStore(tmp_path)
-    assert store.removed_temporaries == [".alice.x1.tmp"]
+    assert sorted(store.removed_temporaries) == [".alice.x1.tmp", ".tmpXstjWm"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".bob.x2.tmp"]
     assert store.ids() == [] and store.list() == []
     assert "alice" not in store and "bob" not in store

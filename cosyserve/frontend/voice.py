@@ -225,11 +225,12 @@ class VoiceStore:
         self.removed_temporaries = self._remove_stale_temporaries()
 
     def _remove_stale_temporaries(self) -> list[str]:
-        """Delete ``.<id>.*.tmp`` files older than :data:`STALE_TMP_S` (a writer killed between
-        creating and renaming its file); returns their names. Errors are ignored (another
-        process may remove them first)."""
+        """Delete ``.<id>.*.tmp`` files (and ``.tmp*`` ones that safetensors' own atomic writes
+        left in earlier versions) older than :data:`STALE_TMP_S` (a writer killed between creating
+        and renaming its file); returns their names. Errors are ignored (another process may
+        remove them first)."""
         gone, now = [], time.time()
-        for p in self.root.glob(".*.tmp"):
+        for p in {*self.root.glob(".*.tmp"), *self.root.glob(".tmp*")}:
             try:
                 if now - p.stat().st_mtime > STALE_TMP_S:
                     p.unlink()
@@ -254,7 +255,7 @@ class VoiceStore:
     def add(self, voice: Voice, overwrite: bool = False) -> None:
         """Write ``voice`` atomically. Raises :class:`InvalidInputError` if it exists and
         ``overwrite`` is false, or if the voice is inconsistent."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save as to_bytes
 
         voice.validate()
         target = self.path(voice.id)
@@ -263,11 +264,14 @@ class VoiceStore:
         with self._lock:
             if target.exists() and not overwrite:
                 raise InvalidInputError(f"voice {voice.id!r} already exists", field="name")
+            # serialised here and written to our own temporary: safetensors' save_file writes through
+            # a hidden ``.tmpXXXXXX`` of its own (0.8), which a kill would leave behind
+            data = to_bytes(tensors, metadata={"cosyserve": json.dumps(meta, ensure_ascii=False)})
             fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{voice.id}.", suffix=".tmp")
-            os.close(fd)
             try:
-                save_file(tensors, tmp, metadata={"cosyserve": json.dumps(meta, ensure_ascii=False)})
-                with open(tmp, "rb") as f:  # on disk before it gets its name (power loss, not only crashes)
+                with os.fdopen(fd, "wb") as f:  # on disk before it gets its name (power loss, not only crashes)
+                    f.write(data)
+                    f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, target)
                 _fsync_dir(self.root)
