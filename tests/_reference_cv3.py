@@ -197,3 +197,54 @@ def hift_fixture(yaml_data):
     from cosyserve.models.hift import load_hift, parse_causal_hift
 
     return load_hift(model_dir() / "hift.pt", parse_causal_hift(yaml_data))
+
+
+#: the prompt transcript of ``audio/zero_shot_prompt.wav`` with upstream's default CV3 instruction
+PROMPT_TEXT = "You are a helpful assistant.<|endofprompt|>希望你以后能够做的比我还好呦。"
+
+
+class ForcedSampler:
+    """A sampler that emits given tokens, then the stop token (drives the engine with known tokens)."""
+
+    def __init__(self, tokens: list[int], stop: int):
+        self.tokens, self.stop = tokens, stop
+
+    def sample(self, logp, history, generator=None, ignore_eos=False):
+        return self.tokens[len(history)] if len(history) < len(self.tokens) else self.stop
+
+
+def forced_params(tokens: list[int], stop: int, stream: bool):
+    """:class:`SynthesisParams` whose LM emits exactly ``tokens`` (then ``stop``)."""
+    from cosyserve.engine.request import SynthesisParams
+
+    return SynthesisParams(seed=0, stream=stream, min_tokens=0, max_tokens=len(tokens) + 1,
+                           sampler_factory=lambda: ForcedSampler(tokens, stop))
+
+
+def stream_case_voice(synth, d: dict):
+    """The shipped prompt's voice with a stream case's flow prompt (tokens, mel, embedding) ``d``."""
+    from dataclasses import replace
+
+    base = synth.make_voice("v", str(set_file("audio/zero_shot_prompt.wav")), PROMPT_TEXT)
+    return replace(base, flow_speech_token=d["prompt_token"].reshape(-1).to(base.flow_speech_token.dtype),
+                   speech_feat=d["prompt_feat"][0], flow_embedding=d["embedding"].reshape(-1))
+
+
+def run_engine(engine, reqs) -> dict:
+    """Add ``reqs`` and step ``engine`` until idle: ``{request id: (chunks, RequestFinished)}``; every
+    request must finish without error."""
+    from cosyserve.engine.request import AudioChunk
+
+    out = {r.request_id: ([], None) for r in reqs}
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_work():
+        for ev in engine.step():
+            chunks, _ = out[ev.request_id]
+            if isinstance(ev, AudioChunk):
+                chunks.append(ev)
+            else:
+                out[ev.request_id] = (chunks, ev)
+    for rid, (_, fin) in out.items():
+        assert fin is not None and fin.error is None, (rid, fin)
+    return out

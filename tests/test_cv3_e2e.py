@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import queue
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,15 +18,17 @@ import soundfile as sf
 import torch
 
 from _reference import DEVICE_WAVE_TOL, PARITY_TOL, WAVE_TOL, check_close
-from _reference_cv3 import discover, meta, model_dir, require_cv3_dir, set_file, tensors
+from _reference_cv3 import PROMPT_TEXT, discover, meta, model_dir, require_cv3_dir, set_file, tensors
+from _reference_cv3 import forced_params as _forced_params
+from _reference_cv3 import run_engine as _run
+from _reference_cv3 import stream_case_voice
 
-from cosyserve.engine.core import EngineConfig, EngineCore
-from cosyserve.engine.request import AudioChunk, EngineRequest, RequestFinished, SynthesisParams
+from cosyserve.engine.core import EngineConfig
+from cosyserve.engine.request import SynthesisParams
 from cosyserve.models.llm import SilentTokenFilter
 
 E2E_CASES = discover("e2e", has=("llm_tokens", "speech_token", "mel", "speech"),
                      where=lambda m: "seed" in m and "prompt_wav" in m)
-PROMPT_TEXT = "You are a helpful assistant.<|endofprompt|>希望你以后能够做的比我还好呦。"
 STREAM_CASES = discover("stream", has=("source_speech_token", "prompt_token", "prompt_feat", "embedding"),
                         where=lambda m: bool(m.get("chunks")))
 
@@ -52,37 +53,6 @@ def synth():
 
 def _case_voice(synth, m: dict):
     return synth.make_voice("case", str(set_file(m["prompt_wav"])), m["prompt_text"])
-
-
-class _Forced:
-    """A sampler that emits given tokens, then the stop token (drives the engine with known tokens)."""
-
-    def __init__(self, tokens: list[int], stop: int):
-        self.tokens, self.stop = tokens, stop
-
-    def sample(self, logp, history, generator=None, ignore_eos=False):
-        return self.tokens[len(history)] if len(history) < len(self.tokens) else self.stop
-
-
-def _forced_params(tokens: list[int], stop: int, stream: bool) -> SynthesisParams:
-    return SynthesisParams(seed=0, stream=stream, min_tokens=0, max_tokens=len(tokens) + 1,
-                           sampler_factory=lambda: _Forced(tokens, stop))
-
-
-def _run(engine: EngineCore, reqs: list[EngineRequest]) -> dict[str, tuple[list[AudioChunk], RequestFinished]]:
-    out = {r.request_id: ([], None) for r in reqs}
-    for r in reqs:
-        engine.add_request(r)
-    while engine.has_work():
-        for ev in engine.step():
-            chunks, _ = out[ev.request_id]
-            if isinstance(ev, AudioChunk):
-                chunks.append(ev)
-            else:
-                out[ev.request_id] = (chunks, ev)
-    for rid, (_, fin) in out.items():
-        assert fin is not None and fin.error is None, (rid, fin)
-    return out
 
 
 @pytest.mark.parametrize("case", E2E_CASES or [pytest.param(None, marks=pytest.mark.skip("no CosyVoice3 e2e case"))])
@@ -120,8 +90,7 @@ def test_silent_token_rule_in_the_engine(synth):
     raw = [other] * 6 + [s] * (cfg.max_silent_tokens + 4) + [other] * 6
     kept = SilentTokenFilter.for_config(cfg).filter(raw)
     assert len(kept) == len(raw) - 4
-    voice = synth.make_voice("v", str(set_file("audio/zero_shot_prompt.wav")),
-                             "You are a helpful assistant.<|endofprompt|>希望你以后能够做的比我还好呦。")
+    voice = synth.make_voice("v", str(set_file("audio/zero_shot_prompt.wav")), PROMPT_TEXT)
     engine = synth.new_engine(EngineConfig(max_active=1))
     req = synth.build_request("你好。", voice, _forced_params(raw, cfg.stop_token_ids[0], stream=False))
     chunks, fin = _run(engine, [req])[req.request_id]
@@ -139,10 +108,7 @@ def test_engine_streams_the_stream_case_and_batches(synth, case, one_thread):
     tokens = d["source_speech_token"].reshape(-1).tolist()
     if SilentTokenFilter.for_config(synth.cfg.llm).filter(tokens) != tokens:
         pytest.skip("the stream case's tokens hold a run of silent tokens (its path skips llm_job's filter)")
-    base = synth.make_voice("v", str(set_file("audio/zero_shot_prompt.wav")),
-                            "You are a helpful assistant.<|endofprompt|>希望你以后能够做的比我还好呦。")
-    voice = replace(base, flow_speech_token=d["prompt_token"].reshape(-1).to(base.flow_speech_token.dtype),
-                    speech_feat=d["prompt_feat"][0], flow_embedding=d["embedding"].reshape(-1))
+    voice = stream_case_voice(synth, d)
     stop = synth.cfg.llm.stop_token_ids[0]
     engine = synth.new_engine(EngineConfig(max_active=2, t2w_batch_target=2))
     reqs = [synth.build_request("你好。", voice, _forced_params(tokens, stop, stream=True), request_id="stream")]
@@ -364,9 +330,7 @@ def test_gpu_engine_runs_cv3_eagerly_with_cuda_graphs_on(case):
         synth = Synthesizer(model_dir(), device="cuda", normalizer="none")
         m, d = meta(case), tensors(case)
         tokens = d["source_speech_token"].reshape(-1).tolist()
-        base = synth.make_voice("v", str(set_file("audio/zero_shot_prompt.wav")), PROMPT_TEXT)
-        voice = replace(base, flow_speech_token=d["prompt_token"].reshape(-1).to(base.flow_speech_token.dtype),
-                        speech_feat=d["prompt_feat"][0], flow_embedding=d["embedding"].reshape(-1))
+        voice = stream_case_voice(synth, d)
         engine = synth.new_engine(EngineConfig(max_active=2, kv_max_len=1024, max_prefill_tokens=1024))
         assert getattr(synth.models.flow, "graph", None) is not None and synth.models.hift.graph_decode is None
         req = synth.build_request("你好。", voice, _forced_params(tokens, synth.cfg.llm.stop_token_ids[0], True),

@@ -22,6 +22,7 @@ from cosyserve.models.hift import load_hift, parse_causal_hift
 
 from _reference import check_close
 from _reference_cv3 import flow_fixture, hift_fixture, yaml_data_fixture  # noqa: F401  (fixtures)
+from _reference_cv3 import forced_params, run_engine, stream_case_voice
 from _reference_cv3 import discover, meta, model_dir, tensors
 
 FLOW_CASES = discover("flow", has=("token", "prompt_token", "prompt_feat", "embedding", "mel"))
@@ -147,14 +148,6 @@ def test_share_plan_keeps_the_unet_buffer_names():
     shared = _share_plan(plan, lambda name, t: names.append(name) or t.clone())
     assert names == ["mask0", "mask1", "streaming"] and shared.chunk == 50 and isinstance(shared.masks, list)
     assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(shared.masks, plan.masks))
-
-
-@pytest.fixture
-def no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 #: bf16 graphs vs float32 eager (mel): the bound test_cv3_token2wav documents for the eager bf16 flow
@@ -337,16 +330,6 @@ def test_windowed_and_rerun_token2wav_agree(flow, hift, one_thread):
 # ----------------------------------------------------------------------------------------------
 
 
-class _Forced:
-    """A sampler that emits given tokens, then the stop token."""
-
-    def __init__(self, tokens: list[int], stop: int):
-        self.tokens, self.stop = tokens, stop
-
-    def sample(self, logp, history, generator=None, ignore_eos=False):
-        return self.tokens[len(history)] if len(history) < len(self.tokens) else self.stop
-
-
 @pytest.mark.parametrize("stream_cache", [False, True, "budget"])
 @pytest.mark.parametrize("case", STREAM_CASES or [pytest.param(None, marks=pytest.mark.skip("no stream case"))])
 def test_concurrent_streams_share_flow_and_hift_calls(case, stream_cache, monkeypatch, one_thread):
@@ -355,14 +338,11 @@ def test_concurrent_streams_share_flow_and_hift_calls(case, stream_cache, monkey
     budget every stream outgrows, only the first chunk is cached) and ONE HiFT call per chunk
     (spied on the models), and each request's chunks still equal the reference stream case's
     (WAVE_TOL)."""
-    from dataclasses import replace as dc_replace
 
     from _reference import WAVE_TOL
-    from _reference_cv3 import set_file
 
     from cosyserve.engine.core import EngineConfig
     from cosyserve.engine.pipeline import Synthesizer
-    from cosyserve.engine.request import AudioChunk, SynthesisParams
     from cosyserve.models.llm import SilentTokenFilter
 
     synth = Synthesizer(model_dir(), normalizer="none")
@@ -370,10 +350,7 @@ def test_concurrent_streams_share_flow_and_hift_calls(case, stream_cache, monkey
     tokens = d["source_speech_token"].reshape(-1).tolist()
     if SilentTokenFilter.for_config(synth.cfg.llm).filter(tokens) != tokens:
         pytest.skip("the stream case's tokens hold a run of silent tokens")
-    base = synth.make_voice("v", str(set_file("audio/zero_shot_prompt.wav")),
-                            "You are a helpful assistant.<|endofprompt|>希望你以后能够做的比我还好呦。")
-    voice = dc_replace(base, flow_speech_token=d["prompt_token"].reshape(-1).to(base.flow_speech_token.dtype),
-                       speech_feat=d["prompt_feat"][0], flow_embedding=d["embedding"].reshape(-1))
+    voice = stream_case_voice(synth, d)
     stop = synth.cfg.llm.stop_token_ids[0]
     flow_batches, hift_batches, cached_batches = [], [], []
     real_start, real_hift = synth.models.flow.start, synth.models.hift.inference_stream_batch
@@ -387,16 +364,9 @@ def test_concurrent_streams_share_flow_and_hift_calls(case, stream_cache, monkey
     engine = synth.new_engine(EngineConfig(max_active=2, t2w_batch_target=2, flow_stream_cache=bool(stream_cache)))
     if stream_cache == "budget":  # every stream outgrows it after its first cached call and recomputes after that
         engine.t2w.flow_cache_max_bytes = 1
-    params = lambda: SynthesisParams(seed=0, stream=True, min_tokens=0, max_tokens=len(tokens) + 1,  # noqa: E731
-                                     sampler_factory=lambda: _Forced(tokens, stop))
-    reqs = [synth.build_request("你好。", voice, params(), request_id=f"s{i}") for i in range(2)]
-    out = {r.request_id: [] for r in reqs}
-    for r in reqs:
-        engine.add_request(r)
-    while engine.has_work():
-        for ev in engine.step():
-            if isinstance(ev, AudioChunk):
-                out[ev.request_id].append(ev)
+    reqs = [synth.build_request("你好。", voice, forced_params(tokens, stop, True), request_id=f"s{i}")
+            for i in range(2)]
+    out = {rid: chunks for rid, (chunks, _) in run_engine(engine, reqs).items()}
     n_stream = sum(1 for ch in m["chunks"] if not ch["flow_finalize"])
     if stream_cache == "budget":
         assert cached_batches == [2] and flow_batches == [2] * (len(m["chunks"]) - 1)
@@ -674,14 +644,11 @@ def test_gpu_stream_cache_matches_reference(yaml_data, no_tf32):
 def test_gpu_engine_streams_with_graphs_and_stream_cache(case):
     """On CUDA with CUDA graphs (flow + HiFT trunk graphed) and the flow stream cache forced on: two
     concurrent streams of the reference stream case, every chunk within DEVICE_WAVE_TOL."""
-    from dataclasses import replace as dc_replace
 
     from _reference import DEVICE_WAVE_TOL
-    from _reference_cv3 import set_file
 
     from cosyserve.engine.core import EngineConfig
     from cosyserve.engine.pipeline import Synthesizer
-    from cosyserve.engine.request import AudioChunk, SynthesisParams
 
     old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -689,25 +656,15 @@ def test_gpu_engine_streams_with_graphs_and_stream_cache(case):
         synth = Synthesizer(model_dir(), device="cuda", normalizer="none")
         m, d = meta(case), tensors(case)
         tokens = d["source_speech_token"].reshape(-1).tolist()
-        base = synth.make_voice("v", str(set_file("audio/zero_shot_prompt.wav")),
-                                "You are a helpful assistant.<|endofprompt|>希望你以后能够做的比我还好呦。")
-        voice = dc_replace(base, flow_speech_token=d["prompt_token"].reshape(-1).to(base.flow_speech_token.dtype),
-                           speech_feat=d["prompt_feat"][0], flow_embedding=d["embedding"].reshape(-1))
+        voice = stream_case_voice(synth, d)
         stop = synth.cfg.llm.stop_token_ids[0]
         engine = synth.new_engine(EngineConfig(max_active=2, t2w_batch_target=2, kv_max_len=1024,
                                                max_prefill_tokens=1024, flow_stream_cache=True))
         assert synth.models.flow.graph is not None and synth.models.hift.graph_trunk is not None
         assert engine.t2w.flow_stream_cache
-        params = lambda: SynthesisParams(seed=0, stream=True, min_tokens=0, max_tokens=len(tokens) + 1,  # noqa: E731
-                                         sampler_factory=lambda: _Forced(tokens, stop))
-        reqs = [synth.build_request("你好。", voice, params(), request_id=f"s{i}") for i in range(2)]
-        out = {r.request_id: [] for r in reqs}
-        for r in reqs:
-            engine.add_request(r)
-        while engine.has_work():
-            for ev in engine.step():
-                if isinstance(ev, AudioChunk):
-                    out[ev.request_id].append(ev)
+        reqs = [synth.build_request("你好。", voice, forced_params(tokens, stop, True), request_id=f"s{i}")
+                for i in range(2)]
+        out = {rid: chunks for rid, (chunks, _) in run_engine(engine, reqs).items()}
         for rid, chunks in out.items():
             assert len(chunks) == len(m["chunks"])
             for i, c in enumerate(chunks):

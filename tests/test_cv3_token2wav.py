@@ -400,14 +400,6 @@ HALF_TOL = {"mel": 5e-2, "speech_float16": 5e-3, "speech_bfloat16": 4e-2}
 GPU_TOL = {"mel": PARITY_TOL, "speech": DEVICE_WAVE_TOL}
 
 
-@pytest.fixture
-def no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
-
-
 @pytest.mark.gpu
 def test_gpu_float32_matches_reference(yaml_data, no_tf32):
     flow = load_cv3_flow(model_dir() / "flow.pt", parse_cv3_flow(yaml_data), device="cuda")
