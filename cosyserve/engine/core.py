@@ -350,6 +350,7 @@ class EngineCore:
         self.decoder = self.prefill_graphs = None
         self._pending_warmup: list = []  # graph grids the first step() captures (see t2w_graph_warmup)
         self.graph_capturer = None  # background capture of the warmed grids (graph_capture="background")
+        self._t2w_stages: list = []  # the token2wav stages' bucketed CUDA graphs (_t2w_graphs)
         background = config.graph_capture == "background"
         if use_graphs:
             from ..models.graphs import GraphedDecoder, GraphedPrefill
@@ -361,7 +362,8 @@ class EngineCore:
                 self.decoder.warmup()  # capture every (batch, KV length) bucket now, not mid-request
             self.prefill_graphs = GraphedPrefill(self.lm, self.cache, pool=self.decoder.pool,
                                                  max_batch=config.max_active, max_tokens=config.max_prefill_tokens)
-            t2w = self._t2w_graphs(models, config)
+            self._t2w_stages = self._t2w_graphs(models, config)
+            t2w = self._t2w_stages if config.t2w_graph_warmup else []
             if background:  # decode first (every token), then prefill, HiFT and flow taking turns
                 from ..models.graphs import BackgroundCapturer
 
@@ -415,7 +417,7 @@ class EngineCore:
         budgets of ``config`` bound them: the flow (CosyVoice2 U-Net and CosyVoice3 DiT through
         :class:`~cosyserve.models.graphs.GraphedFlow`; the Step-Audio2 DiT's own solve graphs,
         captured on first use), HiFT's decoder (CosyVoice2) or causal trunk (CosyVoice3). Returns
-        the stages to capture ahead of use (empty without ``t2w_graph_warmup``)."""
+        the bucketed stages (captured ahead of use with ``t2w_graph_warmup``, else on first use)."""
         from ..models.graphs import GraphedFlow, GraphedHiFTDecoder
 
         ratio = models.cfg.token_mel_ratio
@@ -444,8 +446,6 @@ class EngineCore:
             models.hift.graph_decode = GraphedHiFTDecoder(
                 models.hift, config.max_t2w_batch, max_frames=ratio * config.kv_max_len + extra,
                 max_area=ratio * config.max_t2w_tokens + extra * config.max_t2w_batch)
-        if not config.t2w_graph_warmup:
-            return []
         return [g for g in (getattr(models.hift, "graph_decode", None), getattr(models.hift, "graph_trunk", None),
                             getattr(models.flow, "graph", None)) if g is not None and hasattr(g, "pending")]
 
@@ -453,15 +453,14 @@ class EngineCore:
         """Per-stream flow caches (``EngineConfig.flow_stream_cache``; auto: on while the flow is
         not CUDA-graphed), after the graphs were set up: CosyVoice2's through the jobs
         (:attr:`_unet_flow_cache`), CosyVoice3's in its backend."""
+        on = getattr(models.flow, "graph", None) is None if config.flow_stream_cache is None \
+            else config.flow_stream_cache
         #: CosyVoice2 per-stream flow caches
-        self._unet_flow_cache = bool(getattr(self.t2w, "supports_flow_cache", False)) and (
-            getattr(models.flow, "graph", None) is None if config.flow_stream_cache is None
-            else config.flow_stream_cache)
+        self._unet_flow_cache = bool(getattr(self.t2w, "supports_flow_cache", False)) and on
         if getattr(self.t2w, "supports_flow_cache", False):
-            log.info("CosyVoice2 flow stream cache: %s", "on" if self._unet_flow_cache else "off")
+            log.info("CosyVoice2 flow stream cache: %s", "on" if on else "off")
         if hasattr(self.t2w, "set_flow_stream_cache"):  # CosyVoice3: per-stream DiT cache
-            log.info("CosyVoice3 flow stream cache: %s", "on" if self.t2w.set_flow_stream_cache(config.flow_stream_cache)
-                     else "off")
+            log.info("CosyVoice3 flow stream cache: %s", "on" if self.t2w.set_flow_stream_cache(on) else "off")
 
     # ------------------------------------------------------------------ public API
     def _new_sampler(self) -> UpstreamSampler:
@@ -596,10 +595,9 @@ class EngineCore:
         """CUDA graph buckets ``captured``, ``pending`` (neither captured nor disabled, in the
         warmed grids and the decode grid), ``failed`` (disabled after a failed capture) and
         ``capture_seconds`` (spent in captures); all 0 without graphs. Thread-safe reads."""
-        flow, hift = getattr(self.models.flow, "graph", None), getattr(self.models.hift, "graph_decode", None)
-        stages = [(g, warm) for g, warm in ((self.decoder, True), (self.prefill_graphs, self.cfg.graph_warmup),
-                                            (hift, self.cfg.t2w_graph_warmup), (flow, self.cfg.t2w_graph_warmup))
-                  if g is not None and hasattr(g, "pending")]  # the DiT's step graphs are not bucketed
+        stages = [(g, warm) for g, warm in ((self.decoder, True), (self.prefill_graphs, self.cfg.graph_warmup))
+                  if g is not None]
+        stages += [(g, self.cfg.t2w_graph_warmup) for g in self._t2w_stages]  # the DiT's solve graphs are not bucketed
         if self.graph_capturer is not None:  # whatever else it captures
             known = {id(g) for g, _ in stages}
             stages += [(g, True) for g in self.graph_capturer.stages if id(g) not in known]
@@ -965,20 +963,27 @@ class EngineCore:
         streamed: dict[str, TokensGenerated] = {}  # LM-only streaming requests: tokens as they come
         for i, st, seg in live:
             tok = tokens[i]
-            if tok in self._stop_ids:
-                self._lm_finish_segment(st, seg, "stop")
-                continue
-            seg.tokens.append(tok)
-            if st.req.params.lm_only and st.req.params.stream:
+            reason = self._take_token(st, seg, tok, t_tok)
+            if reason != "stop" and st.req.params.lm_only and st.req.params.stream:
                 streamed.setdefault(st.request_id, TokensGenerated(st.request_id, seg.index, [])).tokens.append(tok)
-            if seg.silent is None or seg.silent.keep(tok):
-                seg.t2w_tokens.append(tok)
-            if st.t_first_token is None:
-                st.t_first_token = t_tok
-            if len(seg.tokens) >= seg.max_len:
-                self._lm_finish_segment(st, seg, "length")
+            if reason is not None:
+                self._lm_finish_segment(st, seg, reason)
         events.extend(streamed.values())
         self._host("sampling", time.perf_counter() - t3)
+
+    def _take_token(self, st: RequestState, seg: SegmentState, tok: int, t_tok: float) -> str | None:
+        """Hand one speech token of ``seg``'s LM to the request (its token list, and token2wav's
+        unless the silent-token rule drops it); returns why the segment's LM ends now — ``"stop"``
+        (a stop token, not kept), ``"length"`` (``max_len`` reached) — or None. The caller finishes
+        the segment (:meth:`_lm_finish_segment`). Shared by the local LM and remote token sources."""
+        if tok in self._stop_ids:
+            return "stop"
+        seg.tokens.append(tok)
+        if seg.silent is None or seg.silent.keep(tok):
+            seg.t2w_tokens.append(tok)
+        if st.t_first_token is None:
+            st.t_first_token = t_tok
+        return "length" if len(seg.tokens) >= seg.max_len else None
 
     def _sample_host(self, live: list, logp: torch.Tensor, sampled: dict[int, int]) -> dict[int, int]:
         """Tokens for the live rows: those sampled on the device as given; the others with

@@ -332,14 +332,13 @@ class Cv3Token2WavBackend(Token2Wav):
         #: ~580 frames = 11.6 s at full size in bf16, ~290 in float32)
         self.flow_cache_max_bytes = 1 << 30
 
-    def set_flow_stream_cache(self, enabled: bool | None) -> bool:
+    def set_flow_stream_cache(self, enabled: bool) -> bool:
         """Turn the per-stream DiT cache of streaming chunk calls on or off
         (:meth:`~cosyserve.models.cv3_flow.CV3FlowModel.stream_cached_batch`; the cache rides in
         :class:`Cv3T2WState`, 1.8 MB per cached frame at full size in bf16, dropped at the final
-        chunk). ``None`` (auto): on while the flow has no CUDA graphs — the cached chunk runs
-        eagerly, which on a GPU costs more launches than a graphed full recompute saves. Returns the
-        setting."""
-        self.flow_stream_cache = (getattr(self.flow, "graph", None) is None) if enabled is None else bool(enabled)
+        chunk). The engine decides (``EngineConfig.flow_stream_cache``; auto: on while the flow has
+        no CUDA graphs — the cached chunk runs eagerly). Returns the setting."""
+        self.flow_stream_cache = bool(enabled)
         return self.flow_stream_cache
 
     def _flow_cache(self, job):

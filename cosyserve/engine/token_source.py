@@ -259,8 +259,10 @@ class RemoteLMEngine(EngineCore):
         self._logged_capacity = None
         self._limit = self._admission_limit()
         self.graph_capturer = None
+        self._t2w_stages = []
         if cuda and config.cuda_graphs:  # EngineCore's token2wav graphs, captured by warmup() / the first step
-            self._pending_warmup = self._t2w_graphs(models, config)[::-1]
+            self._t2w_stages = self._t2w_graphs(models, config)
+            self._pending_warmup = self._t2w_stages[::-1] if config.t2w_graph_warmup else []
         self._set_flow_stream_cache(models, config)
         self._streams: dict[str, SegmentStream] = {}  # request id -> its current segment's stream
         self._progress = True  # the last step did something (else the next waits for remote tokens)
@@ -319,16 +321,9 @@ class RemoteLMEngine(EngineCore):
                 continue
             self._got |= bool(tokens) or reason is not None or error is not None
             for tok in tokens:
-                if tok in self._stop_ids:
-                    reason = "stop"
-                    break
-                seg.tokens.append(tok)
-                if seg.silent is None or seg.silent.keep(tok):
-                    seg.t2w_tokens.append(tok)
-                if st.t_first_token is None:
-                    st.t_first_token = t_tok
-                if len(seg.tokens) >= seg.max_len:
-                    reason = "length"
+                ended = self._take_token(st, seg, tok, t_tok)
+                if ended is not None:
+                    reason = ended
                     break
             if reason is not None:
                 self.source.cancel(self._streams.pop(st.request_id))
