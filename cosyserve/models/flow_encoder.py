@@ -160,21 +160,26 @@ class RelPositionSelfAttention(nn.Module):
             scores.storage_offset() + t - 1,
         )
 
-    def forward(self, x: Tensor, pos_table: Tensor, allowed: Tensor) -> Tensor:
-        """``x [B, T, F]``, ``pos_table [1, 2T-1, F]``, ``allowed [B, T, T]`` bool -> ``[B, T, F]``."""
+    def _project(self, x: Tensor, pos_table: Tensor):
+        """``x [B, T, F]``, ``pos_table [1, R, F]`` -> ``(q + pos_bias_u, q + pos_bias_v)`` ``[B, H, T, dk]``,
+        ``k, v [B, H, T, dk]``, the projected table ``p [1, H, R, dk]`` and the score scale."""
         b, t, _ = x.shape
         q = self.linear_q(x).view(b, t, self.h, self.d_k)
         k = self.linear_k(x).view(b, t, self.h, self.d_k).transpose(1, 2)
         v = self.linear_v(x).view(b, t, self.h, self.d_k).transpose(1, 2)
-        p = self.linear_pos(pos_table).view(1, -1, self.h, self.d_k).transpose(1, 2)  # [1, H, 2T-1, dk]
+        p = self.linear_pos(pos_table).view(1, -1, self.h, self.d_k).transpose(1, 2)
         q_u = (q + self.pos_bias_u).transpose(1, 2)
         q_v = (q + self.pos_bias_v).transpose(1, 2)
-        scale = 1.0 / math.sqrt(self.d_k)
+        return q_u, q_v, k, v, p, 1.0 / math.sqrt(self.d_k)
+
+    def forward(self, x: Tensor, pos_table: Tensor, allowed: Tensor) -> Tensor:
+        """``x [B, T, F]``, ``pos_table [1, 2T-1, F]``, ``allowed [B, T, T]`` bool -> ``[B, T, F]``."""
+        b, t, _ = x.shape
+        q_u, q_v, k, v, p, scale = self._project(x, pos_table)
         pos_scores = self._shift(torch.matmul(q_v, p.transpose(-2, -1))) * scale  # [B, H, T, T]
         bias = pos_scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
         out = F.scaled_dot_product_attention(q_u, k, v, attn_mask=bias, scale=scale)
         return self.linear_out(out.transpose(1, 2).reshape(b, t, self.h * self.d_k))
-
 
     def forward_cached(self, x: Tensor, pos_table: Tensor, allowed: Tensor, rel_index: Tensor,
                        k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -188,13 +193,7 @@ class RelPositionSelfAttention(nn.Module):
         new positions' keys/values ``[B, H, T, d_k]``. The position term is gathered per pair
         instead of ESPnet's rel-shift: the same products."""
         b, t, _ = x.shape
-        q = self.linear_q(x).view(b, t, self.h, self.d_k)
-        k = self.linear_k(x).view(b, t, self.h, self.d_k).transpose(1, 2)
-        v = self.linear_v(x).view(b, t, self.h, self.d_k).transpose(1, 2)
-        p = self.linear_pos(pos_table).view(1, -1, self.h, self.d_k).transpose(1, 2)  # [1, H, 2K-1, dk]
-        q_u = (q + self.pos_bias_u).transpose(1, 2)
-        q_v = (q + self.pos_bias_v).transpose(1, 2)
-        scale = 1.0 / math.sqrt(self.d_k)
+        q_u, q_v, k, v, p, scale = self._project(x, pos_table)
         scores = torch.matmul(q_v, p.transpose(-2, -1))  # [B, H, T, 2K-1]
         pos_scores = scores.gather(-1, rel_index.unsqueeze(1).expand(-1, self.h, -1, -1)) * scale
         bias = pos_scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
