@@ -482,16 +482,45 @@ def _engine_args(p, in_process: bool = False) -> None:
                         "every later capture then failed (all eager): see docs/perf.md, 'Start-up'")
     p.add_argument("--graphs-before-ready", action="store_true",
                    help="capture every CUDA graph before the server reports ready (the default; kept for scripts)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="keep the compiled fused kernels (torch.compile / Triton) here across restarts, so a "
+                        "restarted server loads them instead of compiling them again (start-up: docs/perf.md); "
+                        "default $COSYSERVE_CACHE_DIR/compile (~/.cache/cosyserve/compile) unless "
+                        "TORCHINDUCTOR_CACHE_DIR is set; 'off' = torch's default (a per-user folder in /tmp)" + note)
     p.add_argument("--flow-stream-cache-frames", type=_positive_int, default=None, metavar="N",
                    help="at most N mel frames (50/s, prompt included) cached per stream; later frames are "
                         "recomputed every chunk (default: no limit besides the segment's length)" + note)
 
 
+def _compile_cache(value: str | None) -> Path | None:
+    """Point torch's compile cache (Inductor's FX graphs and Triton kernels, ``TORCHINDUCTOR_CACHE_DIR``)
+    at ``value`` (``--compile-cache``; see its help) and return the folder (None: torch's default).
+    Must run before anything compiles; worker processes inherit it. Raises CLIError when the folder
+    cannot be created or written."""
+    if value is not None and value.strip().lower() == "off":
+        return None
+    if value is None:
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+            return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        value = str(_cache_dir() / "compile")
+    path = Path(value).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CLIError(f"--compile-cache {value}: cannot create it ({exc.strerror or exc})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise CLIError(f"--compile-cache {value}: not writable")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path.resolve())
+    return path
+
+
 def _engine_config(args, **overrides):
     """The :class:`~cosyserve.engine.core.EngineConfig` of the options :func:`_engine_args` added
-    (``overrides``: fields set by the command itself). Raises CLIError for invalid values."""
+    (``overrides``: fields set by the command itself); points the compile cache at
+    ``--compile-cache`` (:func:`_compile_cache`). Raises CLIError for invalid values."""
     from .engine.core import EngineConfig
 
+    _compile_cache(getattr(args, "compile_cache", None))
     lazy = args.lazy_graphs
     fields = dict(max_active=args.max_active_streams, t2w_thread=args.token2wav_thread,
                   t2w_queue_steps=_queue_steps(args.t2w_queue_steps), device_sampling=_SAMPLING[args.sampling],

@@ -267,3 +267,23 @@ def test_synthesize_with_a_bfloat16_hift_trunk(tmp_path, capsys, prompt_wav):
     a, b = sf.read(wavs[0])[0], sf.read(wavs[1])[0]
     assert a.shape == b.shape and not np.array_equal(a, b)
     assert np.linalg.norm(a - b) < 0.1 * np.linalg.norm(a)
+
+
+def test_compile_cache_points_torch_at_a_folder(tmp_path, monkeypatch):
+    """--compile-cache: Inductor's cache (compiled fused kernels) goes to the folder given, by default
+    under COSYSERVE_CACHE_DIR unless TORCHINDUCTOR_CACHE_DIR is set; 'off' leaves torch's default;
+    a folder that cannot be created is a one-line CLI error."""
+    from cosyserve import cli
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    assert cli._compile_cache(None) == tmp_path / "cache" / "compile"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "cache" / "compile").resolve())
+    assert cli._compile_cache(str(tmp_path / "mine")) == tmp_path / "mine"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "mine").resolve())
+    assert cli._compile_cache(None) == tmp_path / "mine"  # an explicit TORCHINDUCTOR_CACHE_DIR is kept
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert cli._compile_cache("off") is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(cli.CLIError, match="--compile-cache"):
+        cli._compile_cache(str(tmp_path / "file" / "sub"))

@@ -497,3 +497,63 @@ def test_hift_half_trunk_within_documented_error(yaml_dir, dtype):
     graphed = GraphedHiFTDecoder(half_m, max_batch=4, frame_bucket=32)
     for _ in range(2):
         assert rel(graphed(mel, source, lt), ref) < tol
+
+
+@torch.inference_mode()
+def test_failed_capture_leaves_the_pool_usable():
+    """A capture that CUDA invalidates (here: a device-wide synchronisation inside it; on the H100 in
+    session 22 a fused kernel's autotuning in another thread) must not leave its memory pool
+    recording, or every later capture into that pool fails ("already recording")."""
+    from cosyserve.models import graphs as G
+
+    pool, stream = torch.cuda.graph_pool_handle(), G.capture_stream("cuda", non_blocking=True)
+    x = torch.randn(1024, device="cuda")
+
+    def run_bad():
+        y = x * 2
+        torch.cuda.synchronize()  # not permitted while capturing: the capture is invalidated
+        return y + 1
+
+    with pytest.raises(Exception):
+        G._record(run_bad, pool, stream)
+    torch.cuda.synchronize()
+    g, out = G._record(lambda: x * 3 + 1, pool, stream)  # the same pool: must work
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, x * 3 + 1)
+
+
+@torch.inference_mode()
+def test_fused_op_does_not_compile_while_another_thread_captures():
+    """A fused op called while another thread captures runs eagerly (compiling a new variant there
+    synchronises the device and invalidates that capture); the capture succeeds."""
+    import threading
+
+    from cosyserve.models import graphs as G
+    from cosyserve.models.fused import FusedOp
+
+    op = FusedOp(lambda a, b: torch.sin(a) * b + a, name="capture_race_probe")
+    pool, stream = torch.cuda.graph_pool_handle(), G.capture_stream("cuda", non_blocking=True)
+    x = torch.randn(4096, device="cuda")
+    done = threading.Event()
+    results = {}
+
+    a = torch.randn(3, 77, device="cuda")  # (no default-generator draws during a capture)
+
+    def serve():  # a never-seen op and shape: it would compile (and autotune) now
+        results["y"] = op(a, a)
+        results["ref"] = op.fn(a, a)
+        done.set()
+
+    def run():
+        y = x * 2
+        threading.Thread(target=serve).start()
+        assert done.wait(120)
+        return y - 1
+
+    with G.CAPTURE_LOCK:
+        g, out = G._record(run, pool, stream)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, x * 2 - 1)
+    assert torch.equal(results["y"], results["ref"]) and not op._broken

@@ -29,6 +29,8 @@ import threading
 
 import torch
 
+from .capture import CAPTURE_LOCK
+
 log = logging.getLogger(__name__)
 
 _enabled = os.environ.get("COSYSERVE_FUSED_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
@@ -109,6 +111,13 @@ class FusedOp:
     if compiling or running the compiled code raises, a warning is logged once and this op runs
     eagerly from then on. CUDA-graph capture works as usual once a call with the same dtypes has
     run outside capture (the capture warm-ups do).
+
+    Next to graph captures in other threads (:data:`~cosyserve.models.capture.CAPTURE_LOCK`): a
+    compiled call may compile a new variant, and Inductor's autotuning then synchronises the whole
+    device, which invalidates a capture under way in another thread. So a call made while another
+    thread holds the capture lock runs the eager formula (same values up to float rounding, see the
+    module doc), and a compiled call holds the lock (without waiting for it) so that no capture
+    starts meanwhile.
     """
 
     def __init__(self, fn, name: str | None = None):
@@ -134,18 +143,21 @@ class FusedOp:
         if _enabled and not self._broken and x.is_cuda:
             fn = self._get()
             if fn is not None:
-                if _other_thread_tracing():  # another thread is compiling: eager this once
-                    return self.fn(*args)
-                try:
-                    return fn(*args)
-                except Exception as exc:  # noqa: BLE001 - fall back to the eager formula
-                    if _other_thread_tracing() or _TRACING_RACE in str(exc):
-                        return self.fn(*args)  # transient (see _other_thread_tracing), not broken
-                    if torch.cuda.is_current_stream_capturing():
-                        raise
-                    self._broken = True
-                    log.warning("fused %s failed (%s: %s); running it eagerly from now on",
-                                self.name, type(exc).__name__, exc)
+                with CAPTURE_LOCK.try_hold() as free:
+                    if not free:  # another thread may be capturing a graph: see the class doc
+                        return self.fn(*args)
+                    if _other_thread_tracing():  # another thread is compiling: eager this once
+                        return self.fn(*args)
+                    try:
+                        return fn(*args)
+                    except Exception as exc:  # noqa: BLE001 - fall back to the eager formula
+                        if _other_thread_tracing() or _TRACING_RACE in str(exc):
+                            return self.fn(*args)  # transient (see _other_thread_tracing), not broken
+                        if torch.cuda.is_current_stream_capturing():
+                            raise
+                        self._broken = True
+                        log.warning("fused %s failed (%s: %s); running it eagerly from now on",
+                                    self.name, type(exc).__name__, exc)
         return self.fn(*args)
 
     @property

@@ -41,6 +41,7 @@ from dataclasses import replace
 
 import torch
 
+from .capture import CAPTURE_LOCK, end_failed_capture
 from .llm import DecodeState, KVCache, SpeechLM
 from .transfer import to_device
 
@@ -248,8 +249,12 @@ def _capture_graph(run, pool, stream: torch.cuda.Stream, what: str = "graph",
         run()
     torch.cuda.current_stream().wait_stream(stream)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
-        out = run()
+    try:
+        with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            out = run()
+    except BaseException:
+        end_failed_capture(g, stream.device)  # else every later capture into ``pool`` fails
+        raise
     log.log(level, "captured %s in %.0f ms", what, (time.perf_counter() - t0) * 1e3)
     return g, out
 
@@ -264,7 +269,10 @@ def _record(run, pool, stream, settle_first: bool = True) -> tuple:
     as ``torch.cuda.graph`` does (captures before serving). A background capture skips both: a
     device-wide wait would only delay the capture, but emptying the allocator's cache would make
     the serving threads' next allocations ``cudaMalloc`` again (a stall on their side).
-    A run that raises ends the capture (its error is the one raised)."""
+    A run that raises ends the capture (its error is the one raised); a capture that CUDA reports
+    invalid at its end (e.g. another thread synchronised the device meanwhile) raises too, and in both
+    cases the pool stops recording (:func:`~cosyserve.models.capture.end_failed_capture`), so later
+    captures into it work."""
     if settle_first:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -279,18 +287,20 @@ def _record(run, pool, stream, settle_first: bool = True) -> tuple:
             try:
                 g.capture_end()
             except Exception:  # noqa: BLE001 - the capture is invalid anyway; report run's error
-                pass
+                end_failed_capture(g, stream.device)
             raise
-        g.capture_end()
+        try:
+            g.capture_end()
+        except BaseException:  # invalidated meanwhile: the pool must stop recording all the same
+            end_failed_capture(g, stream.device)
+            raise
     return g, out
 
 
-#: one capture at a time in the process: stages may share a memory pool (LM decode and prefill),
-#: a capture on first use (``capture_on_use``) may meet the background capturer's, and a capture
-#: before serving (``torch.cuda.graph``'s included) empties the allocator's cache, which torch
-#: forbids while any thread captures (``synchronize_and_free_events`` asserts no capture is under
-#: way). Every capture in cosyserve holds it (the DiT's too: :mod:`~cosyserve.models.dit_flow`).
-CAPTURE_LOCK = _CAPTURE_LOCK = threading.RLock()
+#: one capture at a time in the process (stages may share a memory pool; a capture before serving
+#: empties the allocator's cache, which torch forbids while any thread captures; other threads ask it
+#: whether a capture is under way): :mod:`~cosyserve.models.capture`. Every capture in cosyserve holds it.
+_CAPTURE_LOCK = CAPTURE_LOCK
 
 
 class _GraphStage:

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Start-up of `cosyserve serve` twice in a row with the same compile cache (issue 18): the first start compiles the
+# fused kernels into an empty --compile-cache, the second (a restart) loads them. Each start is measured by
+# benchmarks/startup_probe.py (ready, all CUDA graphs captured, first chunks of requests sent meanwhile).
+# Full-size CosyVoice2-0.5B with random weights (PATH_KIND=unet) or + the Step-Audio2 DiT token2wav (PATH_KIND=dit).
+# Usage: benchmarks/startup_cache.sh OUT  (env: PATH_KIND, SERVE_ARGS (default --background-graphs), STARTS (default 2)).
+# Needs .whl (see docs/perf.md "How to reproduce").
+set -u
+cd "$(dirname "$0")/.."
+OUTDIR=${1:-startup_cache_out}; KIND=${PATH_KIND:-unet}; STARTS=${STARTS:-2}
+SERVE_ARGS=${SERVE_ARGS:---background-graphs}
+mkdir -p "$OUTDIR"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/cosyserve-site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/cosyserve-site:$PWD PYTHONUNBUFFERED=1 COSYSERVE_CACHE_DIR=/tmp/cosyserve-cache
+CS="python3 -m cosyserve.cli"
+CACHE=/tmp/cosyserve-compile-$$; rm -rf "$CACHE"
+EXTRA=()
+if [ "$KIND" = dit ]; then
+  $CS demo-model /tmp/dit-t2w --dit-token2wav --dit-size full --no-weight-files >/dev/null || exit 1
+  EXTRA=(--token2wav-dir /tmp/dit-t2w)
+fi
+echo "== $KIND: $(nvidia-smi --query-gpu=name --format=csv,noheader), serve options: $SERVE_ARGS, compile cache $CACHE (empty)"
+for i in $(seq 1 "$STARTS"); do
+  T0=$(date +%s.%N)
+  $CS serve --random-weights benchmarks/configs/cosyvoice2-0.5b.yaml --qwen-config benchmarks/configs/CosyVoice-BlankEN-config.json \
+    --device cuda --dtype bfloat16 --min-token-text-ratio 6 --max-token-text-ratio 6 --max-active-streams 64 \
+    --chunk-policy exponential --voices-dir /tmp/cosyserve-voices --port 8000 --grpc-port 8001 \
+    --compile-cache "$CACHE" "${EXTRA[@]}" $SERVE_ARGS >"$OUTDIR/server-$i.log" 2>&1 &
+  SERVER=$!
+  echo "== start $i ($( [ "$i" = 1 ] && echo 'empty compile cache' || echo 'restart: compile cache filled'))"
+  python3 benchmarks/startup_probe.py --since "$T0" --url http://127.0.0.1:8000 --json "$OUTDIR/startup-$i.json" 2>&1 | tail -5
+  grep -E "primed|captured [0-9]+ CUDA graph buckets|failed|ready event" "$OUTDIR/server-$i.log" | cut -c1-400 | tail -6
+  kill $SERVER; wait $SERVER 2>/dev/null
+done
+du -sh "$CACHE" 2>/dev/null

@@ -1,0 +1,105 @@
+"""The process-wide CUDA-graph capture lock, and what a capture that failed leaves behind.
+
+Every CUDA graph capture in cosyserve holds :data:`CAPTURE_LOCK` (:mod:`~cosyserve.models.graphs`,
+:mod:`~cosyserve.models.dit_flow`). Besides serialising captures (stages may share a memory pool;
+a capture before serving empties the allocator's cache, which torch forbids while any thread
+captures), the lock tells *other* threads whether a capture may be under way, because a few
+things a serving thread may do invalidate another thread's capture even in
+``capture_error_mode="thread_local"``: a device-wide synchronisation — e.g. Triton's
+autotuning when a fused kernel (:mod:`~cosyserve.models.fused`) compiles for a new shape — waits
+on the capturing stream, which CUDA refuses ("operation not permitted when stream is
+capturing") and the capture ends invalid. Seen on an H100 (docs/perf.md, session 22: a fused
+Snake compiled on a serving thread while the background capturer recorded an LM graph).
+:meth:`CaptureLock.try_hold` lets such code run only while no capture is under way, and hold the
+lock meanwhile so that no capture starts under it.
+
+:func:`end_failed_capture`: torch's ``CUDAGraph.capture_end`` raises before it tells the caching
+allocator that the capture's memory pool stopped recording when CUDA reports the capture
+invalid, and every later capture into that pool then fails ("beginAllocateToPool: already
+recording to mempool_id"); this ends the recording by hand.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import contextmanager
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class CaptureLock:
+    """A re-entrant lock (``threading.RLock`` semantics, usable with ``with``) that also records
+    which thread holds it.
+
+    :meth:`held_elsewhere`: another thread holds it (a capture may be under way there).
+    :meth:`try_hold`: a context manager yielding True with the lock held when it is free or held
+    by this thread, False (without waiting, lock not held) when another thread holds it.
+    """
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._owner: int | None = None
+        self._depth = 0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        ok = self._lock.acquire(blocking, timeout)
+        if ok:
+            self._owner = threading.get_ident()
+            self._depth += 1
+        return ok
+
+    def release(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._owner = None
+        self._lock.release()
+
+    def __enter__(self) -> "CaptureLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def held_elsewhere(self) -> bool:
+        """True while a thread other than the caller holds the lock."""
+        owner = self._owner
+        return owner is not None and owner != threading.get_ident()
+
+    @contextmanager
+    def try_hold(self):
+        """Hold the lock for the ``with`` body if that needs no waiting (see the class doc)."""
+        if not self.acquire(blocking=False):
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            self.release()
+
+
+#: one capture at a time in the process (see the module doc); every capture in cosyserve holds it
+CAPTURE_LOCK = CaptureLock()
+
+
+def end_failed_capture(graph: "torch.cuda.CUDAGraph", device=None) -> None:
+    """After ``graph``'s capture failed (``capture_end`` raised), end its memory pool's recording
+    in torch's caching allocator (see the module doc), so that later captures into the same pool
+    work. Harmless when the pool is not recording (torch's check is swallowed)."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is None:
+        return
+    try:
+        pool = graph.pool()
+    except Exception:  # noqa: BLE001 - no pool was assigned: nothing records
+        return
+    dev = torch.cuda.current_device() if device is None else torch.device(device).index
+    if dev is None:
+        dev = torch.cuda.current_device()
+    try:
+        end(dev, pool)
+    except Exception as exc:  # noqa: BLE001 - not recording any more
+        log.debug("ending the failed capture's pool recording: %s", exc)

@@ -1,0 +1,128 @@
+"""The capture lock (cosyserve.models.capture) and what fused kernels do while another thread
+captures a CUDA graph; the CUDA side (a failed capture's pool) is in tests/test_gpu.py (gpu)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from cosyserve.models import capture as C
+from cosyserve.models import fused as F
+
+
+def _in_thread(fn):
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("v", fn()))
+    t.start()
+    t.join(10)
+    return out["v"]
+
+
+def test_lock_reports_who_holds_it():
+    lock = C.CaptureLock()
+    assert not lock.held_elsewhere()
+    with lock:
+        with lock:  # re-entrant
+            assert not lock.held_elsewhere()
+            assert _in_thread(lock.held_elsewhere)
+            with lock.try_hold() as free:  # this thread holds it: no waiting
+                assert free
+            assert _in_thread(lambda: lock.acquire(blocking=False)) is False
+        assert _in_thread(lock.held_elsewhere)  # still held once
+    assert not lock.held_elsewhere() and not _in_thread(lock.held_elsewhere)
+
+    def other():
+        with lock.try_hold() as free:
+            return free
+
+    assert _in_thread(other)  # free again
+    release, holding = threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            holding.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert holding.wait(10)
+    with lock.try_hold() as free:
+        assert free is False  # another thread holds it: told at once, not blocked
+    release.set()
+    t.join(10)
+    with lock.try_hold() as free:
+        assert free
+
+
+class _FakeCuda:
+    """Stands in for a CUDA tensor (FusedOp only asks ``is_cuda``)."""
+
+    is_cuda = True
+
+
+def test_fused_op_runs_eagerly_while_another_thread_captures(monkeypatch):
+    """While another thread holds the capture lock a fused op runs its eager formula (compiling or
+    autotuning then would synchronise the device and invalidate that capture); otherwise the
+    compiled one, holding the lock meanwhile so that no capture starts under it."""
+    monkeypatch.setattr(F, "_triton_available", lambda: True)
+    held_during_compiled = []
+
+    def compiled(x):
+        held_during_compiled.append(C.CAPTURE_LOCK._owner == threading.get_ident())
+        return "compiled"
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled)
+    op = F.FusedOp(lambda x: "eager", name="t")
+    x = _FakeCuda()
+    assert op(x) == "compiled" and held_during_compiled == [True]
+    release, holding = threading.Event(), threading.Event()
+
+    def capture_elsewhere():
+        with C.CAPTURE_LOCK:
+            holding.set()
+            release.wait(10)
+
+    t = threading.Thread(target=capture_elsewhere)
+    t.start()
+    try:
+        assert holding.wait(10)
+        assert op(x) == "eager"  # not compiled, not marked broken
+        assert not op._broken
+    finally:
+        release.set()
+        t.join(10)
+    assert op(x) == "compiled"
+    with C.CAPTURE_LOCK:  # this thread capturing (the capture's own fused calls): compiled
+        assert op(x) == "compiled"
+
+
+def test_end_failed_capture_ends_the_pool_recording(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda dev, pool: calls.append((dev, pool)), raising=False)
+
+    class G:
+        def pool(self):
+            return (0, 7)
+
+    C.end_failed_capture(G(), "cuda:1")
+    assert calls == [(1, (0, 7))]
+
+    def refuse(dev, pool):
+        raise RuntimeError("endAllocatePool: not currently recording")
+
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", refuse, raising=False)
+    C.end_failed_capture(G(), "cuda:0")  # not recording: swallowed
+
+    class NoPool:
+        def pool(self):
+            raise RuntimeError("no pool")
+
+    C.end_failed_capture(NoPool(), "cuda:0")
+
+
+def test_graphs_use_the_one_capture_lock():
+    from cosyserve.models import graphs as G
+
+    assert G.CAPTURE_LOCK is C.CAPTURE_LOCK and G._CAPTURE_LOCK is C.CAPTURE_LOCK
+
