@@ -476,10 +476,9 @@ def _engine_args(p, in_process: bool = False) -> None:
                    help="capture CUDA graphs (LM prefill, flow, HiFT) on first use, on the serving thread "
                         "(starts faster; each capture while serving stalls every stream for 0.1-0.4 s)")
     p.add_argument("--background-graphs", action="store_true",
-                   help="EXPERIMENTAL: report ready once the weights are loaded and capture the CUDA graphs in a "
-                        "background thread while serving eagerly (ready in ~50 s instead of ~2 min at full size). "
-                        "On the H100 a capture failed when a serving thread compiled a fused kernel meanwhile, and "
-                        "every later capture then failed (all eager): see docs/perf.md, 'Start-up'")
+                   help="report ready once the weights are loaded and capture the CUDA graphs in a background "
+                        "thread while serving eagerly (first chunks slower until the LM decode graphs are in, ~10 "
+                        "s); ready in ~20-40 s instead of ~2.5 min at full size on an H100: docs/perf.md, 'Start-up'")
     p.add_argument("--graphs-before-ready", action="store_true",
                    help="capture every CUDA graph before the server reports ready (the default; kept for scripts)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",

@@ -98,15 +98,16 @@ def test_fused_op_runs_eagerly_while_another_thread_captures(monkeypatch):
 
 
 def test_end_failed_capture_ends_the_pool_recording(monkeypatch):
-    calls = []
+    calls, repaired = [], []
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda dev, pool: calls.append((dev, pool)), raising=False)
+    monkeypatch.setattr(C, "_repair_default_generator", repaired.append)  # CUDA: tests/test_gpu.py
 
     class G:
         def pool(self):
             return (0, 7)
 
     C.end_failed_capture(G(), "cuda:1")
-    assert calls == [(1, (0, 7))]
+    assert calls == [(1, (0, 7))] and repaired == [1]
 
     def refuse(dev, pool):
         raise RuntimeError("endAllocatePool: not currently recording")
@@ -126,3 +127,24 @@ def test_graphs_use_the_one_capture_lock():
 
     assert G.CAPTURE_LOCK is C.CAPTURE_LOCK and G._CAPTURE_LOCK is C.CAPTURE_LOCK
 
+
+
+def test_only_the_capture_thread_compiles_while_it_runs(monkeypatch):
+    """While a background capturer owns compiling (fused.compile_only_on), other threads run fused
+    ops eagerly (no compile stalls, no device-wide syncs under its captures); its thread and, once
+    it ends, every thread run them compiled."""
+    monkeypatch.setattr(F, "_triton_available", lambda: True)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: (lambda x: "compiled"))
+    op = F.FusedOp(lambda x: "eager", name="t2")
+    x = _FakeCuda()
+    owner = threading.Thread(target=lambda: None)
+    owner.start()
+    owner.join()
+    try:
+        F.compile_only_on(owner.ident)
+        assert op(x) == "eager" and op._compiled is None  # not even compiled on this thread
+        F.compile_only_on(threading.get_ident())
+        assert op(x) == "compiled"
+    finally:
+        F.compile_only_on(None)
+    assert _in_thread(lambda: op(x)) == "compiled"

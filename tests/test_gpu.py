@@ -517,6 +517,7 @@ def test_failed_capture_leaves_the_pool_usable():
     with pytest.raises(Exception):
         G._record(run_bad, pool, stream)
     torch.cuda.synchronize()
+    torch.randn(8, device="cuda")  # the default generator left capture mode (it raised otherwise)
     g, out = G._record(lambda: x * 3 + 1, pool, stream)  # the same pool: must work
     g.replay()
     torch.cuda.synchronize()

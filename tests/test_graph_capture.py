@@ -131,8 +131,8 @@ def test_stop_while_capturing_ends_after_the_capture_in_progress():
 
 
 def test_priming_warms_one_and_two_row_buckets_before_any_capture():
-    """Priming (fused kernels compiled for one row and for more) runs first, on the capture
-    thread, and :meth:`wait_primed` returns once it is done, before the captures."""
+    """Priming (``prime=True``: fused kernels compiled for one row and for more) runs first, on the
+    capture thread, and :meth:`wait_primed` returns once it is done, before the captures."""
     warmed = []
 
     class Priming(FakeStage):
@@ -140,7 +140,7 @@ def test_priming_warms_one_and_two_row_buckets_before_any_capture():
             warmed.append((key, len(self.log)))  # the bucket and how many captures came before
 
     st = Priming("s", [(1, 64), (1, 32), (2, 32), (4, 32)])
-    cap = G.BackgroundCapturer([[st]])
+    cap = G.BackgroundCapturer([[st]], prime=True)
     cap.start()
     assert cap.wait_primed(10)
     assert cap.wait(10) and st.n_graphs == 4

@@ -16,7 +16,8 @@ lock meanwhile so that no capture starts under it.
 :func:`end_failed_capture`: torch's ``CUDAGraph.capture_end`` raises before it tells the caching
 allocator that the capture's memory pool stopped recording when CUDA reports the capture
 invalid, and every later capture into that pool then fails ("beginAllocateToPool: already
-recording to mempool_id"); this ends the recording by hand.
+recording to mempool_id"), and the device's default CUDA generator stays in capture mode; this
+ends the recording by hand and restores the generator.
 """
 
 from __future__ import annotations
@@ -103,3 +104,30 @@ def end_failed_capture(graph: "torch.cuda.CUDAGraph", device=None) -> None:
         end(dev, pool)
     except Exception as exc:  # noqa: BLE001 - not recording any more
         log.debug("ending the failed capture's pool recording: %s", exc)
+    _repair_default_generator(dev)
+
+
+def _repair_default_generator(dev: int) -> None:
+    """``capture_end`` also raises before the capture's epilogue of the device's default CUDA
+    generator, which then stays in capture mode: every later draw from it outside a capture fails
+    ("Offset increment outside graph capture encountered unexpectedly"). One small capture run to
+    its end runs that epilogue. Tried only when a probe draw fails."""
+    try:
+        torch.empty(1, device=f"cuda:{dev}").normal_()
+        return
+    except RuntimeError:
+        pass
+    t = torch.zeros(1, device=f"cuda:{dev}")
+    side = torch.cuda.Stream(device=dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(side):
+            g.capture_begin(capture_error_mode="thread_local")
+            try:
+                t.add_(1)
+            finally:
+                g.capture_end()
+        torch.empty(1, device=f"cuda:{dev}").normal_()
+    except Exception as exc:  # noqa: BLE001 - report, the caller's error is the one that matters
+        log.warning("could not restore the default CUDA generator after a failed capture: %s", exc)

@@ -45,6 +45,20 @@ def set_enabled(flag: bool) -> bool:
     return prev
 
 
+#: the thread that alone compiles and runs compiled fused kernels while it captures CUDA graphs in
+#: the background (:func:`compile_only_on`); None: every thread
+_compile_thread: int | None = None
+
+
+def compile_only_on(thread_id: int | None) -> None:
+    """While ``thread_id`` (a :class:`~cosyserve.models.graphs.BackgroundCapturer`'s thread) captures
+    graphs, every other thread runs fused ops eagerly: compiling a new variant takes seconds (a stall
+    for the serving thread) and its autotuning synchronises the device, which would invalidate a
+    capture. The capture thread compiles each variant in its warm-ups; ``None`` ends the rule."""
+    global _compile_thread
+    _compile_thread = thread_id
+
+
 def enabled() -> bool:
     """Whether fused kernels are on (``COSYSERVE_FUSED_KERNELS``, :func:`set_enabled`)."""
     return _enabled
@@ -117,7 +131,8 @@ class FusedOp:
     device, which invalidates a capture under way in another thread. So a call made while another
     thread holds the capture lock runs the eager formula (same values up to float rounding, see the
     module doc), and a compiled call holds the lock (without waiting for it) so that no capture
-    starts meanwhile.
+    starts meanwhile. While a background capturer owns compiling (:func:`compile_only_on`), calls on
+    other threads run the eager formula too.
     """
 
     def __init__(self, fn, name: str | None = None):
@@ -140,7 +155,8 @@ class FusedOp:
 
     def __call__(self, *args):
         x = args[0]
-        if _enabled and not self._broken and x.is_cuda:
+        owner = _compile_thread
+        if _enabled and not self._broken and x.is_cuda and (owner is None or owner == threading.get_ident()):
             fn = self._get()
             if fn is not None:
                 with CAPTURE_LOCK.try_hold() as free:

@@ -41,6 +41,7 @@ from dataclasses import replace
 
 import torch
 
+from . import fused
 from .capture import CAPTURE_LOCK, end_failed_capture
 from .llm import DecodeState, KVCache, SpeechLM
 from .transfer import to_device
@@ -249,10 +250,12 @@ def _capture_graph(run, pool, stream: torch.cuda.Stream, what: str = "graph",
         run()
     torch.cuda.current_stream().wait_stream(stream)
     g = torch.cuda.CUDAGraph()
+    prev = torch.cuda.current_stream(stream.device)
     try:
         with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
             out = run()
     except BaseException:
+        torch.cuda.set_stream(prev)  # torch.cuda.graph's exit raised before leaving ``stream``
         end_failed_capture(g, stream.device)  # else every later capture into ``pool`` fails
         raise
     log.log(level, "captured %s in %.0f ms", what, (time.perf_counter() - t0) * 1e3)
@@ -462,11 +465,13 @@ class BackgroundCapturer:
     capture ever happens on a serving thread. A capture that raises is logged and disables that
     bucket only (:meth:`_GraphStage.disable`); the others go on.
 
-    *Priming* (first, before any capture): one eager warm-up of the smallest bucket with one and
-    with two rows per stage, which compiles the fused kernels (:mod:`~cosyserve.models.fused`:
-    one variant for one row, one for more) so that neither the serving threads nor a later
-    capture compile one (those buckets' captures then skip their warm-up); :meth:`wait_primed`
-    waits for it (the engine does, before serving).
+    Fused kernels (:mod:`~cosyserve.models.fused`): while the thread runs, it alone compiles and
+    runs them (:func:`~cosyserve.models.fused.compile_only_on`); serving threads run their eager
+    formulas, so they never stall on a compile (seconds) nor synchronise the device under a capture.
+    Each variant is compiled by the warm-up of the first bucket that needs it. *Priming*
+    (``prime=True``, off by default since that rule): first one eager warm-up of the smallest
+    bucket with one and with two rows per stage (those buckets' captures then skip their warm-up);
+    :meth:`wait_primed` waits for it.
 
     Concurrency with serving (what CUDA and torch allow next to a capture in another thread):
     captures use ``capture_error_mode="thread_local"`` on non-blocking capture streams
@@ -485,7 +490,7 @@ class BackgroundCapturer:
     #: consecutive failed captures after which the loop gives up (a sticky CUDA error fails them all)
     max_failures_in_a_row = 5
 
-    def __init__(self, groups: list[list[_GraphStage]], device=None, pause_s: float = 0.0, prime: bool = True):
+    def __init__(self, groups: list[list[_GraphStage]], device=None, pause_s: float = 0.0, prime: bool = False):
         self.groups = [list(g) for g in groups if g]
         self.stages = [s for g in self.groups for s in g]
         self.device = None if device is None else torch.device(device)
@@ -540,6 +545,8 @@ class BackgroundCapturer:
             s.capture_on_use = False
         self._thread = threading.Thread(target=self._main, name="cosyserve-graph-capture", daemon=True)
         self._thread.start()
+        if self.device is not None and self.device.type == "cuda":
+            fused.compile_only_on(self._thread.ident)  # serving threads: fused ops eager meanwhile
 
     def run(self) -> None:
         """Capture everything pending on the calling thread, before serving (torch.cuda.graph's
@@ -575,6 +582,8 @@ class BackgroundCapturer:
         except BaseException:  # noqa: BLE001 - a bug here must not take the server down: stay eager
             log.exception("background CUDA graph capture stopped")
         finally:
+            if fused._compile_thread == threading.get_ident():
+                fused.compile_only_on(None)  # every thread compiles (and runs compiled) again
             self._primed.set()
             self._done.set()
 
