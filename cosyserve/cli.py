@@ -505,7 +505,7 @@ def _engine_config(args, **overrides):
                   admission_target=args.admission_target,
                   flow_stream_cache={"auto": None, "on": True, "off": False}[args.flow_stream_cache],
                   flow_stream_cache_frames=args.flow_stream_cache_frames, strict_min_len=args.strict_min_len,
-                  stream_chunk_policy=getattr(args, "chunk_policy", None))
+                  stream_chunk_policy=args.chunk_policy if getattr(args, "chunk_policy_given", False) else None)
     fields.update(overrides)
     if not 0 < fields["admission_target"] <= 1:
         raise CLIError(f"--admission-target must be in (0, 1], got {fields['admission_target']}")
@@ -1062,10 +1062,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _resolve_chunk_policy(args) -> None:
     """The default ``--chunk-policy`` when none was given: the DiT path's with ``--token2wav-dir``
     (:func:`~cosyserve.engine.chunking.default_chunk_policy`), else ``upstream``. ``bench`` against a
-    server keeps None (the server's own default applies)."""
+    server keeps None (the server's own default applies). ``args.chunk_policy_given``: whether it
+    was given (the engine config's ``stream_chunk_policy`` is None otherwise: the same default)."""
     from .engine.chunking import default_chunk_policy
 
-    if getattr(args, "chunk_policy", "") is not None or (args.command == "bench" and not args.in_process):
+    args.chunk_policy_given = getattr(args, "chunk_policy", None) is not None
+    if not hasattr(args, "chunk_policy") or args.chunk_policy_given or (args.command == "bench" and not args.in_process):
         return
     args.chunk_policy = default_chunk_policy(dit=bool(getattr(args, "token2wav_dir", None)))
 

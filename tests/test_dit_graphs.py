@@ -281,7 +281,8 @@ def test_default_chunk_policy_of_the_dit_path():
         sched.advance()
     assert hops == [15, 25, 25, 25]
     a = parsed("serve", "--model-dir", "m", "--token2wav-dir", "t")
-    assert a.chunk_policy == DIT_CHUNK_POLICY and _engine_config(a).stream_chunk_policy == DIT_CHUNK_POLICY
+    assert a.chunk_policy == DIT_CHUNK_POLICY
+    assert _engine_config(a).stream_chunk_policy is None  # = the default of the path (the DiT's here)
     assert parsed("serve", "--model-dir", "m").chunk_policy == "upstream"
     b = parsed("serve", "--model-dir", "m", "--token2wav-dir", "t", "--chunk-policy", "fixed:20")
     assert b.chunk_policy == "fixed:20" and _engine_config(b).stream_chunk_policy == "fixed:20"

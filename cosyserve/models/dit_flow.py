@@ -1154,7 +1154,9 @@ class GraphedDiTSolve(_GraphStage):
             return True
         if self._graphs:
             return False
-        self._init_stage(dev)
+        on_use = self.capture_on_use
+        self._init_stage(dev)  # a new pool and capture stream on that device
+        self.capture_on_use = on_use
         self._flat = {}
         return True
 
