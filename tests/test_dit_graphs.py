@@ -203,6 +203,31 @@ def test_published_graphs_give_the_eager_results(t2w, monkeypatch):  # noqa: F81
         assert rel_l2(a, b) <= 1e-5
 
 
+@pytest.mark.skipif(not STREAM, reason="no DiT streaming case")
+def test_capture_steps_never_write_what_replays_read(t2w, monkeypatch):  # noqa: F811
+    """A bucket's warm-up (private tensors) and its recording set-up leave the shared storages of the
+    published graphs as they were (what makes a capture next to serving safe), and the time
+    conditioning cache of the serving path is not touched by a warm-up."""
+    import copy
+
+    monkeypatch.setattr(G, "_record", _stand_in_record)
+    flow = copy.deepcopy(t2w.flow)
+    graph = flow.enable_cuda_graphs()
+    graph.plan({(40, 0)}, {(50, 40), (6, 90)}, max_rows=2)
+    first, *rest = graph.order(graph.keys())
+    graph.capture(first)  # the largest: sizes the shared storages
+    with torch.inference_mode():
+        for t in graph._flat.values():
+            t.normal_()  # stands for a replay's data
+    flow._tc_cache = None
+    for key in rest:
+        before = [t.clone() for t in graph._flat.values()]
+        graph._warm_up(*key)
+        graph._record_entry(key, True)
+        assert all(torch.equal(a, b) for a, b in zip(before, graph._flat.values())), key
+    assert flow._tc_cache is None
+
+
 def test_stage_captures_outside_the_plan_only_on_use(monkeypatch):
     """lookup(): a bucket outside the plan is captured on first use only with capture_on_use (the
     ``--lazy-graphs`` rule), never past max_graphs; the first capture of an unplanned stage works."""
