@@ -254,10 +254,13 @@ def test_stage_captures_outside_the_plan_only_on_use(monkeypatch):
 # ---------------------------------------------------------------------------------------------- engine / CLI
 
 
-def test_engine_has_the_dit_stage_and_warms_it(dit_model_dirs, monkeypatch):  # noqa: F811
+def test_engine_has_the_dit_stage_and_warms_it(dit_model_dirs, monkeypatch, tmp_path):  # noqa: F811
     """The engine's token2wav stages include the DiT solve stage with the planned buckets (default prompt
-    range, then the voices it is told about); warmup() captures them all and graph_counts counts them."""
+    range, then the registered voices the server tells it about); warmup() captures them all and
+    graph_counts counts them."""
+    from _reference import reference_dir
     from cosyserve.engine.pipeline import Synthesizer
+    from cosyserve.server.state import ServerConfig, ServerState
 
     monkeypatch.setattr(G, "_record", _stand_in_record)
     md, t2w_dir = dit_model_dirs
@@ -272,7 +275,13 @@ def test_engine_has_the_dit_stage_and_warms_it(dit_model_dirs, monkeypatch):  # 
         assert not stage.capture_on_use  # warmed: buckets outside the plan run eagerly
         planned = len(stage.keys())
         assert planned > 0 and eng.graph_counts()["pending"] == planned
-        assert eng.plan_stream_prompts([40]) > planned  # a 1.6 s voice: more buckets
+        # the server tells the engine its registered voices' prompt lengths (ServerState.start)
+        state = ServerState(ServerConfig(model_dir=str(md), voices_dir=str(tmp_path), token2wav_dir=str(t2w_dir)))
+        voice = syn.make_voice("v", reference_dir() / "audio" / "zero_shot_prompt.wav", "希望你以后能够做的比我还好呦。")
+        state.voices.add(voice)
+        lens = state._voice_prompt_tokens()
+        assert lens == [int(voice.flow_speech_token.numel())]
+        assert eng.plan_stream_prompts(lens + [40]) > planned  # voices longer than the default range: more buckets
         assert any(s is stage for s in eng._pending_warmup)
         eng.warmup()
         counts = eng.graph_counts()
