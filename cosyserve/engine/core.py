@@ -231,7 +231,8 @@ class EngineConfig:
             ChunkPolicy.parse(self.stream_chunk_policy)  # ValueError naming the bad spec
         lo, hi = self.stream_prompt_s
         if not 0 < lo <= hi:
-            raise ValueError(f"stream_prompt_s must be (min, max) seconds with 0 < min <= max, got {self.stream_prompt_s}")
+            raise ValueError("stream_prompt_s must be (min, max) seconds with 0 < min <= max, "
+                             f"got {self.stream_prompt_s}")
 
 
 GRAPH_CAPTURE_MODES = ("background", "startup")  #: see ``EngineConfig.graph_capture``
@@ -669,7 +670,7 @@ class EngineCore:
         ``capture_seconds`` (spent in captures); all 0 without graphs. Thread-safe reads."""
         stages = [(g, warm) for g, warm in ((self.decoder, True), (self.prefill_graphs, self.cfg.graph_warmup))
                   if g is not None]
-        stages += [(g, self.cfg.t2w_graph_warmup) for g in self._t2w_stages]  # the Step-Audio2 DiT's solve graphs included
+        stages += [(g, self.cfg.t2w_graph_warmup) for g in self._t2w_stages]  # the DiT solve stage included
         if self.graph_capturer is not None:  # whatever else it captures
             known = {id(g) for g, _ in stages}
             stages += [(g, True) for g in self.graph_capturer.stages if id(g) not in known]

@@ -749,9 +749,11 @@ class DitFlowModel(nn.Module):
         The ODE state ``x`` and the time grid stay float32 (the estimator runs in the module's dtype).
         With :attr:`graph` set, rows, frames and cache lengths are padded to the graph's buckets (masked)
         and the whole solve replays the bucket's CUDA graph when it is published
-        (:meth:`GraphedDiTSolve.solve_entry`); otherwise the padded solve runs eagerly. Each item's new estimator cache is gathered from the batch's key/value
-        buffer in one copy, already trimmed to ``[:P] ++ [-trim_keep:]`` when ``trim_keep`` is given
-        (the driver's rule, see :func:`trim_state`); items with ``keep_state[i]`` False get None.
+        (:meth:`GraphedDiTSolve.solve_entry`); otherwise the padded solve runs eagerly. Each item's new
+        estimator cache is gathered from the batch's key/value buffer in one copy, already trimmed to
+        ``[:P] ++ [-trim_keep:]`` when ``trim_keep`` is given (the driver's rule, see :func:`trim_state`);
+        items with ``keep_state[i]`` False get None. Every solve's padded bucket is counted in
+        :attr:`GraphedDiTSolve.used`.
         """
         b, m_real, n_mels = mu.shape
         dev, dtype = mu.device, mu.dtype
@@ -1007,7 +1009,9 @@ def stream_solve_shapes(prompt_tokens: int, hops: Sequence[int], lookahead: int,
     silence: only the prompt's frames are solved) and every non-final and final chunk's
     ``(up_rate * new tokens, cache)``, the cache starting at the set-up's ``up_rate * P`` frames and
     growing by each chunk up to ``up_rate * P + trim_keep``. A stream whose first chunk never
-    became ready runs offline (prompt + all tokens, no cache): not covered. Pure arithmetic.
+    became ready runs offline (prompt + all tokens, no cache): not covered. Pure arithmetic; raises
+    ValueError for a non-positive ``prompt_tokens`` / ``up_rate`` or a negative ``lookahead`` /
+    ``trim_keep``.
     """
     if prompt_tokens < 1 or up_rate < 1 or lookahead < 0 or trim_keep < 0:
         raise ValueError("stream_solve_shapes: prompt_tokens and up_rate must be positive, lookahead and "
