@@ -585,6 +585,9 @@ def test_gpu_background_capture_while_solving(t2w):
     cap = BackgroundCapturer([[graph]], device=flow.rand_noise.device)
     cap.start()
     assert not graph.capture_on_use
+    import time
+
+    deadline = time.monotonic() + 300
     try:
         rounds = 0
         while not cap.done or rounds < 2:
@@ -592,7 +595,7 @@ def test_gpu_background_capture_while_solving(t2w):
             for e, g in zip(eager, got):
                 assert e.shape == g.shape and rel_l2(g, e) < 1e-5, rel_l2(g, e)
             rounds += 1
-            assert rounds < 200, "background capture did not finish"
+            assert time.monotonic() < deadline, "background capture did not finish in 300 s"
     finally:
         assert cap.stop(timeout=120)
     assert cap.failed == 0 and cap.pending == 0 and graph.n_graphs == len(graph.keys())
