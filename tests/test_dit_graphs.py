@@ -218,7 +218,7 @@ def test_capture_steps_never_write_what_replays_read(t2w, monkeypatch):  # noqa:
     graph.capture(first)  # the largest: sizes the shared storages
     with torch.inference_mode():
         for t in graph._flat.values():
-            t.normal_()  # stands for a replay's data
+            t.normal_() if t.is_floating_point() else t.random_(0, 2)  # stands for a replay's data
     flow._tc_cache = None
     for key in rest:
         before = [t.clone() for t in graph._flat.values()]

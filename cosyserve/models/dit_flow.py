@@ -1049,12 +1049,13 @@ class GraphedDiTSolve(_GraphStage):
     padding (fresh buffers), unless ``capture_on_use`` captures it then (``--lazy-graphs``, or a
     stage no capturer owns); past ``max_graphs`` graphs, everything else runs eagerly.
 
-    Buffers: each graph owns its small inputs/outputs; the large ones (the per-step key/value
-    buffer ``[S, depth, 2B, H, M + C, 2hd]`` and the conv caches) are views of storage shared by
-    all graphs (graphs replay one at a time), grown 2x when a larger bucket appears (graphs
-    captured on the old storage keep it: nothing is recaptured; the storages of all generations
-    together stay below twice the largest; largest-first capture order sizes it once). All graphs
-    share one memory pool. Not thread-safe for solves: one solve at a time (captures may run in
+    Buffers: every input/output of a graph (the per-step key/value buffer ``[S, depth, 2B, H,
+    M + C, 2hd]``, the conv caches, noise, conditioning, mask, lengths, time conditioning, mel) is
+    a view of a storage shared by all graphs (graphs replay one at a time, and a solve rewrites
+    every input before its replay), grown 2x when a larger bucket appears (graphs captured on the
+    old storage keep it: nothing is recaptured; the storages of all generations together stay below
+    twice the largest; the largest-first capture order sizes them once), so hundreds of buckets cost
+    the largest bucket's buffers once. All graphs share one memory pool. Not thread-safe for solves: one solve at a time (captures may run in
     another thread: they never write what a replay reads).
     """
 
@@ -1174,47 +1175,47 @@ class GraphedDiTSolve(_GraphStage):
             flat = self._flat[name] = torch.zeros(grown, dtype=dtype, device=dev)
         return flat[:numel].view(shape)
 
-    def _static(self, b: int, mmax: int, cmax: int, n_timesteps: int, dtype: torch.dtype, dev) -> dict:
-        """The small per-graph tensors of :meth:`DitFlowModel._euler` (mask all True, full lengths)."""
-        flow = self.flow
+    def _shapes(self, b: int, mmax: int, cmax: int) -> dict[str, tuple[tuple, torch.dtype]]:
+        """``name -> (shape, dtype)`` of every tensor :meth:`DitFlowModel._euler` reads or writes for
+        ``b`` items, ``mmax`` frames and ``cmax`` cache frames (the flow's steps and dtype)."""
+        flow, steps, dtype = self.flow, self.n_timesteps, self.dtype
         d = flow.decoder.estimator.cfg
-        n = 2 * b
-        return dict(x0=torch.zeros(b, flow.n_mels, mmax, device=dev),
-                    static_in=torch.zeros(n, 3 * flow.n_mels, mmax, device=dev, dtype=dtype),
-                    x_out=torch.zeros(b, flow.n_mels, mmax, device=dev),
-                    mask=torch.ones(n, 1, 1, mmax + cmax, device=dev, dtype=torch.bool),
-                    new_len=torch.full((n,), mmax, device=dev, dtype=torch.long),
-                    dt=torch.zeros(n_timesteps, device=dev),
-                    mod_blocks=torch.zeros(n_timesteps, d.depth, 1, 1, 9 * d.hidden_size, device=dev, dtype=dtype),
-                    mod_final=torch.zeros(n_timesteps, 1, 1, 2 * d.hidden_size, device=dev, dtype=dtype))
+        n, k1, f32 = 2 * b, d.conv_kernel_size - 1, torch.float32
+        return {"att": ((steps, d.depth, n, d.num_heads, mmax + cmax, 2 * d.head_dim), dtype),
+                "cnn_in": ((steps, d.depth, n, 2 * d.hidden_size, k1), dtype),
+                "cnn_out": ((steps, d.depth, n, 2 * d.hidden_size, k1), dtype),
+                "x0": ((b, flow.n_mels, mmax), f32),
+                "static_in": ((n, 3 * flow.n_mels, mmax), dtype),
+                "x_out": ((b, flow.n_mels, mmax), f32),
+                "mask": ((n, 1, 1, mmax + cmax), torch.bool),
+                "new_len": ((n,), torch.long),
+                "dt": ((steps,), f32),
+                "mod_blocks": ((steps, d.depth, 1, 1, 9 * d.hidden_size), dtype),
+                "mod_final": ((steps, 1, 1, 2 * d.hidden_size), dtype)}
 
     @torch.inference_mode()
     def _warm_up(self, b: int, mmax: int, cmax: int) -> None:
         """One eager solve of the bucket's shapes on private, fresh tensors (lazy initialisation)."""
-        flow, steps, dtype, dev = self.flow, self.n_timesteps, self.dtype, self.device
-        bufs = flow._solve_buffers(b, mmax, cmax, steps, dtype, dev)
-        bufs.update(self._static(b, mmax, cmax, steps, dtype, dev))
-        _, dts, blocks, final = flow._time_conditioning(steps, dtype, dev, cache=False)
+        flow, steps, dev = self.flow, self.n_timesteps, self.device
+        bufs = {name: torch.zeros(shape, dtype=dt, device=dev) for name, (shape, dt) in self._shapes(b, mmax, cmax).items()}
+        bufs["mask"].fill_(True)
+        bufs["new_len"].fill_(mmax)
+        _, dts, blocks, final = flow._time_conditioning(steps, self.dtype, dev, cache=False)
         bufs.update(dt=dts, mod_blocks=blocks, mod_final=final)
         flow._euler(bufs, steps)
 
     @torch.inference_mode()
     def _record_entry(self, key, background: bool):
-        """Build the bucket's buffers (large ones views of the shared storages) and record
-        :meth:`DitFlowModel._euler` over them; returns ``(graph, buffers)``."""
+        """Record :meth:`DitFlowModel._euler` over the bucket's buffers, all of them views of the
+        storages shared by every graph (nothing written: :meth:`DitFlowModel._solve` rewrites every
+        input before a replay); returns ``(graph, buffers)``."""
         from . import graphs as _graphs  # tests substitute graphs._record
 
-        b, mmax, cmax = key
-        flow, steps, dtype, dev = self.flow, self.n_timesteps, self.dtype, self.device
-        d = flow.decoder.estimator.cfg
-        n, k1 = 2 * b, d.conv_kernel_size - 1
-        shapes = {"att": (steps, d.depth, n, d.num_heads, mmax + cmax, 2 * d.head_dim),
-                  "cnn_in": (steps, d.depth, n, 2 * d.hidden_size, k1),
-                  "cnn_out": (steps, d.depth, n, 2 * d.hidden_size, k1)}
-        for name in shapes:  # grow every shared storage first
-            self._shared(name, shapes[name], dtype, dev)
-        bufs = {name: self._shared(name, shape, dtype, dev) for name, shape in shapes.items()}
-        bufs.update(self._static(b, mmax, cmax, steps, dtype, dev))
+        flow, steps, dev = self.flow, self.n_timesteps, self.device
+        shapes = self._shapes(*key)
+        for name, (shape, dt) in shapes.items():  # grow every shared storage first
+            self._shared(name, shape, dt, dev)
+        bufs = {name: self._shared(name, shape, dt, dev) for name, (shape, dt) in shapes.items()}
         g, _ = _graphs._record(lambda: flow._euler(bufs, steps), self.pool, self.stream,
                                settle_first=not background)
         return g, bufs
