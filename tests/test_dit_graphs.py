@@ -76,6 +76,18 @@ def test_plan_pairs_every_frames_with_every_cache_and_bounds_the_count(caplog):
     assert frames == {25, 50, 75}  # 15- and 25-token hops, final chunks of 3 .. 27 tokens
     assert {(r, f, c) for r in rows for f in frames for c in caches} <= keys
     assert {(r, 200, 0) for r in (1, 2, 3, 4)} <= keys  # set-ups (at most 4 prompts at once)
+    # the scheduler's budget: a bucket is planned only if its fewest rows at their shortest fit
+    budgeted = GraphedDiTSolve(frames_bucket=25, cache_bucket=64)
+    budgeted.plan(setups, chunks, max_rows=5, fits=lambda rows, tokens: rows * tokens <= 400, up_rate=2)
+    kept = set(budgeted.keys())
+    assert kept < keys and {k for k in keys if k[0] == 1} <= kept  # a lone job always runs
+    for r, f, c in keys - kept:
+        fewest = {2: 2, 3: 3, 4: 4, 6: 5}[r]
+        assert fewest * max(-(-(f - 24) // 2), -(-(c - 63) // 2) + 1 if c else 0) > 400
+    capped = GraphedDiTSolve(frames_bucket=25, cache_bucket=64)
+    capped._shapes = lambda b, f, c: {"att": ((b, f + c), torch.float32)}  # no model: a stand-in buffer
+    capped.plan(setups, chunks, max_rows=5, max_bytes=4 * 4 * 300)
+    assert capped.keys() and all(r * (f + c) <= 4 * 300 for r, f, c in capped.keys())
     small = GraphedDiTSolve(max_graphs=10)
     with caplog.at_level("WARNING"):
         assert small.plan(setups, chunks, max_rows=5) == 10

@@ -237,6 +237,9 @@ class EngineConfig:
 
 GRAPH_CAPTURE_MODES = ("background", "startup")  #: see ``EngineConfig.graph_capture``
 T2W_ATTENTION_LEN = 1024  #: see ``EngineConfig.max_t2w_tokens``: the attention budget's unit length
+#: the Step-Audio2 DiT solve graphs plan no bucket whose buffers (held once captured) exceed this
+#: share of the device's memory (at full size a 64-row bucket of 75 frames + 640 cached is 28 GB)
+DIT_GRAPH_BUFFER_SHARE = 0.25
 T2W_SLACK_MIN_S = 0.15  #: adaptive ``t2w_slack_s``: lower bound (seconds)
 T2W_SLACK_MAX_S = 1.0  #: adaptive ``t2w_slack_s``: upper bound (seconds)
 
@@ -479,8 +482,9 @@ class EngineCore:
         ``config.stream_chunk_policy`` (None: the DiT default): per prompt length the set-up and
         every chunk's (frames, cache) of :func:`~cosyserve.models.dit_flow.stream_solve_shapes`
         over the policy's hops for segments of up to ``kv_max_len`` tokens, then
-        :meth:`~cosyserve.models.dit_flow.GraphedDiTSolve.plan` (rows up to ``max_t2w_batch``;
-        every frames x cache pair, since a mixed batch pads to the largest of each). Returns the
+        :meth:`~cosyserve.models.dit_flow.GraphedDiTSolve.plan` (rows up to ``max_t2w_batch``
+        within the scheduler's ``max_t2w_tokens`` budgets; every frames x cache pair, since a mixed
+        batch pads to the largest of each). Returns the
         stage's planned bucket count (logged when it changed)."""
         from ..models.dit_flow import TRIM_KEEP, stream_solve_shapes
 
@@ -497,10 +501,17 @@ class EngineCore:
             setups |= s
             chunks |= c
         before = len(graph.keys())
-        n = graph.plan(setups, chunks, config.max_t2w_batch)
+        budget = config.max_t2w_tokens  # the scheduler's batch budget (_t2w_fits without a grid)
+        dev = graph.device
+        max_bytes = int(DIT_GRAPH_BUFFER_SHARE * torch.cuda.get_device_properties(dev).total_memory) \
+            if dev.type == "cuda" else None
+        n = graph.plan(setups, chunks, config.max_t2w_batch, up_rate=flow.up_rate, max_bytes=max_bytes,
+                       fits=lambda rows, tokens: within_budgets(rows, tokens, budget, budget * T2W_ATTENTION_LEN))
         if n != before:
+            top = max(graph.buffer_bytes(k) for k in graph.keys()) if n and graph.flow is not None else 0
             log.info("DiT solve graphs: %d buckets planned (chunk policy %s; %d set-up and %d chunk shapes; rows up "
-                     "to %d)", n, spec, len(setups), len(chunks), config.max_t2w_batch)
+                     "to %d within --max-t2w-tokens %d); shared buffers %.2f GB (the largest bucket's)", n, spec,
+                     len(setups), len(chunks), config.max_t2w_batch, budget, top / 2**30)
         return n
 
     def plan_stream_prompts(self, prompt_tokens) -> int:

@@ -1113,18 +1113,39 @@ class GraphedDiTSolve(_GraphStage):
         return self.n_graphs
 
     def plan(self, setups: set[tuple[int, int]], chunks: set[tuple[int, int]], max_rows: int,
-             setup_rows: int = 4) -> int:
+             setup_rows: int = 4, fits=None, up_rate: int = 2, max_bytes: int | None = None) -> int:
         """Add to :meth:`keys` the buckets that streams with these unpadded solve shapes use
         (:func:`stream_solve_shapes` of each prompt length): set-up batches of up to ``setup_rows``
         prompts at any of the set-ups' frame buckets (no cache), and chunk batches of up to
         ``max_rows`` items at every (frames bucket, cache bucket) pair of the chunks (a batch pads to
-        its largest frames and largest cache, which may come from different streams). Past
-        ``max_graphs`` buckets the largest are left out (logged). Returns the number of keys."""
+        its largest frames and largest cache, which may come from different streams).
+
+        ``fits(rows, tokens) -> bool``: the scheduler's batch budget (rows x the longest job's
+        cost in flow tokens, its new tokens plus its cache's tokens at ``up_rate`` frames per
+        token; a lone job always runs). A bucket is kept only if the fewest rows that use it, each
+        at least as long as its frames and cache imply, fit: larger ones are never formed (and
+        their buffers could not be allocated). ``max_bytes``: buckets whose buffers
+        (:meth:`buffer_bytes`, held by the shared storages once captured) exceed it are left out
+        (they run eagerly, allocating only when such a batch forms). Past ``max_graphs`` buckets the
+        largest are left out (logged). Returns the number of keys."""
         fr = sorted({self.frames_bucket(f) for f, _ in chunks})
         ca = sorted({self.cache_bucket(c) for _, c in chunks})
         keys = {(r, f, c) for r in self.rows_buckets(max_rows) for f in fr for c in ca}
         keys |= {(r, self.frames_bucket(f), self.cache_bucket(c)) for r in self.rows_buckets(min(setup_rows, max_rows))
                  for f, c in setups}
+        if fits is not None:
+            rows = self.rows_buckets(max_rows)
+            fewest = {r: (rows[i - 1] + 1 if i else 1) for i, r in enumerate(rows)}
+
+            def reachable(key) -> bool:
+                r, f, c = key
+                new = -(-(f - self.fb + 1) // up_rate)  # the longest row's new tokens at least
+                cached = -(-(c - self.cb + 1) // up_rate) + 1 if c > 0 else 0  # the row with the longest cache
+                return fewest[r] == 1 or fits(fewest[r], max(1, new, cached))
+
+            keys = {k for k in keys if reachable(k)}
+        if max_bytes is not None:
+            keys = {k for k in keys if self.buffer_bytes(k) <= max_bytes}
         keys |= set(self._plan)
         ordered = sorted(keys, key=lambda k: (self._size(k), k))
         if len(ordered) > self.max_graphs:
@@ -1139,9 +1160,11 @@ class GraphedDiTSolve(_GraphStage):
         return list(self._plan)
 
     def _size(self, key) -> float:
-        """Work of a bucket: rows x frames x attended frames (attention and the per-frame layers)."""
+        """Size of a bucket: rows x attended frames, what its key/value buffer (by far the largest of
+        its buffers) holds; the capture order starts with the largest, which sizes the shared
+        storages once."""
         r, f, c = key
-        return r * f * (f + c + 1)
+        return r * (f + c + 1)
 
     def order(self, keys: list) -> list:
         """The largest bucket first while none is captured (it sizes the shared storages and the
@@ -1192,6 +1215,11 @@ class GraphedDiTSolve(_GraphStage):
                 "dt": ((steps,), f32),
                 "mod_blocks": ((steps, d.depth, 1, 1, 9 * d.hidden_size), dtype),
                 "mod_final": ((steps, 1, 1, 2 * d.hidden_size), dtype)}
+
+    def buffer_bytes(self, key: tuple[int, int, int]) -> int:
+        """Bytes of a bucket's buffers (what the shared storages hold when ``key`` is the largest)."""
+        return sum(math.prod(shape) * torch.empty(0, dtype=dt).element_size()
+                   for shape, dt in self._shapes(*key).values())
 
     @torch.inference_mode()
     def _warm_up(self, b: int, mmax: int, cmax: int) -> None:
