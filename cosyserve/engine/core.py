@@ -484,8 +484,8 @@ class EngineCore:
         over the policy's hops for segments of up to ``kv_max_len`` tokens, then
         :meth:`~cosyserve.models.dit_flow.GraphedDiTSolve.plan` (rows up to ``max_t2w_batch``
         within the scheduler's ``max_t2w_tokens`` budgets; every frames x cache pair, since a mixed
-        batch pads to the largest of each). Returns the
-        stage's planned bucket count (logged when it changed)."""
+        batch pads to the largest of each). Returns the stage's planned bucket count (logged when
+        it changed)."""
         from ..models.dit_flow import TRIM_KEEP, stream_solve_shapes
 
         flow = models.flow
@@ -519,9 +519,8 @@ class EngineCore:
         will serve, e.g. the registered voices'. With a Step-Audio2 DiT token2wav directory and
         CUDA graphs, the solve buckets their streams reach join the planned ones, which
         :meth:`warmup` or the background capturer capture: call it before
-        :meth:`start_graph_capture` (buckets planned after a background capture started run
-        eagerly until used with ``--lazy-graphs``). Returns the number of planned DiT buckets (0
-        without DiT solve graphs)."""
+        :meth:`start_graph_capture` (buckets planned after a background capture started stay
+        eager). Returns the number of planned DiT buckets (0 without DiT solve graphs)."""
         from ..models.dit_flow import GraphedDiTSolve
 
         graph = getattr(self.models.flow, "graph", None)
