@@ -320,12 +320,11 @@ def test_default_chunk_policy_of_the_dit_path():
         return args
 
     assert default_chunk_policy(dit=True) == DIT_CHUNK_POLICY and default_chunk_policy(dit=False) == "upstream"
-    sched = ChunkPolicy.parse(DIT_CHUNK_POLICY).start(100)
-    hops = []
-    for _ in range(4):
-        hops.append(sched.hop)
-        sched.advance()
-    assert hops == [15, 25, 25, 25]
+    # hops of a 100-token utterance: chunk ends 18, 43, 68, 93 (hop + 3 look-ahead tokens each)
+    assert ChunkPolicy.parse(DIT_CHUNK_POLICY).hops(n_prompt_tokens=60, max_tokens=100) == [15, 25, 25, 25]
+    assert ChunkPolicy.parse(DIT_CHUNK_POLICY).hops(60, 92) == [15, 25, 25]
+    # upstream: 25 + 15 (60 + 40 aligned to 100 tokens), then doubling to 100; the 5th chunk ends at 393
+    assert ChunkPolicy.parse("upstream").hops(60, 400) == [40, 50, 100, 100, 100]
     a = parsed("serve", "--model-dir", "m", "--token2wav-dir", "t")
     assert a.chunk_policy == DIT_CHUNK_POLICY
     assert _engine_config(a).stream_chunk_policy is None  # = the default of the path (the DiT's here)
