@@ -69,8 +69,9 @@ def _add_model_args(p: argparse.ArgumentParser, need_model: bool = True) -> None
 
 def _add_synthesis_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed (reproducible output)")
-    p.add_argument("--chunk-policy", default="upstream",
-                   help="streaming chunk schedule: upstream[:25:100] (default), fixed[:N], exponential[:15:25[:max]]")
+    p.add_argument("--chunk-policy", default=None,
+                   help="streaming chunk schedule: upstream[:25:100] (default), fixed[:N], exponential[:15:25[:max]]; "
+                        "with --token2wav-dir the default is exponential:15:25:25 (15 tokens, then 25-token hops)")
     p.add_argument("--min-token-text-ratio", type=float, default=2.0,
                    help="speech tokens the LM must generate per text token (upstream 2)")
     p.add_argument("--max-token-text-ratio", type=float, default=20.0,
@@ -531,7 +532,8 @@ def _engine_config(args, **overrides):
                   decode_lookahead=args.decode_lookahead, admission=args.admission,
                   admission_target=args.admission_target,
                   flow_stream_cache={"auto": None, "on": True, "off": False}[args.flow_stream_cache],
-                  flow_stream_cache_frames=args.flow_stream_cache_frames, strict_min_len=args.strict_min_len)
+                  flow_stream_cache_frames=args.flow_stream_cache_frames, strict_min_len=args.strict_min_len,
+                  stream_chunk_policy=args.chunk_policy if getattr(args, "chunk_policy_given", False) else None)
     fields.update(overrides)
     if not 0 < fields["admission_target"] <= 1:
         raise CLIError(f"--admission-target must be in (0, 1], got {fields['admission_target']}")
@@ -1085,12 +1087,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _resolve_chunk_policy(args) -> None:
+    """The default ``--chunk-policy`` when none was given: the DiT path's with ``--token2wav-dir``
+    (:func:`~cosyserve.engine.chunking.default_chunk_policy`), else ``upstream``. ``bench`` against a
+    server keeps None (the server's own default applies). ``args.chunk_policy_given``: whether it
+    was given (the engine config's ``stream_chunk_policy`` is None otherwise: the same default)."""
+    from .engine.chunking import default_chunk_policy
+
+    args.chunk_policy_given = getattr(args, "chunk_policy", None) is not None
+    if not hasattr(args, "chunk_policy") or args.chunk_policy_given or (args.command == "bench" and not args.in_process):
+        return
+    args.chunk_policy = default_chunk_policy(dit=bool(getattr(args, "token2wav_dir", None)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _resolve_chunk_policy(args)
     if args.command == "synthesize":
         args.voices_dir_given = args.voices_dir is not None
         if args.voices_dir is None:

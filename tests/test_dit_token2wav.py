@@ -534,6 +534,77 @@ def test_gpu_graphs_equal_eager(t2w):
         assert rel_l2(e.cpu(), c) < 1e-2
 
 
+def _plan_gpu_streams(graph, t: dict, chunks: int = 5) -> None:
+    """Plan the buckets :func:`_gpu_streams` uses (hops of 25 and 16 tokens, both prompts, 2 rows)."""
+    from cosyserve.models.dit_flow import stream_solve_shapes
+
+    flow = graph.flow
+    setups, shapes = set(), set()
+    for p, hop in ((int(t["prompt_token"].shape[1]), 25), (int(_second_prompt(t)[0].numel()), 16)):
+        s, c = stream_solve_shapes(p, [hop] * chunks, flow.pre_lookahead_len, flow.up_rate)
+        setups |= s
+        shapes |= c
+    graph.plan(setups, shapes, max_rows=2)
+
+
+@pytest.mark.gpu
+def test_gpu_warmup_graphs_equal_eager(t2w):
+    """The stage's warmup() captures every planned bucket before any solve (the engine's start-up
+    capture); the streams then only replay (nothing captured on use) and equal eager."""
+    import copy
+
+    t = dit_tensors((STREAM_FLOW or E2E_STREAM)[0])
+    flow = copy.deepcopy(t2w.flow).cuda()
+    eager = _gpu_streams(flow, t)
+    graph = flow.enable_cuda_graphs()
+    _plan_gpu_streams(graph, t)
+    graph.capture_on_use = False
+    graph.warmup()
+    n = graph.n_graphs
+    assert n == len(graph.keys()) > 0 and not graph.pending()
+    graphed = _gpu_streams(flow, t)
+    assert graph.n_graphs == n and graph.replays >= 6  # set-up + 5 chunk batches, all replayed
+    assert set(graph.used) <= set(graph.keys())
+    for e, g in zip(eager, graphed):
+        assert e.shape == g.shape and rel_l2(g, e) < 1e-5, rel_l2(g, e)
+
+
+@pytest.mark.gpu
+def test_gpu_background_capture_while_solving(t2w):
+    """A BackgroundCapturer captures the DiT stage in its thread while this thread streams (eagerly
+    until each bucket is published, replays after): every result equals eager, no capture fails."""
+    import copy
+
+    from cosyserve.models.graphs import BackgroundCapturer
+
+    t = dit_tensors((STREAM_FLOW or E2E_STREAM)[0])
+    flow = copy.deepcopy(t2w.flow).cuda()
+    eager = _gpu_streams(flow, t)
+    graph = flow.enable_cuda_graphs()
+    _plan_gpu_streams(graph, t)
+    cap = BackgroundCapturer([[graph]], device=flow.rand_noise.device)
+    cap.start()
+    assert not graph.capture_on_use
+    import time
+
+    deadline = time.monotonic() + 300
+    try:
+        rounds = 0
+        while not cap.done or rounds < 2:
+            got = _gpu_streams(flow, t)
+            for e, g in zip(eager, got):
+                assert e.shape == g.shape and rel_l2(g, e) < 1e-5, rel_l2(g, e)
+            rounds += 1
+            assert time.monotonic() < deadline, "background capture did not finish in 300 s"
+    finally:
+        assert cap.stop(timeout=120)
+    assert cap.failed == 0 and cap.pending == 0 and graph.n_graphs == len(graph.keys())
+    replays = graph.replays
+    for e, g in zip(eager, _gpu_streams(flow, t)):
+        assert rel_l2(g, e) < 1e-5
+    assert graph.replays >= replays + 6
+
+
 #: half-precision flow vs float32 (tiny fixture model, offline + streaming mels), relative L2. Measured
 #: on CPU with the same code: bfloat16 5.7e-3 .. 6.5e-3, float16 7.3e-4 .. 7.6e-4 (ODE state and time
 #: grid stay float32); the bounds leave ~3x for GPU kernels (docs/architecture.md, "Step-Audio2 DiT token2wav")

@@ -19,12 +19,31 @@ model object as upstream does with ``token_hop_len``):
 
 The chunk boundaries depend only on the token count, never on timing, so a stream is
 reproducible: given all tokens, the streamed chunks are exactly those of upstream.
+
+The Step-Audio2 DiT token2wav path (``--token2wav-dir``) defaults to :data:`DIT_CHUNK_POLICY`
+(``exponential:15:25:25``: a 15-token first hop, then fixed 25-token hops, Step-Audio2's own chunk
+size): its per-stream caches make every chunk cost its new frames only, and fixed hops keep the
+CUDA-graph buckets a stream uses few and known before serving
+(:meth:`ChunkPolicy.hops`, :func:`cosyserve.models.dit_flow.stream_solve_shapes`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+
+#: the default chunk policy with a Step-Audio2 DiT token2wav directory (``--token2wav-dir``): first
+#: hop 15 tokens (an early first chunk), then 25-token hops (Step-Audio2's chunk), 3 look-ahead tokens
+DIT_CHUNK_POLICY = "exponential:15:25:25"
+#: the default chunk policy otherwise (CosyVoice2's schedule)
+DEFAULT_CHUNK_POLICY = "upstream"
+
+
+def default_chunk_policy(dit: bool) -> str:
+    """The chunk policy spec used when none is given: :data:`DIT_CHUNK_POLICY` for the DiT
+    token2wav path (``dit``), else :data:`DEFAULT_CHUNK_POLICY`."""
+    return DIT_CHUNK_POLICY if dit else DEFAULT_CHUNK_POLICY
 
 
 @dataclass(frozen=True)
@@ -66,6 +85,16 @@ class ChunkPolicy:
     def start(self, n_prompt_tokens: int) -> "ChunkSchedule":
         """A fresh schedule for one utterance whose flow prompt has ``n_prompt_tokens`` tokens."""
         return ChunkSchedule(self, n_prompt_tokens)
+
+    def hops(self, n_prompt_tokens: int, max_tokens: int) -> list[int]:
+        """The non-final hops (tokens) of an utterance of at most ``max_tokens`` speech tokens after a
+        flow prompt of ``n_prompt_tokens``, in order: every non-final chunk such a stream can make
+        (each needs ``hop + lookahead`` tokens past its offset)."""
+        s, out = self.start(n_prompt_tokens), []
+        while s.chunk_end() <= max_tokens:
+            out.append(s.hop)
+            s.advance()
+        return out
 
 
 @dataclass

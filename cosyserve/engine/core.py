@@ -62,6 +62,7 @@ from ..models.loader import CosyVoice2Models
 from ..models.sampling import UpstreamSampler, ras_sample_device
 from ..models.transfer import to_device
 from .admission import START_CHUNKS, AdmissionPolicy, CapacityEstimator
+from .chunking import ChunkPolicy, default_chunk_policy
 from .request import (
     AudioChunk,
     EngineRequest,
@@ -173,6 +174,12 @@ class EngineConfig:
     CUDA-graphed (cached chunks run eagerly), ``True``/``False``: on/off (``--flow-stream-cache``);
     ``flow_stream_cache_frames``: at most this many mel frames cached per CosyVoice2 stream (None:
     the segment's length bounds it; 2.2 MiB per frame at full size in bf16).
+    ``stream_chunk_policy``: the chunk policy spec streams use by default (the server's
+    ``--chunk-policy``; None: :func:`~cosyserve.engine.chunking.default_chunk_policy` of the
+    token2wav path); with a Step-Audio2 DiT token2wav directory the solve graphs captured before
+    serving are the buckets streams of this policy reach (:meth:`EngineCore.plan_stream_prompts`);
+    ``stream_prompt_s``: the prompt lengths (seconds, min and max) those graphs are planned for
+    until the engine is told its voices' (:meth:`EngineCore.plan_stream_prompts`).
     """
 
     max_active: int = 16
@@ -200,6 +207,8 @@ class EngineConfig:
     strict_min_len: bool = False
     flow_stream_cache: bool | None = None
     flow_stream_cache_frames: int | None = None
+    stream_chunk_policy: str | None = None
+    stream_prompt_s: tuple[float, float] = (2.0, 10.0)
 
     def __post_init__(self):
         if self.max_t2w_batch is None:
@@ -218,10 +227,19 @@ class EngineConfig:
         if self.graph_capture not in GRAPH_CAPTURE_MODES:
             raise ValueError(f"graph_capture must be one of {', '.join(GRAPH_CAPTURE_MODES)}, "
                              f"got {self.graph_capture!r}")
+        if self.stream_chunk_policy is not None:
+            ChunkPolicy.parse(self.stream_chunk_policy)  # ValueError naming the bad spec
+        lo, hi = self.stream_prompt_s
+        if not 0 < lo <= hi:
+            raise ValueError("stream_prompt_s must be (min, max) seconds with 0 < min <= max, "
+                             f"got {self.stream_prompt_s}")
 
 
 GRAPH_CAPTURE_MODES = ("background", "startup")  #: see ``EngineConfig.graph_capture``
 T2W_ATTENTION_LEN = 1024  #: see ``EngineConfig.max_t2w_tokens``: the attention budget's unit length
+#: the Step-Audio2 DiT solve graphs plan no bucket whose buffers (held once captured) exceed this
+#: share of the device's memory (at full size a 64-row bucket of 75 frames + 640 cached is 28 GB)
+DIT_GRAPH_BUFFER_SHARE = 0.25
 T2W_SLACK_MIN_S = 0.15  #: adaptive ``t2w_slack_s``: lower bound (seconds)
 T2W_SLACK_MAX_S = 1.0  #: adaptive ``t2w_slack_s``: upper bound (seconds)
 
@@ -415,8 +433,9 @@ class EngineCore:
     def _t2w_graphs(self, models, config: EngineConfig) -> list:
         """Build the token2wav stages' CUDA graphs (not captured yet) on the models, as the
         budgets of ``config`` bound them: the flow (CosyVoice2 U-Net and CosyVoice3 DiT through
-        :class:`~cosyserve.models.graphs.GraphedFlow`; the Step-Audio2 DiT's own solve graphs,
-        captured on first use), HiFT's decoder (CosyVoice2) or causal trunk (CosyVoice3). Returns
+        :class:`~cosyserve.models.graphs.GraphedFlow`; the Step-Audio2 DiT's whole-solve graphs,
+        :class:`~cosyserve.models.dit_flow.GraphedDiTSolve`, for the buckets its streams reach:
+        :meth:`_plan_dit_graphs`), HiFT's decoder (CosyVoice2) or causal trunk (CosyVoice3). Returns
         the bucketed stages (captured ahead of use with ``t2w_graph_warmup``, else on first use)."""
         from ..models.graphs import GraphedFlow, GraphedHiFTDecoder
 
@@ -426,8 +445,15 @@ class EngineCore:
         if cv3:  # CosyVoice3: its DiT flow through the same GraphedFlow grid, the causal HiFT's trunk graphed
             log.info("CosyVoice3: the flow (DiT) and the causal HiFT's trunk run as CUDA graphs (HiFT over a "
                      "bounded window per chunk)")
-        if dit is not None and models.flow.graph is None:
-            models.flow.enable_cuda_graphs()  # DiT solves, captured on first use per shape
+        if dit is not None:  # Step-Audio2: whole-solve graphs for the buckets its streams reach
+            if models.flow.graph is None:
+                models.flow.enable_cuda_graphs()
+            lo, hi = config.stream_prompt_s
+            rate = models.cfg.token_frame_rate
+            self._plan_dit_graphs(models.flow.graph, range(max(1, round(lo * rate)), max(1, round(hi * rate)) + 1),
+                                  models, config)
+            # as the grids' buckets outside what is warmed: eager, unless --lazy-graphs (captured on use)
+            models.flow.graph.capture_on_use = not config.t2w_graph_warmup
         elif dit is None and getattr(models.flow, "graph", None) is None:
             models.flow.graph = GraphedFlow(models.flow, config.max_t2w_batch, max_tokens=config.kv_max_len,
                                             max_area=config.max_t2w_tokens,
@@ -448,6 +474,63 @@ class EngineCore:
                 max_area=ratio * config.max_t2w_tokens + extra * config.max_t2w_batch)
         return [g for g in (getattr(models.hift, "graph_decode", None), getattr(models.hift, "graph_trunk", None),
                             getattr(models.flow, "graph", None)) if g is not None and hasattr(g, "pending")]
+
+    @staticmethod
+    def _plan_dit_graphs(graph, prompt_tokens, models, config: EngineConfig) -> int:
+        """Add to the Step-Audio2 DiT solve stage ``graph`` the buckets that streams with flow
+        prompts of ``prompt_tokens`` tokens (an iterable of ints) reach under
+        ``config.stream_chunk_policy`` (None: the DiT default): per prompt length the set-up and
+        every chunk's (frames, cache) of :func:`~cosyserve.models.dit_flow.stream_solve_shapes`
+        over the policy's hops for segments of up to ``kv_max_len`` tokens, then
+        :meth:`~cosyserve.models.dit_flow.GraphedDiTSolve.plan` (rows up to ``max_t2w_batch``
+        within the scheduler's ``max_t2w_tokens`` budgets; every frames x cache pair, since a mixed
+        batch pads to the largest of each). Returns the stage's planned bucket count (logged when
+        it changed)."""
+        from ..models.dit_flow import TRIM_KEEP, stream_solve_shapes
+
+        flow = models.flow
+        spec = config.stream_chunk_policy or default_chunk_policy(dit=True)
+        policy = ChunkPolicy.parse(spec, lookahead=flow.pre_lookahead_len)
+        setups: set = set()
+        chunks: set = set()
+        for p in sorted({int(n) for n in prompt_tokens}):
+            if p < 1:
+                continue
+            s, c = stream_solve_shapes(p, policy.hops(p, config.kv_max_len), flow.pre_lookahead_len, flow.up_rate,
+                                       TRIM_KEEP)
+            setups |= s
+            chunks |= c
+        before = len(graph.keys())
+        budget = config.max_t2w_tokens  # the scheduler's batch budget (_t2w_fits without a grid)
+        dev = graph.device
+        max_bytes = int(DIT_GRAPH_BUFFER_SHARE * torch.cuda.get_device_properties(dev).total_memory) \
+            if dev.type == "cuda" else None
+        n = graph.plan(setups, chunks, config.max_t2w_batch, up_rate=flow.up_rate, max_bytes=max_bytes,
+                       fits=lambda rows, tokens: within_budgets(rows, tokens, budget, budget * T2W_ATTENTION_LEN))
+        if n != before:
+            top = max(graph.buffer_bytes(k) for k in graph.keys()) if n and graph.flow is not None else 0
+            log.info("DiT solve graphs: %d buckets planned (chunk policy %s; %d set-up and %d chunk shapes; rows up "
+                     "to %d within --max-t2w-tokens %d); shared buffers %.2f GB (the largest bucket's)", n, spec,
+                     len(setups), len(chunks), config.max_t2w_batch, budget, top / 2**30)
+        return n
+
+    def plan_stream_prompts(self, prompt_tokens) -> int:
+        """Tell the engine the flow prompt lengths (tokens, an iterable of ints) of the voices it
+        will serve, e.g. the registered voices'. With a Step-Audio2 DiT token2wav directory and
+        CUDA graphs, the solve buckets their streams reach join the planned ones, which
+        :meth:`warmup` or the background capturer capture: call it before
+        :meth:`start_graph_capture` (buckets planned after a background capture started stay
+        eager). Returns the number of planned DiT buckets (0 without DiT solve graphs)."""
+        from ..models.dit_flow import GraphedDiTSolve
+
+        graph = getattr(self.models.flow, "graph", None)
+        if not isinstance(graph, GraphedDiTSolve) or not any(g is graph for g in self._t2w_stages):
+            return 0
+        n = self._plan_dit_graphs(graph, prompt_tokens, self.models, self.cfg)
+        if self.cfg.t2w_graph_warmup and self.graph_capturer is None and graph.pending() \
+                and not any(g is graph for g in self._pending_warmup):
+            self._pending_warmup.append(graph)  # captured by the next warmup() / first step()
+        return n
 
     def _set_flow_stream_cache(self, models, config: EngineConfig) -> None:
         """Per-stream flow caches (``EngineConfig.flow_stream_cache``; auto: on while the flow is
@@ -597,7 +680,7 @@ class EngineCore:
         ``capture_seconds`` (spent in captures); all 0 without graphs. Thread-safe reads."""
         stages = [(g, warm) for g, warm in ((self.decoder, True), (self.prefill_graphs, self.cfg.graph_warmup))
                   if g is not None]
-        stages += [(g, self.cfg.t2w_graph_warmup) for g in self._t2w_stages]  # the DiT's solve graphs are not bucketed
+        stages += [(g, self.cfg.t2w_graph_warmup) for g in self._t2w_stages]  # the DiT solve stage included
         if self.graph_capturer is not None:  # whatever else it captures
             known = {id(g) for g, _ in stages}
             stages += [(g, True) for g in self.graph_capturer.stages if id(g) not in known]

@@ -61,7 +61,9 @@ including the time grid runs in that dtype (upstream runs under autocast); mel i
 
 from __future__ import annotations
 
+import logging
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -74,8 +76,12 @@ from .config import DiTConfig, DitFlowConfig
 from .flow_encoder import UpsampleConformerEncoder, relative_position_table
 from .fused import FusedOp
 from .fused import enabled as fused_enabled
+from .graphs import _GraphStage
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DiT", "DitFlowModel", "DitStreamState", "DitItem", "DitItemResult", "GraphedDiTSolve", "trim_state",
+           "stream_solve_shapes",
            "SILENCE_TOKEN", "TRIM_KEEP"]
 
 #: the silence token Step-Audio2's ``Token2wav.set_stream_cache`` appends (three times) to the prompt
@@ -508,9 +514,10 @@ class DitFlowModel(nn.Module):
         return self
 
     def enable_cuda_graphs(self, frames_bucket: int = 25, cache_bucket: int = 64, max_graphs: int = 512) -> "GraphedDiTSolve":
-        """Replay the whole CUDA solve from a CUDA graph (captured on first use per (items, padded
-        frames, padded cache) shape; see :class:`GraphedDiTSolve`). Returns it."""
-        self.graph = GraphedDiTSolve(frames_bucket, cache_bucket, max_graphs)
+        """Replay the whole CUDA solve from a CUDA graph per (rows, padded frames, padded cache)
+        bucket (see :class:`GraphedDiTSolve`: captured by its ``warmup()`` for the buckets it was
+        planned for, or on first use while ``capture_on_use``). Returns it."""
+        self.graph = GraphedDiTSolve(frames_bucket, cache_bucket, max_graphs, flow=self)
         return self.graph
 
     def set_noise(self, noise: Tensor) -> None:
@@ -665,17 +672,19 @@ class DitFlowModel(nn.Module):
 
     # ------------------------------------------------------------------ CFM with the DiT
 
-    def _time_conditioning(self, n_timesteps: int, dtype: torch.dtype, dev) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _time_conditioning(self, n_timesteps: int, dtype: torch.dtype, dev,
+                           cache: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``(t [S], dt [S], mod_blocks, mod_final)`` of a solve (see :meth:`DiT.modulations`): the
         cosine grid ``t_k = 1 - cos(k/S * pi/2)`` walked with upstream's accumulated ``t <- t + dt``,
         ``dt = t_span[k+1] - t`` in float32, and the estimator's time conditioning at each ``t``.
-        Cached per (steps, dtype, device) until a parameter it depends on changes."""
+        Cached per (steps, dtype, device) until a parameter it depends on changes; ``cache=False``
+        (graph warm-ups in a capture thread, on another stream) neither reads nor writes the cache."""
         est = self.decoder.estimator
         params = [*est.t_embedder.parameters(), *est.final_layer.adaLN_modulation.parameters()]
         for blk in est.blocks:
             params += list(blk.adaLN_modulation.parameters())
         key = (n_timesteps, dtype, torch.device(dev), tuple((p.data_ptr(), p._version) for p in params))
-        if self._tc_cache is not None and self._tc_cache[0] == key:
+        if cache and self._tc_cache is not None and self._tc_cache[0] == key:
             return self._tc_cache[1]
         t_span = torch.linspace(0, 1, n_timesteps + 1, device=dev, dtype=torch.float32)
         t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
@@ -689,6 +698,8 @@ class DitFlowModel(nn.Module):
                 dt = t_span[step + 1] - t
         ts, dts = torch.cat(ts), torch.cat(dts)
         blocks, final = est.modulations(ts.to(dtype))
+        if not cache:
+            return ts, dts, blocks, final
         self._tc_cache = (key, (ts, dts, blocks, final))
         return self._tc_cache[1]
 
@@ -736,11 +747,13 @@ class DitFlowModel(nn.Module):
         """Euler/CFG solve over the batch; returns (mel [B, 80, Mmax], per-item (est_att, est_cnn) or None).
 
         The ODE state ``x`` and the time grid stay float32 (the estimator runs in the module's dtype).
-        With :attr:`graph` set, frames and cache lengths are padded to the graph's buckets (masked) and
-        on CUDA the whole solve replays one CUDA graph (:class:`GraphedDiTSolve`); elsewhere the padded
-        solve runs eagerly. Each item's new estimator cache is gathered from the batch's key/value
-        buffer in one copy, already trimmed to ``[:P] ++ [-trim_keep:]`` when ``trim_keep`` is given
-        (the driver's rule, see :func:`trim_state`); items with ``keep_state[i]`` False get None.
+        With :attr:`graph` set, rows, frames and cache lengths are padded to the graph's buckets (masked)
+        and the whole solve replays the bucket's CUDA graph when it is published
+        (:meth:`GraphedDiTSolve.solve_entry`); otherwise the padded solve runs eagerly. Each item's new
+        estimator cache is gathered from the batch's key/value buffer in one copy, already trimmed to
+        ``[:P] ++ [-trim_keep:]`` when ``trim_keep`` is given (the driver's rule, see :func:`trim_state`);
+        items with ``keep_state[i]`` False get None. Every solve's padded bucket is counted in
+        :attr:`GraphedDiTSolve.used`.
         """
         b, m_real, n_mels = mu.shape
         dev, dtype = mu.device, mu.dtype
@@ -758,10 +771,14 @@ class DitFlowModel(nn.Module):
         # with graphs the item count is padded too (fewer distinct graphs); a padding item has one valid
         # frame and no cache, so its rows compute finite garbage that is never read
         bb = graph.rows_bucket(b) if graph is not None else b
-        use_graph = graph is not None and mu.is_cuda
-        bufs = graph.buffers(bb, mmax, cmax, n_timesteps, dtype, dev, self) if use_graph else None
-        if bufs is None:  # no graphs, or no more graphs allowed: eager on fresh buffers
-            use_graph = False
+        entry = None
+        if graph is not None:
+            graph.used[(bb, mmax, cmax)] += 1
+            entry = graph.solve_entry((bb, mmax, cmax), n_timesteps, dtype, dev)
+        use_graph = entry is not None
+        if use_graph:
+            bufs = entry[1]
+        else:  # no graphs, bucket not captured (yet), or no more graphs allowed: eager on fresh buffers
             bufs = self._solve_buffers(bb, mmax, cmax, n_timesteps, dtype, dev)
         mlen_p, ce_p = mlen + [1] * (bb - b), ce + [0] * (bb - b)
         _, dts, mod_blocks, mod_final = self._time_conditioning(n_timesteps, dtype, dev)
@@ -810,7 +827,8 @@ class DitFlowModel(nn.Module):
                 bufs["mask"], bufs["new_len"] = mask, row_len
 
         if use_graph:
-            graph.run(self, bufs, n_timesteps)
+            entry[0].replay()
+            graph.replays += 1
         else:
             self._euler(bufs, n_timesteps)
 
@@ -971,33 +989,93 @@ class DitFlowModel(nn.Module):
 # ----------------------------------------------------------------------------------------------
 
 
-class GraphedDiTSolve:
-    """CUDA graphs of the whole DiT Euler/CFG solve (``n_timesteps`` estimator calls with the CFG
-    combination and the Euler updates: thousands of small kernels), one graph per
-    (items, padded frames, padded cache frames, steps, dtype).
+def stream_solve_shapes(prompt_tokens: int, hops: Sequence[int], lookahead: int, up_rate: int,
+                        trim_keep: int = TRIM_KEEP) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
+    """The unpadded ``(frames, cache frames)`` of every solve :meth:`DitFlowModel._solve` runs for one
+    stream, as the engine drives it (:class:`~cosyserve.engine.token2wav_dit.DitToken2WavBackend`).
 
-    :meth:`DitFlowModel._solve` pads a batch's chunk frames to a multiple of ``frames_bucket`` and its
-    cache frames to a multiple of ``cache_bucket`` (padded keys are masked, padded frames ignored:
-    results equal eager up to float summation order), so a stream in steady state (its cache trimmed
-    to ``P + 100`` frames) reuses one graph per chunk size. Each graph owns its small inputs/outputs;
-    the large ones (the per-step key/value buffer ``[S, depth, 2B, H, M + C, 2hd]`` and the conv caches)
-    are views of storage shared by the graphs (graphs replay one at a time on the caller's stream),
-    grown 2x when a larger bucket appears (graphs captured on the old storage keep it: nothing is
-    recaptured; the storages of all generations together stay below twice the largest). Graphs are captured lazily on first use (one eager warm-up on a side stream,
-    then the capture; all graphs share one memory pool); past ``max_graphs`` the solve runs eagerly.
-    Not thread-safe: one solve at a time.
+    Args:
+        prompt_tokens: ``P``, the voice's flow prompt tokens (its prompt mel has ``up_rate * P`` frames).
+        hops: the stream's non-final hops in order (tokens; the chunk policy's schedule, e.g.
+            ``ChunkPolicy.hops``); the stream may end after any of them. Each non-final chunk sends
+            ``hop + lookahead`` tokens, the final one the ``r`` tokens left (``lookahead <= r <
+            next hop + lookahead``: with more, a non-final chunk is made first).
+        lookahead: the flow's ``pre_lookahead_len`` (the chunk policy must send as many).
+        up_rate: mel frames per token.
+        trim_keep: the driver's trim (:func:`trim_state`): caches longer than ``P_frames + trim_keep``
+            keep ``P_frames + trim_keep`` frames.
+
+    Returns ``(set-ups, chunks)``: the set-up solve ``{(up_rate * P, 0)}`` (prompt + look-ahead
+    silence: only the prompt's frames are solved) and every non-final and final chunk's
+    ``(up_rate * new tokens, cache)``, the cache starting at the set-up's ``up_rate * P`` frames and
+    growing by each chunk up to ``up_rate * P + trim_keep``. A stream whose first chunk never
+    became ready runs offline (prompt + all tokens, no cache): not covered. Pure arithmetic; raises
+    ValueError for a non-positive ``prompt_tokens`` / ``up_rate`` or a negative ``lookahead`` /
+    ``trim_keep``.
+    """
+    if prompt_tokens < 1 or up_rate < 1 or lookahead < 0 or trim_keep < 0:
+        raise ValueError("stream_solve_shapes: prompt_tokens and up_rate must be positive, lookahead and "
+                         "trim_keep non-negative")
+    p = up_rate * prompt_tokens
+    cap = p + trim_keep
+    chunks: set[tuple[int, int]] = set()
+    seen: set[tuple[int, int, int]] = set()
+    c = p  # the set-up's cache: the prompt's frames
+    for k, hop in enumerate(hops):
+        nxt = hops[k + 1] if k + 1 < len(hops) else hop
+        before, c = c, min(c + up_rate * hop, cap)
+        if (hop, nxt, before) in seen:  # steady state (the cache at its cap): nothing new
+            continue
+        seen.add((hop, nxt, before))
+        chunks.add((up_rate * hop, before))
+        for r in range(max(1, lookahead), nxt + lookahead):  # a final chunk after this one
+            chunks.add((up_rate * r, c))
+    return {(p, 0)}, chunks
+
+
+class GraphedDiTSolve(_GraphStage):
+    """CUDA graphs of the whole DiT Euler/CFG solve (``n_timesteps`` estimator calls with the CFG
+    combination and the Euler updates: thousands of small kernels), one graph per bucket
+    ``(rows, padded frames, padded cache frames)`` of the flow's steps and dtype: a
+    :class:`~cosyserve.models.graphs._GraphStage` (capture, publication, eager fallback,
+    ``capture_on_use``, :meth:`warmup`, the engine's ``BackgroundCapturer``).
+
+    :meth:`DitFlowModel._solve` pads a batch's items to :meth:`rows_bucket`, its chunk frames to a
+    multiple of ``frames_bucket`` and its cache frames to a multiple of ``cache_bucket`` (padded
+    keys are masked, padded frames and rows ignored: results equal eager up to float summation
+    order), so a stream in steady state (its cache trimmed to ``P + 100`` frames) reuses one graph
+    per chunk size. :meth:`keys` are the buckets :meth:`plan` was given (the engine plans those its
+    streams reach: :func:`stream_solve_shapes`); a bucket not captured runs eagerly with the same
+    padding (fresh buffers), unless ``capture_on_use`` captures it then (``--lazy-graphs``, or a
+    stage no capturer owns); past ``max_graphs`` graphs, everything else runs eagerly.
+
+    Buffers: every input/output of a graph (the per-step key/value buffer ``[S, depth, 2B, H,
+    M + C, 2hd]``, the conv caches, noise, conditioning, mask, lengths, time conditioning, mel) is
+    a view of a storage shared by all graphs (graphs replay one at a time, and a solve rewrites
+    every input before its replay), grown 2x when a larger bucket appears (graphs captured on the
+    old storage keep it: nothing is recaptured; the storages of all generations together stay below
+    twice the largest; the largest-first capture order sizes them once), so hundreds of buckets cost
+    the largest bucket's buffers once. All graphs share one memory pool. Not thread-safe for solves: one solve at a time (captures may run in
+    another thread: they never write what a replay reads).
     """
 
-    def __init__(self, frames_bucket: int = 25, cache_bucket: int = 64, max_graphs: int = 512):
+    name = "DiT solve"
+
+    def __init__(self, frames_bucket: int = 25, cache_bucket: int = 64, max_graphs: int = 512,
+                 flow: "DitFlowModel | None" = None):
         if frames_bucket < 1 or cache_bucket < 1 or max_graphs < 1:
             raise ValueError("graph buckets and max_graphs must be positive")
         self.fb, self.cb, self.max_graphs = frames_bucket, cache_bucket, max_graphs
-        self.graphs: dict[tuple, list] = {}  # key -> [CUDAGraph or None (not captured yet), buffers]
+        self.flow = flow
+        p = next(flow.parameters(), None) if flow is not None else None
+        self._init_stage(p.device if p is not None else "cpu")
         self._flat: dict[str, Tensor] = {}
-        self.pool = None
-        self.captures = 0
+        self._plan: list[tuple[int, int, int]] = []
         self.replays = 0
+        #: solves per bucket ``(rows, frames, cache)`` seen by :meth:`DitFlowModel._solve` (graphed or eager)
+        self.used: Counter = Counter()
 
+    # ------------------------------------------------------------------ buckets
     def frames_bucket(self, m: int) -> int:
         return -(-m // self.fb) * self.fb
 
@@ -1014,6 +1092,102 @@ class GraphedDiTSolve:
                     return c
             p *= 2
 
+    @classmethod
+    def rows_buckets(cls, max_rows: int) -> list[int]:
+        """Every :meth:`rows_bucket` a batch of 1 .. ``max_rows`` items uses, ascending."""
+        return sorted({cls.rows_bucket(b) for b in range(1, max(1, max_rows) + 1)})
+
+    @property
+    def n_timesteps(self) -> int:
+        """The Euler steps the graphs solve (the flow's configured count; other counts run eagerly)."""
+        return self.flow.cfg.n_timesteps
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The estimator's dtype (graphs are captured in it; a solve in another dtype runs eagerly)."""
+        return self.flow.decoder.estimator.in_proj.weight.dtype
+
+    @property
+    def captures(self) -> int:
+        """Graphs captured so far (:attr:`n_graphs`)."""
+        return self.n_graphs
+
+    def plan(self, setups: set[tuple[int, int]], chunks: set[tuple[int, int]], max_rows: int,
+             setup_rows: int = 4, fits=None, up_rate: int = 2, max_bytes: int | None = None) -> int:
+        """Add to :meth:`keys` the buckets that streams with these unpadded solve shapes use
+        (:func:`stream_solve_shapes` of each prompt length): set-up batches of up to ``setup_rows``
+        prompts at any of the set-ups' frame buckets (no cache), and chunk batches of up to
+        ``max_rows`` items at every (frames bucket, cache bucket) pair of the chunks (a batch pads to
+        its largest frames and largest cache, which may come from different streams).
+
+        ``fits(rows, tokens) -> bool``: the scheduler's batch budget (rows x the longest job's
+        cost in flow tokens, its new tokens plus its cache's tokens at ``up_rate`` frames per
+        token; a lone job always runs). A bucket is kept only if the fewest rows that use it, each
+        at least as long as its frames and cache imply, fit: larger ones are never formed (and
+        their buffers could not be allocated). ``max_bytes``: buckets whose buffers
+        (:meth:`buffer_bytes`, held by the shared storages once captured) exceed it are left out
+        (they run eagerly, allocating only when such a batch forms). Past ``max_graphs`` buckets the
+        largest are left out (logged). Returns the number of keys."""
+        fr = sorted({self.frames_bucket(f) for f, _ in chunks})
+        ca = sorted({self.cache_bucket(c) for _, c in chunks})
+        keys = {(r, f, c) for r in self.rows_buckets(max_rows) for f in fr for c in ca}
+        keys |= {(r, self.frames_bucket(f), self.cache_bucket(c)) for r in self.rows_buckets(min(setup_rows, max_rows))
+                 for f, c in setups}
+        if fits is not None:
+            rows = self.rows_buckets(max_rows)
+            fewest = {r: (rows[i - 1] + 1 if i else 1) for i, r in enumerate(rows)}
+
+            def reachable(key) -> bool:
+                r, f, c = key
+                new = -(-(f - self.fb + 1) // up_rate)  # the longest row's new tokens at least
+                cached = -(-(c - self.cb + 1) // up_rate) + 1 if c > 0 else 0  # the row with the longest cache
+                return fewest[r] == 1 or fits(fewest[r], max(1, new, cached))
+
+            keys = {k for k in keys if reachable(k)}
+        if max_bytes is not None:
+            keys = {k for k in keys if self.buffer_bytes(k) <= max_bytes}
+        keys |= set(self._plan)
+        ordered = sorted(keys, key=lambda k: (self._size(k), k))
+        if len(ordered) > self.max_graphs:
+            log.warning("DiT solve: %d graph buckets planned, %d allowed (max_graphs): the %d largest run eagerly",
+                        len(ordered), self.max_graphs, len(ordered) - self.max_graphs)
+            ordered = ordered[: self.max_graphs]
+        self._plan = ordered
+        return len(ordered)
+
+    def keys(self) -> list[tuple[int, int, int]]:
+        """The planned buckets ``(rows, frames, cache)`` (:meth:`plan`), smallest first."""
+        return list(self._plan)
+
+    def _size(self, key) -> float:
+        """Size of a bucket: rows x attended frames, what its key/value buffer (by far the largest of
+        its buffers) holds; the capture order starts with the largest, which sizes the shared
+        storages once."""
+        r, f, c = key
+        return r * (f + c + 1)
+
+    def order(self, keys: list) -> list:
+        """The largest bucket first while none is captured (it sizes the shared storages and the
+        pool once), then smallest first (what a lone stream needs)."""
+        keys = sorted(keys, key=lambda k: (self._size(k), k))
+        if keys and not self._graphs:
+            keys.insert(0, keys.pop())
+        return keys
+
+    # ------------------------------------------------------------------ capture
+    def _retarget(self, dev) -> bool:
+        """Follow the flow to ``dev`` while nothing is captured; False if graphs exist elsewhere."""
+        dev = torch.device(dev)
+        if dev == self.device:
+            return True
+        if self._graphs:
+            return False
+        on_use = self.capture_on_use
+        self._init_stage(dev)  # a new pool and capture stream on that device
+        self.capture_on_use = on_use
+        self._flat = {}
+        return True
+
     def _shared(self, name: str, shape: tuple, dtype: torch.dtype, dev) -> Tensor:
         numel = math.prod(shape)
         flat = self._flat.get(name)
@@ -1024,57 +1198,73 @@ class GraphedDiTSolve:
             flat = self._flat[name] = torch.zeros(grown, dtype=dtype, device=dev)
         return flat[:numel].view(shape)
 
-    def buffers(self, b: int, mmax: int, cmax: int, n_timesteps: int, dtype: torch.dtype, dev,
-                flow: "DitFlowModel") -> dict | None:
-        """The static tensors of the graph for this shape (see :meth:`DitFlowModel._euler`), or None when
-        ``max_graphs`` graphs exist already (the caller then solves eagerly)."""
-        key = (b, mmax, cmax, n_timesteps, dtype)
-        entry = self.graphs.get(key)
-        if entry is not None:
-            return entry[1]
-        if len(self.graphs) >= self.max_graphs:
-            return None
+    def _shapes(self, b: int, mmax: int, cmax: int) -> dict[str, tuple[tuple, torch.dtype]]:
+        """``name -> (shape, dtype)`` of every tensor :meth:`DitFlowModel._euler` reads or writes for
+        ``b`` items, ``mmax`` frames and ``cmax`` cache frames (the flow's steps and dtype)."""
+        flow, steps, dtype = self.flow, self.n_timesteps, self.dtype
         d = flow.decoder.estimator.cfg
-        n, k1 = 2 * b, d.conv_kernel_size - 1
-        shapes = {"att": (n_timesteps, d.depth, n, d.num_heads, mmax + cmax, 2 * d.head_dim),
-                  "cnn_in": (n_timesteps, d.depth, n, 2 * d.hidden_size, k1),
-                  "cnn_out": (n_timesteps, d.depth, n, 2 * d.hidden_size, k1)}
-        for name in shapes:  # grow every shared storage first
-            self._shared(name, shapes[name], dtype, dev)
-        bufs = {name: self._shared(name, shape, dtype, dev) for name, shape in shapes.items()}
-        bufs.update(x0=torch.zeros(b, flow.n_mels, mmax, device=dev),
-                    static_in=torch.zeros(n, 3 * flow.n_mels, mmax, device=dev, dtype=dtype),
-                    x_out=torch.zeros(b, flow.n_mels, mmax, device=dev),
-                    mask=torch.ones(n, 1, 1, mmax + cmax, device=dev, dtype=torch.bool),
-                    new_len=torch.full((n,), mmax, device=dev, dtype=torch.long),
-                    dt=torch.zeros(n_timesteps, device=dev),
-                    mod_blocks=torch.zeros(n_timesteps, d.depth, 1, 1, 9 * d.hidden_size, device=dev, dtype=dtype),
-                    mod_final=torch.zeros(n_timesteps, 1, 1, 2 * d.hidden_size, device=dev, dtype=dtype))
-        self.graphs[key] = [None, bufs]
-        return bufs
+        n, k1, f32 = 2 * b, d.conv_kernel_size - 1, torch.float32
+        return {"att": ((steps, d.depth, n, d.num_heads, mmax + cmax, 2 * d.head_dim), dtype),
+                "cnn_in": ((steps, d.depth, n, 2 * d.hidden_size, k1), dtype),
+                "cnn_out": ((steps, d.depth, n, 2 * d.hidden_size, k1), dtype),
+                "x0": ((b, flow.n_mels, mmax), f32),
+                "static_in": ((n, 3 * flow.n_mels, mmax), dtype),
+                "x_out": ((b, flow.n_mels, mmax), f32),
+                "mask": ((n, 1, 1, mmax + cmax), torch.bool),
+                "new_len": ((n,), torch.long),
+                "dt": ((steps,), f32),
+                "mod_blocks": ((steps, d.depth, 1, 1, 9 * d.hidden_size), dtype),
+                "mod_final": ((steps, 1, 1, 2 * d.hidden_size), dtype)}
 
-    def run(self, flow: "DitFlowModel", bufs: dict, n_timesteps: int) -> None:
-        """Solve on ``bufs`` (filled by the caller) by replaying its graph, capturing it first if needed."""
-        entry = next(e for e in self.graphs.values() if e[1] is bufs)
-        if entry[0] is None:
-            dev = bufs["x0"].device
-            cur = torch.cuda.current_stream(dev)
-            side = torch.cuda.Stream(device=dev)
-            side.wait_stream(cur)
-            with torch.cuda.stream(side):
-                flow._euler(bufs, n_timesteps)  # warm-up: library handles, workspaces
-            cur.wait_stream(side)
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            from .graphs import CAPTURE_LOCK
+    def buffer_bytes(self, key: tuple[int, int, int]) -> int:
+        """Bytes of a bucket's buffers (what the shared storages hold when ``key`` is the largest)."""
+        return sum(math.prod(shape) * torch.empty(0, dtype=dt).element_size()
+                   for shape, dt in self._shapes(*key).values())
 
-            g = torch.cuda.CUDAGraph()
-            # the lock: the engine's background capturer may be capturing in its own thread, and
-            # torch.cuda.graph empties the allocator's cache first, which torch forbids during any
-            # capture; thread_local: a global-mode capture would forbid that thread's allocations
-            with CAPTURE_LOCK, torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-                flow._euler(bufs, n_timesteps)
-            entry[0] = g
-            self.captures += 1
-        entry[0].replay()
-        self.replays += 1
+    @torch.inference_mode()
+    def _warm_up(self, b: int, mmax: int, cmax: int) -> None:
+        """One eager solve of the bucket's shapes on private, fresh tensors (lazy initialisation)."""
+        flow, steps, dev = self.flow, self.n_timesteps, self.device
+        bufs = {name: torch.zeros(shape, dtype=dt, device=dev) for name, (shape, dt) in self._shapes(b, mmax, cmax).items()}
+        bufs["mask"].fill_(True)
+        bufs["new_len"].fill_(mmax)
+        _, dts, blocks, final = flow._time_conditioning(steps, self.dtype, dev, cache=False)
+        bufs.update(dt=dts, mod_blocks=blocks, mod_final=final)
+        flow._euler(bufs, steps)
+
+    @torch.inference_mode()
+    def _record_entry(self, key, background: bool):
+        """Record :meth:`DitFlowModel._euler` over the bucket's buffers, all of them views of the
+        storages shared by every graph (nothing written: :meth:`DitFlowModel._solve` rewrites every
+        input before a replay); returns ``(graph, buffers)``."""
+        from . import graphs as _graphs  # tests substitute graphs._record
+
+        flow, steps, dev = self.flow, self.n_timesteps, self.device
+        shapes = self._shapes(*key)
+        for name, (shape, dt) in shapes.items():  # grow every shared storage first
+            self._shared(name, shape, dt, dev)
+        bufs = {name: self._shared(name, shape, dt, dev) for name, (shape, dt) in shapes.items()}
+        g, _ = _graphs._record(lambda: flow._euler(bufs, steps), self.pool, self.stream,
+                               settle_first=not background)
+        return g, bufs
+
+    def lookup(self, key):
+        """The published ``(graph, buffers)`` of ``key`` or None (run eagerly); captures it now with
+        ``capture_on_use`` while fewer than ``max_graphs`` graphs exist."""
+        if key not in self._graphs and len(self._graphs) >= self.max_graphs:
+            return None
+        return super().lookup(key)
+
+    def solve_entry(self, key: tuple[int, int, int], n_timesteps: int, dtype: torch.dtype, dev):
+        """:meth:`lookup` for a solve of ``n_timesteps`` steps in ``dtype`` on ``dev``; None (eager)
+        when the graphs cannot serve it (other steps, dtype or device) or ``key`` is not published
+        (and not captured on use). Off CUDA only published entries are returned (tests record with a
+        stand-in)."""
+        if n_timesteps != self.n_timesteps or dtype != self.dtype or not self._retarget(dev):
+            return None
+        if torch.device(dev).type != "cuda" and key not in self._graphs:
+            return None
+        entry = self.lookup(key)
+        if entry is None or entry[1]["static_in"].dtype != dtype:
+            return None
+        return entry

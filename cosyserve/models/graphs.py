@@ -394,7 +394,7 @@ class _GraphStage:
                     # before any graph of it exists; the smallest bucket keeps that cheap
                     self.stream.wait_stream(cur)
                     with torch.cuda.stream(self.stream):
-                        self._warm_up(*min(self.keys(), key=self._size))
+                        self._warm_up(*min(self.keys() or [key], key=self._size))
                     cur.wait_stream(self.stream)
                     self._stream_ready.add(me)
                 if key not in self._warmed:  # primed buckets are warm already

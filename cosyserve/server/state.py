@@ -225,6 +225,8 @@ class ServerState:
             core = await asyncio.to_thread(self._remote_engine) if c.llm_url else \
                 self.synth.new_engine(c.engine, observer=self.metrics)
             self.metrics.attach(core)
+            if c.token2wav_dir and hasattr(core, "plan_stream_prompts"):  # DiT solve graphs for these voices
+                core.plan_stream_prompts(await asyncio.to_thread(self._voice_prompt_tokens))
             self.engine = AsyncEngine(core)
             self.engine.start()
             if c.default_voice:
@@ -247,6 +249,19 @@ class ServerState:
             self.load_error = exc
             log.error("model loading failed: %s", exc, exc_info=not isinstance(exc, CosyServeError))
             raise
+
+    def _voice_prompt_tokens(self, limit: int = 256) -> list[int]:
+        """Flow prompt lengths (tokens) of the voices known at start-up: the model directory's
+        speakers and the first ``limit`` registered voices (unreadable files skipped). The engine
+        plans the DiT solve graphs it captures before serving for them
+        (:meth:`~cosyserve.engine.core.EngineCore.plan_stream_prompts`)."""
+        out = [int(v.flow_speech_token.numel()) for v in self._builtin.values()]
+        for vid in (self.voices.ids()[:limit] if self.voices is not None else []):
+            try:
+                out.append(int(self.voices.get(vid).flow_speech_token.numel()))
+            except Exception:  # noqa: BLE001 - a corrupt voice file must not stop the server
+                continue
+        return out
 
     def _remote_engine(self):
         """The engine of ``--llm-url``: token2wav here, speech tokens streamed from the LM server
