@@ -4,7 +4,8 @@
 # (`bench --capacity`: >= 3 requests per client per level, 0 stalls, first-chunk p99 <= 500 ms, then 2x overload) on
 # the same server. Full-size CosyVoice2-0.5B with random weights, ratio 6, exponential schedule, KServe gRPC, voice
 # `default`. PATH_KIND=unet (CosyVoice2 flow) or dit (Step-Audio2 DiT token2wav, full size, built here).
-# Usage: benchmarks/capacity_startup.sh OUT  (env: PATH_KIND, CAPACITY_LEVELS, MAX_ACTIVE, SERVE_ARGS). Needs .whl.
+# Usage: benchmarks/capacity_startup.sh OUT  (env: PATH_KIND, CAPACITY_LEVELS, MAX_ACTIVE, SERVE_ARGS, CHUNK_POLICY:
+# default exponential for unet, the DiT path's own default (15 tokens, then 25-token hops) for dit). Needs .whl.
 set -u
 cd "$(dirname "$0")/.."
 OUTDIR=${1:-capacity_startup_out}; KIND=${PATH_KIND:-unet}; RATIO=${RATIO:-6}
@@ -14,14 +15,16 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/cosyserve-site:$PWD PYTHONUNBUFFERED=1 COSYSERVE_CACHE_DIR=/tmp/cosyserve-cache
 CS="python3 -m cosyserve.cli"
 EXTRA=()
+POLICY=${CHUNK_POLICY-exponential}
 if [ "$KIND" = dit ]; then
+  POLICY=${CHUNK_POLICY-}
   $CS demo-model /tmp/dit-t2w --dit-token2wav --dit-size full --no-weight-files >/dev/null || exit 1
   EXTRA=(--token2wav-dir /tmp/dit-t2w)
 fi
 T0=$(date +%s.%N)
 $CS serve --random-weights benchmarks/configs/cosyvoice2-0.5b.yaml --qwen-config benchmarks/configs/CosyVoice-BlankEN-config.json \
   --device cuda --dtype bfloat16 --min-token-text-ratio "$RATIO" --max-token-text-ratio "$RATIO" \
-  --max-active-streams "$MAX_ACTIVE" --max-queue 512 --chunk-policy exponential --voices-dir /tmp/cosyserve-voices \
+  --max-active-streams "$MAX_ACTIVE" --max-queue 512 ${POLICY:+--chunk-policy "$POLICY"} --voices-dir /tmp/cosyserve-voices \
   --port 8000 --grpc-port 8001 "${EXTRA[@]}" ${SERVE_ARGS:-} >"$OUTDIR/server.log" 2>&1 &
 SERVER=$!; trap 'kill $SERVER 2>/dev/null' EXIT
 echo "== $KIND: $(nvidia-smi --query-gpu=name --format=csv,noheader), serve options: ${SERVE_ARGS:-(defaults)}"

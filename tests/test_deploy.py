@@ -366,7 +366,7 @@ def _writable_dirs(envs: dict) -> set[str]:
 
 
 def _k8s_versions() -> list[str]:
-    kv = pytest.importorskip("kubernetes_validate")
+    pytest.importorskip("kubernetes_validate")
     from kubernetes_validate import utils
 
     return sorted({v.rsplit(".", 1)[0] for v in utils.all_versions()}, key=lambda v: tuple(map(int, v.split("."))))
