@@ -268,8 +268,8 @@ def test_stage_captures_outside_the_plan_only_on_use(monkeypatch):
 
 def test_engine_has_the_dit_stage_and_warms_it(dit_model_dirs, monkeypatch, tmp_path):  # noqa: F811
     """The engine's token2wav stages include the DiT solve stage with the planned buckets (default prompt
-    range, then the registered voices the server tells it about); warmup() captures them all and
-    graph_counts counts them."""
+    range, replaced by the registered voices the server tells it about, later calls adding); warmup()
+    captures them all, warming up once per class of buckets, and graph_counts counts them."""
     from _reference import reference_dir
     from cosyserve.engine.pipeline import Synthesizer
     from cosyserve.server.state import ServerConfig, ServerState
@@ -293,11 +293,23 @@ def test_engine_has_the_dit_stage_and_warms_it(dit_model_dirs, monkeypatch, tmp_
         state.voices.add(voice)
         lens = state._voice_prompt_tokens()
         assert lens == [int(voice.flow_speech_token.numel())]
-        assert eng.plan_stream_prompts(lens + [40]) > planned  # voices longer than the default range: more buckets
+        default_plan = set(stage.keys())
+        n = eng.plan_stream_prompts(lens + [40])  # the first voices told replace the default plan
+        alone = GraphedDiTSolve(flow=syn.models.flow)
+        assert n == EngineCore._plan_dit_graphs(alone, lens + [40], syn.models, cfg)
+        assert set(stage.keys()) == set(alone.keys()) != default_plan
+        assert eng.plan_stream_prompts([30]) >= n and set(alone.keys()) <= set(stage.keys())  # later calls add
         assert any(s is stage for s in eng._pending_warmup)
+        warm = []
+        real_warm_up = stage._warm_up
+        monkeypatch.setattr(stage, "_warm_up", lambda *k: (warm.append(k), real_warm_up(*k)))
         eng.warmup()
         counts = eng.graph_counts()
-        assert counts["captured"] == len(stage.keys()) and counts["pending"] == 0 and stage.n_graphs > planned
+        assert counts["captured"] == len(stage.keys()) and counts["pending"] == 0
+        # one eager warm-up per class of buckets (rows 1 or more, cache or none), plus the capture
+        # stream's first use, not one per bucket
+        classes = {GraphedDiTSolve._warm_class(k) for k in stage.keys()}
+        assert len(warm) <= len(classes) + 1 < len(stage.keys())
     finally:
         eng.close()
     lazy = EngineConfig(max_active=2, kv_max_len=128, t2w_graph_warmup=False)

@@ -367,6 +367,7 @@ class EngineCore:
         self._lm_pending: deque[_LMTicket] = deque()
         self.decoder = self.prefill_graphs = None
         self._pending_warmup: list = []  # graph grids the first step() captures (see t2w_graph_warmup)
+        self._dit_voices_planned = False  # plan_stream_prompts replaced the default DiT plan
         self.graph_capturer = None  # background capture of the warmed grids (graph_capture="background")
         self._t2w_stages: list = []  # the token2wav stages' bucketed CUDA graphs (_t2w_graphs)
         background = config.graph_capture == "background"
@@ -386,7 +387,7 @@ class EngineCore:
                 from ..models.graphs import BackgroundCapturer
 
                 rest = ([self.prefill_graphs] if config.graph_warmup else []) + t2w
-                self.graph_capturer = BackgroundCapturer([[self.decoder], rest], device=self.cache.k.device)
+                self.graph_capturer = BackgroundCapturer([[self.decoder], rest], device=self.cache.k.device, prime=True)
             else:
                 if config.graph_warmup:  # every reachable prefill bucket now, none while serving
                     self.prefill_graphs.warmup()
@@ -517,7 +518,8 @@ class EngineCore:
     def plan_stream_prompts(self, prompt_tokens) -> int:
         """Tell the engine the flow prompt lengths (tokens, an iterable of ints) of the voices it
         will serve, e.g. the registered voices'. With a Step-Audio2 DiT token2wav directory and
-        CUDA graphs, the solve buckets their streams reach join the planned ones, which
+        CUDA graphs, the solve buckets their streams reach are planned (the first non-empty call
+        replaces the default plan for prompts of ``stream_prompt_s``; later calls add), which
         :meth:`warmup` or the background capturer capture: call it before
         :meth:`start_graph_capture` (buckets planned after a background capture started stay
         eager). Returns the number of planned DiT buckets (0 without DiT solve graphs)."""
@@ -526,6 +528,11 @@ class EngineCore:
         graph = getattr(self.models.flow, "graph", None)
         if not isinstance(graph, GraphedDiTSolve) or not any(g is graph for g in self._t2w_stages):
             return 0
+        prompt_tokens = [int(n) for n in prompt_tokens]
+        if prompt_tokens and not self._dit_voices_planned and graph.reset_plan():
+            # the first voices told replace the default plan (prompts of stream_prompt_s): a server
+            # whose voices are known captures only what they reach (fewer graphs, faster start-up)
+            self._dit_voices_planned = True
         n = self._plan_dit_graphs(graph, prompt_tokens, self.models, self.cfg)
         if self.cfg.t2w_graph_warmup and self.graph_capturer is None and graph.pending() \
                 and not any(g is graph for g in self._pending_warmup):

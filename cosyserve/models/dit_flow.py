@@ -1071,6 +1071,7 @@ class GraphedDiTSolve(_GraphStage):
         self._init_stage(p.device if p is not None else "cpu")
         self._flat: dict[str, Tensor] = {}
         self._plan: list[tuple[int, int, int]] = []
+        self._warm_classes: set[tuple[bool, bool]] = set()  # warm-up classes captured once (capture)
         self.replays = 0
         #: solves per bucket ``(rows, frames, cache)`` seen by :meth:`DitFlowModel._solve` (graphed or eager)
         self.used: Counter = Counter()
@@ -1155,6 +1156,14 @@ class GraphedDiTSolve(_GraphStage):
         self._plan = ordered
         return len(ordered)
 
+    def reset_plan(self) -> bool:
+        """Forget the planned buckets (e.g. a default plan, once the prompts to serve are known);
+        only while nothing is captured. Returns whether it did."""
+        if self._graphs:
+            return False
+        self._plan = []
+        return True
+
     def keys(self) -> list[tuple[int, int, int]]:
         """The planned buckets ``(rows, frames, cache)`` (:meth:`plan`), smallest first."""
         return list(self._plan)
@@ -1220,6 +1229,33 @@ class GraphedDiTSolve(_GraphStage):
         """Bytes of a bucket's buffers (what the shared storages hold when ``key`` is the largest)."""
         return sum(math.prod(shape) * torch.empty(0, dtype=dt).element_size()
                    for shape, dt in self._shapes(*key).values())
+
+    @staticmethod
+    def _warm_class(key) -> tuple[bool, bool]:
+        """Buckets that share lazily initialised state: one row or more (fused kernels specialise
+        size 1), with a cache or without (a different attention length set-up)."""
+        r, _, c = key
+        return r == 1, c > 0
+
+    def capture(self, key, background: bool = False, level: int = logging.DEBUG):
+        """:meth:`_GraphStage.capture`, but the eager warm-up (a whole 10-step solve: most of a
+        capture's time at large buckets) runs only for the first bucket of its :meth:`_warm_class`;
+        the others' lazy state (fused kernels with symbolic shapes, library handles, workspaces)
+        exists already. A capture without its warm-up that fails is retried once with it."""
+        cls = self._warm_class(key)
+        skipped = key not in self._warmed and cls in self._warm_classes
+        if skipped:
+            self._warmed.add(key)
+        try:
+            entry = super().capture(key, background, level)
+        except Exception:
+            if not skipped:
+                raise
+            self._warmed.discard(key)
+            log.info("DiT solve graph %s: capture without warm-up failed, retrying with it", key)
+            entry = super().capture(key, background, level)
+        self._warm_classes.add(cls)
+        return entry
 
     @torch.inference_mode()
     def _warm_up(self, b: int, mmax: int, cmax: int) -> None:

@@ -469,9 +469,11 @@ class BackgroundCapturer:
     runs them (:func:`~cosyserve.models.fused.compile_only_on`); serving threads run their eager
     formulas, so they never stall on a compile (seconds) nor synchronise the device under a capture.
     Each variant is compiled by the warm-up of the first bucket that needs it. *Priming*
-    (``prime=True``, off by default since that rule): first one eager warm-up of the smallest
-    bucket with one and with two rows per stage (those buckets' captures then skip their warm-up);
-    :meth:`wait_primed` waits for it.
+    (``prime=True``; the engine primes): first one eager warm-up of the smallest bucket with one
+    and with two rows per stage, which compiles the fused kernels (one variant for one row, one for
+    more; those buckets' captures then skip their warm-up); :meth:`wait_primed` waits for it, so
+    that nothing compiles once serving starts (measured on the H100: compiles on the capture thread
+    while serving stalled the serving thread for seconds, docs/perf.md "Session 23").
 
     Concurrency with serving (what CUDA and torch allow next to a capture in another thread):
     captures use ``capture_error_mode="thread_local"`` on non-blocking capture streams
