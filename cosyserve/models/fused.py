@@ -89,19 +89,17 @@ def _triton_available() -> bool:
 
 
 def _raise_recompile_limit(limit: int = 64) -> None:
-    """Dynamo keeps one compiled variant per input dtype and per static size and by default gives
-    up after 8 per function; a network has a few dozen such combinations at most. Parameters'
-    sizes (a Snake's channel count, a LayerNorm's width) are made symbolic like the activations'
-    (``force_parameter_static_shapes`` off): one variant then serves every width, which cuts the
-    compilations at start-up several-fold (each costs 0.3-1 s even from the on-disk cache)."""
+    """Dynamo keeps one compiled variant per input dtype and per static size (parameters'
+    sizes are static: a Snake's channel count, a LayerNorm's width) and by default gives up
+    after 8 per function; a network has a few dozen such combinations at most. (Making
+    parameters' sizes symbolic too did not shorten the start-up's compiles on the H100:
+    docs/perf.md "Session 23".)"""
     import torch._dynamo
 
     cfg = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name) and getattr(cfg, name) < limit:
             setattr(cfg, name, limit)
-    if hasattr(cfg, "force_parameter_static_shapes"):
-        cfg.force_parameter_static_shapes = False
 
 
 #: what dynamo raises when a compiled function runs while FX tracing is active anywhere in the process
