@@ -102,24 +102,16 @@ def test_end_failed_capture_ends_the_pool_recording(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda dev, pool: calls.append((dev, pool)), raising=False)
     monkeypatch.setattr(C, "_repair_default_generator", repaired.append)  # CUDA: tests/test_gpu.py
 
-    class G:
-        def pool(self):
-            return (0, 7)
-
-    C.end_failed_capture(G(), "cuda:1")
+    C.end_failed_capture("cuda:1", (0, 7))
     assert calls == [(1, (0, 7))] and repaired == [1]
+    C.end_failed_capture("cuda:0")  # a private pool: nothing to end, the generator restored
+    assert calls == [(1, (0, 7))] and repaired == [1, 0]
 
     def refuse(dev, pool):
         raise RuntimeError("endAllocatePool: not currently recording")
 
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", refuse, raising=False)
-    C.end_failed_capture(G(), "cuda:0")  # not recording: swallowed
-
-    class NoPool:
-        def pool(self):
-            raise RuntimeError("no pool")
-
-    C.end_failed_capture(NoPool(), "cuda:0")
+    C.end_failed_capture("cuda:0", (0, 7))  # not recording: swallowed
 
 
 def test_graphs_use_the_one_capture_lock():

@@ -86,24 +86,22 @@ class CaptureLock:
 CAPTURE_LOCK = CaptureLock()
 
 
-def end_failed_capture(graph: "torch.cuda.CUDAGraph", device=None) -> None:
-    """After ``graph``'s capture failed (``capture_end`` raised), end its memory pool's recording
-    in torch's caching allocator (see the module doc), so that later captures into the same pool
-    work. Harmless when the pool is not recording (torch's check is swallowed)."""
-    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if end is None:
-        return
-    try:
-        pool = graph.pool()
-    except Exception:  # noqa: BLE001 - no pool was assigned: nothing records
-        return
-    dev = torch.cuda.current_device() if device is None else torch.device(device).index
+def end_failed_capture(device=None, pool=None) -> None:
+    """After a capture on ``device`` failed (``capture_end`` raised), end the recording of its memory
+    pool ``pool`` (the id passed to ``capture_begin``; torch's ``graph.pool()`` refuses after a
+    failed capture) in torch's caching allocator, so that later captures into the same pool work,
+    and restore the device's default CUDA generator (see the module doc). Without ``pool`` (a
+    private pool) only the generator: such a pool is never captured into again. Harmless when
+    nothing records (torch's check is swallowed)."""
+    dev = torch.device(device).index if device is not None else None
     if dev is None:
         dev = torch.cuda.current_device()
-    try:
-        end(dev, pool)
-    except Exception as exc:  # noqa: BLE001 - not recording any more
-        log.debug("ending the failed capture's pool recording: %s", exc)
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is not None and pool is not None:
+        try:
+            end(dev, pool)
+        except Exception as exc:  # noqa: BLE001 - not recording any more
+            log.debug("ending the failed capture's pool recording: %s", exc)
     _repair_default_generator(dev)
 
 

@@ -256,7 +256,7 @@ def _capture_graph(run, pool, stream: torch.cuda.Stream, what: str = "graph",
             out = run()
     except BaseException:
         torch.cuda.set_stream(prev)  # torch.cuda.graph's exit raised before leaving ``stream``
-        end_failed_capture(g, stream.device)  # else every later capture into ``pool`` fails
+        end_failed_capture(stream.device, pool)  # else every later capture into ``pool`` fails
         raise
     log.log(level, "captured %s in %.0f ms", what, (time.perf_counter() - t0) * 1e3)
     return g, out
@@ -290,12 +290,12 @@ def _record(run, pool, stream, settle_first: bool = True) -> tuple:
             try:
                 g.capture_end()
             except Exception:  # noqa: BLE001 - the capture is invalid anyway; report run's error
-                end_failed_capture(g, stream.device)
+                end_failed_capture(stream.device, pool)
             raise
         try:
             g.capture_end()
         except BaseException:  # invalidated meanwhile: the pool must stop recording all the same
-            end_failed_capture(g, stream.device)
+            end_failed_capture(stream.device, pool)
             raise
     return g, out
 
