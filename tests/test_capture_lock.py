@@ -101,11 +101,18 @@ def test_end_failed_capture_ends_the_pool_recording(monkeypatch):
     calls, repaired = [], []
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda dev, pool: calls.append((dev, pool)), raising=False)
     monkeypatch.setattr(C, "_repair_default_generator", repaired.append)  # CUDA: tests/test_gpu.py
+    fresh = iter([(0, 100), (0, 101), (0, 102)])
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(fresh))
+    monkeypatch.setattr(C, "_replaced_pools", {})
 
     C.end_failed_capture("cuda:1", (0, 7))
     assert calls == [(1, (0, 7))] and repaired == [1]
+    assert C.live_pool((0, 7)) == (0, 100) and C.live_pool((0, 8)) == (0, 8)  # retired: captures go elsewhere
+    C.end_failed_capture("cuda:1", (0, 100))  # its successor fails too: followed through
+    assert C.live_pool((0, 7)) == (0, 101)
+    calls.clear()
     C.end_failed_capture("cuda:0")  # a private pool: nothing to end, the generator restored
-    assert calls == [(1, (0, 7))] and repaired == [1, 0]
+    assert calls == [] and repaired == [1, 1, 0]
 
     def refuse(dev, pool):
         raise RuntimeError("endAllocatePool: not currently recording")

@@ -102,7 +102,29 @@ def end_failed_capture(device=None, pool=None) -> None:
             end(dev, pool)
         except Exception as exc:  # noqa: BLE001 - not recording any more
             log.debug("ending the failed capture's pool recording: %s", exc)
+    if pool is not None:
+        # ending the recording by hand did not suffice on the H100 (torch 2.11: the next capture into
+        # the pool still raised "already recording"): later captures go to a fresh pool (live_pool)
+        _replaced_pools[_pool_key(pool)] = torch.cuda.graph_pool_handle()
     _repair_default_generator(dev)
+
+
+#: memory pools retired after a failed capture -> the pool later captures use instead
+_replaced_pools: dict = {}
+
+
+def _pool_key(pool):
+    return tuple(pool) if isinstance(pool, (tuple, list)) else pool
+
+
+def live_pool(pool):
+    """The pool to capture into for ``pool``: itself, or the fresh pool that replaced it after a
+    failed capture (:func:`end_failed_capture`; followed through repeated replacements)."""
+    seen = 0
+    while pool is not None and _pool_key(pool) in _replaced_pools and seen < 1000:
+        pool = _replaced_pools[_pool_key(pool)]
+        seen += 1
+    return pool
 
 
 def _repair_default_generator(dev: int) -> None:

@@ -42,7 +42,7 @@ from dataclasses import replace
 import torch
 
 from . import fused
-from .capture import CAPTURE_LOCK, end_failed_capture
+from .capture import CAPTURE_LOCK, end_failed_capture, live_pool
 from .llm import DecodeState, KVCache, SpeechLM
 from .transfer import to_device
 
@@ -347,6 +347,7 @@ class _GraphStage:
         """The stage's CUDA graph memory pool (created on first use; None off CUDA)."""
         if self._pool is None and self.device.type == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
+        self._pool = live_pool(self._pool)  # a fresh one after a failed capture (capture.end_failed_capture)
         return self._pool
 
     @property
