@@ -119,12 +119,12 @@ class EngineConfig:
     and HiFT grids (~100 s at full size on an H100), done by :meth:`EngineCore.warmup` (or the first step) before any
     request's work; ``graph_capture``: how the warmed grids (and the LM decode graphs) are
     captured — ``"startup"`` (default): before serving (decode and prefill graphs when the engine
-    is built, flow and HiFT in :meth:`EngineCore.warmup`); ``"background"`` (experimental,
-    ``--background-graphs``): by a :class:`~cosyserve.models.graphs.BackgroundCapturer` thread
-    started by :meth:`EngineCore.start_graph_capture` (``AsyncEngine`` calls it; the first step
-    otherwise) while the engine serves, each bucket running eagerly until its graph is published
-    (ready sooner; on the H100 one capture failed while the serving thread compiled a fused
-    kernel, and every later one failed after it: docs/perf.md, "Start-up"). Grids
+    is built, flow and HiFT in :meth:`EngineCore.warmup`); ``"background"``
+    (``--background-graphs``): by a :class:`~cosyserve.models.graphs.BackgroundCapturer` thread
+    started (and primed: fused kernels compiled) by :meth:`EngineCore.start_graph_capture`
+    (``AsyncEngine`` calls it; the first step otherwise) while the engine serves, each bucket
+    running eagerly until its graph is published (ready in 44-79 s instead of ~143 s at full size
+    on an H100: docs/perf.md, "Session 23"). Grids
     not warmed (``graph_warmup``/``t2w_graph_warmup`` False, ``--lazy-graphs``) are captured on
     first use either way. Every stage captures on a CUDA stream of its own
     (:func:`~cosyserve.models.graphs.capture_stream`: graphs sharing a capture stream share a
