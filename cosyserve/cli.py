@@ -477,9 +477,10 @@ def _engine_args(p, in_process: bool = False) -> None:
                    help="capture CUDA graphs (LM prefill, flow, HiFT) on first use, on the serving thread "
                         "(starts faster; each capture while serving stalls every stream for 0.1-0.4 s)")
     p.add_argument("--background-graphs", action="store_true",
-                   help="report ready once the weights are loaded and capture the CUDA graphs in a background "
-                        "thread while serving eagerly (first chunks slower until the LM decode graphs are in, ~10 "
-                        "s); ready in ~20-40 s instead of ~2.5 min at full size on an H100: docs/perf.md, 'Start-up'")
+                   help="report ready once the weights are loaded and the fused kernels compiled, and capture "
+                        "the CUDA graphs in a background thread while serving eagerly (first chunks of 1-2 s until "
+                        "the LM decode graphs are in, ~10 s); on an H100 at full size ready in 44 s with a filled "
+                        "--compile-cache (79 s on a first start) instead of ~2.5 min: docs/perf.md, 'Session 23'")
     p.add_argument("--graphs-before-ready", action="store_true",
                    help="capture every CUDA graph before the server reports ready (the default; kept for scripts)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
