@@ -42,8 +42,11 @@ def wait_ready(url: str, n: int, timeout: float = 300) -> list[dict]:
 @pytest.fixture(scope="module")
 def router(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router")
+    # --admission 4: both workers export the same capacity (4 streams), so the least-loaded choice
+    # (in flight / capacity) is deterministic; with the estimate, two CPU workers could report
+    # different capacities under load and both test streams went to one worker (seen once)
     s = Server(tmp, "--workers", "2", "--max-active-streams", "4", "--min-token-text-ratio", "3",
-               "--max-token-text-ratio", "3")
+               "--max-token-text-ratio", "3", "--admission", "4")
     wait_ready(s.url, 2)
     yield s
     code = s.stop()
