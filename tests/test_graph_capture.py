@@ -480,3 +480,29 @@ def test_fused_op_runs_eagerly_while_another_thread_traces(monkeypatch):
     assert torch.equal(op(x), x * 2) and calls == ["compiled"] and not op._broken
     monkeypatch.setattr(st, "_is_fx_tracing_flag", False)
     assert torch.equal(op(x), x * 2) and calls == ["compiled"] * 2 and op.compiled
+
+
+def test_capture_thread_alone_compiles_fused_kernels_while_it_runs():
+    """From start() until the capture thread ends, only that thread may compile / run compiled fused
+    kernels (fused.compile_only_on); afterwards every thread does again, however fast it ended."""
+    from cosyserve.models import fused
+
+    seen, gate = [], {(2,): threading.Event()}
+
+    class Watching(FakeStage):
+        def _warm_up(self, *key):
+            seen.append(fused._compile_thread == threading.get_ident())
+            super()._warm_up(*key)
+
+    st = Watching("s", [(1,), (2,)], gate=gate)
+    cap = G.BackgroundCapturer([[st]], prime=False)
+    cap.start()
+    try:
+        assert fused._compile_thread is not None and fused._compile_thread != threading.get_ident()
+    finally:
+        gate[(2,)].set()
+    assert cap.wait(10)
+    assert seen and all(seen) and fused._compile_thread is None
+    empty = G.BackgroundCapturer([[FakeStage("e", [])]], prime=False)  # nothing to capture: ends at once
+    empty.start()
+    assert empty.wait(10) and fused._compile_thread is None

@@ -48,6 +48,8 @@ def set_enabled(flag: bool) -> bool:
 #: the thread that alone compiles and runs compiled fused kernels while it captures CUDA graphs in
 #: the background (:func:`compile_only_on`); None: every thread
 _compile_thread: int | None = None
+#: :func:`compile_only_on` value naming no thread: every thread runs fused ops eagerly
+NO_THREAD = -1
 
 
 def compile_only_on(thread_id: int | None) -> None:

@@ -547,9 +547,10 @@ class BackgroundCapturer:
         for s in self.stages:
             s.capture_on_use = False
         self._thread = threading.Thread(target=self._main, name="cosyserve-graph-capture", daemon=True)
+        # serving threads run fused ops eagerly from now on (the thread claims compiling for itself
+        # first thing, and gives it back when it ends: however soon that is)
+        fused.compile_only_on(fused.NO_THREAD)
         self._thread.start()
-        if self.device is not None and self.device.type == "cuda":
-            fused.compile_only_on(self._thread.ident)  # serving threads: fused ops eager meanwhile
 
     def run(self) -> None:
         """Capture everything pending on the calling thread, before serving (torch.cuda.graph's
@@ -575,6 +576,7 @@ class BackgroundCapturer:
 
     # ------------------------------------------------------------------ the thread
     def _main(self) -> None:
+        fused.compile_only_on(threading.get_ident())  # this thread alone compiles fused kernels meanwhile
         try:
             if self.device is not None and self.device.type == "cuda":
                 if self.device.index is not None:  # a new thread starts on device 0
@@ -585,7 +587,7 @@ class BackgroundCapturer:
         except BaseException:  # noqa: BLE001 - a bug here must not take the server down: stay eager
             log.exception("background CUDA graph capture stopped")
         finally:
-            if fused._compile_thread == threading.get_ident():
+            if fused._compile_thread in (threading.get_ident(), fused.NO_THREAD):
                 fused.compile_only_on(None)  # every thread compiles (and runs compiled) again
             self._primed.set()
             self._done.set()
