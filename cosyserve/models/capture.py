@@ -13,11 +13,13 @@ Snake compiled on a serving thread while the background capturer recorded an LM 
 :meth:`CaptureLock.try_hold` lets such code run only while no capture is under way, and hold the
 lock meanwhile so that no capture starts under it.
 
-:func:`end_failed_capture`: torch's ``CUDAGraph.capture_end`` raises before it tells the caching
-allocator that the capture's memory pool stopped recording when CUDA reports the capture
-invalid, and every later capture into that pool then fails ("beginAllocateToPool: already
-recording to mempool_id"), and the device's default CUDA generator stays in capture mode; this
-ends the recording by hand and restores the generator.
+:func:`end_failed_capture`: when CUDA reports a capture invalid, torch's ``CUDAGraph.capture_end``
+raises before it tells the caching allocator that the capture's memory pool stopped recording, so
+every later capture into that pool fails ("beginAllocateToPool: already recording to mempool_id"),
+and before the device's default CUDA generator leaves capture mode. It ends the recording by hand,
+*retires* the pool all the same (on the H100, torch 2.11, the pool kept refusing captures even so:
+:func:`live_pool` gives the fresh pool that replaces it, which every stage asks for) and restores the
+generator (measured: tests/test_gpu.py, docs/perf.md "Session 23").
 """
 
 from __future__ import annotations
