@@ -489,8 +489,9 @@ def _engine_args(p, in_process: bool = False) -> None:
                         "default $COSYSERVE_CACHE_DIR/compile (~/.cache/cosyserve/compile) unless "
                         "TORCHINDUCTOR_CACHE_DIR is set; 'off' = torch's default (a per-user folder in /tmp)" + note)
     p.add_argument("--flow-stream-cache-frames", type=_positive_int, default=None, metavar="N",
-                   help="at most N mel frames (50/s, prompt included) cached per stream; later frames are "
-                        "recomputed every chunk (default: no limit besides the segment's length)" + note)
+                   help="at most N mel frames (50/s, prompt included) cached per stream; CosyVoice2: later "
+                        "frames are recomputed every chunk, CosyVoice3: a stream past N drops its cache and "
+                        "recomputes its chunks (default: no limit besides the segment's length)" + note)
 
 
 def _compile_cache(value: str | None) -> Path | None:

@@ -330,12 +330,13 @@ def test_windowed_and_rerun_token2wav_agree(flow, hift, one_thread):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stream_cache", [False, True, "budget"])
+@pytest.mark.parametrize("stream_cache", [False, True, "budget", "frames"])
 @pytest.mark.parametrize("case", STREAM_CASES or [pytest.param(None, marks=pytest.mark.skip("no stream case"))])
 def test_concurrent_streams_share_flow_and_hift_calls(case, stream_cache, monkeypatch, one_thread):
     """Two streaming requests started together: their chunk jobs go through ONE flow call (the
     usual pass, or the cached pass for streaming chunks with the flow stream cache on; with a cache
-    budget every stream outgrows, only the first chunk is cached) and ONE HiFT call per chunk
+    budget every stream outgrows — bytes, or ``flow_stream_cache_frames`` — only the first chunk is
+    cached) and ONE HiFT call per chunk
     (spied on the models), and each request's chunks still equal the reference stream case's
     (WAVE_TOL)."""
 
@@ -361,18 +362,19 @@ def test_concurrent_streams_share_flow_and_hift_calls(case, stream_cache, monkey
                         lambda inputs, caches: cached_batches.append(len(caches)) or real_cached(inputs, caches))
     monkeypatch.setattr(synth.models.hift, "inference_stream_batch",
                         lambda mels, *a, **k: hift_batches.append(len(mels)) or real_hift(mels, *a, **k))
-    engine = synth.new_engine(EngineConfig(max_active=2, t2w_batch_target=2, flow_stream_cache=bool(stream_cache)))
+    engine = synth.new_engine(EngineConfig(max_active=2, t2w_batch_target=2, flow_stream_cache=bool(stream_cache),
+                                           flow_stream_cache_frames=1 if stream_cache == "frames" else None))
     if stream_cache == "budget":  # every stream outgrows it after its first cached call and recomputes after that
         engine.t2w.flow_cache_max_bytes = 1
     reqs = [synth.build_request("你好。", voice, forced_params(tokens, stop, True), request_id=f"s{i}")
             for i in range(2)]
     out = {rid: chunks for rid, (chunks, _) in run_engine(engine, reqs).items()}
     n_stream = sum(1 for ch in m["chunks"] if not ch["flow_finalize"])
-    if stream_cache == "budget":
+    if stream_cache in ("budget", "frames"):
         assert cached_batches == [2] and flow_batches == [2] * (len(m["chunks"]) - 1)
     elif stream_cache:  # streaming chunks through the cache, the final chunk through the usual pass
         assert cached_batches == [2] * n_stream and flow_batches == [2] * (len(m["chunks"]) - n_stream)
-        assert engine.t2w.flow_stream_cache
+        assert engine._flow_stream_cache
     else:
         assert not cached_batches and flow_batches == [2] * len(m["chunks"])  # one flow call per chunk
     assert hift_batches == [2] * len(m["chunks"])
@@ -661,7 +663,7 @@ def test_gpu_engine_streams_with_graphs_and_stream_cache(case):
         engine = synth.new_engine(EngineConfig(max_active=2, t2w_batch_target=2, kv_max_len=1024,
                                                max_prefill_tokens=1024, flow_stream_cache=True))
         assert synth.models.flow.graph is not None and synth.models.hift.graph_trunk is not None
-        assert engine.t2w.flow_stream_cache
+        assert engine._flow_stream_cache
         reqs = [synth.build_request("你好。", voice, forced_params(tokens, stop, True), request_id=f"s{i}")
                 for i in range(2)]
         out = {rid: chunks for rid, (chunks, _) in run_engine(engine, reqs).items()}

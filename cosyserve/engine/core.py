@@ -170,10 +170,12 @@ class EngineConfig:
     ``flow_stream_cache``: streaming chunks compute only the flow frames after the stream's
     complete static chunks, reusing per-stream caches of the rest (issue 17 part 3 for the
     CosyVoice2 U-Net: :class:`~cosyserve.models.flow.FlowStreamCache`; CosyVoice3's DiT:
-    ``Cv3Token2WavBackend.set_flow_stream_cache``); ``None`` (default): on while the flow is not
-    CUDA-graphed (cached chunks run eagerly), ``True``/``False``: on/off (``--flow-stream-cache``);
-    ``flow_stream_cache_frames``: at most this many mel frames cached per CosyVoice2 stream (None:
-    the segment's length bounds it; 2.2 MiB per frame at full size in bf16).
+    :class:`~cosyserve.engine.token2wav_cv3.Cv3FlowCacheSlot`; both kept per segment and passed in
+    its jobs); ``None`` (default): on while the flow is not CUDA-graphed (cached chunks run eagerly),
+    ``True``/``False``: on/off (``--flow-stream-cache``); ``flow_stream_cache_frames``: at most this
+    many mel frames cached per stream (None: the segment's length bounds it; 2.2 MiB per frame at
+    full size in bf16 for CosyVoice2, whose later frames are then recomputed every chunk; 1.8 MB
+    for CosyVoice3, whose stream then drops its cache and recomputes its chunks).
     ``stream_chunk_policy``: the chunk policy spec streams use by default (the server's
     ``--chunk-policy``; None: :func:`~cosyserve.engine.chunking.default_chunk_policy` of the
     token2wav path); with a Step-Audio2 DiT token2wav directory the solve graphs captured before
@@ -541,16 +543,18 @@ class EngineCore:
 
     def _set_flow_stream_cache(self, models, config: EngineConfig) -> None:
         """Per-stream flow caches (``EngineConfig.flow_stream_cache``; auto: on while the flow is
-        not CUDA-graphed), after the graphs were set up: CosyVoice2's through the jobs
-        (:attr:`_unet_flow_cache`), CosyVoice3's in its backend."""
+        not CUDA-graphed), after the graphs were set up: with a backend that supports them
+        (CosyVoice2's U-Net, CosyVoice3's DiT) each streaming segment gets one from
+        ``t2w.new_flow_cache`` at its first chunk (``SegmentState.flow_cache``, passed in its jobs,
+        freed at its final chunk): :attr:`_flow_stream_cache`."""
         on = getattr(models.flow, "graph", None) is None if config.flow_stream_cache is None \
             else config.flow_stream_cache
-        #: CosyVoice2 per-stream flow caches
-        self._unet_flow_cache = bool(getattr(self.t2w, "supports_flow_cache", False)) and on
-        if getattr(self.t2w, "supports_flow_cache", False):
-            log.info("CosyVoice2 flow stream cache: %s", "on" if on else "off")
-        if hasattr(self.t2w, "set_flow_stream_cache"):  # CosyVoice3: per-stream DiT cache
-            log.info("CosyVoice3 flow stream cache: %s", "on" if self.t2w.set_flow_stream_cache(on) else "off")
+        supported = bool(getattr(self.t2w, "supports_flow_cache", False))
+        #: streaming segments carry per-stream flow caches
+        self._flow_stream_cache = supported and on
+        if supported:
+            family = "CosyVoice3" if getattr(models.cfg, "is_cosyvoice3", False) else "CosyVoice2"
+            log.info("%s flow stream cache: %s", family, "on" if on else "off")
 
     # ------------------------------------------------------------------ public API
     def _new_sampler(self) -> UpstreamSampler:
@@ -1156,7 +1160,7 @@ class EngineCore:
         """The :class:`Token2WavJob` of a chunk found by :meth:`_next_chunk`."""
         tokens = torch.tensor(seg.t2w_tokens[:n_tokens])
         if not final:
-            if seg.flow_cache is None and self._unet_flow_cache:
+            if seg.flow_cache is None and self._flow_stream_cache:
                 seg.flow_cache = self.t2w.new_flow_cache(self.cfg.flow_stream_cache_frames)
             return Token2WavJob(st.req.voice, tokens, seg.schedule.token_offset, False, True, seg.hift_state,
                                 st.hift_generator(seg, self.t2w.hift_device), flow_cache=seg.flow_cache)

@@ -124,6 +124,10 @@ class Token2Wav(Token2WavBackend):
         U-Net estimator: CosyVoice2)."""
         return bool(getattr(self.flow, "supports_stream_cache", False))
 
+    def _unet_caches(self, jobs) -> list:
+        """The jobs' :class:`~cosyserve.models.flow.FlowStreamCache` for the flow pass (None: none)."""
+        return [j.flow_cache for j in jobs]
+
     def new_flow_cache(self, max_frames: int | None = None):
         """An empty :class:`~cosyserve.models.flow.FlowStreamCache` for one stream."""
         from ..models.flow import FlowStreamCache
@@ -183,7 +187,7 @@ class Token2Wav(Token2WavBackend):
                 streaming=[j.streaming for j in jobs],
                 finalize=[j.finalize for j in jobs],
             )
-            caches = [j.flow_cache for j in jobs]
+            caches = self._unet_caches(jobs)
             if any(c is not None for c in caches):  # stream-cached: eager (no CUDA graph)
                 pending.run = self.flow.start(inputs, caches=caches)
             else:

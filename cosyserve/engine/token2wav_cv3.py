@@ -285,14 +285,28 @@ class Cv3T2WState:
     without arguments (the engine resets a finished segment's state with ``type(state)()``)."""
 
     stream: CV3StreamState | None = None
-    #: the stream's :class:`~cosyserve.models.cv3_flow.DiTStreamCache` (flow stream cache on), None
-    #: (none yet / cache off), or False: the stream outgrew the backend's ``flow_cache_max_bytes`` and
-    #: recomputes its chunks from then on
-    flow_cache: object = None
 
     @property
     def empty(self) -> bool:
         return self.stream is None
+
+
+@dataclass
+class Cv3FlowCacheSlot:
+    """A CosyVoice3 stream's per-stream DiT cache as the engine keeps it between chunks (the same
+    place as CosyVoice2's :class:`~cosyserve.models.flow.FlowStreamCache`: ``SegmentState.flow_cache``
+    -> ``Token2WavJob.flow_cache``; :meth:`Cv3Token2WavBackend.new_flow_cache`). ``cache``: the
+    :class:`~cosyserve.models.cv3_flow.DiTStreamCache` after the last cached chunk (None before the
+    first); ``off``: the stream outgrew the budget (``max_frames`` cached frames, prompt included, or
+    the backend's ``flow_cache_max_bytes``) and recomputes its chunks from then on (sticky)."""
+
+    max_frames: int | None = None
+    cache: object = None
+    off: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.cache is None else int(self.cache.nbytes)
 
 
 class Cv3Token2WavBackend(Token2Wav):
@@ -326,32 +340,39 @@ class Cv3Token2WavBackend(Token2Wav):
         self.schedule = schedule or CV3StreamSchedule(pre_lookahead_len=pre, token_mel_ratio=token_mel_ratio)
         #: the bounded-window HiFT with the carried phase (:func:`hift_stage`); False: whole-mel re-run
         self.hift_window = hift_window
-        #: streaming non-final jobs through the per-stream DiT cache (:meth:`set_flow_stream_cache`)
-        self.flow_stream_cache = False
         #: a stream whose cache would exceed this drops it and recomputes its later chunks (1 GiB:
         #: ~580 frames = 11.6 s at full size in bf16, ~290 in float32)
         self.flow_cache_max_bytes = 1 << 30
 
-    def set_flow_stream_cache(self, enabled: bool) -> bool:
-        """Turn the per-stream DiT cache of streaming chunk calls on or off
-        (:meth:`~cosyserve.models.cv3_flow.CV3FlowModel.stream_cached_batch`; the cache rides in
-        :class:`Cv3T2WState`, 1.8 MB per cached frame at full size in bf16, dropped at the final
-        chunk). The engine decides (``EngineConfig.flow_stream_cache``; auto: on while the flow has
-        no CUDA graphs — the cached chunk runs eagerly). Returns the setting."""
-        self.flow_stream_cache = bool(enabled)
-        return self.flow_stream_cache
+    @property
+    def supports_flow_cache(self) -> bool:
+        """Whether streaming jobs may carry a :class:`Cv3FlowCacheSlot` (the CosyVoice3 DiT flow's
+        :meth:`~cosyserve.models.cv3_flow.CV3FlowModel.stream_cached_batch`; 1.8 MB per cached frame
+        at full size in bf16, dropped at the final chunk). The engine decides whether to use it
+        (``EngineConfig.flow_stream_cache``; auto: on while the flow has no CUDA graphs — the cached
+        chunk runs eagerly)."""
+        return hasattr(self.flow, "stream_cached_batch")
 
-    def _flow_cache(self, job):
-        st = job.hift_state
-        return st.flow_cache if isinstance(st, Cv3T2WState) else None
+    def new_flow_cache(self, max_frames: int | None = None) -> Cv3FlowCacheSlot:
+        """An empty per-stream cache slot (``max_frames``: ``--flow-stream-cache-frames``)."""
+        return Cv3FlowCacheSlot(max_frames)
+
+    def _unet_caches(self, jobs) -> list:
+        """None for every job: the usual flow pass never uses a CosyVoice3 stream's cache (cached jobs
+        go through :meth:`launch`'s cached batch)."""
+        return [None] * len(jobs)
+
+    @staticmethod
+    def _flow_cache(job) -> Cv3FlowCacheSlot | None:
+        slot = job.flow_cache
+        return slot if isinstance(slot, Cv3FlowCacheSlot) and not slot.off else None
 
     def launch(self, jobs, stream=None, marks=None, queue_steps=None):
         """As :meth:`Token2Wav.launch <cosyserve.engine.token2wav.Token2Wav.launch>`; with the flow
         stream cache on, the streaming non-final jobs run through
         :meth:`~cosyserve.models.cv3_flow.CV3FlowModel.stream_cached_batch` (one eager batch, issued
         here) and the others through the usual flow pass; HiFT then runs over all of them at once."""
-        cached = [i for i, j in enumerate(jobs) if self.flow_stream_cache and j.streaming and not j.finalize
-                  and self._flow_cache(j) is not False]
+        cached = [i for i, j in enumerate(jobs) if j.streaming and not j.finalize and self._flow_cache(j) is not None]
         if not cached:
             return super().launch(jobs, stream, marks, queue_steps)
         from .token2wav import PendingToken2Wav
@@ -370,7 +391,7 @@ class Cv3Token2WavBackend(Token2Wav):
                                          streaming=[j.streaming for j in sel], finalize=[j.finalize for j in sel])
 
             mels, firsts, caches = self.flow.stream_cached_batch(prepare(cached),
-                                                                 [self._flow_cache(jobs[i]) for i in cached])
+                                                                 [self._flow_cache(jobs[i]).cache for i in cached])
             pending.run = _SplitFlowRun(len(jobs), cached, mels, firsts, caches,
                                         self.flow.start(prepare(rest)) if rest else None, rest)
         pending.advance(queue_steps)
@@ -414,14 +435,17 @@ class Cv3Token2WavBackend(Token2Wav):
             states.append(st)
             cjobs.append(cj)
         speech, new_states = [], []
-        for k, j in enumerate(jobs):
-            if flow_caches[k] is None and self._flow_cache(j) is False:
-                flow_caches[k] = False  # sticky: the stream outgrew the budget
-            elif flow_caches[k] is not None and flow_caches[k].nbytes > self.flow_cache_max_bytes:
-                flow_caches[k] = False
-        for (out, st), fc in zip(hift_stage(self.hift, states, cjobs, hift_in, self.hift_window), flow_caches):
+        for j, fc in zip(jobs, flow_caches):  # the streams' slots take their new caches (one job per stream)
+            slot = self._flow_cache(j)
+            if slot is None or fc is None:
+                continue
+            if fc.nbytes > self.flow_cache_max_bytes or (slot.max_frames is not None and fc.frames > slot.max_frames):
+                slot.cache, slot.off = None, True  # sticky: the stream outgrew the budget, recomputes from now
+            else:
+                slot.cache = fc
+        for out, st in hift_stage(self.hift, states, cjobs, hift_in, self.hift_window):
             speech.append(out[0].float())
-            new_states.append(Cv3T2WState() if st.finished else Cv3T2WState(st, fc))
+            new_states.append(Cv3T2WState() if st.finished else Cv3T2WState(st))
         if marks is not None:
             p.stamps.append(marks.mark(stream))
         if stream is not None:
