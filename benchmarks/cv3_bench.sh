@@ -42,3 +42,5 @@ keep = ("cosyserve_stage_seconds_sum", "cosyserve_stage_seconds_count", "cosyser
         "cosyserve_token2wav_batch_size_count")
 print("\n".join(l for l in httpx.get("http://127.0.0.1:8000/metrics", timeout=5).text.splitlines() if l.startswith(keep)))
 PY
+# the device tool brings back at most 8 files: the plots go, the reports and logs stay
+rm -f "$OUTDIR"/*/bench.png
