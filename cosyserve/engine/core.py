@@ -369,7 +369,6 @@ class EngineCore:
         self._lm_pending: deque[_LMTicket] = deque()
         self.decoder = self.prefill_graphs = None
         self._pending_warmup: list = []  # graph grids the first step() captures (see t2w_graph_warmup)
-        self._dit_voices_planned = False  # plan_stream_prompts replaced the default DiT plan
         self.graph_capturer = None  # background capture of the warmed grids (graph_capture="background")
         self._t2w_stages: list = []  # the token2wav stages' bucketed CUDA graphs (_t2w_graphs)
         background = config.graph_capture == "background"
@@ -531,10 +530,10 @@ class EngineCore:
         if not isinstance(graph, GraphedDiTSolve) or not any(g is graph for g in self._t2w_stages):
             return 0
         prompt_tokens = [int(n) for n in prompt_tokens]
-        if prompt_tokens and not self._dit_voices_planned and graph.reset_plan():
+        if prompt_tokens:
             # the first voices told replace the default plan (prompts of stream_prompt_s): a server
             # whose voices are known captures only what they reach (fewer graphs, faster start-up)
-            self._dit_voices_planned = True
+            graph.replace_default_plan()
         n = self._plan_dit_graphs(graph, prompt_tokens, self.models, self.cfg)
         if self.cfg.t2w_graph_warmup and self.graph_capturer is None and graph.pending() \
                 and not any(g is graph for g in self._pending_warmup):

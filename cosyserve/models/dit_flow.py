@@ -1071,6 +1071,7 @@ class GraphedDiTSolve(_GraphStage):
         self._init_stage(p.device if p is not None else "cpu")
         self._flat: dict[str, Tensor] = {}
         self._plan: list[tuple[int, int, int]] = []
+        self._plan_replaced = False  # replace_default_plan() was done
         self._warm_classes: set[tuple[bool, bool]] = set()  # warm-up classes captured once (capture)
         self.replays = 0
         #: solves per bucket ``(rows, frames, cache)`` seen by :meth:`DitFlowModel._solve` (graphed or eager)
@@ -1156,12 +1157,12 @@ class GraphedDiTSolve(_GraphStage):
         self._plan = ordered
         return len(ordered)
 
-    def reset_plan(self) -> bool:
-        """Forget the planned buckets (e.g. a default plan, once the prompts to serve are known);
-        only while nothing is captured. Returns whether it did."""
-        if self._graphs:
+    def replace_default_plan(self) -> bool:
+        """Forget the planned buckets once, the first time the prompts to serve are known (the plan
+        so far was a default), and only while nothing is captured. Returns whether it did."""
+        if self._plan_replaced or self._graphs:
             return False
-        self._plan = []
+        self._plan, self._plan_replaced = [], True
         return True
 
     def keys(self) -> list[tuple[int, int, int]]:
