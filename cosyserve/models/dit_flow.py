@@ -703,20 +703,34 @@ class DitFlowModel(nn.Module):
         self._tc_cache = (key, (ts, dts, blocks, final))
         return self._tc_cache[1]
 
-    def _solve_buffers(self, b: int, mmax: int, cmax: int, n_timesteps: int, dtype: torch.dtype, dev) -> dict:
-        """Fresh inputs/outputs of :meth:`_euler` for ``b`` items (eager solves)."""
+    def _solve_shapes(self, b: int, mmax: int, cmax: int, n_timesteps: int,
+                      dtype: torch.dtype) -> dict[str, tuple[tuple, torch.dtype]]:
+        """``name -> (shape, dtype)`` of every tensor :meth:`_euler` reads or writes for ``b`` items,
+        ``mmax`` frames and ``cmax`` cache frames (the estimator in ``dtype``; ODE state float32)."""
         d = self.decoder.estimator.cfg
-        n = 2 * b
-        return {"x0": torch.zeros(b, self.n_mels, mmax, device=dev, dtype=torch.float32),
-                "static_in": torch.zeros(n, 3 * self.n_mels, mmax, device=dev, dtype=dtype),
-                "att": torch.zeros(n_timesteps, d.depth, n, d.num_heads, mmax + cmax, 2 * d.head_dim, device=dev,
-                                   dtype=dtype),
-                "cnn_in": torch.zeros(n_timesteps, d.depth, n, 2 * d.hidden_size, d.conv_kernel_size - 1, device=dev,
-                                      dtype=dtype),
-                "cnn_out": torch.empty(n_timesteps, d.depth, n, 2 * d.hidden_size, d.conv_kernel_size - 1, device=dev,
-                                       dtype=dtype),
-                "x_out": torch.empty(b, self.n_mels, mmax, device=dev, dtype=torch.float32),
-                "mask": None, "new_len": None}
+        n, k1, f32 = 2 * b, d.conv_kernel_size - 1, torch.float32
+        return {"att": ((n_timesteps, d.depth, n, d.num_heads, mmax + cmax, 2 * d.head_dim), dtype),
+                "cnn_in": ((n_timesteps, d.depth, n, 2 * d.hidden_size, k1), dtype),
+                "cnn_out": ((n_timesteps, d.depth, n, 2 * d.hidden_size, k1), dtype),
+                "x0": ((b, self.n_mels, mmax), f32),
+                "static_in": ((n, 3 * self.n_mels, mmax), dtype),
+                "x_out": ((b, self.n_mels, mmax), f32),
+                "mask": ((n, 1, 1, mmax + cmax), torch.bool),
+                "new_len": ((n,), torch.long),
+                "dt": ((n_timesteps,), f32),
+                "mod_blocks": ((n_timesteps, d.depth, 1, 1, 9 * d.hidden_size), dtype),
+                "mod_final": ((n_timesteps, 1, 1, 2 * d.hidden_size), dtype)}
+
+    def _solve_buffers(self, b: int, mmax: int, cmax: int, n_timesteps: int, dtype: torch.dtype, dev) -> dict:
+        """Fresh inputs/outputs of :meth:`_euler` for ``b`` items (eager solves): the state and cache
+        tensors of :meth:`_solve_shapes` (inputs zeroed), no mask and lengths (set by the caller, as
+        are the time conditioning's)."""
+        shapes = self._solve_shapes(b, mmax, cmax, n_timesteps, dtype)
+        bufs = {name: (torch.empty if name in ("cnn_out", "x_out") else torch.zeros)(shape, dtype=dt, device=dev)
+                for name, (shape, dt) in shapes.items()
+                if name in ("x0", "static_in", "att", "cnn_in", "cnn_out", "x_out")}
+        bufs.update(mask=None, new_len=None)
+        return bufs
 
     def _euler(self, bufs: dict, n_timesteps: int) -> None:
         """The Euler/CFG solve on the tensors of ``bufs`` (the function a CUDA graph captures).
@@ -1209,22 +1223,9 @@ class GraphedDiTSolve(_GraphStage):
         return flat[:numel].view(shape)
 
     def _shapes(self, b: int, mmax: int, cmax: int) -> dict[str, tuple[tuple, torch.dtype]]:
-        """``name -> (shape, dtype)`` of every tensor :meth:`DitFlowModel._euler` reads or writes for
-        ``b`` items, ``mmax`` frames and ``cmax`` cache frames (the flow's steps and dtype)."""
-        flow, steps, dtype = self.flow, self.n_timesteps, self.dtype
-        d = flow.decoder.estimator.cfg
-        n, k1, f32 = 2 * b, d.conv_kernel_size - 1, torch.float32
-        return {"att": ((steps, d.depth, n, d.num_heads, mmax + cmax, 2 * d.head_dim), dtype),
-                "cnn_in": ((steps, d.depth, n, 2 * d.hidden_size, k1), dtype),
-                "cnn_out": ((steps, d.depth, n, 2 * d.hidden_size, k1), dtype),
-                "x0": ((b, flow.n_mels, mmax), f32),
-                "static_in": ((n, 3 * flow.n_mels, mmax), dtype),
-                "x_out": ((b, flow.n_mels, mmax), f32),
-                "mask": ((n, 1, 1, mmax + cmax), torch.bool),
-                "new_len": ((n,), torch.long),
-                "dt": ((steps,), f32),
-                "mod_blocks": ((steps, d.depth, 1, 1, 9 * d.hidden_size), dtype),
-                "mod_final": ((steps, 1, 1, 2 * d.hidden_size), dtype)}
+        """``name -> (shape, dtype)`` of every tensor a bucket's graph reads or writes
+        (:meth:`DitFlowModel._solve_shapes` at the flow's steps and dtype)."""
+        return self.flow._solve_shapes(b, mmax, cmax, self.n_timesteps, self.dtype)
 
     def buffer_bytes(self, key: tuple[int, int, int]) -> int:
         """Bytes of a bucket's buffers (what the shared storages hold when ``key`` is the largest)."""
