@@ -274,8 +274,9 @@ def _record(run, pool, stream, settle_first: bool = True) -> tuple:
     the serving threads' next allocations ``cudaMalloc`` again (a stall on their side).
     A run that raises ends the capture (its error is the one raised); a capture that CUDA reports
     invalid at its end (e.g. another thread synchronised the device meanwhile) raises too, and in both
-    cases the pool stops recording (:func:`~cosyserve.models.capture.end_failed_capture`), so later
-    captures into it work."""
+    cases :func:`~cosyserve.models.capture.end_failed_capture` retires the pool (stages then capture
+    into its successor, :func:`~cosyserve.models.capture.live_pool`) and restores the default
+    generator."""
     if settle_first:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
