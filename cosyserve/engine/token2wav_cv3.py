@@ -304,10 +304,6 @@ class Cv3FlowCacheSlot:
     cache: object = None
     off: bool = False
 
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.cache is None else int(self.cache.nbytes)
-
 
 class Cv3Token2WavBackend(Token2Wav):
     """The engine's token2wav backend for CosyVoice3 (``make_token2wav`` picks it for a
