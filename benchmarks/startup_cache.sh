@@ -3,7 +3,8 @@
 # fused kernels into an empty --compile-cache, the second (a restart) loads them. Each start is measured by
 # benchmarks/startup_probe.py (ready, all CUDA graphs captured, first chunks of requests sent meanwhile).
 # Full-size CosyVoice2-0.5B with random weights (PATH_KIND=unet) or + the Step-Audio2 DiT token2wav (PATH_KIND=dit).
-# Usage: benchmarks/startup_cache.sh OUT  (env: PATH_KIND, SERVE_ARGS (default --background-graphs), STARTS (default 2)).
+# Usage: benchmarks/startup_cache.sh OUT  (env: PATH_KIND, SERVE_ARGS (default --background-graphs), STARTS (default 2),
+# SAMPLE_STACKS=1: run each server under benchmarks/stack_sampler.py, OUT/stacks-N.txt, summarised up to ready).
 # Needs .whl (see docs/perf.md "How to reproduce").
 set -u
 cd "$(dirname "$0")/.."
@@ -13,6 +14,7 @@ mkdir -p "$OUTDIR"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/cosyserve-site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/cosyserve-site:$PWD PYTHONUNBUFFERED=1 COSYSERVE_CACHE_DIR=/tmp/cosyserve-cache
 CS="python3 -m cosyserve.cli"
+SERVE_CMD=(python3 -m cosyserve.cli)
 CACHE=/tmp/cosyserve-compile-$$; rm -rf "$CACHE"
 EXTRA=()
 if [ "$KIND" = dit ]; then
@@ -22,7 +24,8 @@ fi
 echo "== $KIND: $(nvidia-smi --query-gpu=name --format=csv,noheader), serve options: $SERVE_ARGS, compile cache $CACHE (empty)"
 for i in $(seq 1 "$STARTS"); do
   T0=$(date +%s.%N)
-  $CS serve --random-weights benchmarks/configs/cosyvoice2-0.5b.yaml --qwen-config benchmarks/configs/CosyVoice-BlankEN-config.json \
+  [ "${SAMPLE_STACKS:-0}" = 1 ] && SERVE_CMD=(python3 benchmarks/stack_sampler.py --out "$OUTDIR/stacks-$i.txt" --max-s "${SAMPLE_S:-100}" -- -m cosyserve.cli)
+  "${SERVE_CMD[@]}" serve --random-weights benchmarks/configs/cosyvoice2-0.5b.yaml --qwen-config benchmarks/configs/CosyVoice-BlankEN-config.json \
     --device cuda --dtype bfloat16 --min-token-text-ratio 6 --max-token-text-ratio 6 --max-active-streams 64 \
     --chunk-policy exponential --voices-dir /tmp/cosyserve-voices --port 8000 --grpc-port 8001 \
     --compile-cache "$CACHE" "${EXTRA[@]}" $SERVE_ARGS >"$OUTDIR/server-$i.log" 2>&1 &
@@ -31,5 +34,11 @@ for i in $(seq 1 "$STARTS"); do
   python3 benchmarks/startup_probe.py --since "$T0" --url http://127.0.0.1:8000 --json "$OUTDIR/startup-$i.json" 2>&1 | tail -5
   grep -E "primed|captured [0-9]+ CUDA graph buckets|failed|ready event" "$OUTDIR/server-$i.log" | cut -c1-400 | tail -6
   kill $SERVER; wait $SERVER 2>/dev/null
+  if [ -f "$OUTDIR/stacks-$i.txt" ]; then
+    READY=$(python3 -c "import json,sys; print(int(json.load(open(sys.argv[1])).get('ready_s', 0)) + 1)" "$OUTDIR/startup-$i.json" 2>/dev/null || echo 60)
+    echo "== start $i: where the wall time went before ready (${READY} s; inclusive share of samples per thread)"
+    python3 benchmarks/stack_sampler.py --report "$OUTDIR/stacks-$i.txt" --until "$READY" --top 45 | cut -c1-160
+    gzip -f "$OUTDIR/stacks-$i.txt"
+  fi
 done
 du -sh "$CACHE" 2>/dev/null
