@@ -481,6 +481,10 @@ def _engine_args(p, in_process: bool = False) -> None:
                         "the CUDA graphs in a background thread while serving eagerly (first chunks of 1-2 s until "
                         "the LM decode graphs are in, ~10 s); on an H100 at full size ready in 44 s with a filled "
                         "--compile-cache (79 s on a first start) instead of ~2.5 min: docs/perf.md, 'Session 23'")
+    p.add_argument("--no-graph-priming", dest="graph_priming", action="store_false",
+                   help="with --background-graphs: report ready before the fused kernels are compiled; the capture "
+                        "thread compiles them while the server serves eagerly (ready sooner; docs/perf.md, "
+                        "'Session 24')")
     p.add_argument("--graphs-before-ready", action="store_true",
                    help="capture every CUDA graph before the server reports ready (the default; kept for scripts)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
@@ -531,6 +535,7 @@ def _engine_config(args, **overrides):
                   t2w_gather_s=args.t2w_gather, t2w_length_window=args.t2w_length_window,
                   graph_warmup=not lazy, t2w_graph_warmup=not lazy,
                   graph_capture="background" if getattr(args, "background_graphs", False) else "startup",
+                  graph_priming=getattr(args, "graph_priming", True),
                   decode_lookahead=args.decode_lookahead, admission=args.admission,
                   admission_target=args.admission_target,
                   flow_stream_cache={"auto": None, "on": True, "off": False}[args.flow_stream_cache],

@@ -380,6 +380,9 @@ def test_cli_flags_choose_the_capture_mode():
     assert (e.graph_capture, e.graph_warmup, e.t2w_graph_warmup) == ("background", True, True)
     e = _engine_config(p.parse_args(base + ["--lazy-graphs", "--background-graphs"]))
     assert (e.graph_capture, e.graph_warmup, e.t2w_graph_warmup) == ("background", False, False)
+    assert e.graph_priming  # fused kernels compiled before ready unless asked otherwise
+    e = _engine_config(p.parse_args(base + ["--background-graphs", "--no-graph-priming"]))
+    assert (e.graph_capture, e.graph_priming) == ("background", False)
 
 
 def test_server_is_ready_and_serves_while_graphs_are_pending(tmp_path, monkeypatch):
@@ -506,3 +509,24 @@ def test_capture_thread_alone_compiles_fused_kernels_while_it_runs():
     empty = G.BackgroundCapturer([[FakeStage("e", [])]], prime=False)  # nothing to capture: ends at once
     empty.start()
     assert empty.wait(10) and fused._compile_thread is None
+
+
+def test_capture_thread_shortens_the_gil_switch_interval_while_it_runs():
+    """While the capture thread runs, a serving thread that released the GIL gets it back within
+    BackgroundCapturer.switch_interval_s, not the interpreter's 5 ms; the setting is restored after."""
+    import sys
+
+    before = sys.getswitchinterval()
+    seen = []
+
+    class Watching(FakeStage):
+        def _warm_up(self, *key):
+            seen.append(sys.getswitchinterval())
+            super()._warm_up(*key)
+
+    st = Watching("s", [(1,), (2,)])
+    cap = G.BackgroundCapturer([[st]], prime=False)
+    cap.start()
+    assert cap.wait(10)
+    assert len(seen) == 2 and all(v == min(before, G.BackgroundCapturer.switch_interval_s) for v in seen)
+    assert sys.getswitchinterval() == before

@@ -124,7 +124,9 @@ class EngineConfig:
     started (and primed: fused kernels compiled) by :meth:`EngineCore.start_graph_capture`
     (``AsyncEngine`` calls it; the first step otherwise) while the engine serves, each bucket
     running eagerly until its graph is published (ready in 44-79 s instead of ~143 s at full size
-    on an H100: docs/perf.md, "Session 23"). Grids
+    on an H100: docs/perf.md, "Session 23"); ``graph_priming`` (background only): compile the fused
+    kernels before ready (True) or let the capture thread compile each variant while serving (False:
+    ready sooner; see :class:`~cosyserve.models.graphs.BackgroundCapturer`). Grids
     not warmed (``graph_warmup``/``t2w_graph_warmup`` False, ``--lazy-graphs``) are captured on
     first use either way. Every stage captures on a CUDA stream of its own
     (:func:`~cosyserve.models.graphs.capture_stream`: graphs sharing a capture stream share a
@@ -198,6 +200,7 @@ class EngineConfig:
     graph_warmup: bool = True
     t2w_graph_warmup: bool = True
     graph_capture: str = "startup"
+    graph_priming: bool = True
     t2w_thread: bool = False
     t2w_queue_steps: int | None = 4
     device_sampling: bool | None = None
@@ -388,7 +391,8 @@ class EngineCore:
                 from ..models.graphs import BackgroundCapturer
 
                 rest = ([self.prefill_graphs] if config.graph_warmup else []) + t2w
-                self.graph_capturer = BackgroundCapturer([[self.decoder], rest], device=self.cache.k.device, prime=True)
+                self.graph_capturer = BackgroundCapturer([[self.decoder], rest], device=self.cache.k.device,
+                                                         prime=config.graph_priming)
             else:
                 if config.graph_warmup:  # every reachable prefill bucket now, none while serving
                     self.prefill_graphs.warmup()

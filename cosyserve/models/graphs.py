@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -471,7 +472,7 @@ class BackgroundCapturer:
     runs them (:func:`~cosyserve.models.fused.compile_only_on`); serving threads run their eager
     formulas, so they never stall on a compile (seconds) nor synchronise the device under a capture.
     Each variant is compiled by the warm-up of the first bucket that needs it. *Priming*
-    (``prime=True``; the engine primes): first one eager warm-up of the smallest bucket with one
+    (``prime=True``; the engine primes unless ``--no-graph-priming``): first one eager warm-up of the smallest bucket with one
     and with two rows per stage, which compiles the fused kernels (one variant for one row, one for
     more; those buckets' captures then skip their warm-up); :meth:`wait_primed` waits for it, so
     that nothing compiles once serving starts (measured on the H100: compiles on the capture thread
@@ -484,6 +485,10 @@ class BackgroundCapturer:
     threads' eager work, graph replays and host waits are unaffected. The serving path must not
     draw from torch's default CUDA generator (a capture registers it); cosyserve's does not.
 
+    GIL: while the thread runs, the interpreter's switch interval is :attr:`switch_interval_s`
+    (0.2 ms instead of 5 ms), so a serving thread that released the GIL around a torch op or a graph
+    replay gets it back quickly while this thread runs Python (Dynamo, Inductor, capture bookkeeping).
+
     ``pause_s``: a sleep between captures (gives the GIL and the GPU back to serving; 0 = none).
     Counts: :attr:`captured`, :attr:`failed`, :attr:`pending`, :attr:`capture_s` (seconds in
     captures), :attr:`wall_s` (first capture to last, once done). Source: the design of
@@ -493,6 +498,8 @@ class BackgroundCapturer:
 
     #: consecutive failed captures after which the loop gives up (a sticky CUDA error fails them all)
     max_failures_in_a_row = 5
+    #: the interpreter's GIL switch interval (seconds) while the thread runs (see ``_main``)
+    switch_interval_s = 2e-4
 
     def __init__(self, groups: list[list[_GraphStage]], device=None, pause_s: float = 0.0, prime: bool = False):
         self.groups = [list(g) for g in groups if g]
@@ -578,6 +585,13 @@ class BackgroundCapturer:
     # ------------------------------------------------------------------ the thread
     def _main(self) -> None:
         fused.compile_only_on(threading.get_ident())  # this thread alone compiles fused kernels meanwhile
+        # This thread's compiles and captures are long stretches of Python; each time a serving thread
+        # releases the GIL (every torch op, every graph replay) it would wait up to the interpreter's
+        # switch interval (5 ms) to get it back, per op. A short interval bounds that wait (process-wide,
+        # restored at the end unless someone else changed it meanwhile).
+        prev_switch = sys.getswitchinterval()
+        switch = min(prev_switch, self.switch_interval_s)
+        sys.setswitchinterval(switch)
         try:
             if self.device is not None and self.device.type == "cuda":
                 if self.device.index is not None:  # a new thread starts on device 0
@@ -588,6 +602,8 @@ class BackgroundCapturer:
         except BaseException:  # noqa: BLE001 - a bug here must not take the server down: stay eager
             log.exception("background CUDA graph capture stopped")
         finally:
+            if sys.getswitchinterval() == switch:
+                sys.setswitchinterval(prev_switch)
             if fused._compile_thread in (threading.get_ident(), fused.NO_THREAD):
                 fused.compile_only_on(None)  # every thread compiles (and runs compiled) again
             self._primed.set()
