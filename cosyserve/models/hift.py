@@ -899,9 +899,29 @@ def fade_in_with_cache(speech: torch.Tensor, cached: torch.Tensor, overlap: int)
     """
     if speech.shape[-1] < overlap or cached.shape[-1] < overlap:
         raise ValueError(f"fade needs {overlap} samples; got speech {tuple(speech.shape)}, cache {tuple(cached.shape)}")
-    w = to_device(torch.from_numpy(_hamming_f64(2 * overlap).copy()), speech.device)
-    head = speech[..., :overlap].double() * w[:overlap] + cached[..., -overlap:].double() * w[overlap:]
+    w_in, w_out = _fade_windows(overlap, speech.device)
+    tail = cached if cached.shape[-1] == overlap else cached[..., -overlap:]
+    head = speech[..., :overlap].double() * w_in + tail.double() * w_out
     return torch.cat([head.to(speech.dtype), speech[..., overlap:]], dim=-1)
+
+
+_FADE_WINDOWS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _fade_windows(overlap: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two halves of ``numpy.hamming(2 * overlap)`` as float64 tensors on ``device`` (fade-in,
+    fade-out), made once per ``(overlap, device)`` and, on CUDA, per current stream (the copy that
+    makes them is ordered on the stream that first reads them), so a streaming step fades every
+    stream with them without re-copying the window."""
+    device = torch.device(device)
+    key: tuple = (overlap, device)
+    if device.type == "cuda":
+        key += (torch.cuda.current_stream(device).cuda_stream,)
+    w = _FADE_WINDOWS.get(key)
+    if w is None:
+        full = to_device(torch.from_numpy(_hamming_f64(2 * overlap).copy()), device)
+        w = _FADE_WINDOWS[key] = (full[:overlap], full[overlap:])
+    return w
 
 
 def stream_hift_input(
@@ -917,7 +937,13 @@ def stream_hift_input(
     """
     if mel_chunk.dim() != 3 or mel_chunk.shape[:2] != (1, hift.cfg.in_channels):
         raise ValueError(f"mel_chunk must be [1, {hift.cfg.in_channels}, T], got {tuple(mel_chunk.shape)}")
-    mel = mel_chunk if state.mel is None else torch.cat([state.mel.to(mel_chunk), mel_chunk], dim=2)
+    if state.mel is None:
+        mel = mel_chunk
+    else:
+        cached = state.mel
+        if cached.dtype != mel_chunk.dtype or cached.device != mel_chunk.device:
+            cached = cached.to(mel_chunk)
+        mel = torch.cat([cached, mel_chunk], dim=2)
     if mel.shape[-1] == 0:
         raise ValueError("empty mel chunk at the start of a stream")
     if not finalize and mel.shape[-1] < mel_cache_len:
