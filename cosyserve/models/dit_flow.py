@@ -61,6 +61,7 @@ including the time grid runs in that dtype (upstream runs under autocast); mel i
 
 from __future__ import annotations
 
+import array
 import logging
 import math
 from collections import Counter
@@ -92,8 +93,11 @@ TRIM_KEEP = 100
 
 def _ints(values, dev) -> Tensor:
     """1-D int64 tensor of Python ints on ``dev``, without a host-device sync on CUDA (pinned staging
-    buffer + non-blocking copy; a plain ``torch.tensor(..., device=cuda)`` waits for the stream)."""
-    t = torch.tensor(list(values), dtype=torch.long)
+    buffer + non-blocking copy; a plain ``torch.tensor(..., device=cuda)`` waits for the stream).
+    The ints go through an ``array('q')`` (about 8x faster than ``torch.tensor`` of a list: index
+    lists of a batch hold every cached frame of every stream)."""
+    buf = array.array("q", values)
+    t = torch.frombuffer(buf, dtype=torch.long) if len(buf) else torch.zeros(0, dtype=torch.long)
     dev = torch.device(dev)
     if dev.type == "cuda":
         return t.pin_memory().to(dev, non_blocking=True)
@@ -732,14 +736,14 @@ class DitFlowModel(nn.Module):
             n1, n2 = c1[i] + tlen[i], c2[i] + mlen[i]
             it = items[i]
             p = it.prompt_frames if it.state is None else it.state.prompt_frames
-            if trim_keep is not None and n2 > p + trim_keep:
-                sel2 = [*range(p), *range(n2 - trim_keep, n2)]
-                sel1 = [j % n1 for j in sel2[: (p + trim_keep) // 2]]
-            else:
-                sel1, sel2 = range(n1), range(n2)
             base1, base2 = c1max - c1[i], c2max - c2[i]
-            fr1 += [base1 + j for j in sel1]
-            fr2 += [base2 + j for j in sel2]
+            if trim_keep is not None and n2 > p + trim_keep:
+                sel2 = [*range(base2, base2 + p), *range(base2 + n2 - trim_keep, base2 + n2)]
+                sel1 = [base1 + (j - base2) % n1 for j in sel2[: (p + trim_keep) // 2]]
+            else:
+                sel1, sel2 = range(base1, base1 + n1), range(base2, base2 + n2)
+            fr1 += sel1
+            fr2 += sel2
             rows1 += [i] * len(sel1)
             rows2 += [i] * len(sel2)
             n1s.append(len(sel1))
@@ -910,8 +914,10 @@ class DitFlowModel(nn.Module):
         src = [i for i in range(b) if ce[i]]  # items with an estimator cache
         nsrc = sum(ce[i] for i in src)
         if nsrc:  # (item, frame) of every cached frame in the key/value buffer
-            idx += [i for i in src for _ in range(ce[i])]
-            idx += [mmax + j for i in src for j in range(ce[i])]
+            for i in src:
+                idx += [i] * ce[i]
+            for i in src:
+                idx += range(mmax, mmax + ce[i])
         ix = _ints(idx, dev)
         x0.copy_(noise.index_select(1, ix[: bb * mmax]).view(n_mels, bb, mmax).transpose(0, 1))
         cond_rows = static_in[0: 2 * b: 2]  # [B, 240, M] views of the conditional rows
