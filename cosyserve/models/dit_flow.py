@@ -53,7 +53,9 @@ different streams (different token counts and cache lengths) in one padded pass.
 are left-aligned to a common end so that one relative-position table serves every stream (query
 ``i`` of stream ``b`` sits at position ``C_max + i``, its cached keys at ``C_max - C_b ..``); padded
 keys are masked; convolutions are causal so right padding never reaches valid frames. Results equal
-the one-stream results up to float summation order (~1e-7 relative).
+the one-stream results up to float summation order (~1e-7 relative). The per-stream inputs and
+outputs move with batched operations (one concatenation and one index operation per cache kind, index
+lists built on the host and copied once), so a batch's host work grows little with its stream count.
 
 Numerics: float32 by default; the module may be cast to bfloat16/float16, then every computation
 including the time grid runs in that dtype (upstream runs under autocast); mel is returned as float32.
@@ -373,6 +375,10 @@ class DitStreamState:
     * ``prompt_frames``: ``P``, mel frames of the prompt (the trimming rule keeps them).
 
     ``noise_offset`` (= ``C``) is where the next chunk's start noise begins.
+
+    States made by :meth:`DitFlowModel.forward_items` hold views of the batch's gathered tensors
+    (possibly non-contiguous); nothing writes those tensors afterwards, so states stay immutable and
+    may be shared (the engine's set-up cache does).
     """
 
     spk: Tensor
