@@ -114,6 +114,44 @@ def _to_device(t: Tensor, dev) -> Tensor:
     return t.to(dev)
 
 
+def _merge_adjacent(tensors: Sequence[Tensor], dim: int) -> list[Tensor]:
+    """``tensors`` with every run of consecutive tensors that lie back to back along ``dim`` in one
+    storage (same dtype, strides and other sizes; each one starting where the previous one ends)
+    replaced by a single view covering the run. The per-item views that one batch hands out
+    (:meth:`DitFlowModel.forward_items`) are such runs when the next batch takes the same streams in
+    the same order, so concatenating them again copies per run instead of per item. Only metadata is
+    read (no tensor operation, no device synchronisation); ``torch.cat(result, dim)`` equals
+    ``torch.cat(tensors, dim)``. Tensors of size 0 along ``dim`` are dropped (unless all are)."""
+    out: list[Tensor] = []
+    head, key, n, nxt = None, None, 0, 0
+    for t in tensors:
+        size = t.shape[dim]
+        if size == 0:
+            continue
+        st = t.stride()
+        k = (t.untyped_storage().data_ptr(), st, t.shape[:dim], t.shape[dim + 1:], t.dtype, t.device)
+        off = t.storage_offset()
+        if head is not None and k == key and off == nxt:
+            n += size
+            nxt += size * st[dim]
+            continue
+        if head is not None:
+            out.append(head if n == head.shape[dim] else
+                       head.as_strided((*key[2], n, *key[3]), key[1], head.storage_offset()))
+        head, key, n, nxt = t, k, size, off + size * st[dim]
+    if head is not None:
+        out.append(head if n == head.shape[dim] else
+                   head.as_strided((*key[2], n, *key[3]), key[1], head.storage_offset()))
+    return out or list(tensors[:1])
+
+
+def _cat(tensors: Sequence[Tensor], dim: int) -> Tensor:
+    """``torch.cat(tensors, dim)`` over :func:`_merge_adjacent` runs; a single run is returned as is
+    (a view: callers only read it)."""
+    parts = _merge_adjacent(tensors, dim)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
 # ----------------------------------------------------------------------------------------------
 # DiT estimator
 # ----------------------------------------------------------------------------------------------
@@ -616,7 +654,7 @@ class DitFlowModel(nn.Module):
         ref = present[0]
         n_layers, _, heads, _, width = ref.shape
         zero = ref.new_zeros(n_layers, 1, heads, 1, width)  # frame 0: what the padding reads
-        flat = torch.cat([zero, *present], dim=3)  # [L, 1, H, 1 + sum C_b, E]
+        flat = torch.cat([zero, *_merge_adjacent(present, 3)], dim=3)  # [L, 1, H, 1 + sum C_b, E]
         idx, at = [], 1
         for n in lens:
             idx += [0] * (cmax - n)
@@ -700,7 +738,7 @@ class DitFlowModel(nn.Module):
         pl = enc.pre_lookahead_layer
         xp = F.pad(x, (0, 0, 0, la)).transpose(1, 2)  # [B, D, Lmax + la]
         h1 = F.leaky_relu(pl.conv1(xp))  # [B, D, Lmax]; item b valid for its first tlen[b] frames
-        la_cache = torch.cat([it.state.enc_lookahead if it.state is not None else x.new_zeros(1, d, 2) for it in items])
+        la_cache = _cat([it.state.enc_lookahead if it.state is not None else x.new_zeros(1, d, 2) for it in items], 0)
         tl = _ints(tlen, dev)
         h1c = torch.cat([la_cache.to(h1), h1], dim=2)
         new_la = _last_frames(h1c, 2, None if len(set(tlen)) == 1 and tlen[0] == h1.size(2) else tl)
@@ -718,7 +756,7 @@ class DitFlowModel(nn.Module):
         # upsampling (nearest x stride, causal conv with a 2*stride cache)
         up = enc.up_layer
         hu = F.interpolate(h.transpose(1, 2), scale_factor=float(stride), mode="nearest")
-        up_cache = torch.cat([it.state.enc_up if it.state is not None else x.new_zeros(1, d, 2 * stride) for it in items])
+        up_cache = _cat([it.state.enc_up if it.state is not None else x.new_zeros(1, d, 2 * stride) for it in items], 0)
         huc = torch.cat([up_cache.to(hu), hu], dim=2)
         mlen = [stride * t for t in tlen]
         new_up = _last_frames(huc, 2 * stride, None if len(set(mlen)) == 1 and mlen[0] == hu.size(2)
@@ -942,7 +980,7 @@ class DitFlowModel(nn.Module):
 
         if nsrc:  # every cache at frames [M, M + C_b) of its item's rows: one cat + one indexed copy
             caches = [items[i].state.est_att for i in src]
-            flat = steps(torch.cat(caches, dim=4) if len(caches) > 1 else caches[0])  # [S, depth, 2, h, sum C, 2hd]
+            flat = steps(_cat(caches, 4))  # [S, depth, 2, h, sum C, 2hd]
             base = bb * mmax
             att.unflatten(2, (bb, 2))[:, :, ix[base: base + nsrc], :, :, ix[base + nsrc:]] = flat.permute(4, 0, 1, 2, 3, 5)
         if any(it.state is not None for it in items):
@@ -956,7 +994,7 @@ class DitFlowModel(nn.Module):
                         ref = next(i.state.est_cnn for i in items if i.state is not None)
                         zero = ref.new_zeros(ref.shape)
                     parts.append(zero)
-            cnn[:, :, : 2 * b].copy_(steps(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]))
+            cnn[:, :, : 2 * b].copy_(steps(_cat(parts, 2)))
         elif use_graph:
             cnn[:, :, : 2 * b].zero_()
         if use_graph and bb > b:
