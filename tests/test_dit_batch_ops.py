@@ -160,3 +160,30 @@ def test_states_from_a_batch_are_not_written_by_later_batches(t2w):
                 for f in FIELDS:
                     assert torch.equal(getattr(s, f), sn[f]), f
             states = new
+
+
+def test_merge_adjacent_views():
+    """Runs of views lying back to back in one storage become one view; anything else stays apart;
+    the concatenation is unchanged."""
+    from cosyserve.models.dit_flow import _cat, _merge_adjacent
+
+    base = torch.arange(2 * 3 * 20 * 4, dtype=torch.float32).view(2, 3, 20, 4).permute(1, 0, 2, 3)  # non-contiguous
+    views = list(base.split([5, 0, 7, 8], dim=2))
+    merged = _merge_adjacent(views, 2)
+    assert len(merged) == 1 and merged[0].shape == (3, 2, 20, 4) and torch.equal(merged[0], base)
+    assert _cat(views, 2).data_ptr() == base.data_ptr()  # a single run: the view itself, no copy
+    other = torch.randn(3, 2, 6, 4)
+    cases = [
+        [views[2], views[0]],  # reordered: not adjacent
+        [views[0], other, views[2], views[3]],  # another storage in between: two runs around it
+        [views[0], views[3]],  # a gap
+        [base[:, :1].split(4, dim=2)[0], base[:, 1:].split(4, dim=2)[1]],  # other sizes/offsets
+    ]
+    expect_parts = [2, 3, 2, 2]
+    for parts, n in zip(cases, expect_parts):
+        got = _merge_adjacent(parts, 2)
+        assert len(got) == n
+        assert torch.equal(torch.cat(got, 2), torch.cat(parts, 2))
+        assert torch.equal(_cat(parts, 2), torch.cat(parts, 2))
+    rows = list(torch.randn(6, 5, 2).split(1))
+    assert len(_merge_adjacent(rows, 0)) == 1 and len(_merge_adjacent(rows[::2], 0)) == 3
