@@ -187,3 +187,35 @@ def test_merge_adjacent_views():
         assert torch.equal(_cat(parts, 2), torch.cat(parts, 2))
     rows = list(torch.randn(6, 5, 2).split(1))
     assert len(_merge_adjacent(rows, 0)) == 1 and len(_merge_adjacent(rows[::2], 0)) == 3
+
+
+@pytest.mark.gpu
+def test_gpu_graphed_batches_keep_states_and_issue_without_sync(t2w):
+    """On CUDA with the solve graphed: batched chunks equal eager ones, states handed out by a batch
+    are not changed by later replays (which overwrite the graph's buffers), and a batch whose graph
+    exists is issued without a host synchronisation."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (run on the device machine)")
+    flow = copy.deepcopy(t2w.flow).cuda()
+    eager = copy.deepcopy(t2w.flow).cuda()
+    graph = flow.enable_cuda_graphs(frames_bucket=16, cache_bucket=48)
+    prompts = _prompts(8)
+    states, ref = flow.setup_batch(prompts), eager.setup_batch(prompts)
+    g = torch.Generator().manual_seed(9)
+    for k in range(5):
+        toks = [torch.randint(0, 6561, (28,), generator=g) for _ in states]
+        res = flow.chunk_batch(states, toks, [False] * len(states))  # may capture its bucket
+        rref = eager.chunk_batch(ref, toks, [False] * len(ref))
+        snap = [{f: getattr(s, f).clone() for f in FIELDS} for _, s in res]
+        torch.cuda.set_sync_debug_mode("error")
+        try:  # the same bucket again (captured above): replays only, no synchronisation
+            flow.chunk_batch(states[::-1], toks[::-1], [False] * len(states))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        for i, ((m, s), (rm, rs), sn) in enumerate(zip(res, rref, snap)):
+            assert rel_l2(m.cpu(), rm.cpu()) < TOL, (k, i)
+            for f in FIELDS:
+                assert torch.equal(getattr(s, f), sn[f]), (k, i, f)  # not overwritten by the replay
+                assert rel_l2(getattr(s, f).cpu(), getattr(rs, f).cpu()) < TOL, (k, i, f)
+        states, ref = [s for _, s in res], [s for _, s in rref]
+    assert graph.replays > 0
