@@ -165,7 +165,8 @@ def test_states_from_a_batch_are_not_written_by_later_batches(t2w):
 def test_merge_adjacent_views():
     """Runs of views lying back to back in one storage become one view; anything else stays apart;
     the concatenation is unchanged."""
-    from cosyserve.models.dit_flow import _cat, _merge_adjacent
+    from cosyserve.models.views import cat_adjacent as _cat
+    from cosyserve.models.views import merge_adjacent as _merge_adjacent
 
     base = torch.arange(2 * 3 * 20 * 4, dtype=torch.float32).view(2, 3, 20, 4).permute(1, 0, 2, 3)  # non-contiguous
     views = list(base.split([5, 0, 7, 8], dim=2))
