@@ -640,11 +640,12 @@ class DitFlowModel(nn.Module):
         g = stacked[:, ix[: len(rows)], :, ix[len(rows):]]  # [N, L, H, E]
         return list(g.permute(1, 2, 0, 3).unsqueeze(1).split(sizes, dim=3))
 
-    def _token_matrix(self, items: Sequence[DitItem]) -> tuple[Tensor, list[int]]:
+    def _token_matrix(self, items: Sequence[DitItem], check_device: bool = True) -> tuple[Tensor, list[int]]:
         """The items' tokens right-padded with 0 into ``[B, Lmax]`` int64 on the module's device, and
         their counts. Host (CPU) token tensors are checked and padded as Python ints and moved with
-        one copy (no per-item tensor work); tokens already on another device are checked with
-        :meth:`_check_tokens` and copied per item. Raises ValueError (:meth:`_check_tokens`)."""
+        one copy (no per-item tensor work); tokens already on another device are copied per item,
+        checked with :meth:`_check_tokens` when ``check_device`` (its range check synchronises with
+        that device). Raises ValueError (1-D tokens, vocabulary range)."""
         dev = self.input_embedding.weight.device
         vocab = self.cfg.vocab_size
         host: list[list[int] | None] = []
@@ -659,7 +660,7 @@ class DitFlowModel(nn.Module):
                     raise ValueError(f"speech token out of range [0, {vocab})")
                 host.append(vals)
             else:
-                other[i] = self._check_tokens(t)
+                other[i] = self._check_tokens(t) if check_device else t.to(torch.long)
                 host.append(None)
         lens = [len(v) if v is not None else int(other[i].numel()) for i, v in enumerate(host)]
         lmax = max(lens)
@@ -676,16 +677,17 @@ class DitFlowModel(nn.Module):
         return tok, lens
 
     def _encode(self, items: Sequence[DitItem], trim_keep: int | None = None,
-                keep_state: Sequence[bool] | None = None):
+                keep_state: Sequence[bool] | None = None, check_device_tokens: bool = False):
         """Encoder + projection for a batch of items -> ``(mu [B, Mmax, 80], frames per item, new enc
         caches)``: per item ``(enc_att1, enc_att2, enc_lookahead, enc_up)`` (views of batch tensors),
         already trimmed as :func:`trim_state` would when ``trim_keep`` is given; None for items with
-        ``keep_state[i]`` False (not gathered)."""
+        ``keep_state[i]`` False (not gathered). Host tokens are always range-checked, tokens on the
+        device only with ``check_device_tokens`` (see :meth:`_token_matrix`)."""
         enc = self.encoder
         la = self.pre_lookahead_len
         stride = self.up_rate
         dev = self.input_embedding.weight.device
-        tok, lens = self._token_matrix(items)
+        tok, lens = self._token_matrix(items, check_device_tokens)
         tlen = [n if it.last else n - la for n, it in zip(lens, items)]
         for n, t, it in zip(lens, tlen, items):
             if t < 1:
@@ -1031,7 +1033,7 @@ class DitFlowModel(nn.Module):
             return []
         n_timesteps = n_timesteps or self.cfg.n_timesteps
         keep = None if final_states else [not it.last for it in items]
-        mu, mlen, enc_caches = self._encode(items, trim_keep, keep)
+        mu, mlen, enc_caches = self._encode(items, trim_keep, keep, check_device_tokens=True)
         mel, est_caches = self._solve(items, mu, mlen, n_timesteps, trim_keep, keep)
         if mel.dtype != torch.float32:
             mel = mel.float()

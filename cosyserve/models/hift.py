@@ -1054,6 +1054,8 @@ def hift_stream_step_batch(
 
     Item b uses ``states[b]``, ``mel_chunks[b]``, ``finalize[b]`` and ``generators[b]``; the result
     list holds ``(speech, new_state)`` per item, equal to the single-request steps run in order.
+    Runs under inference mode; the cross-fades of all items are one batch of elementwise operations
+    written into the fresh vocoder outputs, whose views the results are.
     """
     mel_cache_len, source_cache_len = _cache_lens(hift, mel_cache_len, source_cache_len)
     if not (len(states) == len(mel_chunks) == len(finalize)):
