@@ -5,7 +5,11 @@ issued by the scheduler thread, which the H100 runs showed to be the DiT path's 
 "Session 23": 43-56 % of the scheduler thread issuing token2wav batches). A proxy that needs no GPU, so
 a change that removes per-stream work can be checked here before it is measured on one.
 
-    python3 benchmarks/dit_host_ops.py [--batches 1,2,6] [--prompt-tokens 40] [--chunk 25]
+    python3 benchmarks/dit_host_ops.py [--batches 1,2,6] [--prompt-tokens 40] [--chunk 25] [--phases]
+
+``--phases`` also splits the per-extra-stream growth by where the operators run (flow encoder, flow
+solve, HiFT F0, HiFT excitation draws, HiFT decode, the rest of the HiFT streaming step, the rest):
+each operator counts for the innermost of those calls it runs in.
 
 Tiny random-weight model (``write_token2wav_dir``), eager solve (on CUDA the solve is one graph: its
 operators are not host work there, so compare the growth with the batch rather than the totals).
@@ -14,19 +18,71 @@ operators are not host work there, so compare the growth with the batch rather t
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import cosyserve.models.dit_token2wav as dit_t2w  # noqa: E402
 from cosyserve.models.dit_token2wav import TINY_SIZE, load_dit_token2wav, write_token2wav_dir  # noqa: E402
 
+#: phase label -> (object, attribute) wrapped in a profiler range while ``--phases`` counts
+PHASES = {"flow encoder": ("flow", "_encode"), "flow solve": ("flow", "_solve"), "HiFT F0": ("hift", "predict_f0"),
+          "HiFT excitation": ("hift", "excitation_padded"), "HiFT decode": ("hift", "decode"),
+          "HiFT stream step (rest)": ("module", "hift_stream_step_batch")}
 
-def _counts(t2w, batch: int, prompt_tokens: int, chunk: int, warm_chunks: int, g: torch.Generator) -> dict:
+
+@contextlib.contextmanager
+def _phase_ranges(t2w):
+    """Wrap the :data:`PHASES` calls in ``record_function("phase:<label>")`` ranges (restored after)."""
+    owners = {"flow": t2w.flow, "hift": t2w.hift, "module": dit_t2w}
+    saved = []
+    for label, (owner, attr) in PHASES.items():
+        obj = owners[owner]
+        fn = getattr(obj, attr)
+
+        def wrapped(*a, _fn=fn, _label=label, **k):
+            with record_function("phase:" + _label):
+                return _fn(*a, **k)
+
+        saved.append((obj, attr, obj.__dict__.get(attr, None) if owner != "module" else fn))
+        setattr(obj, attr, functools.wraps(fn)(wrapped))
+    try:
+        yield
+    finally:
+        for obj, attr, old in saved:
+            if old is None:
+                delattr(obj, attr)  # the instance attribute shadowed the class method
+            else:
+                setattr(obj, attr, old)
+
+
+def _by_phase(prof) -> dict:
+    """aten operator count per :data:`PHASES` label (innermost range; ``other`` outside all)."""
+    events = prof.events()
+    ranges = [e for e in events if e.name.startswith("phase:")]
+    out: dict = {}
+    for e in events:
+        if not e.name.startswith("aten::"):
+            continue
+        inner = None
+        for r in ranges:
+            if r.time_range.start <= e.time_range.start and e.time_range.end <= r.time_range.end:
+                if inner is None or r.time_range.elapsed_us() < inner.time_range.elapsed_us():
+                    inner = r
+        label = inner.name[len("phase:"):] if inner is not None else "other"
+        out[label] = out.get(label, 0) + 1
+    return out
+
+
+def _counts(t2w, batch: int, prompt_tokens: int, chunk: int, warm_chunks: int, g: torch.Generator,
+            phases: bool = False) -> tuple[dict, dict]:
     states = []
     for _ in range(batch):
         pt = torch.randint(0, 6561, (prompt_tokens,), generator=g)
@@ -39,9 +95,11 @@ def _counts(t2w, batch: int, prompt_tokens: int, chunk: int, warm_chunks: int, g
 
     for _ in range(warm_chunks):  # steady state: caches at their trimmed length
         states = step(states)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step(states)
-    return {e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::")}
+    with _phase_ranges(t2w) if phases else contextlib.nullcontext():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step(states)
+    ops = {e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::")}
+    return ops, (_by_phase(prof) if phases else {})
 
 
 def main() -> None:
@@ -50,13 +108,15 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=40)
     ap.add_argument("--chunk", type=int, default=25, help="new tokens per chunk (plus the look-ahead)")
     ap.add_argument("--warm-chunks", type=int, default=4)
+    ap.add_argument("--phases", action="store_true", help="split the per-extra-stream growth by phase")
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
         t2w = load_dit_token2wav(write_token2wav_dir(Path(d) / "t2w", TINY_SIZE))
     g = torch.Generator().manual_seed(0)
     batches = [int(b) for b in args.batches.split(",")]
-    counts = {b: _counts(t2w, b, args.prompt_tokens, args.chunk, args.warm_chunks, g) for b in batches}
+    both = {b: _counts(t2w, b, args.prompt_tokens, args.chunk, args.warm_chunks, g, args.phases) for b in batches}
+    counts = {b: c for b, (c, _) in both.items()}
     base = batches[0]
     for b in batches:
         total = sum(counts[b].values())
@@ -66,6 +126,11 @@ def main() -> None:
     grow = sorted(((counts[top].get(k, 0) - counts[base].get(k, 0)) / max(1, top - base), k)
                   for k in set(counts[top]) | set(counts[base]))
     print("per extra stream:", ", ".join(f"{k} {n:.0f}" for n, k in reversed(grow[-10:]) if n > 0))
+    if args.phases and top != base:
+        pa, pb = both[base][1], both[top][1]
+        labels = [*PHASES, "other"]
+        print("per extra stream by phase:", ", ".join(
+            f"{k} {(pb.get(k, 0) - pa.get(k, 0)) / (top - base):.0f}" for k in labels))
 
 
 if __name__ == "__main__":

@@ -172,7 +172,9 @@ class DitToken2WavBackend(Token2WavBackend):
             dev = self.hift_device
             mels, hstates = [], []
             for j, s, off, r, p in zip(jobs, states, offline, res, prompt_frames):
-                m = r.mel[:, :, p:].to(dev, torch.float32)
+                m = r.mel[:, :, p:] if p else r.mel
+                if m.device != dev or m.dtype != torch.float32:
+                    m = m.to(dev, torch.float32)
                 if j.finalize and j.speed != 1.0 and s.hift.empty:
                     m = F.interpolate(m, size=max(1, int(m.shape[2] / j.speed)), mode="linear")
                 mels.append(m)
@@ -184,10 +186,12 @@ class DitToken2WavBackend(Token2WavBackend):
             for j, s, off, r, (sp, hs) in zip(jobs, states, offline, res, out):
                 if not j.finalize and not s.started:
                     sp = torch.cat([sp.new_zeros(1, self.t2w.source_cache_len), sp], dim=1)
-                speech.append(sp[0].float())
+                sp = sp[0]
+                speech.append(sp if sp.dtype == torch.float32 else sp.float())
                 if j.finalize:
                     new_states.append(DitT2WStreamState())  # stream over: drop the caches
                 else:
+                    # (already trimmed by forward_items: trim_state returns it unchanged)
                     new_states.append(DitT2WStreamState(flow=trim_state(r.state), hift=hs, started=True))
             if marks is not None:
                 stamps.append(marks.mark(stream))

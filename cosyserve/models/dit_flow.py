@@ -53,7 +53,9 @@ different streams (different token counts and cache lengths) in one padded pass.
 are left-aligned to a common end so that one relative-position table serves every stream (query
 ``i`` of stream ``b`` sits at position ``C_max + i``, its cached keys at ``C_max - C_b ..``); padded
 keys are masked; convolutions are causal so right padding never reaches valid frames. Results equal
-the one-stream results up to float summation order (~1e-7 relative).
+the one-stream results up to float summation order (~1e-7 relative). The per-stream inputs and
+outputs move with batched operations (one concatenation and one index operation per cache kind, index
+lists built on the host and copied once), so a batch's host work grows little with its stream count.
 
 Numerics: float32 by default; the module may be cast to bfloat16/float16, then every computation
 including the time grid runs in that dtype (upstream runs under autocast); mel is returned as float32.
@@ -61,6 +63,7 @@ including the time grid runs in that dtype (upstream runs under autocast); mel i
 
 from __future__ import annotations
 
+import array
 import logging
 import math
 from collections import Counter
@@ -77,6 +80,8 @@ from .flow_encoder import UpsampleConformerEncoder, relative_position_table
 from .fused import FusedOp
 from .fused import enabled as fused_enabled
 from .graphs import _GraphStage
+from .views import cat_adjacent as _cat
+from .views import merge_adjacent as _merge_adjacent
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +97,11 @@ TRIM_KEEP = 100
 
 def _ints(values, dev) -> Tensor:
     """1-D int64 tensor of Python ints on ``dev``, without a host-device sync on CUDA (pinned staging
-    buffer + non-blocking copy; a plain ``torch.tensor(..., device=cuda)`` waits for the stream)."""
-    t = torch.tensor(list(values), dtype=torch.long)
+    buffer + non-blocking copy; a plain ``torch.tensor(..., device=cuda)`` waits for the stream).
+    The ints go through an ``array('q')`` (about 8x faster than ``torch.tensor`` of a list: index
+    lists of a batch hold every cached frame of every stream)."""
+    buf = array.array("q", values)
+    t = torch.frombuffer(buf, dtype=torch.long) if len(buf) else torch.zeros(0, dtype=torch.long)
     dev = torch.device(dev)
     if dev.type == "cuda":
         return t.pin_memory().to(dev, non_blocking=True)
@@ -369,6 +377,10 @@ class DitStreamState:
     * ``prompt_frames``: ``P``, mel frames of the prompt (the trimming rule keeps them).
 
     ``noise_offset`` (= ``C``) is where the next chunk's start noise begins.
+
+    States made by :meth:`DitFlowModel.forward_items` hold views of the batch's gathered tensors
+    (possibly non-contiguous); nothing writes those tensors afterwards, so states stay immutable and
+    may be shared (the engine's set-up cache does).
     """
 
     spk: Tensor
@@ -490,6 +502,7 @@ class DitFlowModel(nn.Module):
         #: optional :class:`GraphedDiTSolve` (CUDA graphs of the whole solve), see :meth:`enable_cuda_graphs`
         self.graph = None
         self._tc_cache = None  # (key, time grid + estimator time conditioning), see _time_conditioning
+        self._noise_pad = None  # (rand_noise, its frames followed by a zero frame), see _padded_noise
 
     # ------------------------------------------------------------------ basics
 
@@ -596,17 +609,85 @@ class DitFlowModel(nn.Module):
         return x, new
 
     @staticmethod
-    def _left_pad(caches: list[Tensor], cmax: int) -> Tensor:
-        """Stack ``[1, H, C_b, E]`` caches into ``[B, H, cmax, E]`` aligned at the end (zeros before)."""
-        return torch.cat([F.pad(c, (0, 0, cmax - c.size(2), 0)) for c in caches], dim=0)
+    def _left_aligned(caches: Sequence[Tensor | None], lens: Sequence[int], cmax: int) -> Tensor:
+        """Per-item layer caches ``[L, 1, H, C_b, E]`` (None where ``C_b`` = 0) -> ``[L, B, H, cmax, E]``
+        with item b's cache at the end of its row (zeros before it), as one concatenation and one
+        ``index_select`` for the whole batch (the index is built on the host; no per-item copies).
+        Needs ``cmax >= max(lens) > 0``. The result is a permuted view (layers first)."""
+        present = [c for c, n in zip(caches, lens) if n > 0]
+        ref = present[0]
+        n_layers, _, heads, _, width = ref.shape
+        zero = ref.new_zeros(n_layers, 1, heads, 1, width)  # frame 0: what the padding reads
+        flat = torch.cat([zero, *_merge_adjacent(present, 3)], dim=3)  # [L, 1, H, 1 + sum C_b, E]
+        idx, at = [], 1
+        for n in lens:
+            idx += [0] * (cmax - n)
+            idx += range(at, at + n)
+            at += n
+        g = flat.index_select(3, _ints(idx, flat.device))  # [L, 1, H, B * cmax, E]
+        return g.view(n_layers, heads, len(lens), cmax, width).transpose(1, 2)
 
-    def _encode(self, items: Sequence[DitItem]):
-        """Encoder + projection for a batch of items -> (mu [B, Mmax, 80], frames per item, new enc caches)."""
+    @staticmethod
+    def _item_frames(kvs: Sequence[Tensor], rows: list[int], frames: list[int], sizes: list[int]) -> list[Tensor]:
+        """From per-layer key/value outputs ``[B, H, S, E]`` gather, for each kept item, its frames
+        (``frames`` indexes S, ``rows`` the item of each frame; ``sizes`` frames per item, in order):
+        one stack and one gather for the batch, then per item a view ``[L, 1, H, n_b, E]`` of the
+        gathered tensor (nothing else holds or writes it)."""
+        if not sizes:
+            return []
+        stacked = torch.stack(list(kvs))  # [L, B, H, S, E]
+        ix = _ints(rows + frames, stacked.device)
+        g = stacked[:, ix[: len(rows)], :, ix[len(rows):]]  # [N, L, H, E]
+        return list(g.permute(1, 2, 0, 3).unsqueeze(1).split(sizes, dim=3))
+
+    def _token_matrix(self, items: Sequence[DitItem], check_device: bool = True) -> tuple[Tensor, list[int]]:
+        """The items' tokens right-padded with 0 into ``[B, Lmax]`` int64 on the module's device, and
+        their counts. Host (CPU) token tensors are checked and padded as Python ints and moved with
+        one copy (no per-item tensor work); tokens already on another device are copied per item,
+        checked with :meth:`_check_tokens` when ``check_device`` (its range check synchronises with
+        that device). Raises ValueError (1-D tokens, vocabulary range)."""
+        dev = self.input_embedding.weight.device
+        vocab = self.cfg.vocab_size
+        host: list[list[int] | None] = []
+        other: dict[int, Tensor] = {}
+        for i, it in enumerate(items):
+            t = it.tokens
+            if t.dim() != 1:
+                raise ValueError(f"tokens must be 1-D, got {tuple(t.shape)}")
+            if t.device.type == "cpu":
+                vals = (t if t.dtype == torch.long else t.to(torch.long)).tolist()
+                if vals and (max(vals) >= vocab or min(vals) < 0):
+                    raise ValueError(f"speech token out of range [0, {vocab})")
+                host.append(vals)
+            else:
+                other[i] = self._check_tokens(t) if check_device else t.to(torch.long)
+                host.append(None)
+        lens = [len(v) if v is not None else int(other[i].numel()) for i, v in enumerate(host)]
+        lmax = max(lens)
+        flat: list[int] = []
+        for v in host:
+            if v is None:
+                flat += [0] * lmax
+            else:
+                flat += v
+                flat += [0] * (lmax - len(v))
+        tok = _ints(flat, dev).view(len(items), lmax)
+        for i, t in other.items():
+            tok[i, : lens[i]] = t
+        return tok, lens
+
+    def _encode(self, items: Sequence[DitItem], trim_keep: int | None = None,
+                keep_state: Sequence[bool] | None = None, check_device_tokens: bool = False):
+        """Encoder + projection for a batch of items -> ``(mu [B, Mmax, 80], frames per item, new enc
+        caches)``: per item ``(enc_att1, enc_att2, enc_lookahead, enc_up)`` (views of batch tensors),
+        already trimmed as :func:`trim_state` would when ``trim_keep`` is given; None for items with
+        ``keep_state[i]`` False (not gathered). Host tokens are always range-checked, tokens on the
+        device only with ``check_device_tokens`` (see :meth:`_token_matrix`)."""
         enc = self.encoder
         la = self.pre_lookahead_len
         stride = self.up_rate
         dev = self.input_embedding.weight.device
-        lens = [int(it.tokens.numel()) for it in items]
+        tok, lens = self._token_matrix(items, check_device_tokens)
         tlen = [n if it.last else n - la for n, it in zip(lens, items)]
         for n, t, it in zip(lens, tlen, items):
             if t < 1:
@@ -614,9 +695,6 @@ class DitFlowModel(nn.Module):
                                  f"(non-final chunks need more than the {la} look-ahead tokens)")
         b = len(items)
         lmax, tmax = max(lens), max(tlen)
-        tok = torch.zeros(b, lmax, dtype=torch.long, device=dev)
-        for i, it in enumerate(items):
-            tok[i, : lens[i]] = it.tokens
         x = enc.embed(self.input_embedding(tok))  # [B, Lmax, D] (padded rows hold garbage past L_b)
         keep = torch.arange(lmax, device=dev).view(1, -1) < _ints(lens, dev).view(-1, 1)
         x = torch.where(keep.unsqueeze(-1), x, x.new_zeros(()))
@@ -626,7 +704,7 @@ class DitFlowModel(nn.Module):
         pl = enc.pre_lookahead_layer
         xp = F.pad(x, (0, 0, 0, la)).transpose(1, 2)  # [B, D, Lmax + la]
         h1 = F.leaky_relu(pl.conv1(xp))  # [B, D, Lmax]; item b valid for its first tlen[b] frames
-        la_cache = torch.cat([it.state.enc_lookahead if it.state is not None else x.new_zeros(1, d, 2) for it in items])
+        la_cache = _cat([it.state.enc_lookahead if it.state is not None else x.new_zeros(1, d, 2) for it in items], 0)
         tl = _ints(tlen, dev)
         h1c = torch.cat([la_cache.to(h1), h1], dim=2)
         new_la = _last_frames(h1c, 2, None if len(set(tlen)) == 1 and tlen[0] == h1.size(2) else tl)
@@ -637,15 +715,14 @@ class DitFlowModel(nn.Module):
         c1max = max(c1)
         caches = [None] * len(enc.encoders)
         if c1max > 0:
-            caches = [self._left_pad([it.state.enc_att1[l] if it.state is not None else
-                                      x.new_zeros(1, enc.encoders[l].self_attn.h, 0, 2 * enc.encoders[l].self_attn.d_k)
-                                      for it in items], c1max) for l in range(len(enc.encoders))]
+            caches = list(self._left_aligned([None if it.state is None else it.state.enc_att1 for it in items],
+                                             c1, c1max))
         h, kv1 = self._conformer_stack(enc.encoders, h, caches, c1, tlen)
 
         # upsampling (nearest x stride, causal conv with a 2*stride cache)
         up = enc.up_layer
         hu = F.interpolate(h.transpose(1, 2), scale_factor=float(stride), mode="nearest")
-        up_cache = torch.cat([it.state.enc_up if it.state is not None else x.new_zeros(1, d, 2 * stride) for it in items])
+        up_cache = _cat([it.state.enc_up if it.state is not None else x.new_zeros(1, d, 2 * stride) for it in items], 0)
         huc = torch.cat([up_cache.to(hu), hu], dim=2)
         mlen = [stride * t for t in tlen]
         new_up = _last_frames(huc, 2 * stride, None if len(set(mlen)) == 1 and mlen[0] == hu.size(2)
@@ -656,18 +733,37 @@ class DitFlowModel(nn.Module):
         c2max = max(c2)
         caches = [None] * len(enc.up_encoders)
         if c2max > 0:
-            caches = [self._left_pad([it.state.enc_att2[l] if it.state is not None else
-                                      x.new_zeros(1, enc.up_encoders[l].self_attn.h, 0,
-                                                  2 * enc.up_encoders[l].self_attn.d_k)
-                                      for it in items], c2max) for l in range(len(enc.up_encoders))]
+            caches = list(self._left_aligned([None if it.state is None else it.state.enc_att2 for it in items],
+                                             c2, c2max))
         h, kv2 = self._conformer_stack(enc.up_encoders, h, caches, c2, mlen)
         mu = self.encoder_proj(enc.after_norm(h))
 
-        new_caches = []
-        for i in range(b):
-            a1 = torch.stack([kv[i:i + 1, :, c1max - c1[i]: c1max + tlen[i]] for kv in kv1])
-            a2 = torch.stack([kv[i:i + 1, :, c2max - c2[i]: c2max + mlen[i]] for kv in kv2])
-            new_caches.append((a1, a2, new_la[i:i + 1], new_up[i:i + 1]))
+        # new caches of the kept items: each item's frames of the padded layout (cache ++ new),
+        # trimmed on upstream's layout (see trim_state), gathered for the whole batch at once
+        kept = [i for i in range(b) if keep_state is None or keep_state[i]]
+        rows1, fr1, n1s, rows2, fr2, n2s = [], [], [], [], [], []
+        for i in kept:
+            n1, n2 = c1[i] + tlen[i], c2[i] + mlen[i]
+            it = items[i]
+            p = it.prompt_frames if it.state is None else it.state.prompt_frames
+            base1, base2 = c1max - c1[i], c2max - c2[i]
+            if trim_keep is not None and n2 > p + trim_keep:
+                sel2 = [*range(base2, base2 + p), *range(base2 + n2 - trim_keep, base2 + n2)]
+                sel1 = [base1 + (j - base2) % n1 for j in sel2[: (p + trim_keep) // 2]]
+            else:
+                sel1, sel2 = range(base1, base1 + n1), range(base2, base2 + n2)
+            fr1 += sel1
+            fr2 += sel2
+            rows1 += [i] * len(sel1)
+            rows2 += [i] * len(sel2)
+            n1s.append(len(sel1))
+            n2s.append(len(sel2))
+        a1 = self._item_frames(kv1, rows1, fr1, n1s)
+        a2 = self._item_frames(kv2, rows2, fr2, n2s)
+        las, ups = new_la.split(1), new_up.split(1)
+        new_caches: list[tuple | None] = [None] * b
+        for k, i in enumerate(kept):
+            new_caches[i] = (a1[k], a2[k], las[i], ups[i])
         return mu, mlen, new_caches
 
     # ------------------------------------------------------------------ CFM with the DiT
@@ -702,6 +798,15 @@ class DitFlowModel(nn.Module):
             return ts, dts, blocks, final
         self._tc_cache = (key, (ts, dts, blocks, final))
         return self._tc_cache[1]
+
+    def _padded_noise(self) -> Tensor:
+        """``rand_noise[0]`` followed by one zero frame: ``[80, F + 1]`` float32 (what padded frames
+        and padding rows start from), rebuilt when :attr:`rand_noise` is replaced (:meth:`set_noise`,
+        a move to another device)."""
+        noise = self.rand_noise
+        if self._noise_pad is None or self._noise_pad[0] is not noise:
+            self._noise_pad = (noise, F.pad(noise[0], (0, 1)))
+        return self._noise_pad[1]
 
     def _solve_shapes(self, b: int, mmax: int, cmax: int, n_timesteps: int,
                       dtype: torch.dtype) -> dict[str, tuple[tuple, torch.dtype]]:
@@ -808,23 +913,56 @@ class DitFlowModel(nn.Module):
             self.rand_noise = self.rand_noise.to(dev)
         x0, static_in, att, cnn = bufs["x0"], bufs["static_in"], bufs["att"], bufs["cnn_in"]
         if use_graph:
-            x0.zero_()
             static_in.zero_()
+        noise = self._padded_noise()  # [80, F + 1], frame F zero
+        zero_frame = noise.shape[1] - 1
+        idx: list[int] = []  # start noise of every row and frame: frames [C_b, C_b + M_b) of the buffer
+        for i in range(bb):
+            m, c = (mlen[i], ce[i]) if i < b else (0, 0)
+            idx += range(c, c + m)
+            idx += [zero_frame] * (mmax - m)
+        src = [i for i in range(b) if ce[i]]  # items with an estimator cache
+        nsrc = sum(ce[i] for i in src)
+        if nsrc:  # (item, frame) of every cached frame in the key/value buffer
+            for i in src:
+                idx += [i] * ce[i]
+            for i in src:
+                idx += range(mmax, mmax + ce[i])
+        ix = _ints(idx, dev)
+        x0.copy_(noise.index_select(1, ix[: bb * mmax]).view(n_mels, bb, mmax).transpose(0, 1))
         cond_rows = static_in[0: 2 * b: 2]  # [B, 240, M] views of the conditional rows
         cond_rows[:, :n_mels].copy_(mu.transpose(1, 2))
-        spk = torch.cat([it.spk.to(device=dev, dtype=dtype) for it in items])  # [B, 80]
+        spk = torch.cat([it.spk if it.spk.dtype == dtype and it.spk.device == dev else it.spk.to(device=dev, dtype=dtype)
+                         for it in items])  # [B, 80]
         cond_rows[:, n_mels: 2 * n_mels].copy_(spk.unsqueeze(-1).expand(-1, -1, mmax))
-        for i, it in enumerate(items):
-            x0[i, :, : mlen[i]] = self.rand_noise[0, :, ce[i]: ce[i] + mlen[i]]
+        for i, it in enumerate(items):  # prompt mel (set-ups and offline items only)
             if it.cond is not None:
                 f = min(int(it.cond.shape[0]), mlen[i])
                 cond_rows[i, 2 * n_mels:, :f] = it.cond[:f].to(device=dev, dtype=dtype).transpose(0, 1)
-            if it.state is not None:
-                if ce[i]:
-                    att[:, :, 2 * i: 2 * i + 2, :, mmax: mmax + ce[i]] = it.state.est_att[:n_timesteps].to(dtype)
-                cnn[:, :, 2 * i: 2 * i + 2] = it.state.est_cnn[:n_timesteps].to(dtype)
-            elif use_graph:
-                cnn[:, :, 2 * i: 2 * i + 2].zero_()
+
+        def steps(t: Tensor) -> Tensor:  # a state's caches for this solve's steps and dtype
+            t = t if t.shape[0] == n_timesteps else t[:n_timesteps]
+            return t if t.dtype == dtype else t.to(dtype)
+
+        if nsrc:  # every cache at frames [M, M + C_b) of its item's rows: one cat + one indexed copy
+            caches = [items[i].state.est_att for i in src]
+            flat = steps(_cat(caches, 4))  # [S, depth, 2, h, sum C, 2hd]
+            base = bb * mmax
+            att.unflatten(2, (bb, 2))[:, :, ix[base: base + nsrc], :, :, ix[base + nsrc:]] = flat.permute(4, 0, 1, 2, 3, 5)
+        if any(it.state is not None for it in items):
+            zero = None
+            parts = []
+            for it in items:
+                if it.state is not None:
+                    parts.append(it.state.est_cnn)
+                else:
+                    if zero is None:
+                        ref = next(i.state.est_cnn for i in items if i.state is not None)
+                        zero = ref.new_zeros(ref.shape)
+                    parts.append(zero)
+            cnn[:, :, : 2 * b].copy_(steps(_cat(parts, 2)))
+        elif use_graph:
+            cnn[:, :, : 2 * b].zero_()
         if use_graph and bb > b:
             cnn[:, :, 2 * b:].zero_()
 
@@ -846,27 +984,29 @@ class DitFlowModel(nn.Module):
         else:
             self._euler(bufs, n_timesteps)
 
+        # new estimator caches of the kept items: one gather for the batch (a fresh tensor, also off
+        # the graph's buffers), one view per item
         att, cnn_out = bufs["att"], bufs["cnn_out"]
-        idx_of: list[list[int] | None] = []
-        for i, it in enumerate(items):
-            if keep_state is not None and not keep_state[i]:
-                idx_of.append(None)
-                continue
-            idx = list(range(mlen[i])) + list(range(mmax, mmax + ce[i]))  # newest first
-            p = it.prompt_frames if it.state is None else it.state.prompt_frames
-            if trim_keep is not None and len(idx) > p + trim_keep:
-                idx = idx[:p] + idx[len(idx) - trim_keep:]
-            idx_of.append(idx)
-        all_idx = _ints([j for idx in idx_of if idx is not None for j in idx], dev)  # one copy for the batch
-        per_item, at = [], 0
-        for i, idx in enumerate(idx_of):
-            if idx is None:
-                per_item.append(None)
-                continue
-            rows = slice(2 * i, 2 * i + 2)
-            a = att[:, :, rows].index_select(4, all_idx[at: at + len(idx)])
-            at += len(idx)
-            per_item.append((a, cnn_out[:, :, rows].clone()))
+        kept = [i for i in range(b) if keep_state is None or keep_state[i]]
+        per_item: list[tuple[Tensor, Tensor] | None] = [None] * b
+        if kept:
+            rows, frames, sizes = [], [], []
+            for i in kept:
+                idx = [*range(mlen[i]), *range(mmax, mmax + ce[i])]  # newest first
+                it = items[i]
+                p = it.prompt_frames if it.state is None else it.state.prompt_frames
+                if trim_keep is not None and len(idx) > p + trim_keep:
+                    idx = idx[:p] + idx[len(idx) - trim_keep:]
+                rows += [i] * len(idx)
+                frames += idx
+                sizes.append(len(idx))
+            n = len(rows)
+            ix = _ints(rows + frames + [r for i in kept for r in (2 * i, 2 * i + 1)], dev)
+            est = att.unflatten(2, (bb, 2))[:, :, ix[:n], :, :, ix[n: 2 * n]]  # [N, S, depth, 2, h, 2hd]
+            est = est.permute(1, 2, 3, 4, 0, 5).split(sizes, dim=4)
+            cnn_k = cnn_out.index_select(2, ix[2 * n:]).split(2, dim=2)
+            for k, i in enumerate(kept):
+                per_item[i] = (est[k], cnn_k[k])
         x_out = bufs["x_out"][:b]
         return x_out.clone() if use_graph else x_out, per_item
 
@@ -879,21 +1019,26 @@ class DitFlowModel(nn.Module):
 
         Each item's result holds its mel ``[1, 80, M]`` (float32; ``M = 2 * T`` with ``T`` the
         encoder frames: token count, minus the look-ahead for non-final items) and the new state:
-        untrimmed, or with the estimator cache already trimmed to ``[:P] ++ [-trim_keep:]`` (the
-        encoder caches are trimmed by :func:`trim_state`). ``final_states=False``: items with
+        untrimmed, or, with ``trim_keep``, already trimmed as :func:`trim_state` trims (so
+        ``trim_state(state, trim_keep)`` returns it unchanged). ``final_states=False``: items with
         ``last`` set get ``state=None`` (a finished stream's caches are not gathered at all).
         Items are independent; results equal one-item calls.
+
+        Host work: the per-item inputs and outputs are moved with batched operations (one
+        concatenation + one index operation per cache kind, index lists built on the host as
+        Python ints and moved in one copy); each new state holds views of batch tensors that
+        nothing writes afterwards (outputs of CUDA graph buffers are copied out once per batch).
         """
         if not items:
             return []
         n_timesteps = n_timesteps or self.cfg.n_timesteps
-        for it in items:
-            it.tokens = self._check_tokens(it.tokens)
-        mu, mlen, enc_caches = self._encode(items)
         keep = None if final_states else [not it.last for it in items]
+        mu, mlen, enc_caches = self._encode(items, trim_keep, keep, check_device_tokens=True)
         mel, est_caches = self._solve(items, mu, mlen, n_timesteps, trim_keep, keep)
+        if mel.dtype != torch.float32:
+            mel = mel.float()
         out = []
-        for i, it in enumerate(items):
+        for i, (it, m) in enumerate(zip(items, mel.split(1))):
             st = None
             if est_caches[i] is not None:
                 a1, a2, la, up = enc_caches[i]
@@ -901,7 +1046,7 @@ class DitFlowModel(nn.Module):
                 p = it.prompt_frames if it.state is None else it.state.prompt_frames
                 st = DitStreamState(spk=it.spk, prompt_frames=p, enc_att1=a1, enc_att2=a2, enc_lookahead=la,
                                     enc_up=up, est_att=ea, est_cnn=ec)
-            out.append(DitItemResult(mel=mel[i: i + 1, :, : mlen[i]].float(), state=st))
+            out.append(DitItemResult(mel=m[:, :, : mlen[i]] if mlen[i] < m.shape[2] else m, state=st))
         return out
 
     def prompt_item(self, prompt_tokens: Tensor, prompt_mel: Tensor, embedding: Tensor, extra: Tensor,

@@ -211,7 +211,8 @@ class DitToken2Wav:
         """
         flows = self.flow.chunk_batch([s.flow for s in states], tokens, last)
         dev = self.hift_device
-        out = hift_stream_step_batch(self.hift, [s.hift for s in states], [m.to(dev) for m, _ in flows], list(last),
+        out = hift_stream_step_batch(self.hift, [s.hift for s in states], [m if m.device == dev else m.to(dev)
+                                                                          for m, _ in flows], list(last),
                                      generators, self.mel_cache_len, self.source_cache_len)
         res = []
         for st, lf, (_, fs), (speech, hs) in zip(states, last, flows, out):

@@ -118,6 +118,7 @@ from torch.nn.utils.parametrizations import weight_norm
 from .config import HiFTConfig
 from .fused import FusedOp
 from .transfer import to_device
+from .views import cat_adjacent, merge_adjacent
 
 __all__ = [
     "HiFTGenerator",
@@ -899,9 +900,29 @@ def fade_in_with_cache(speech: torch.Tensor, cached: torch.Tensor, overlap: int)
     """
     if speech.shape[-1] < overlap or cached.shape[-1] < overlap:
         raise ValueError(f"fade needs {overlap} samples; got speech {tuple(speech.shape)}, cache {tuple(cached.shape)}")
-    w = to_device(torch.from_numpy(_hamming_f64(2 * overlap).copy()), speech.device)
-    head = speech[..., :overlap].double() * w[:overlap] + cached[..., -overlap:].double() * w[overlap:]
+    w_in, w_out = _fade_windows(overlap, speech.device)
+    tail = cached if cached.shape[-1] == overlap else cached[..., -overlap:]
+    head = speech[..., :overlap].double() * w_in + tail.double() * w_out
     return torch.cat([head.to(speech.dtype), speech[..., overlap:]], dim=-1)
+
+
+_FADE_WINDOWS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _fade_windows(overlap: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two halves of ``numpy.hamming(2 * overlap)`` as float64 tensors on ``device`` (fade-in,
+    fade-out), made once per ``(overlap, device)`` and, on CUDA, per current stream (the copy that
+    makes them is ordered on the stream that first reads them), so a streaming step fades every
+    stream with them without re-copying the window."""
+    device = torch.device(device)
+    key: tuple = (overlap, device)
+    if device.type == "cuda":
+        key += (torch.cuda.current_stream(device).cuda_stream,)
+    w = _FADE_WINDOWS.get(key)
+    if w is None:
+        full = to_device(torch.from_numpy(_hamming_f64(2 * overlap).copy()), device)
+        w = _FADE_WINDOWS[key] = (full[:overlap], full[overlap:])
+    return w
 
 
 def stream_hift_input(
@@ -917,7 +938,13 @@ def stream_hift_input(
     """
     if mel_chunk.dim() != 3 or mel_chunk.shape[:2] != (1, hift.cfg.in_channels):
         raise ValueError(f"mel_chunk must be [1, {hift.cfg.in_channels}, T], got {tuple(mel_chunk.shape)}")
-    mel = mel_chunk if state.mel is None else torch.cat([state.mel.to(mel_chunk), mel_chunk], dim=2)
+    if state.mel is None:
+        mel = mel_chunk
+    else:
+        cached = state.mel
+        if cached.dtype != mel_chunk.dtype or cached.device != mel_chunk.device:
+            cached = cached.to(mel_chunk)
+        mel = torch.cat([cached, mel_chunk], dim=2)
     if mel.shape[-1] == 0:
         raise ValueError("empty mel chunk at the start of a stream")
     if not finalize and mel.shape[-1] < mel_cache_len:
@@ -943,6 +970,14 @@ def stream_hift_output(
         source_cache_len = mel_cache_len * (speech.shape[-1] // mel.shape[-1])
     if state.speech is not None:
         speech = fade_in_with_cache(speech, state.speech, source_cache_len)
+    return _stream_hift_finish(speech, source, mel, finalize, mel_cache_len, source_cache_len)
+
+
+def _stream_hift_finish(
+    speech: torch.Tensor, source: torch.Tensor, mel: torch.Tensor, finalize: bool, mel_cache_len: int,
+    source_cache_len: int,
+) -> tuple[torch.Tensor, HiFTStreamState]:
+    """:func:`stream_hift_output` after the fade (``speech`` already cross-faded): hold back and cache."""
     if finalize:
         return speech, HiFTStreamState()
     if speech.shape[-1] < source_cache_len or source.shape[-1] < source_cache_len or mel.shape[-1] < mel_cache_len:
@@ -951,6 +986,29 @@ def stream_hift_output(
         mel=mel[:, :, -mel_cache_len:], source=source[:, :, -source_cache_len:], speech=speech[:, -source_cache_len:],
     )
     return speech[:, :-source_cache_len], new_state
+
+
+def _fade_batch(speeches: Sequence[torch.Tensor], tails: Sequence[torch.Tensor], overlap: int) -> None:
+    """:func:`fade_in_with_cache` of several items **in place**: the first ``overlap`` samples of each
+    ``speeches[k]`` ``[1, N_k]`` become ``speech * w_in + tails[k][-overlap:] * w_out`` (float64
+    products and sum, rounded to the speech dtype: the same values as the per-item function). One
+    set of elementwise operations for the batch; the heads are read (and written back) as one view
+    when they lie back to back in one storage (rows of a batch tensor). Raises ValueError as
+    :func:`fade_in_with_cache` does."""
+    for sp, tail in zip(speeches, tails):
+        if sp.shape[-1] < overlap or tail.shape[-1] < overlap:
+            raise ValueError(f"fade needs {overlap} samples; got speech {tuple(sp.shape)}, cache {tuple(tail.shape)}")
+    heads = [sp[..., :overlap] for sp in speeches]
+    tails = [t if t.shape[-1] == overlap else t[..., -overlap:] for t in tails]
+    w_in, w_out = _fade_windows(overlap, heads[0].device)
+    faded = (cat_adjacent(heads, 0).double() * w_in + cat_adjacent(tails, 0).to(heads[0].device).double() * w_out)
+    faded = faded.to(heads[0].dtype)  # [K, overlap], computed before any head is written
+    runs = merge_adjacent(heads, 0)
+    if len(runs) == 1:
+        runs[0].copy_(faded)
+    else:
+        for h, f in zip(heads, faded.split(1)):
+            h.copy_(f)
 
 
 def _cache_lens(hift: HiFTGenerator, mel_cache_len: int, source_cache_len: int | None) -> tuple[int, int]:
@@ -986,6 +1044,7 @@ def hift_stream_step(
     return stream_hift_output(state, speech, source, mel, finalize, mel_cache_len, source_cache_len)
 
 
+@torch.inference_mode()
 def hift_stream_step_batch(
     hift: HiFTGenerator, states: Sequence[HiFTStreamState], mel_chunks: Sequence[torch.Tensor],
     finalize: Sequence[bool], generators: Sequence[torch.Generator | None] | None = None,
@@ -995,6 +1054,8 @@ def hift_stream_step_batch(
 
     Item b uses ``states[b]``, ``mel_chunks[b]``, ``finalize[b]`` and ``generators[b]``; the result
     list holds ``(speech, new_state)`` per item, equal to the single-request steps run in order.
+    Runs under inference mode; the cross-fades of all items are one batch of elementwise operations
+    written into the fresh vocoder outputs, whose views the results are.
     """
     mel_cache_len, source_cache_len = _cache_lens(hift, mel_cache_len, source_cache_len)
     if not (len(states) == len(mel_chunks) == len(finalize)):
@@ -1002,9 +1063,13 @@ def hift_stream_step_batch(
     inputs = [stream_hift_input(hift, s, m, f, mel_cache_len) for s, m, f in zip(states, mel_chunks, finalize)]
     mels = [mel for mel, _ in inputs]
     speeches, sources = hift.inference_batch(mels, [c for _, c in inputs], generators)
+    # the cross-fades of all items with a held-back tail at once, in place on the fresh outputs
+    fade = [i for i, st in enumerate(states) if st.speech is not None]
+    if fade:
+        _fade_batch([speeches[i] for i in fade], [states[i].speech for i in fade], source_cache_len)
     return [
-        stream_hift_output(st, sp, so, m, f, mel_cache_len, source_cache_len)
-        for sp, so, m, st, f in zip(speeches, sources, mels, states, finalize)
+        _stream_hift_finish(sp, so, m, f, mel_cache_len, source_cache_len)
+        for sp, so, m, f in zip(speeches, sources, mels, finalize)
     ]
 
 
