@@ -530,3 +530,32 @@ def test_capture_thread_shortens_the_gil_switch_interval_while_it_runs():
     assert cap.wait(10)
     assert len(seen) == 2 and all(v == min(before, G.BackgroundCapturer.switch_interval_s) for v in seen)
     assert sys.getswitchinterval() == before
+
+
+def test_buckets_serving_runs_eagerly_are_captured_first():
+    """A bucket the serving thread looked up (and ran eagerly) while it was pending is captured
+    before the rest of the plan; a stage with ``demand_first`` False keeps its planned order."""
+    log = []
+    gate, entered = {(1,): threading.Event()}, threading.Event()
+
+    class Signalling(FakeStage):
+        def _warm_up(self, *key):
+            entered.set()
+            super()._warm_up(*key)
+
+    st = Signalling("s", [(1,), (2,), (3,), (4,)], gate=gate, log=log)
+    planned = FakeStage("p", [(1,), (2,), (3,)], log=log)
+    planned.demand_first = False
+    cap = G.BackgroundCapturer([[st], [planned]], prime=False)
+    cap.start()
+    try:
+        assert entered.wait(10)  # the capture of (1,), first in the plan, is under way
+        assert st.lookup((3,)) is None and st.lookup((3,)) is None  # eager meanwhile, counted
+        assert st.lookup((2,)) is None
+        assert planned.lookup((3,)) is None
+    finally:
+        gate[(1,)].set()
+    assert cap.wait(10)
+    assert [k for name, k, *_ in log if name == "s"] == [(1,), (3,), (2,), (4,)]  # (1,) was under way
+    assert [k for name, k, *_ in log if name == "p"] == [(1,), (2,), (3,)]
+    assert cap.demanded == 2 and st.misses[(3,)] == 2

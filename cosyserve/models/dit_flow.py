@@ -1219,6 +1219,7 @@ class GraphedDiTSolve(_GraphStage):
     """
 
     name = "DiT solve"
+    demand_first = False  # the largest-first capture order sizes the shared storages once
 
     def __init__(self, frames_bucket: int = 25, cache_bucket: int = 64, max_graphs: int = 512,
                  flow: "DitFlowModel | None" = None):

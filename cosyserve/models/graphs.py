@@ -33,6 +33,7 @@ launching and replaying meanwhile.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import sys
@@ -332,6 +333,9 @@ class _GraphStage:
     Subclasses implement :meth:`keys`, :meth:`_warm_up` and :meth:`_record_entry`."""
 
     name = "stage"
+    #: a BackgroundCapturer may capture the buckets serving runs eagerly before the planned order
+    #: (False where the capture order sizes memory, e.g. storage that grows with each larger bucket)
+    demand_first = True
 
     def _init_stage(self, device, pool=None) -> None:
         self.device = torch.device(device)
@@ -343,6 +347,9 @@ class _GraphStage:
         self._failed: dict = {}  # key -> the capture's error text
         self.capture_on_use = True
         self.capture_s = 0.0  # seconds spent in captures (warm-up + recording + settling)
+        # eager runs per bucket not captured yet (lookup misses), which a BackgroundCapturer
+        # captures first; counted by the serving threads without a lock (approximate is enough)
+        self.misses: collections.Counter = collections.Counter()
 
     @property
     def pool(self):
@@ -422,8 +429,10 @@ class _GraphStage:
         """The published entry of ``key``; None when it is not (yet) captured: run eagerly.
         With :attr:`capture_on_use` a bucket not disabled is captured now (logged at INFO)."""
         got = self._graphs.get(key)
-        if got is None and self.capture_on_use and key not in self._failed:
-            got = self.capture(key, level=logging.INFO)
+        if got is None:
+            if self.capture_on_use and key not in self._failed:
+                return self.capture(key, level=logging.INFO)
+            self.misses[key] += 1
         return got
 
     def disable(self, key, error: BaseException | str) -> None:
@@ -459,7 +468,11 @@ class BackgroundCapturer:
     """Captures the pending buckets of graphed stages (:class:`_GraphStage`) in one thread of
     its own while the engine serves, so the server is ready before its graphs are.
 
-    Order: ``groups`` one after the other (the engine: the LM decode step first, since every
+    Order: first, before every capture, the pending bucket that serving has run eagerly most
+    often so far (:attr:`_GraphStage.misses`; stages with ``demand_first``), so what the traffic
+    of the moment uses gets its graph first (measured on the H100: the eager flow of the first
+    requests competed with the capture thread's compiles for the GIL, docs/perf.md "Session 24");
+    then the plan: ``groups`` one after the other (the engine: the LM decode step first, since every
     token runs it, then prefill, HiFT and flow); within a group the stages take turns, each in
     its own :meth:`_GraphStage.order` (the largest bucket first, for memory, then the buckets a
     lone stream uses: few rows, short lengths). Each capture publishes its bucket atomically
@@ -511,6 +524,7 @@ class BackgroundCapturer:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self.failed = 0
+        self.demanded = 0  # captures taken out of plan order because serving ran the bucket eagerly
         self.capture_s = 0.0
         self.wall_s: float | None = None
         self.started_at: float | None = None
@@ -624,6 +638,20 @@ class BackgroundCapturer:
                 except Exception as exc:  # noqa: BLE001 - its capture will report (and disable) it
                     log.warning("priming %s at %s failed: %s: %s", stage.name, key, type(exc).__name__, exc)
 
+    def _demanded(self) -> tuple | None:
+        """The pending bucket that serving ran eagerly most often so far (``_GraphStage.misses``)
+        among stages that allow it (``demand_first``), or None: capture in plan order."""
+        best = None
+        for stage in self.stages:
+            if not stage.demand_first or not stage.misses:
+                continue
+            used = list(stage.misses.items())  # one C-level copy: serving threads keep counting
+            pending = set(stage.pending())
+            for key, count in used:
+                if key in pending and (best is None or count > best[0]):
+                    best = (count, stage, key)
+        return None if best is None else best[1:]
+
     def _loop(self, background: bool) -> None:
         if self.prime and background:
             t0 = time.perf_counter()
@@ -632,12 +660,20 @@ class BackgroundCapturer:
                      "%d graph buckets are captured in the background", len(self.stages), time.perf_counter() - t0,
                      self.pending)
         self._primed.set()
-        todo = self.plan()
+        todo = iter(self.plan())
         cuda = self.device is not None and self.device.type == "cuda"
         m0 = torch.cuda.memory_reserved(self.device) if cuda else 0
         t0 = self.started_at = time.perf_counter()
         n = streak = 0
-        for stage, key in todo:
+        while True:
+            got = self._demanded() if background else None
+            if got is None:
+                got = next(todo, None)
+                if got is None:
+                    break
+            else:
+                self.demanded += 1
+            stage, key = got
             if self._stop.is_set():
                 break
             if streak >= self.max_failures_in_a_row:  # something is broken for good (a CUDA error)
@@ -669,9 +705,10 @@ class BackgroundCapturer:
                 torch.cuda.empty_cache()
             m2 = torch.cuda.memory_reserved(self.device)
         per_stage = ", ".join(f"{s.name} {s.n_graphs} ({s.capture_s:.1f} s)" for s in self.stages)
-        log.info("captured %d CUDA graph buckets in %.1f s%s (%.1f s in captures; %s; %d failed, %d left%s); "
-                 "device memory reserved %+.2f GB (%+.2f GB after emptying the cache)", n, self.wall_s,
-                 " in the background" if background else "", self.capture_s, per_stage, self.failed, self.pending,
+        log.info("captured %d CUDA graph buckets in %.1f s%s (%.1f s in captures; %s; %d failed, %d left, %d first "
+                 "because serving ran them eagerly%s); device memory reserved %+.2f GB (%+.2f GB after emptying the "
+                 "cache)", n, self.wall_s, " in the background" if background else "", self.capture_s, per_stage,
+                 self.failed, self.pending, self.demanded,
                  ": stopped" if self._stop.is_set() else "", (m1 - m0) / 2**30, (m2 - m0) / 2**30)
 
 
