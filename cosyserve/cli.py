@@ -477,16 +477,17 @@ def _engine_args(p, in_process: bool = False) -> None:
                    help="capture CUDA graphs (LM prefill, flow, HiFT) on first use, on the serving thread "
                         "(starts faster; each capture while serving stalls every stream for 0.1-0.4 s)")
     p.add_argument("--background-graphs", action="store_true",
-                   help="report ready once the weights are loaded and the fused kernels compiled, and capture "
-                        "the CUDA graphs in a background thread while serving eagerly (first chunks of 1-2 s until "
-                        "the LM decode graphs are in, ~10 s); on an H100 at full size ready in 44 s with a filled "
-                        "--compile-cache (79 s on a first start) instead of ~2.5 min: docs/perf.md, 'Session 23'")
-    p.add_argument("--no-graph-priming", dest="graph_priming", action="store_false",
-                   help="with --background-graphs: report ready before the fused kernels are compiled; the capture "
-                        "thread compiles them while the server serves eagerly (ready sooner; docs/perf.md, "
-                        "'Session 24')")
+                   help="report ready once the weights are loaded and capture the CUDA graphs in a background "
+                        "thread while serving (each batch eager until its bucket is captured; the buckets serving "
+                        "uses first); the default of serve: on an H100 at full size ready in ~20 s on a restart "
+                        "instead of ~2.5 min, first chunks up to ~3 s in the first seconds (docs/perf.md, "
+                        "'Session 24')" + note)
+    p.add_argument("--graph-priming", action="store_true",
+                   help="with background graphs: compile the fused kernels before reporting ready (~20 s more, "
+                        "shorter first chunks right after ready)" + note)
     p.add_argument("--graphs-before-ready", action="store_true",
-                   help="capture every CUDA graph before the server reports ready (the default; kept for scripts)")
+                   help="capture every CUDA graph before reporting ready (~2.5 min at full size on an H100; "
+                        "the default of bench --in-process)" + note)
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="keep the compiled fused kernels (torch.compile / Triton) here across restarts, so a "
                         "restarted server loads them instead of compiling them again (start-up: docs/perf.md); "
@@ -520,7 +521,17 @@ def _compile_cache(value: str | None) -> Path | None:
     return path
 
 
-def _engine_config(args, **overrides):
+def _graph_capture(args, background_default: bool) -> str:
+    """``EngineConfig.graph_capture`` from ``--background-graphs`` / ``--graphs-before-ready``
+    (``background_default``: the command's default; serve's is background). Exits with a message
+    when both are given."""
+    bg, before = getattr(args, "background_graphs", False), getattr(args, "graphs_before_ready", False)
+    if bg and before:
+        raise SystemExit("error: --background-graphs and --graphs-before-ready exclude each other")
+    return "background" if bg or (background_default and not before) else "startup"
+
+
+def _engine_config(args, background_default: bool = False, **overrides):
     """The :class:`~cosyserve.engine.core.EngineConfig` of the options :func:`_engine_args` added
     (``overrides``: fields set by the command itself); points the compile cache at
     ``--compile-cache`` (:func:`_compile_cache`). Raises CLIError for invalid values."""
@@ -534,8 +545,8 @@ def _engine_config(args, **overrides):
                   max_t2w_tokens=args.max_t2w_tokens, t2w_batch_target=args.t2w_batch_target,
                   t2w_gather_s=args.t2w_gather, t2w_length_window=args.t2w_length_window,
                   graph_warmup=not lazy, t2w_graph_warmup=not lazy,
-                  graph_capture="background" if getattr(args, "background_graphs", False) else "startup",
-                  graph_priming=getattr(args, "graph_priming", True),
+                  graph_capture=_graph_capture(args, background_default),
+                  graph_priming=getattr(args, "graph_priming", False),
                   decode_lookahead=args.decode_lookahead, admission=args.admission,
                   admission_target=args.admission_target,
                   flow_stream_cache={"auto": None, "on": True, "off": False}[args.flow_stream_cache],
@@ -605,7 +616,7 @@ def cmd_serve(args) -> int:
         return _serve_router(args)
     cfg = ServerConfig(
         model_dir=args.model_dir, host=args.host, port=args.port, grpc_port=args.grpc_port, voices_dir=voices_dir,
-        default_voice=default_voice, engine=_engine_config(args, max_queue=args.max_queue),
+        default_voice=default_voice, engine=_engine_config(args, background_default=True, max_queue=args.max_queue),
         api_key=args.api_key or os.environ.get("COSYSERVE_API_KEY") or None, device=device,
         dtype=str(_dtype(args.dtype, device)).replace("torch.", ""), hift_dtype=args.hift_dtype,
         request_timeout_s=args.request_timeout or None,

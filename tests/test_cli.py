@@ -222,7 +222,8 @@ def test_engine_options_reach_the_server_config(capsys, monkeypatch):
     assert seen["cfg"].hift_dtype == "float16"
     code, out, err = run(capsys, "serve", "--model-dir", model_dir())
     assert code == 0 and seen["cfg"].hift_dtype == "auto"
-    assert seen["cfg"].engine == EngineConfig()  # CLI defaults = the engine's defaults
+    # CLI defaults = the engine's defaults, except that serve captures its CUDA graphs in the background
+    assert seen["cfg"].engine == EngineConfig(graph_capture="background")
 
 
 def test_bench_in_process_engine_options(capsys, monkeypatch):

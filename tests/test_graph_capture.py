@@ -364,25 +364,32 @@ def test_engine_counts_graphs_and_metrics_show_them(model):
 
 
 def test_cli_flags_choose_the_capture_mode():
-    """``serve`` captures before ready by default (``graph_capture="startup"``;
-    ``--graphs-before-ready`` names that default); ``--background-graphs`` opts into the
-    background capture; ``--lazy-graphs`` still captures prefill/flow/HiFT on first use (and
-    combines with either)."""
+    """``serve`` captures in the background by default (``graph_capture="background"``, fused
+    kernels compiled by the capture thread unless ``--graph-priming``); ``--graphs-before-ready``
+    captures everything before ready (``bench --in-process``'s default, where ``--background-graphs``
+    opts in); ``--lazy-graphs`` still captures prefill/flow/HiFT on first use (and combines with
+    either); both capture flags at once is an error."""
+    import pytest
+
     from cosyserve.cli import _engine_config, build_parser
 
     p = build_parser()
     base = ["serve", "--model-dir", "m"]
-    e = _engine_config(p.parse_args(base))
-    assert (e.graph_capture, e.graph_warmup, e.t2w_graph_warmup) == ("startup", True, True)
-    e = _engine_config(p.parse_args(base + ["--graphs-before-ready"]))
-    assert (e.graph_capture, e.graph_warmup, e.t2w_graph_warmup) == ("startup", True, True)
-    e = _engine_config(p.parse_args(base + ["--background-graphs"]))
-    assert (e.graph_capture, e.graph_warmup, e.t2w_graph_warmup) == ("background", True, True)
-    e = _engine_config(p.parse_args(base + ["--lazy-graphs", "--background-graphs"]))
-    assert (e.graph_capture, e.graph_warmup, e.t2w_graph_warmup) == ("background", False, False)
-    assert e.graph_priming  # fused kernels compiled before ready unless asked otherwise
-    e = _engine_config(p.parse_args(base + ["--background-graphs", "--no-graph-priming"]))
-    assert (e.graph_capture, e.graph_priming) == ("background", False)
+
+    def serve(*flags):
+        e = _engine_config(p.parse_args(base + list(flags)), background_default=True)
+        return e.graph_capture, e.graph_warmup, e.t2w_graph_warmup, e.graph_priming
+
+    assert serve() == ("background", True, True, False)
+    assert serve("--graph-priming") == ("background", True, True, True)
+    assert serve("--graphs-before-ready") == ("startup", True, True, False)
+    assert serve("--lazy-graphs") == ("background", False, False, False)
+    assert serve("--lazy-graphs", "--graphs-before-ready") == ("startup", False, False, False)
+    with pytest.raises(SystemExit, match="exclude each other"):
+        serve("--background-graphs", "--graphs-before-ready")
+    bench = ["bench", "--in-process", "--model-dir", "m"]
+    assert _engine_config(p.parse_args(bench)).graph_capture == "startup"
+    assert _engine_config(p.parse_args(bench + ["--background-graphs"])).graph_capture == "background"
 
 
 def test_server_is_ready_and_serves_while_graphs_are_pending(tmp_path, monkeypatch):

@@ -121,12 +121,14 @@ class EngineConfig:
     captured — ``"startup"`` (default): before serving (decode and prefill graphs when the engine
     is built, flow and HiFT in :meth:`EngineCore.warmup`); ``"background"``
     (``--background-graphs``): by a :class:`~cosyserve.models.graphs.BackgroundCapturer` thread
-    started (and primed: fused kernels compiled) by :meth:`EngineCore.start_graph_capture`
+    started (primed with ``graph_priming``) by :meth:`EngineCore.start_graph_capture`
     (``AsyncEngine`` calls it; the first step otherwise) while the engine serves, each bucket
-    running eagerly until its graph is published (ready in 44-79 s instead of ~143 s at full size
-    on an H100: docs/perf.md, "Session 23"); ``graph_priming`` (background only): compile the fused
-    kernels before ready (True) or let the capture thread compile each variant while serving (False:
-    ready sooner; see :class:`~cosyserve.models.graphs.BackgroundCapturer`). Grids
+    running eagerly until its graph is published (ready in ~20-40 s instead of ~143 s at full size
+    on an H100: docs/perf.md, "Session 24"); ``graph_priming`` (background only): compile the fused
+    kernels before ready (True) or let the capture thread compile each variant while serving (False,
+    the default: ready in ~20 s instead of ~44 s on an H100 restart, docs/perf.md "Session 24"; see
+    :class:`~cosyserve.models.graphs.BackgroundCapturer`). ``cosyserve serve`` defaults to
+    ``"background"``, the engine (and ``bench --in-process``) to ``"startup"``. Grids
     not warmed (``graph_warmup``/``t2w_graph_warmup`` False, ``--lazy-graphs``) are captured on
     first use either way. Every stage captures on a CUDA stream of its own
     (:func:`~cosyserve.models.graphs.capture_stream`: graphs sharing a capture stream share a
@@ -200,7 +202,7 @@ class EngineConfig:
     graph_warmup: bool = True
     t2w_graph_warmup: bool = True
     graph_capture: str = "startup"
-    graph_priming: bool = True
+    graph_priming: bool = False
     t2w_thread: bool = False
     t2w_queue_steps: int | None = 4
     device_sampling: bool | None = None
