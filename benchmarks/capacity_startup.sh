@@ -11,22 +11,15 @@ cd "$(dirname "$0")/.."
 OUTDIR=${1:-capacity_startup_out}; KIND=${PATH_KIND:-unet}; RATIO=${RATIO:-6}
 CAPACITY_LEVELS=${CAPACITY_LEVELS:-32,48,64,96}; MAX_ACTIVE=${MAX_ACTIVE:-128}
 mkdir -p "$OUTDIR"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/cosyserve-site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/cosyserve-site:$PWD PYTHONUNBUFFERED=1 COSYSERVE_CACHE_DIR=/tmp/cosyserve-cache
+. benchmarks/_full_size_server.sh
+full_size_setup "$KIND" || exit 1
 CS="python3 -m cosyserve.cli"
-EXTRA=()
 POLICY=${CHUNK_POLICY-exponential}
-if [ "$KIND" = dit ]; then
-  POLICY=${CHUNK_POLICY-}
-  $CS demo-model /tmp/dit-t2w --dit-token2wav --dit-size full --no-weight-files >/dev/null || exit 1
-  EXTRA=(--token2wav-dir /tmp/dit-t2w)
-fi
+[ "$KIND" = dit ] && POLICY=${CHUNK_POLICY-}
 T0=$(date +%s.%N)
-$CS serve --random-weights benchmarks/configs/cosyvoice2-0.5b.yaml --qwen-config benchmarks/configs/CosyVoice-BlankEN-config.json \
-  --device cuda --dtype bfloat16 --min-token-text-ratio "$RATIO" --max-token-text-ratio "$RATIO" \
-  --max-active-streams "$MAX_ACTIVE" --max-queue 512 ${POLICY:+--chunk-policy "$POLICY"} --voices-dir /tmp/cosyserve-voices \
-  --port 8000 --grpc-port 8001 "${EXTRA[@]}" ${SERVE_ARGS:-} >"$OUTDIR/server.log" 2>&1 &
-SERVER=$!; trap 'kill $SERVER 2>/dev/null' EXIT
+full_size_serve "$OUTDIR/server.log" --min-token-text-ratio "$RATIO" --max-token-text-ratio "$RATIO" \
+  --max-active-streams "$MAX_ACTIVE" --max-queue 512 ${POLICY:+--chunk-policy "$POLICY"} ${SERVE_ARGS:-}
+trap 'kill $SERVER 2>/dev/null' EXIT
 echo "== $KIND: $(nvidia-smi --query-gpu=name --format=csv,noheader), serve options: ${SERVE_ARGS:-(defaults)}"
 python3 benchmarks/startup_probe.py --since "$T0" --url http://127.0.0.1:8000 --json "$OUTDIR/startup.json" 2>&1 | tail -6
 echo "== warm-up (not counted): lazily captured graphs (the DiT solves) get captured here"

@@ -3,38 +3,24 @@
 # fused kernels into an empty --compile-cache, the second (a restart) loads them. Each start is measured by
 # benchmarks/startup_probe.py (ready, all CUDA graphs captured, first chunks of requests sent meanwhile).
 # Full-size CosyVoice2-0.5B with random weights (PATH_KIND=unet) or + the Step-Audio2 DiT token2wav (PATH_KIND=dit).
-# Usage: benchmarks/startup_cache.sh OUT  (env: PATH_KIND, SERVE_ARGS (default --background-graphs), STARTS (default 2),
+# Usage: benchmarks/startup_cache.sh OUT  (env: PATH_KIND, SERVE_ARGS (default: serve's, background capture), STARTS (default 2),
 # SAMPLE_STACKS=1: run each server under benchmarks/stack_sampler.py, OUT/stacks-N.txt, summarised up to ready).
-# Needs .whl (see docs/perf.md "How to reproduce").
+# PYC_CACHE=0: without a Python bytecode cache (benchmarks/_full_size_server.sh). Needs .whl (docs/perf.md "How to reproduce").
 set -u
 cd "$(dirname "$0")/.."
 OUTDIR=${1:-startup_cache_out}; KIND=${PATH_KIND:-unet}; STARTS=${STARTS:-2}
-SERVE_ARGS=${SERVE_ARGS:---background-graphs}
+SERVE_ARGS=${SERVE_ARGS:-}
 mkdir -p "$OUTDIR"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/cosyserve-site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/cosyserve-site:$PWD PYTHONUNBUFFERED=1 COSYSERVE_CACHE_DIR=/tmp/cosyserve-cache
-# The GPU machine's Python packages have no compiled bytecode and PYTHONDONTWRITEBYTECODE=1 is set, so every
-# start compiled torch/transformers/... from source (measured: `from transformers import Qwen2ForCausalLM` 18 s ->
-# 9 s with bytecode). pip installs bytecode (the deploy/ image has it): keep it here in a cache of its own.
-# PYC_CACHE=0: as the machine comes.
-if [ "${PYC_CACHE:-1}" = 1 ]; then unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/cosyserve-pycache; fi
-CS="python3 -m cosyserve.cli"
-SERVE_CMD=(python3 -m cosyserve.cli)
+. benchmarks/_full_size_server.sh
+full_size_setup "$KIND" || exit 1
 CACHE=/tmp/cosyserve-compile-$$; rm -rf "$CACHE"
-EXTRA=()
-if [ "$KIND" = dit ]; then
-  $CS demo-model /tmp/dit-t2w --dit-token2wav --dit-size full --no-weight-files >/dev/null || exit 1
-  EXTRA=(--token2wav-dir /tmp/dit-t2w)
-fi
-echo "== $KIND: $(nvidia-smi --query-gpu=name --format=csv,noheader), serve options: $SERVE_ARGS, compile cache $CACHE (empty)"
+echo "== $KIND: $(nvidia-smi --query-gpu=name --format=csv,noheader), serve options: ${SERVE_ARGS:-(defaults)}, compile cache $CACHE (empty)"
 for i in $(seq 1 "$STARTS"); do
   T0=$(date +%s.%N)
-  [ "${SAMPLE_STACKS:-0}" = 1 ] && SERVE_CMD=(python3 benchmarks/stack_sampler.py --out "$OUTDIR/stacks-$i.txt" --max-s "${SAMPLE_S:-100}" -- -m cosyserve.cli)
-  "${SERVE_CMD[@]}" serve --random-weights benchmarks/configs/cosyvoice2-0.5b.yaml --qwen-config benchmarks/configs/CosyVoice-BlankEN-config.json \
-    --device cuda --dtype bfloat16 --min-token-text-ratio 6 --max-token-text-ratio 6 --max-active-streams 64 \
-    --chunk-policy exponential --voices-dir /tmp/cosyserve-voices --port 8000 --grpc-port 8001 \
-    --compile-cache "$CACHE" "${EXTRA[@]}" $SERVE_ARGS >"$OUTDIR/server-$i.log" 2>&1 &
-  SERVER=$!
+  SERVE_PREFIX=()
+  [ "${SAMPLE_STACKS:-0}" = 1 ] && SERVE_PREFIX=(python3 benchmarks/stack_sampler.py --out "$OUTDIR/stacks-$i.txt" --max-s "${SAMPLE_S:-100}" -- -m cosyserve.cli)
+  full_size_serve "$OUTDIR/server-$i.log" --min-token-text-ratio 6 --max-token-text-ratio 6 --max-active-streams 64 \
+    --chunk-policy exponential --compile-cache "$CACHE" $SERVE_ARGS
   echo "== start $i ($( [ "$i" = 1 ] && echo 'empty compile cache' || echo 'restart: compile cache filled'))"
   python3 benchmarks/startup_probe.py --since "$T0" --url http://127.0.0.1:8000 --json "$OUTDIR/startup-$i.json" 2>&1 | tail -5
   grep -E "primed|captured [0-9]+ CUDA graph buckets|failed|ready event" "$OUTDIR/server-$i.log" | cut -c1-400 | tail -6
