@@ -555,38 +555,6 @@ class DitFlowModel(nn.Module):
 
     # ------------------------------------------------------------------ encoder (streaming form)
 
-    def _rel_attention(self, attn, x: Tensor, cache: Tensor | None, pos: Tensor, bias_mask: Tensor | None):
-        """Relative-position attention of ``x [B, T, D]`` over ``cache ++ x``.
-
-        ``cache [B, H, C, 2dk]`` left-aligned to a common end (oldest first), ``pos [1, 2(C+T)-1, D]``,
-        ``bias_mask [B, 1, T, C+T]`` bool or None. Query ``i`` sits at position ``C + i``: the
-        positional score of key ``j`` is column ``T - 1 - i + j`` of ``q_v . p`` (ESPnet rel_shift
-        generalised to T != C + T, as upstream computes it). Returns ``(out, new kv [B, H, C+T, 2dk])``.
-        """
-        b, t, _ = x.shape
-        h, dk = attn.h, attn.d_k
-        q = attn.linear_q(x).view(b, t, h, dk)
-        k = attn.linear_k(x).view(b, t, h, dk).transpose(1, 2)
-        v = attn.linear_v(x).view(b, t, h, dk).transpose(1, 2)
-        if cache is not None and cache.size(2) > 0:
-            kc, vc = cache.split(dk, dim=-1)
-            k = torch.cat([kc, k], dim=2)
-            v = torch.cat([vc, v], dim=2)
-        new_kv = torch.cat([k, v], dim=-1)
-        s = k.size(2)
-        p = attn.linear_pos(pos).view(1, -1, h, dk).transpose(1, 2)
-        q_u = (q + attn.pos_bias_u).transpose(1, 2)
-        q_v = (q + attn.pos_bias_v).transpose(1, 2)
-        scale = 1.0 / math.sqrt(dk)
-        bd = torch.matmul(q_v, p.transpose(-2, -1)).contiguous()  # [B, H, T, 2S-1]
-        st = bd.stride()
-        bd = bd.as_strided(bd.shape[:-1] + (s,), st[:-2] + (st[-2] - 1, 1), bd.storage_offset() + t - 1)
-        bias = bd * scale
-        if bias_mask is not None:
-            bias = bias.masked_fill(~bias_mask, float("-inf"))
-        out = F.scaled_dot_product_attention(q_u, k, v, attn_mask=bias, scale=scale)
-        return attn.linear_out(out.transpose(1, 2).reshape(b, t, h * dk)), new_kv
-
     def _conformer_stack(self, layers, x: Tensor, caches: list[Tensor | None], cache_len: list[int], new_len: list[int]):
         """Run conformer ``layers`` on ``x [B, Tmax, D]`` with per-stream caches; returns x and the new
         per-layer kv ``[B, H, Cmax + Tmax, 2dk]`` (padded layout) plus (Cmax, Tmax)."""
@@ -602,7 +570,7 @@ class DitFlowModel(nn.Module):
         pos = relative_position_table(cmax + tmax, d, x.device, x.dtype)
         new = []
         for layer, cache in zip(layers, caches):
-            a, kv = self._rel_attention(layer.self_attn, layer.norm_mha(x), cache, pos, mask)
+            a, kv = layer.self_attn.forward_after_cache(layer.norm_mha(x), pos, cache, mask)
             x = x + a
             x = x + layer.feed_forward(layer.norm_ff(x))
             new.append(kv)

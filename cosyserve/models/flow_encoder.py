@@ -146,16 +146,18 @@ class RelPositionSelfAttention(nn.Module):
         self.linear_pos = nn.Linear(n_feat, n_feat, bias=False)
 
     @staticmethod
-    def _shift(scores: Tensor) -> Tensor:
-        """``[..., T, 2T-1]`` (column m = distance T-1-m) -> ``[..., T, T]`` (column j = key j).
-
-        Zero-copy strided view: out[i, j] = scores[i, T - 1 - i + j].
+    def _shift(scores: Tensor, n_keys: int | None = None) -> Tensor:
+        """ESPnet's rel-shift: ``[..., T, R]`` (column m = distance T-1-m) -> ``[..., T, S]`` (column
+        j = key j), ``out[i, j] = scores[i, T - 1 - i + j]``; ``S = n_keys`` (default T; a query
+        ``i`` at position ``S - T + i`` after ``S - T`` cached keys, as Step-Audio2's streaming encoder
+        computes it, needs ``R >= 2S - 1``). Zero-copy strided view of the contiguous scores.
         """
         scores = scores.contiguous()
         t = scores.size(-2)
+        s = t if n_keys is None else n_keys
         st = scores.stride()
         return scores.as_strided(
-            scores.shape[:-1] + (t,),
+            scores.shape[:-1] + (s,),
             st[:-2] + (st[-2] - 1, 1),
             scores.storage_offset() + t - 1,
         )
@@ -200,6 +202,30 @@ class RelPositionSelfAttention(nn.Module):
         out = F.scaled_dot_product_attention(q_u, torch.cat([k_cache, k], 2), torch.cat([v_cache, v], 2),
                                              attn_mask=bias, scale=scale)
         return self.linear_out(out.transpose(1, 2).reshape(b, t, self.h * self.d_k)), k, v
+
+
+    def forward_after_cache(self, x: Tensor, pos_table: Tensor, kv_cache: Tensor | None,
+                            bias_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Attention of ``x [B, T, F]`` over ``kv_cache ++ x`` (Step-Audio2's streaming encoder).
+
+        ``kv_cache [B, H, C, 2 d_k]`` keys ‖ values left-aligned to a common end (oldest first) or
+        None; ``pos_table [1, 2(C+T)-1, F]``; ``bias_mask [B, 1, T, C+T]`` bool (False = masked) or
+        None. Query ``i`` sits at position ``C + i``: the positional score of key ``j`` is column
+        ``T - 1 - i + j`` of ``q_v . p`` (:meth:`_shift` with ``C + T`` keys, as upstream computes
+        it). Returns ``(out [B, T, F], new keys ‖ values [B, H, C+T, 2 d_k])``. :meth:`forward_cached`
+        is the CosyVoice2 form (per-pair table rows, separate K/V caches)."""
+        b, t, _ = x.shape
+        q_u, q_v, k, v, p, scale = self._project(x, pos_table)
+        if kv_cache is not None and kv_cache.size(2) > 0:
+            kc, vc = kv_cache.split(self.d_k, dim=-1)
+            k = torch.cat([kc, k], dim=2)
+            v = torch.cat([vc, v], dim=2)
+        new_kv = torch.cat([k, v], dim=-1)
+        bias = self._shift(torch.matmul(q_v, p.transpose(-2, -1)), k.size(2)) * scale
+        if bias_mask is not None:
+            bias = bias.masked_fill(~bias_mask, float("-inf"))
+        out = F.scaled_dot_product_attention(q_u, k, v, attn_mask=bias, scale=scale)
+        return self.linear_out(out.transpose(1, 2).reshape(b, t, self.h * self.d_k)), new_kv
 
 
 class PositionwiseFeedForward(nn.Module):
