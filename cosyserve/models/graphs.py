@@ -485,11 +485,12 @@ class BackgroundCapturer:
     runs them (:func:`~cosyserve.models.fused.compile_only_on`); serving threads run their eager
     formulas, so they never stall on a compile (seconds) nor synchronise the device under a capture.
     Each variant is compiled by the warm-up of the first bucket that needs it. *Priming*
-    (``prime=True``; the engine primes unless ``--no-graph-priming``): first one eager warm-up of the smallest bucket with one
+    (``prime=True``; the engine primes with ``--graph-priming``): first one eager warm-up of the smallest bucket with one
     and with two rows per stage, which compiles the fused kernels (one variant for one row, one for
     more; those buckets' captures then skip their warm-up); :meth:`wait_primed` waits for it, so
-    that nothing compiles once serving starts (measured on the H100: compiles on the capture thread
-    while serving stalled the serving thread for seconds, docs/perf.md "Session 23").
+    that nothing compiles once serving starts (shorter first chunks right after ready, ~20 s later
+    ready on an H100: docs/perf.md "Session 24"; without it the demand-first order below keeps the
+    first chunks at most ~3 s).
 
     Concurrency with serving (what CUDA and torch allow next to a capture in another thread):
     captures use ``capture_error_mode="thread_local"`` on non-blocking capture streams
