@@ -19,7 +19,9 @@ when its next chunk is counted, so the caches are in their steady state.
 ``estimator stream plan`` (cache on: the estimator's per-item cache plan), ``flow conditioning``
 (the rest of ``condition_inputs`` / ``_start_cached``: embedding, projections, ``mu``/``cond``/noise
 slices), ``solver begin`` (CFG inputs, masks), ``solver steps`` (the Euler steps), ``flow mels``
-(``FlowRun.mels``), ``HiFT`` (``hift_stream_step_batch``), ``other`` (engine bookkeeping in ``launch`` /
+(``FlowRun.mels``), ``HiFT F0`` / ``HiFT excitation`` / ``HiFT decode`` (``HiFTGenerator.predict_f0`` /
+``excitation_padded`` / ``decode``) and ``HiFT stream step (rest)`` (the rest of ``hift_stream_step_batch``),
+``other`` (engine bookkeeping in ``launch`` /
 ``_issue_hift`` / ``finish``).
 
 Model: the reference's ``tiny_cosyvoice2`` (``COSYSERVE_REFERENCE_DIR``, or ``--model-dir``), float32, one
@@ -58,7 +60,10 @@ PHASES = {
     "solver begin": [("decoder", "begin")],
     "solver steps": [("decoder", "step")],
     "flow mels": [("FlowRun", "mels")],
-    "HiFT": [("module", "hift_stream_step_batch")],
+    "HiFT F0": [("hift", "predict_f0")],
+    "HiFT excitation": [("hift", "excitation_padded")],
+    "HiFT decode": [("hift", "decode")],
+    "HiFT stream step (rest)": [("module", "hift_stream_step_batch")],
 }
 
 
@@ -66,7 +71,7 @@ PHASES = {
 def _phase_ranges(t2w: Token2Wav):
     """Wrap the :data:`PHASES` calls in ``record_function("phase:<label>")`` ranges (restored after)."""
     owners = {"flow": t2w.flow, "encoder": t2w.flow.encoder, "estimator": t2w.flow.decoder.estimator,
-              "decoder": t2w.flow.decoder, "FlowRun": FlowRun, "module": t2w_mod}
+              "decoder": t2w.flow.decoder, "FlowRun": FlowRun, "hift": t2w.hift, "module": t2w_mod}
     saved = []
     for label, targets in PHASES.items():
         for owner, attr in targets:
