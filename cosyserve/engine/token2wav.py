@@ -180,9 +180,9 @@ class Token2Wav(Token2WavBackend):
             if marks is not None:
                 pending.stamps.append(marks.mark(stream))
             inputs = self.flow.prepare(  # CPU inputs: copied without host synchronisation
-                [j.tokens[None] for j in jobs],
-                [j.voice.flow_speech_token[None] for j in jobs],
-                [j.voice.speech_feat[None] for j in jobs],
+                [j.tokens for j in jobs],  # 1-D / 2-D as they are (prepare takes both): no per-job views
+                [j.voice.flow_speech_token for j in jobs],
+                [j.voice.speech_feat for j in jobs],
                 torch.stack([j.voice.flow_embedding for j in jobs]),
                 streaming=[j.streaming for j in jobs],
                 finalize=[j.finalize for j in jobs],
@@ -210,7 +210,9 @@ class Token2Wav(Token2WavBackend):
             if skip < 0:
                 raise RuntimeError(f"flow stream cache: the mel starts at frame {start}, after the chunk's first "
                                    f"new frame {j.token_offset * self.ratio}")
-            m = mel[:, :, skip:].to(hift_dev, torch.float32)
+            m = mel[:, :, skip:] if skip else mel
+            if m.device != hift_dev or m.dtype != torch.float32:
+                m = m.to(hift_dev, torch.float32)
             if j.finalize and j.speed != 1.0 and j.hift_state.empty:
                 m = F.interpolate(m, size=max(1, int(m.shape[2] / j.speed)), mode="linear")
             chunks.append(m)
@@ -218,7 +220,7 @@ class Token2Wav(Token2WavBackend):
             self.hift, [j.hift_state for j in jobs], chunks, [j.finalize for j in jobs],
             [j.generator for j in jobs],
         )
-        speech = [s[0].float() for s, _ in out]
+        speech = [s[0] if s.dtype == torch.float32 else s[0].float() for s, _ in out]
         if marks is not None:
             p.stamps.append(marks.mark(stream))
         if stream is not None:

@@ -479,7 +479,9 @@ class FlowModel(nn.Module):
         token_lengths, enc_lengths, mel_lengths, prompt_frames = [], [], [], []
         for i in range(b):
             tok = _as_1d(tokens[i], "token", i)
-            ptok = _as_1d(prompt_tokens[i], "prompt_token", i).to(tok.device)
+            ptok = _as_1d(prompt_tokens[i], "prompt_token", i)
+            if ptok.device != tok.device:
+                ptok = ptok.to(tok.device)
             feat = prompt_feats[i]
             if not isinstance(feat, Tensor):
                 raise ValueError(f"flow: prompt_feat[{i}] must be a tensor")
@@ -500,8 +502,9 @@ class FlowModel(nn.Module):
             frames = ratio * enc_len
             if feat.size(0) > frames:
                 raise ValueError(f"flow: item {i} has {feat.size(0)} prompt mel frames but only {frames} frames in all")
-            seqs.append(torch.cat([ptok.long(), tok.long()]))
-            feats.append(feat.float())
+            seq = torch.cat([ptok, tok])  # integer promotion (exact); no no-op .long() conversions
+            seqs.append(seq if seq.dtype == torch.long else seq.long())
+            feats.append(feat if feat.dtype == torch.float32 else feat.float())
             token_lengths.append(total)
             enc_lengths.append(enc_len)
             mel_lengths.append(frames)
@@ -515,7 +518,8 @@ class FlowModel(nn.Module):
             lengths=torch.tensor([token_lengths, enc_lengths, mel_lengths], dtype=torch.long),
             streaming=torch.tensor(streaming_f, dtype=torch.bool),
             embeddings=emb.float(),
-            feats=pad_sequence([f.to(feats[0].device) for f in feats], batch_first=True),
+            feats=pad_sequence([f if f.device == feats[0].device else f.to(feats[0].device) for f in feats],
+                               batch_first=True),
             mel_lengths=tuple(mel_lengths), prompt_frames=tuple(prompt_frames),
             max_encoder_len=max(enc_lengths),
         )
