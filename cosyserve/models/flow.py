@@ -59,7 +59,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..errors import ConfigError
 from .config import CFMConfig, EstimatorConfig, FlowConfig
-from .flow_encoder import EncoderStreamCache, UpsampleConformerEncoder
+from .flow_encoder import EncoderStreamCache, UpsampleConformerEncoder, _segments
 from .flow_estimator import EstimatorStreamCache, FlowEstimator
 from .transfer import to_device
 
@@ -723,14 +723,23 @@ class FlowModel(nn.Module):
         cond = torch.zeros_like(mu)
         x0 = mu_enc.new_zeros(b_n, t_new, self.n_mels)
         noise = self.decoder.noise(max(inputs.mel_lengths), device, dtype)[0]  # [n_mels, T]
-        feats_t = feats_d.to(dtype).transpose(1, 2)  # [B, n_mels, F_max]
-        for b, (s, m) in enumerate(zip(starts, new)):
-            off = s - ratio * e_starts[b]
-            mu[b, :, :m] = mu_enc[b, :, off:off + m]
-            p = inputs.prompt_frames[b]
-            if s < p:
-                cond[b, :, :min(m, p - s)] = feats_t[b, :, s:min(p, s + m)]
-            x0[b, :m] = noise[:, s:s + m].transpose(0, 1)
+        # every item's frames [s_b, s_b + new_b), left-aligned, with one gather + one indexed copy per
+        # tensor for the whole batch (host-int index lists, one transfer): mu from the encoder's first
+        # computed frame ratio * e_starts[b], the prompt mel (cond) where s_b is inside the prompt, the noise
+        rows = list(range(b_n))
+        if sum(new) > 0:
+            row, dst = _segments(rows, new, [0] * b_n)
+            src_mu = _segments(rows, new, [s - ratio * e for s, e in zip(starts, e_starts)])[1]
+            src_x0 = _segments(rows, new, starts)[1]
+            row, dst, src_mu, src_x0 = to_device(torch.stack([row, dst, src_mu, src_x0]), device).unbind(0)
+            mu.transpose(1, 2).index_put_((row, dst), mu_enc.transpose(1, 2)[row, src_mu])
+            x0.index_put_((row, dst), noise.transpose(0, 1).index_select(0, src_x0))
+        n_cond = [max(0, min(m, p - s)) for s, m, p in zip(starts, new, inputs.prompt_frames)]
+        if sum(n_cond) > 0:
+            row, dst = _segments(rows, n_cond, [0] * b_n)
+            src = _segments(rows, n_cond, starts)[1]
+            row, dst, src = to_device(torch.stack([row, dst, src]), device).unbind(0)
+            cond.transpose(1, 2).index_put_((row, dst), feats_d[row, src].to(dtype))
         mask = (torch.arange(t_new, device=device).unsqueeze(0)
                 < to_device(torch.tensor(new), device).unsqueeze(1)).unsqueeze(1).to(dtype)
         plan = est.stream_plan(used, starts, new, commit, streaming, n, device, dtype)

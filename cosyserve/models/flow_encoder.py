@@ -322,29 +322,43 @@ class EncoderStreamCache:
     that a non-final call already holds, and the causal upsampling reads earlier positions only;
     so all of it is unchanged when tokens are appended.
 
-    Attributes (model dtype/device): ``keys``/``values``: per first-stage conformer layer
-    ``[H, tokens, d_k]``; ``up_keys``/``up_values``: per up-conformer layer ``[H, stride * tokens,
-    d_k]``; ``context``: ``[2, D]`` first-stage outputs of positions ``tokens - 2, tokens - 1``
-    (the upsampling convolution's left context). :meth:`clear` frees them.
+    Attributes (model dtype/device), position-major so that a batch gathers every stream's cache with
+    one copy and hands out the grown caches as one split: ``keys``/``values``: ``[tokens, n_layers, H,
+    d_k]`` every first-stage conformer layer's keys/values; ``up_keys``/``up_values``: ``[stride *
+    tokens, n_up_layers, H, d_k]`` the up-conformer layers'; ``context``: ``[2, D]`` first-stage
+    outputs of positions ``tokens - 2, tokens - 1`` (the upsampling convolution's left context); None
+    while empty. The tensors may be views of a tensor shared with the other streams of the batch that
+    grew them (never written afterwards). :meth:`clear` frees them.
     """
 
     tokens: int = 0
-    keys: list = field(default_factory=list)
-    values: list = field(default_factory=list)
-    up_keys: list = field(default_factory=list)
-    up_values: list = field(default_factory=list)
+    keys: Tensor | None = None
+    values: Tensor | None = None
+    up_keys: Tensor | None = None
+    up_values: Tensor | None = None
     context: Tensor | None = None
 
     def clear(self) -> None:
         """Drop every tensor (``tokens`` = 0)."""
         self.tokens = 0
-        self.keys, self.values, self.up_keys, self.up_values, self.context = [], [], [], [], None
+        self.keys = self.values = self.up_keys = self.up_values = self.context = None
 
     def nbytes(self) -> int:
-        """Bytes held by the cached tensors."""
-        ts = self.keys + self.values + self.up_keys + self.up_values
-        ts += [self.context] if self.context is not None else []
+        """Bytes held by the cached tensors (views count with their own extent)."""
+        ts = [t for t in (self.keys, self.values, self.up_keys, self.up_values, self.context) if t is not None]
         return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _segments(rows: list[int], lengths: list[int], offsets: list[int]) -> tuple[Tensor, Tensor]:
+    """CPU int64 index pair ``(row [N], pos [N])``, ``N = sum(lengths)``: segment ``k`` is ``lengths[k]``
+    entries of row ``rows[k]`` at positions ``offsets[k], offsets[k] + 1, ...`` (segments in order).
+    Built with a few tensor operations whatever the number of segments (no per-segment Python work
+    on tensors)."""
+    n = torch.tensor(lengths, dtype=torch.long)
+    row = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), n, output_size=sum(lengths))
+    shift = torch.tensor(offsets, dtype=torch.long) - (torch.cumsum(n, 0) - n)
+    pos = torch.arange(sum(lengths), dtype=torch.long) + torch.repeat_interleave(shift, n, output_size=sum(lengths))
+    return row, pos
 
 
 def _stream_masks(starts: Tensor, new: Tensor, s_max: int, t_new: int, k_tab: int, streaming: Tensor, chunk: int):
@@ -468,54 +482,69 @@ class UpsampleConformerEncoder(nn.Module):
         keep = _prefix_mask(token_lengths, x.size(1))
         x = torch.where(keep.unsqueeze(-1), x, x.new_zeros(()))
         x = self.pre_lookahead_layer(x)
+        # every item's new positions, left-aligned: one gather + one indexed copy for the batch
         xn = x.new_zeros(b_n, t_new, x.size(-1))
-        for b, (s, m) in enumerate(zip(starts, new)):
-            xn[b, :m] = x[b, s:s + m]
+        if sum(new) > 0:
+            row, src = _segments(list(range(b_n)), new, starts)
+            _, dst = _segments(list(range(b_n)), new, [0] * b_n)
+            row, src, dst = to_device(torch.stack([row, src, dst]), device).unbind(0)
+            xn.index_put_((row, dst), x[row, src])
         start_t = to_device(torch.tensor(starts), device)
         new_t = to_device(torch.tensor(new), device)
         stream_t = to_device(torch.tensor(streaming, dtype=torch.bool), device)
+        cached = [b for b, c in enumerate(caches) if c is not None and starts[b] > 0]
+        grown = [b for b, c in enumerate(caches) if c is not None and commit[b] > starts[b]]
 
         def stage(layers, h, scale, attr_k, attr_v):
             k_tab = scale * max(s + m for s, m in zip(starts, new))
             allowed, rel_index = _stream_masks(start_t * scale, new_t * scale, s_max * scale, t_new * scale, k_tab,
                                                stream_t, self.cfg.static_chunk_size * scale)
             pos = relative_position_table(k_tab, self.output_size, device, h.dtype)
+            if len(layers) == 0:
+                return h
+            att = layers[0].self_attn
+            # all layers' cached keys/values of all items: [layers, B, H, S, d_k], one copy per kind
+            kc = h.new_zeros(len(layers), b_n, att.h, s_max * scale, att.d_k)
+            vc = torch.zeros_like(kc)
+            if cached:
+                row, at = to_device(torch.stack(_segments(cached, [starts[b] * scale for b in cached],
+                                                          [0] * len(cached))), device).unbind(0)
+                kc[:, row, :, at] = torch.cat([getattr(caches[b], attr_k) for b in cached])
+                vc[:, row, :, at] = torch.cat([getattr(caches[b], attr_v) for b in cached])
             out_k, out_v = [], []
             for li, layer in enumerate(layers):
-                att = layer.self_attn
-                kc = h.new_zeros(b_n, att.h, s_max * scale, att.d_k)
-                vc = torch.zeros_like(kc)
-                for b, c in enumerate(caches):
-                    if c is not None and starts[b] > 0:
-                        kc[b, :, :starts[b] * scale] = getattr(c, attr_k)[li]
-                        vc[b, :, :starts[b] * scale] = getattr(c, attr_v)[li]
-                h, k, v = layer.forward_cached(h, pos, allowed, rel_index, kc, vc)
+                h, k, v = layer.forward_cached(h, pos, allowed, rel_index, kc[li], vc[li])
                 out_k.append(k)
                 out_v.append(v)
-            return h, out_k, out_v
+            if grown:  # the grown caches: [cached | new] positions of each growing item, one gather per kind
+                sizes = [commit[b] * scale for b in grown]
+                rows, lens, offs = [], [], []
+                for b in grown:  # host ints only: the cached part, then the new part after the padded cache
+                    rows += [b, b]
+                    lens += [starts[b] * scale, (commit[b] - starts[b]) * scale]
+                    offs += [0, s_max * scale]
+                row, at = to_device(torch.stack(_segments(rows, lens, offs)), device).unbind(0)
+                for kind, cache, new_kv in ((attr_k, kc, out_k), (attr_v, vc, out_v)):
+                    full = torch.cat([cache, torch.stack(new_kv)], dim=3)  # [layers, B, H, S + T, d_k]
+                    for b, part in zip(grown, full[:, row, :, at].split(sizes)):  # [c_b, layers, H, d_k]
+                        setattr(caches[b], kind, part)
+            return h
 
-        xn, k1, v1 = stage(self.encoders, xn, 1, "keys", "values")
+        xn = stage(self.encoders, xn, 1, "keys", "values")
         ctx_n = self.UP_CONTEXT
         ctx = xn.new_zeros(b_n, ctx_n, xn.size(-1))
-        for b, c in enumerate(caches):
-            if c is not None and starts[b] > 0:
-                ctx[b] = c.context
+        if cached:
+            ctx.index_copy_(0, to_device(torch.tensor(cached), device),
+                            torch.stack([caches[b].context for b in cached]))
         ext = torch.cat([ctx, xn], dim=1)
+        if grown:  # each growing item's first-stage outputs just before its new cache end
+            row, at = to_device(torch.stack(_segments(grown, [ctx_n] * len(grown),
+                                                      [commit[b] - starts[b] for b in grown])), device).unbind(0)
+            for b, c in zip(grown, ext[row, at].view(len(grown), ctx_n, -1).unbind(0)):
+                caches[b].context = c
         up = self.up_layer(ext.transpose(1, 2)).transpose(1, 2)[:, stride * ctx_n:]
         up = self.up_embed(up)
-        up, k2, v2 = stage(self.up_encoders, up, stride, "up_keys", "up_values")
-        for b, c in enumerate(caches):
-            m = commit[b] - starts[b]
-            if c is None or m <= 0:
-                continue
-            s = starts[b]
-
-            def grow(old, new_parts, scale):
-                parts = [p[b, :, :m * scale] for p in new_parts]
-                return [torch.cat([o, p], dim=1) for o, p in zip(old, parts)] if s > 0 else [p.clone() for p in parts]
-
-            c.keys, c.values = grow(c.keys, k1, 1), grow(c.values, v1, 1)
-            c.up_keys, c.up_values = grow(c.up_keys, k2, stride), grow(c.up_values, v2, stride)
-            c.context = ext[b, m:m + ctx_n].clone()
-            c.tokens = commit[b]
+        up = stage(self.up_encoders, up, stride, "up_keys", "up_values")
+        for b in grown:
+            caches[b].tokens = commit[b]
         return self.after_norm(up)
