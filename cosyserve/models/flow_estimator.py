@@ -415,15 +415,17 @@ class EstimatorStreamCache:
     ``cond``, ``spks``, ``t``) do not change when tokens are appended; so its keys/values and
     activations at every step are those of any later streaming call of the same stream.
 
-    Attributes (model dtype, model device; per Euler step ``k``):
+    Attributes (model dtype, model device; all Euler steps in one tensor, so that a solve loads and
+    stores a stream's cache with one copy per kind):
         frames: cached frames ``s`` (a multiple of the chunk size; 0 = empty).
         n_steps: Euler steps the cache was built with.
-        keys, values: per step ``[n_sites, 2, heads, s, head_dim]``: every transformer block's
-            (U-Net order) attention keys/values of frames ``[0, s)``; row 0 conditional, row 1
-            unconditional (CFG).
-        contexts: per step ``[2, W]``: every causal convolution's (U-Net order) input at frames
-            ``[s - kernel + 1, s)``, each flattened ``(kernel - 1) * C_in`` and concatenated
-            (``W`` = their sum), so that a step gathers them with one copy per stream.
+        keys, values: ``[n_steps, n_sites, 2, heads, s, head_dim]``: at every step, every transformer
+            block's (U-Net order) attention keys/values of frames ``[0, s)``; row 0 conditional, row 1
+            unconditional (CFG). None while empty.
+        contexts: ``[n_steps, 2, W]``: at every step, every causal convolution's (U-Net order) input at
+            frames ``[s - kernel + 1, s)``, each flattened ``(kernel - 1) * C_in`` and concatenated
+            (``W`` = their sum). None while empty (it may be a view of a tensor shared with the other
+            streams of the solve that grew it: a few values per stream, never written afterwards).
 
     Owned by one stream (the engine's :class:`~cosyserve.engine.request.SegmentState` through
     :class:`~cosyserve.models.flow.FlowStreamCache`); never shared, freed by :meth:`clear`.
@@ -431,18 +433,18 @@ class EstimatorStreamCache:
 
     frames: int = 0
     n_steps: int = 0
-    keys: list = field(default_factory=list)
-    values: list = field(default_factory=list)
-    contexts: list = field(default_factory=list)
+    keys: Tensor | None = None
+    values: Tensor | None = None
+    contexts: Tensor | None = None
 
     def clear(self) -> None:
         """Drop every tensor (``frames`` = 0)."""
         self.frames, self.n_steps = 0, 0
-        self.keys, self.values, self.contexts = [], [], []
+        self.keys = self.values = self.contexts = None
 
     def nbytes(self) -> int:
         """Bytes held by the cached tensors."""
-        ts = list(self.keys) + list(self.values) + list(self.contexts)
+        ts = [t for t in (self.keys, self.values, self.contexts) if t is not None]
         return sum(t.numel() * t.element_size() for t in ts)
 
 
@@ -458,8 +460,13 @@ class StreamCachePlan:
     The attention bias ``[2B, 1, Tn, S + Tn]`` is built once: key ``j`` of the cache part is
     allowed iff ``j < starts[b]``; key ``j`` of the new part iff ``j < new[b]`` and, for a
     streaming item, frame ``starts[b] + j`` lies before the end of the query's static chunk.
-    Steps must be run in order (:meth:`step_io` / :meth:`StreamStepIO.finish`), the caches are
-    written after the last one only, so a failed solve leaves them as they were.
+    Steps must be run in order (:meth:`step_io` / :meth:`StreamStepIO.finish`). The keys/values of
+    all steps live in one buffer ``[n_steps, n_sites, 2, B, H, S + Tn, D]`` (zero-padded): each
+    cached item's keys/values are copied in once (one copy per kind and stream) at the first step,
+    the growing items' caches then let go of their old tensors (so the batch holds them once); after
+    the last step each growing item's new cache is gathered from the buffer with one indexed copy per
+    kind. A failed solve therefore leaves a growing item's cache empty (the next call recomputes its
+    frames: still exact) and every other cache as it was.
     """
 
     def __init__(self, caches: list, starts: list[int], new: list[int], commit: list[int],
@@ -470,7 +477,12 @@ class StreamCachePlan:
         self.s_max, self.t_new = max(starts), max(new)
         self.n_steps, self.n_sites, self.heads, self.head_dim = n_steps, n_sites, heads, head_dim
         self.k = 0
-        self._pending: list[list] = [[] for _ in range(self.b)]
+        self.kbuf: Tensor | None = None   # [n_steps, n_sites, 2, B, H, S + Tn, D], from the first step on
+        self.vbuf: Tensor | None = None
+        self.ctx: Tensor | None = None    # [n_steps, 2, B, W] the cached convolution contexts
+        self._new_ctx: list[Tensor] = []  # per step [2, B, W]
+        self.cached = [b for b, c in enumerate(caches) if c is not None and starts[b] > 0]
+        self.grown = [b for b, c in enumerate(caches) if c is not None and commit[b] > starts[b]]
         start = to_device(torch.tensor(starts), device).view(-1, 1)
         n_new = to_device(torch.tensor(new), device).view(-1, 1)
         stream = to_device(torch.tensor(streaming, dtype=torch.bool), device).view(-1, 1, 1)
@@ -498,28 +510,44 @@ class StreamCachePlan:
             raise RuntimeError("stream-cached solve: all steps were already run")
         return StreamStepIO(self, self.k)
 
+    def _load(self, like: Tensor) -> None:
+        """At the first step: the keys/values buffers (``like``'s dtype/device) with every cached
+        item's keys/values and the cached contexts; growing items' caches drop their old tensors."""
+        shape = (self.n_steps, self.n_sites, 2, self.b, self.heads, self.s_max + self.t_new, self.head_dim)
+        self.kbuf, self.vbuf = like.new_zeros(shape), like.new_zeros(shape)
+        for b in self.cached:
+            cache, s = self.caches[b], self.starts[b]
+            self.kbuf[:, :, :, b, :, :s] = cache.keys
+            self.vbuf[:, :, :, b, :, :s] = cache.values
+        width = max((self.caches[b].contexts.size(-1) for b in self.cached), default=0)
+        self.ctx = like.new_zeros(self.n_steps, 2, self.b, width)
+        if self.cached:
+            rows = to_device(torch.tensor(self.cached), like.device)
+            self.ctx.index_copy_(2, rows, torch.stack([self.caches[b].contexts for b in self.cached], dim=2))
+        for b in self.grown:  # held once, in the buffers, until the new caches are gathered
+            self.caches[b].clear()
+
     def _finish_step(self, io: "StreamStepIO") -> None:
-        for b, cache in enumerate(self.caches):
-            m = self.commit[b] - self.starts[b]
-            if cache is None or m <= 0:
-                continue
-            s0 = self.s_max
-            kv = []
-            for buf, old in ((io.kbuf, cache.keys), (io.vbuf, cache.values)):
-                new = buf[:, :, b, :, s0:s0 + m]
-                kv.append(torch.cat([old[io.step], new], dim=3) if self.starts[b] > 0 else new.clone())
-            self._pending[b].append((kv[0], kv[1], io.new_contexts()[:, b]))
+        if self.grown:
+            self._new_ctx.append(io.new_contexts())
         self.k += 1
-        if self.k == self.n_steps:
-            for b, cache in enumerate(self.caches):
-                if cache is None or self.commit[b] <= self.starts[b]:
-                    continue
-                steps = self._pending[b]
-                cache.keys = [s[0] for s in steps]
-                cache.values = [s[1] for s in steps]
-                cache.contexts = [s[2] for s in steps]
+        if self.k == self.n_steps and self.grown:
+            device = self.kbuf.device
+            sizes = [self.commit[b] for b in self.grown]
+            frames: list[int] = []  # per growing item its cached frames, then its new ones after the padding
+            for b in self.grown:
+                frames += range(self.starts[b])
+                frames += range(self.s_max, self.s_max + self.commit[b] - self.starts[b])
+            idx = to_device(torch.tensor(frames), device).split(sizes)
+            rows = to_device(torch.tensor(self.grown), device)
+            ctx = torch.stack(self._new_ctx).index_select(2, rows).unbind(2)  # per item [n_steps, 2, W]
+            for g, b in enumerate(self.grown):
+                cache = self.caches[b]
+                cache.keys = self.kbuf[:, :, :, b].index_select(4, idx[g])
+                cache.values = self.vbuf[:, :, :, b].index_select(4, idx[g])
+                cache.contexts = ctx[g]
                 cache.frames, cache.n_steps = self.commit[b], self.n_steps
-            self._pending = [[] for _ in range(self.b)]
+            self._new_ctx = []
 
 
 class StreamStepIO:
@@ -531,9 +559,6 @@ class StreamStepIO:
         self.plan, self.step = plan, step
         self._offset = 0
         self._attn = 0
-        self.kbuf: Tensor | None = None
-        self.vbuf: Tensor | None = None
-        self._ctx: Tensor | None = None
         self.inputs: list[Tensor] = []
         self._new_ctx: Tensor | None = None
 
@@ -541,16 +566,12 @@ class StreamStepIO:
         """``x [2B, Tn, C]`` (new frames) -> ``[2B, kernel - 1 + Tn, C]`` with each item's cached
         left context (zeros for an item without cache: the causal zero padding)."""
         p, c, ch = self.plan, kernel - 1, x.size(-1)
-        if self._ctx is None:  # all sites' contexts of this step, one copy per cached stream
-            widths = [cache.contexts[self.step].size(-1) for b, cache in enumerate(p.caches)
-                      if cache is not None and p.starts[b] > 0]
-            self._ctx = x.new_zeros(2, p.b, max(widths, default=0))
-            for b, cache in enumerate(p.caches):
-                if cache is not None and p.starts[b] > 0:
-                    self._ctx[:, b] = cache.contexts[self.step]
+        if p.kbuf is None:
+            p._load(x)
+        step_ctx = p.ctx[self.step]  # [2, B, W]: all sites' contexts of this step
         w = c * ch
-        if self._ctx.size(-1) >= self._offset + w:
-            ctx = self._ctx[..., self._offset:self._offset + w].reshape(2 * p.b, c, ch)
+        if step_ctx.size(-1) >= self._offset + w:
+            ctx = step_ctx[..., self._offset:self._offset + w].reshape(2 * p.b, c, ch)
         else:  # no stream of the batch has a cache
             ctx = x.new_zeros(2 * p.b, c, ch)
         self._offset += w
@@ -577,18 +598,12 @@ class StreamStepIO:
         """``k, v [2B, H, Tn, D]`` of the new frames -> ``[2B, H, S + Tn, D]``: each item's cached
         keys/values (padded to ``S``), then the new ones."""
         p = self.plan
-        if self.kbuf is None:
-            shape = (p.n_sites, 2, p.b, p.heads, p.s_max + p.t_new, p.head_dim)
-            self.kbuf, self.vbuf = k.new_zeros(shape), v.new_zeros(shape)
-            for b, cache in enumerate(p.caches):
-                s = p.starts[b]
-                if cache is not None and s > 0:
-                    self.kbuf[:, :, b, :, :s] = cache.keys[self.step]
-                    self.vbuf[:, :, b, :, :s] = cache.values[self.step]
+        if p.kbuf is None:
+            p._load(k)
         site = self._attn
         self._attn += 1
         shape = (2, p.b, p.heads, p.t_new, p.head_dim)
-        kb, vb = self.kbuf[site], self.vbuf[site]
+        kb, vb = p.kbuf[self.step, site], p.vbuf[self.step, site]
         kb[:, :, :, p.s_max:] = k.reshape(shape)
         vb[:, :, :, p.s_max:] = v.reshape(shape)
         full = (2 * p.b, p.heads, p.s_max + p.t_new, p.head_dim)
