@@ -319,3 +319,82 @@ def test_cuda_cached_equals_uncached(flow, prompt, dtype):
         got = _run(model, toks, prompt, [not final] * 2, [final] * 2, caches=caches)
         for f, g in zip(full, got):
             assert rel_l2(g.cpu(), f[..., f.shape[-1] - g.shape[-1]:].cpu()) <= tol
+
+
+# ---------------------------------------------------------------------------------------
+# batched cache traffic (gathers/indexed copies over all items): exact under a change of batch order
+
+
+def _cache_tensors(c: FlowStreamCache) -> dict:
+    e, n = c.estimator, c.encoder
+    return {"frames": c.frames, "tokens": n.tokens, "est_keys": e.keys, "est_values": e.values,
+            "est_contexts": e.contexts, "enc_keys": n.keys, "enc_values": n.values, "up_keys": n.up_keys,
+            "up_values": n.up_values, "context": n.context}
+
+
+def test_batch_order_is_exact(flow, prompt):
+    """Streams with different prompts, schedules and cache states (staggered starts, one bounded cache,
+    no-cache and offline items) batched in two orders: every stream's mel and every cached tensor are
+    bit-identical (each item's rows are gathered/scattered by index), each mel equals the stream run
+    alone (SELF_TOL: a mix-up between streams would be far off), and the caches have the documented
+    layout (``[n_steps, n_sites, 2, H, frames, D]`` estimator keys, ``[tokens, layers, H, d_k]`` encoder keys)."""
+    la = flow.pre_lookahead_len
+    ptok, pfeat, emb = prompt
+    ratio = flow.token_mel_ratio
+    n_prompt = [ptok.shape[1], max(1, ptok.shape[1] // 2), max(1, ptok.shape[1] // 3)]
+    specs = [("upstream", None), ("fixed:9", None), ("exponential", 2 * flow.decoder.estimator.cfg.static_chunk_size)]
+    streams = [_long_stream(flow, 150, seed=10 + i) for i in range(len(specs))]
+    plans = [_calls(ChunkPolicy.parse(p, lookahead=la), n_prompt[i], 150) for i, (p, _) in enumerate(specs)]
+    caches = {order: [FlowStreamCache(max_frames=m) for _, m in specs] for order in ("fwd", "rev", "alone")}
+    exact = True
+    for r in range(max(len(p) for p in plans) + 1):
+        items = [(i, plans[i][r - i // 2]) for i in range(len(specs)) if 0 <= r - i // 2 < len(plans[i])]
+        if not items:
+            continue
+        results = {}
+        for order in ("fwd", "rev"):
+            seq = items if order == "fwd" else items[::-1]
+            toks = [streams[i][:, :end] for i, (end, _) in seq] + [streams[0][:, :40], streams[1][:, :60]]
+            streaming = [not final for _, (_, final) in seq] + [True, False]
+            finalize = [final for _, (_, final) in seq] + [False, True]
+            pt = [ptok[:, :n_prompt[i]] for i, _ in seq] + [ptok, ptok]
+            pf = [pfeat[:, :ratio * n_prompt[i]] for i, _ in seq] + [pfeat, pfeat]
+            out = flow.inference_batch(toks, pt, pf, torch.cat([emb] * len(toks)), streaming, finalize,
+                                       caches=[caches[order][i] for i, _ in seq] + [None, None])
+            results[order] = {i: out[k] for k, (i, _) in enumerate(seq)}
+            results[order]["extra"] = out[-2:]
+        for i, (end, final) in items:
+            assert torch.equal(results["fwd"][i], results["rev"][i]), f"round {r} stream {i}"
+            # and the stream alone (other padding: equal up to summation order; a mix-up between
+            # streams would be far off)
+            single = flow.inference_batch([streams[i][:, :end]], [ptok[:, :n_prompt[i]]],
+                                          [pfeat[:, :ratio * n_prompt[i]]], emb, [not final], [final],
+                                          caches=[caches["alone"][i]])[0]
+            assert single.shape == results["fwd"][i].shape
+            assert rel_l2(results["fwd"][i], single) <= SELF_TOL, f"round {r} stream {i}"
+            assert caches["alone"][i].frames == caches["fwd"][i].frames
+            exact = exact and torch.equal(results["fwd"][i], single)
+            a, b = _cache_tensors(caches["fwd"][i]), _cache_tensors(caches["rev"][i])
+            for name in a:
+                same = a[name] == b[name] if not isinstance(a[name], torch.Tensor) else torch.equal(a[name], b[name])
+                assert same, f"round {r} stream {i}: cache {name} differs between batch orders"
+        for x, y in zip(results["fwd"]["extra"], results["rev"]["extra"]):
+            assert torch.equal(x, y)
+    print(f"batched vs alone bit-exact: {exact}")
+    est = flow.decoder.estimator
+    for c in caches["fwd"]:
+        if c.frames:
+            e, n = c.estimator, c.encoder
+            assert e.keys.shape == (flow.cfg.cfm.n_timesteps, est.attention_sites(), 2, est.cfg.num_heads,
+                                    c.frames, est.cfg.attention_head_dim)
+            assert n.keys.shape[:2] == (n.tokens, flow.encoder.cfg.num_blocks)
+            assert n.up_keys.shape[:2] == (n.tokens * ratio, flow.encoder.cfg.num_up_blocks)
+
+
+def test_segments_index():
+    from cosyserve.models.flow_encoder import _segments
+
+    row, pos = _segments([2, 0, 2], [3, 0, 2], [5, 9, 0])
+    assert row.tolist() == [2, 2, 2, 2, 2] and pos.tolist() == [5, 6, 7, 0, 1]
+    row, pos = _segments([1], [0], [4])
+    assert row.numel() == 0 and pos.numel() == 0
