@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from ..errors import ConfigError
 from .config import EstimatorConfig
-from .flow_encoder import chunk_attention_mask
+from .flow_encoder import _segments, chunk_attention_mask
 from .fused import FusedOp, linear_gelu
 from .transfer import to_device
 
@@ -460,13 +460,14 @@ class StreamCachePlan:
     The attention bias ``[2B, 1, Tn, S + Tn]`` is built once: key ``j`` of the cache part is
     allowed iff ``j < starts[b]``; key ``j`` of the new part iff ``j < new[b]`` and, for a
     streaming item, frame ``starts[b] + j`` lies before the end of the query's static chunk.
-    Steps must be run in order (:meth:`step_io` / :meth:`StreamStepIO.finish`). The keys/values of
-    all steps live in one buffer ``[n_steps, n_sites, 2, B, H, S + Tn, D]`` (zero-padded): each
-    cached item's keys/values are copied in once (one copy per kind and stream) at the first step,
-    the growing items' caches then let go of their old tensors (so the batch holds them once); after
-    the last step each growing item's new cache is gathered from the buffer with one indexed copy per
-    kind. A failed solve therefore leaves a growing item's cache empty (the next call recomputes its
-    frames: still exact) and every other cache as it was.
+    Steps must be run in order (:meth:`step_io` / :meth:`StreamStepIO.finish`). Cache traffic with a
+    few operations per step whatever the batch: each step's padded buffer ``[n_sites, 2, B, H, S + Tn,
+    D]`` is filled with one ``cat`` of the cached items' keys/values of that step and one indexed copy
+    per kind, and each step's keys/values of the growing items' new cache frames (cached, then new) are
+    gathered into one tensor for all steps (one indexed copy per kind), split into the items' own new
+    caches after the last step (one copy per kind and item; each replaces the item's old cache at once,
+    so the peak memory is that of the old caches plus the new ones, as before). The caches are written
+    after the last step only, so a failed solve leaves them as they were.
     """
 
     def __init__(self, caches: list, starts: list[int], new: list[int], commit: list[int],
@@ -477,8 +478,7 @@ class StreamCachePlan:
         self.s_max, self.t_new = max(starts), max(new)
         self.n_steps, self.n_sites, self.heads, self.head_dim = n_steps, n_sites, heads, head_dim
         self.k = 0
-        self.kbuf: Tensor | None = None   # [n_steps, n_sites, 2, B, H, S + Tn, D], from the first step on
-        self.vbuf: Tensor | None = None
+        self._grown_kv: tuple | None = None  # growing items' new (keys, values) [n_steps, n_sites, 2, H, sum c, D]
         self.ctx: Tensor | None = None    # [n_steps, 2, B, W] the cached convolution contexts
         self._new_ctx: list[Tensor] = []  # per step [2, B, W]
         self.cached = [b for b, c in enumerate(caches) if c is not None and starts[b] > 0]
@@ -510,44 +510,67 @@ class StreamCachePlan:
             raise RuntimeError("stream-cached solve: all steps were already run")
         return StreamStepIO(self, self.k)
 
+    def _index(self, rows: list[int], lengths: list[int], offsets: list[int], device) -> tuple[Tensor, Tensor]:
+        """(row, frame) device index pair of the given segments (:func:`~.flow_encoder._segments`)."""
+        return to_device(torch.stack(_segments(rows, lengths, offsets)), device).unbind(0)
+
     def _load(self, like: Tensor) -> None:
-        """At the first step: the keys/values buffers (``like``'s dtype/device) with every cached
-        item's keys/values and the cached contexts; growing items' caches drop their old tensors."""
-        shape = (self.n_steps, self.n_sites, 2, self.b, self.heads, self.s_max + self.t_new, self.head_dim)
-        self.kbuf, self.vbuf = like.new_zeros(shape), like.new_zeros(shape)
-        for b in self.cached:
-            cache, s = self.caches[b], self.starts[b]
-            self.kbuf[:, :, :, b, :, :s] = cache.keys
-            self.vbuf[:, :, :, b, :, :s] = cache.values
+        """At the first step (``like``: a tensor of the model dtype/device): index tensors, the cached
+        contexts of all steps ``[n_steps, 2, B, W]``, the growing items' new keys/values buffers."""
+        device = like.device
+        if self.cached:
+            self._load_at = self._index(self.cached, [self.starts[b] for b in self.cached], [0] * len(self.cached),
+                                        device)
         width = max((self.caches[b].contexts.size(-1) for b in self.cached), default=0)
         self.ctx = like.new_zeros(self.n_steps, 2, self.b, width)
         if self.cached:
-            rows = to_device(torch.tensor(self.cached), like.device)
+            rows = to_device(torch.tensor(self.cached), device)
             self.ctx.index_copy_(2, rows, torch.stack([self.caches[b].contexts for b in self.cached], dim=2))
-        for b in self.grown:  # held once, in the buffers, until the new caches are gathered
-            self.caches[b].clear()
+        if self.grown:
+            rows, lens, offs = [], [], []
+            for b in self.grown:  # each growing item's cached frames, then its new ones after the padding
+                rows += [b, b]
+                lens += [self.starts[b], self.commit[b] - self.starts[b]]
+                offs += [0, self.s_max]
+            self._grow_at = self._index(rows, lens, offs, device)
+            shape = (self.n_steps, self.n_sites, 2, self.heads, sum(lens), self.head_dim)
+            self._grown_kv = (like.new_empty(shape), like.new_empty(shape))
+
+    def step_buffers(self, step: int, like: Tensor) -> tuple[Tensor, Tensor]:
+        """Step ``step``'s keys/values buffers ``[n_sites, 2, B, H, S + Tn, D]``: zeros, each cached item's
+        keys/values in its first ``starts[b]`` frames (one indexed copy per kind)."""
+        if self.ctx is None:
+            self._load(like)
+        shape = (self.n_sites, 2, self.b, self.heads, self.s_max + self.t_new, self.head_dim)
+        bufs = like.new_zeros(shape), like.new_zeros(shape)
+        if self.cached:
+            row, at = self._load_at
+            for buf, kind in zip(bufs, ("keys", "values")):
+                old = torch.cat([getattr(self.caches[b], kind)[step] for b in self.cached], dim=3)
+                buf[:, :, row, :, at] = old.permute(3, 0, 1, 2, 4)  # [sum s, n_sites, 2, H, D]
+        return bufs
 
     def _finish_step(self, io: "StreamStepIO") -> None:
         if self.grown:
             self._new_ctx.append(io.new_contexts())
+            row, at = self._grow_at
+            for out, buf in zip(self._grown_kv, (io.kbuf, io.vbuf)):
+                out[self.k].copy_(buf[:, :, row, :, at].permute(1, 2, 3, 0, 4))
         self.k += 1
-        if self.k == self.n_steps and self.grown:
-            device = self.kbuf.device
-            sizes = [self.commit[b] for b in self.grown]
-            frames: list[int] = []  # per growing item its cached frames, then its new ones after the padding
-            for b in self.grown:
-                frames += range(self.starts[b])
-                frames += range(self.s_max, self.s_max + self.commit[b] - self.starts[b])
-            idx = to_device(torch.tensor(frames), device).split(sizes)
-            rows = to_device(torch.tensor(self.grown), device)
-            ctx = torch.stack(self._new_ctx).index_select(2, rows).unbind(2)  # per item [n_steps, 2, W]
-            for g, b in enumerate(self.grown):
-                cache = self.caches[b]
-                cache.keys = self.kbuf[:, :, :, b].index_select(4, idx[g])
-                cache.values = self.vbuf[:, :, :, b].index_select(4, idx[g])
-                cache.contexts = ctx[g]
-                cache.frames, cache.n_steps = self.commit[b], self.n_steps
-            self._new_ctx = []
+        if self.k == self.n_steps:
+            if self.grown:
+                rows = to_device(torch.tensor(self.grown), self.ctx.device)
+                ctx = torch.stack(self._new_ctx).index_select(2, rows).unbind(2)  # per item [n_steps, 2, W]
+                sizes = [self.commit[b] for b in self.grown]
+                keys, values = (t.split(sizes, dim=4) for t in self._grown_kv)
+                for g, b in enumerate(self.grown):  # own copies: no stream keeps the batch's tensor alive
+                    # (each replaces the stream's old cache at once: old + new caches at most, as before)
+                    cache = self.caches[b]
+                    cache.keys = keys[g].clone(memory_format=torch.contiguous_format)
+                    cache.values = values[g].clone(memory_format=torch.contiguous_format)
+                    cache.contexts = ctx[g]
+                    cache.frames, cache.n_steps = self.commit[b], self.n_steps
+                self._grown_kv, self._new_ctx = None, []
 
 
 class StreamStepIO:
@@ -559,6 +582,8 @@ class StreamStepIO:
         self.plan, self.step = plan, step
         self._offset = 0
         self._attn = 0
+        self.kbuf: Tensor | None = None
+        self.vbuf: Tensor | None = None
         self.inputs: list[Tensor] = []
         self._new_ctx: Tensor | None = None
 
@@ -566,7 +591,7 @@ class StreamStepIO:
         """``x [2B, Tn, C]`` (new frames) -> ``[2B, kernel - 1 + Tn, C]`` with each item's cached
         left context (zeros for an item without cache: the causal zero padding)."""
         p, c, ch = self.plan, kernel - 1, x.size(-1)
-        if p.kbuf is None:
+        if p.ctx is None:
             p._load(x)
         step_ctx = p.ctx[self.step]  # [2, B, W]: all sites' contexts of this step
         w = c * ch
@@ -598,12 +623,12 @@ class StreamStepIO:
         """``k, v [2B, H, Tn, D]`` of the new frames -> ``[2B, H, S + Tn, D]``: each item's cached
         keys/values (padded to ``S``), then the new ones."""
         p = self.plan
-        if p.kbuf is None:
-            p._load(k)
+        if self.kbuf is None:
+            self.kbuf, self.vbuf = p.step_buffers(self.step, k)
         site = self._attn
         self._attn += 1
         shape = (2, p.b, p.heads, p.t_new, p.head_dim)
-        kb, vb = p.kbuf[self.step, site], p.vbuf[self.step, site]
+        kb, vb = self.kbuf[site], self.vbuf[site]
         kb[:, :, :, p.s_max:] = k.reshape(shape)
         vb[:, :, :, p.s_max:] = v.reshape(shape)
         full = (2 * p.b, p.heads, p.s_max + p.t_new, p.head_dim)
