@@ -327,8 +327,7 @@ class EncoderStreamCache:
     d_k]`` every first-stage conformer layer's keys/values; ``up_keys``/``up_values``: ``[stride *
     tokens, n_up_layers, H, d_k]`` the up-conformer layers'; ``context``: ``[2, D]`` first-stage
     outputs of positions ``tokens - 2, tokens - 1`` (the upsampling convolution's left context); None
-    while empty. The tensors may be views of a tensor shared with the other streams of the batch that
-    grew them (never written afterwards). :meth:`clear` frees them.
+    while empty. :meth:`clear` frees them.
     """
 
     tokens: int = 0
@@ -527,7 +526,7 @@ class UpsampleConformerEncoder(nn.Module):
                 for kind, cache, new_kv in ((attr_k, kc, out_k), (attr_v, vc, out_v)):
                     full = torch.cat([cache, torch.stack(new_kv)], dim=3)  # [layers, B, H, S + T, d_k]
                     for b, part in zip(grown, full[:, row, :, at].split(sizes)):  # [c_b, layers, H, d_k]
-                        setattr(caches[b], kind, part)
+                        setattr(caches[b], kind, part.clone())  # own storage: no stream keeps the batch's alive
             return h
 
         xn = stage(self.encoders, xn, 1, "keys", "values")
@@ -541,7 +540,7 @@ class UpsampleConformerEncoder(nn.Module):
             row, at = to_device(torch.stack(_segments(grown, [ctx_n] * len(grown),
                                                       [commit[b] - starts[b] for b in grown])), device).unbind(0)
             for b, c in zip(grown, ext[row, at].view(len(grown), ctx_n, -1).unbind(0)):
-                caches[b].context = c
+                caches[b].context = c.clone()
         up = self.up_layer(ext.transpose(1, 2)).transpose(1, 2)[:, stride * ctx_n:]
         up = self.up_embed(up)
         up = stage(self.up_encoders, up, stride, "up_keys", "up_values")

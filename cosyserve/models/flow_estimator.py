@@ -424,8 +424,7 @@ class EstimatorStreamCache:
             unconditional (CFG). None while empty.
         contexts: ``[n_steps, 2, W]``: at every step, every causal convolution's (U-Net order) input at
             frames ``[s - kernel + 1, s)``, each flattened ``(kernel - 1) * C_in`` and concatenated
-            (``W`` = their sum). None while empty (it may be a view of a tensor shared with the other
-            streams of the solve that grew it: a few values per stream, never written afterwards).
+            (``W`` = their sum). None while empty.
 
     Owned by one stream (the engine's :class:`~cosyserve.engine.request.SegmentState` through
     :class:`~cosyserve.models.flow.FlowStreamCache`); never shared, freed by :meth:`clear`.
@@ -568,7 +567,7 @@ class StreamCachePlan:
                     cache = self.caches[b]
                     cache.keys = keys[g].clone(memory_format=torch.contiguous_format)
                     cache.values = values[g].clone(memory_format=torch.contiguous_format)
-                    cache.contexts = ctx[g]
+                    cache.contexts = ctx[g].clone()
                     cache.frames, cache.n_steps = self.commit[b], self.n_steps
                 self._grown_kv, self._new_ctx = None, []
 
