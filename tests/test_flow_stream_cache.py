@@ -392,9 +392,9 @@ def test_batch_order_is_exact(flow, prompt):
 
 
 def test_segments_index():
-    from cosyserve.models.flow_encoder import _segments
+    from cosyserve.models.flow_encoder import segment_index
 
-    row, pos = _segments([2, 0, 2], [3, 0, 2], [5, 9, 0])
+    row, pos = segment_index([2, 0, 2], [3, 0, 2], [5, 9, 0])
     assert row.tolist() == [2, 2, 2, 2, 2] and pos.tolist() == [5, 6, 7, 0, 1]
-    row, pos = _segments([1], [0], [4])
+    row, pos = segment_index([1], [0], [4])
     assert row.numel() == 0 and pos.numel() == 0

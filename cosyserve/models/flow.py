@@ -59,7 +59,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..errors import ConfigError
 from .config import CFMConfig, EstimatorConfig, FlowConfig
-from .flow_encoder import EncoderStreamCache, UpsampleConformerEncoder, _segments
+from .flow_encoder import EncoderStreamCache, UpsampleConformerEncoder, segment_index
 from .flow_estimator import EstimatorStreamCache, FlowEstimator
 from .transfer import to_device
 
@@ -728,16 +728,16 @@ class FlowModel(nn.Module):
         # computed frame ratio * e_starts[b], the prompt mel (cond) where s_b is inside the prompt, the noise
         rows = list(range(b_n))
         if sum(new) > 0:
-            row, dst = _segments(rows, new, [0] * b_n)
-            src_mu = _segments(rows, new, [s - ratio * e for s, e in zip(starts, e_starts)])[1]
-            src_x0 = _segments(rows, new, starts)[1]
+            row, dst = segment_index(rows, new, [0] * b_n)
+            src_mu = segment_index(rows, new, [s - ratio * e for s, e in zip(starts, e_starts)])[1]
+            src_x0 = segment_index(rows, new, starts)[1]
             row, dst, src_mu, src_x0 = to_device(torch.stack([row, dst, src_mu, src_x0]), device).unbind(0)
             mu.transpose(1, 2).index_put_((row, dst), mu_enc.transpose(1, 2)[row, src_mu])
             x0.index_put_((row, dst), noise.transpose(0, 1).index_select(0, src_x0))
         n_cond = [max(0, min(m, p - s)) for s, m, p in zip(starts, new, inputs.prompt_frames)]
         if sum(n_cond) > 0:
-            row, dst = _segments(rows, n_cond, [0] * b_n)
-            src = _segments(rows, n_cond, starts)[1]
+            row, dst = segment_index(rows, n_cond, [0] * b_n)
+            src = segment_index(rows, n_cond, starts)[1]
             row, dst, src = to_device(torch.stack([row, dst, src]), device).unbind(0)
             cond.transpose(1, 2).index_put_((row, dst), feats_d[row, src].to(dtype))
         mask = (torch.arange(t_new, device=device).unsqueeze(0)

@@ -44,7 +44,7 @@ upsample stride ``EncoderConfig.upsample_stride`` (literal 2 upstream, = token_m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -348,11 +348,15 @@ class EncoderStreamCache:
         return sum(t.numel() * t.element_size() for t in ts)
 
 
-def _segments(rows: list[int], lengths: list[int], offsets: list[int]) -> tuple[Tensor, Tensor]:
+def segment_index(rows: list[int], lengths: list[int], offsets: list[int]) -> tuple[Tensor, Tensor]:
     """CPU int64 index pair ``(row [N], pos [N])``, ``N = sum(lengths)``: segment ``k`` is ``lengths[k]``
     entries of row ``rows[k]`` at positions ``offsets[k], offsets[k] + 1, ...`` (segments in order).
     Built with a few tensor operations whatever the number of segments (no per-segment Python work
-    on tensors)."""
+    on tensors): the indices of the batched gathers / indexed copies of the stream caches (the caller
+    moves them to the device, one transfer). ``rows``, ``lengths``, ``offsets``: equally long lists of
+    Python ints, ``lengths`` >= 0; raises ValueError otherwise."""
+    if not (len(rows) == len(lengths) == len(offsets)) or any(n < 0 for n in lengths):
+        raise ValueError(f"segment_index: {len(rows)} rows, {len(lengths)} lengths (>= 0), {len(offsets)} offsets")
     n = torch.tensor(lengths, dtype=torch.long)
     row = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), n, output_size=sum(lengths))
     shift = torch.tensor(offsets, dtype=torch.long) - (torch.cumsum(n, 0) - n)
@@ -484,8 +488,8 @@ class UpsampleConformerEncoder(nn.Module):
         # every item's new positions, left-aligned: one gather + one indexed copy for the batch
         xn = x.new_zeros(b_n, t_new, x.size(-1))
         if sum(new) > 0:
-            row, src = _segments(list(range(b_n)), new, starts)
-            _, dst = _segments(list(range(b_n)), new, [0] * b_n)
+            row, src = segment_index(list(range(b_n)), new, starts)
+            _, dst = segment_index(list(range(b_n)), new, [0] * b_n)
             row, src, dst = to_device(torch.stack([row, src, dst]), device).unbind(0)
             xn.index_put_((row, dst), x[row, src])
         start_t = to_device(torch.tensor(starts), device)
@@ -506,7 +510,7 @@ class UpsampleConformerEncoder(nn.Module):
             kc = h.new_zeros(len(layers), b_n, att.h, s_max * scale, att.d_k)
             vc = torch.zeros_like(kc)
             if cached:
-                row, at = to_device(torch.stack(_segments(cached, [starts[b] * scale for b in cached],
+                row, at = to_device(torch.stack(segment_index(cached, [starts[b] * scale for b in cached],
                                                           [0] * len(cached))), device).unbind(0)
                 kc[:, row, :, at] = torch.cat([getattr(caches[b], attr_k) for b in cached])
                 vc[:, row, :, at] = torch.cat([getattr(caches[b], attr_v) for b in cached])
@@ -522,7 +526,7 @@ class UpsampleConformerEncoder(nn.Module):
                     rows += [b, b]
                     lens += [starts[b] * scale, (commit[b] - starts[b]) * scale]
                     offs += [0, s_max * scale]
-                row, at = to_device(torch.stack(_segments(rows, lens, offs)), device).unbind(0)
+                row, at = to_device(torch.stack(segment_index(rows, lens, offs)), device).unbind(0)
                 for kind, cache, new_kv in ((attr_k, kc, out_k), (attr_v, vc, out_v)):
                     full = torch.cat([cache, torch.stack(new_kv)], dim=3)  # [layers, B, H, S + T, d_k]
                     for b, part in zip(grown, full[:, row, :, at].split(sizes)):  # [c_b, layers, H, d_k]
@@ -537,7 +541,7 @@ class UpsampleConformerEncoder(nn.Module):
                             torch.stack([caches[b].context for b in cached]))
         ext = torch.cat([ctx, xn], dim=1)
         if grown:  # each growing item's first-stage outputs just before its new cache end
-            row, at = to_device(torch.stack(_segments(grown, [ctx_n] * len(grown),
+            row, at = to_device(torch.stack(segment_index(grown, [ctx_n] * len(grown),
                                                       [commit[b] - starts[b] for b in grown])), device).unbind(0)
             for b, c in zip(grown, ext[row, at].view(len(grown), ctx_n, -1).unbind(0)):
                 caches[b].context = c.clone()

@@ -34,7 +34,7 @@ planned forward suitable for CUDA-graph capture / ``torch.compile`` by the calle
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from ..errors import ConfigError
 from .config import EstimatorConfig
-from .flow_encoder import _segments, chunk_attention_mask
+from .flow_encoder import chunk_attention_mask, segment_index
 from .fused import FusedOp, linear_gelu
 from .transfer import to_device
 
@@ -510,8 +510,8 @@ class StreamCachePlan:
         return StreamStepIO(self, self.k)
 
     def _index(self, rows: list[int], lengths: list[int], offsets: list[int], device) -> tuple[Tensor, Tensor]:
-        """(row, frame) device index pair of the given segments (:func:`~.flow_encoder._segments`)."""
-        return to_device(torch.stack(_segments(rows, lengths, offsets)), device).unbind(0)
+        """(row, frame) device index pair of the given segments (:func:`~.flow_encoder.segment_index`)."""
+        return to_device(torch.stack(segment_index(rows, lengths, offsets)), device).unbind(0)
 
     def _load(self, like: Tensor) -> None:
         """At the first step (``like``: a tensor of the model dtype/device): index tensors, the cached
@@ -556,20 +556,19 @@ class StreamCachePlan:
             for out, buf in zip(self._grown_kv, (io.kbuf, io.vbuf)):
                 out[self.k].copy_(buf[:, :, row, :, at].permute(1, 2, 3, 0, 4))
         self.k += 1
-        if self.k == self.n_steps:
-            if self.grown:
-                rows = to_device(torch.tensor(self.grown), self.ctx.device)
-                ctx = torch.stack(self._new_ctx).index_select(2, rows).unbind(2)  # per item [n_steps, 2, W]
-                sizes = [self.commit[b] for b in self.grown]
-                keys, values = (t.split(sizes, dim=4) for t in self._grown_kv)
-                for g, b in enumerate(self.grown):  # own copies: no stream keeps the batch's tensor alive
-                    # (each replaces the stream's old cache at once: old + new caches at most, as before)
-                    cache = self.caches[b]
-                    cache.keys = keys[g].clone(memory_format=torch.contiguous_format)
-                    cache.values = values[g].clone(memory_format=torch.contiguous_format)
-                    cache.contexts = ctx[g].clone()
-                    cache.frames, cache.n_steps = self.commit[b], self.n_steps
-                self._grown_kv, self._new_ctx = None, []
+        if self.k == self.n_steps and self.grown:
+            rows = to_device(torch.tensor(self.grown), self.ctx.device)
+            ctx = torch.stack(self._new_ctx).index_select(2, rows).unbind(2)  # per item [n_steps, 2, W]
+            sizes = [self.commit[b] for b in self.grown]
+            keys, values = (t.split(sizes, dim=4) for t in self._grown_kv)
+            for g, b in enumerate(self.grown):  # own copies: no stream keeps the batch's tensor alive
+                # (each replaces the stream's old cache at once: old + new caches at most, as before)
+                cache = self.caches[b]
+                cache.keys = keys[g].clone(memory_format=torch.contiguous_format)
+                cache.values = values[g].clone(memory_format=torch.contiguous_format)
+                cache.contexts = ctx[g].clone()
+                cache.frames, cache.n_steps = self.commit[b], self.n_steps
+            self._grown_kv, self._new_ctx = None, []
 
 
 class StreamStepIO:
