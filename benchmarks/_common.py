@@ -4,6 +4,8 @@ which puts this folder on ``sys.path``)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import statistics
 from pathlib import Path
 
@@ -52,3 +54,53 @@ def kernel_times(fn) -> dict[str, list]:
             a[0] += 1
             a[1] += e.device_time_total / 1e3
     return acc
+
+
+@contextlib.contextmanager
+def phase_ranges(phases: dict):
+    """Wrap calls in ``torch.profiler.record_function("phase:<label>")`` ranges while the block runs.
+
+    ``phases``: ``{label: [(obj, attr), ...]}`` — ``obj`` an instance, a class or a module whose
+    ``attr`` is called during the block; every attribute is put back as it was afterwards (an
+    instance's shadowing attribute removed). Count the operators per label with :func:`ops_by_phase`."""
+    from torch.profiler import record_function
+
+    saved = []
+    for label, targets in phases.items():
+        for obj, attr in targets:
+            fn = getattr(obj, attr)
+
+            def wrapped(*a, _fn=fn, _label=label, **k):
+                with record_function("phase:" + _label):
+                    return _fn(*a, **k)
+
+            own = vars(obj)
+            saved.append((obj, attr, attr in own, own.get(attr)))
+            setattr(obj, attr, functools.wraps(fn)(wrapped))
+    try:
+        yield
+    finally:
+        for obj, attr, had, old in reversed(saved):
+            if had:
+                setattr(obj, attr, old)
+            else:
+                delattr(obj, attr)
+
+
+def ops_by_phase(prof) -> dict:
+    """aten operator count per :func:`phase_ranges` label of a ``torch.profiler.profile`` (the
+    innermost range holding the operator; ``other`` outside all)."""
+    events = prof.events()
+    ranges = [e for e in events if e.name.startswith("phase:")]
+    out: dict = {}
+    for e in events:
+        if not e.name.startswith("aten::"):
+            continue
+        inner = None
+        for r in ranges:
+            if r.time_range.start <= e.time_range.start and e.time_range.end <= r.time_range.end:
+                if inner is None or r.time_range.elapsed_us() < inner.time_range.elapsed_us():
+                    inner = r
+        label = inner.name[len("phase:"):] if inner is not None else "other"
+        out[label] = out.get(label, 0) + 1
+    return out

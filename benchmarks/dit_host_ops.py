@@ -19,18 +19,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _common import ops_by_phase, phase_ranges  # noqa: E402
+
 import cosyserve.models.dit_token2wav as dit_t2w  # noqa: E402
-from cosyserve.models.dit_token2wav import TINY_SIZE, load_dit_token2wav, write_token2wav_dir  # noqa: E402
+from cosyserve.models.dit_token2wav import (  # noqa: E402
+    TINY_SIZE,
+    load_dit_token2wav,
+    write_token2wav_dir,
+)
 
 #: phase label -> (object, attribute) wrapped in a profiler range while ``--phases`` counts
 PHASES = {"flow encoder": ("flow", "_encode"), "flow solve": ("flow", "_solve"), "HiFT F0": ("hift", "predict_f0"),
@@ -38,47 +43,10 @@ PHASES = {"flow encoder": ("flow", "_encode"), "flow solve": ("flow", "_solve"),
           "HiFT stream step (rest)": ("module", "hift_stream_step_batch")}
 
 
-@contextlib.contextmanager
-def _phase_ranges(t2w):
-    """Wrap the :data:`PHASES` calls in ``record_function("phase:<label>")`` ranges (restored after)."""
+def _phases(t2w) -> dict:
+    """:data:`PHASES` with the objects of ``t2w`` (for :func:`_common.phase_ranges`)."""
     owners = {"flow": t2w.flow, "hift": t2w.hift, "module": dit_t2w}
-    saved = []
-    for label, (owner, attr) in PHASES.items():
-        obj = owners[owner]
-        fn = getattr(obj, attr)
-
-        def wrapped(*a, _fn=fn, _label=label, **k):
-            with record_function("phase:" + _label):
-                return _fn(*a, **k)
-
-        saved.append((obj, attr, obj.__dict__.get(attr, None) if owner != "module" else fn))
-        setattr(obj, attr, functools.wraps(fn)(wrapped))
-    try:
-        yield
-    finally:
-        for obj, attr, old in saved:
-            if old is None:
-                delattr(obj, attr)  # the instance attribute shadowed the class method
-            else:
-                setattr(obj, attr, old)
-
-
-def _by_phase(prof) -> dict:
-    """aten operator count per :data:`PHASES` label (innermost range; ``other`` outside all)."""
-    events = prof.events()
-    ranges = [e for e in events if e.name.startswith("phase:")]
-    out: dict = {}
-    for e in events:
-        if not e.name.startswith("aten::"):
-            continue
-        inner = None
-        for r in ranges:
-            if r.time_range.start <= e.time_range.start and e.time_range.end <= r.time_range.end:
-                if inner is None or r.time_range.elapsed_us() < inner.time_range.elapsed_us():
-                    inner = r
-        label = inner.name[len("phase:"):] if inner is not None else "other"
-        out[label] = out.get(label, 0) + 1
-    return out
+    return {label: [(owners[owner], attr)] for label, (owner, attr) in PHASES.items()}
 
 
 def _counts(t2w, batch: int, prompt_tokens: int, chunk: int, warm_chunks: int, g: torch.Generator,
@@ -95,11 +63,11 @@ def _counts(t2w, batch: int, prompt_tokens: int, chunk: int, warm_chunks: int, g
 
     for _ in range(warm_chunks):  # steady state: caches at their trimmed length
         states = step(states)
-    with _phase_ranges(t2w) if phases else contextlib.nullcontext():
+    with phase_ranges(_phases(t2w)) if phases else contextlib.nullcontext():
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             step(states)
     ops = {e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::")}
-    return ops, (_by_phase(prof) if phases else {})
+    return ops, (ops_by_phase(prof) if phases else {})
 
 
 def main() -> None:

@@ -33,16 +33,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import ops_by_phase, phase_ranges  # noqa: E402
 
 import cosyserve.engine.token2wav as t2w_mod  # noqa: E402
 from cosyserve.engine.chunking import ChunkPolicy  # noqa: E402
@@ -67,51 +68,11 @@ PHASES = {
 }
 
 
-@contextlib.contextmanager
-def _phase_ranges(t2w: Token2Wav):
-    """Wrap the :data:`PHASES` calls in ``record_function("phase:<label>")`` ranges (restored after)."""
+def _phases(t2w: Token2Wav) -> dict:
+    """:data:`PHASES` with the objects of ``t2w`` (for :func:`_common.phase_ranges`)."""
     owners = {"flow": t2w.flow, "encoder": t2w.flow.encoder, "estimator": t2w.flow.decoder.estimator,
               "decoder": t2w.flow.decoder, "FlowRun": FlowRun, "hift": t2w.hift, "module": t2w_mod}
-    saved = []
-    for label, targets in PHASES.items():
-        for owner, attr in targets:
-            obj = owners[owner]
-            fn = getattr(obj, attr)
-
-            def wrapped(*a, _fn=fn, _label=label, **k):
-                with record_function("phase:" + _label):
-                    return _fn(*a, **k)
-
-            # instances: remove the shadowing attribute afterwards; classes/modules: put the old one back
-            instance = not isinstance(obj, type) and owner != "module"
-            saved.append((obj, attr, None if instance else obj.__dict__[attr]))
-            setattr(obj, attr, functools.wraps(fn)(wrapped))
-    try:
-        yield
-    finally:
-        for obj, attr, old in reversed(saved):
-            if old is None:
-                delattr(obj, attr)
-            else:
-                setattr(obj, attr, old)
-
-
-def _by_phase(prof) -> dict:
-    """aten operator count per :data:`PHASES` label (innermost range; ``other`` outside all)."""
-    events = prof.events()
-    ranges = [e for e in events if e.name.startswith("phase:")]
-    out: dict = {}
-    for e in events:
-        if not e.name.startswith("aten::"):
-            continue
-        inner = None
-        for r in ranges:
-            if r.time_range.start <= e.time_range.start and e.time_range.end <= r.time_range.end:
-                if inner is None or r.time_range.elapsed_us() < inner.time_range.elapsed_us():
-                    inner = r
-        label = inner.name[len("phase:"):] if inner is not None else "other"
-        out[label] = out.get(label, 0) + 1
-    return out
+    return {label: [(owners[o], attr) for o, attr in targets] for label, targets in PHASES.items()}
 
 
 class _Stream:
@@ -159,11 +120,11 @@ def _counts(t2w: Token2Wav, n: int, args, cache: bool, g: torch.Generator) -> tu
     with torch.inference_mode():
         for _ in range(args.warm_chunks):
             _batch(t2w, streams)
-        with _phase_ranges(t2w) if args.phases else contextlib.nullcontext():
+        with phase_ranges(_phases(t2w)) if args.phases else contextlib.nullcontext():
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 _batch(t2w, streams)
     ops = {e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::")}
-    return ops, (_by_phase(prof) if args.phases else {})
+    return ops, (ops_by_phase(prof) if args.phases else {})
 
 
 def _report(label: str, both: dict, batches: list[int], phases: bool) -> None:
