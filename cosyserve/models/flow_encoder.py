@@ -203,7 +203,6 @@ class RelPositionSelfAttention(nn.Module):
                                              attn_mask=bias, scale=scale)
         return self.linear_out(out.transpose(1, 2).reshape(b, t, self.h * self.d_k)), k, v
 
-
     def forward_after_cache(self, x: Tensor, pos_table: Tensor, kv_cache: Tensor | None,
                             bias_mask: Tensor | None) -> tuple[Tensor, Tensor]:
         """Attention of ``x [B, T, F]`` over ``kv_cache ++ x`` (Step-Audio2's streaming encoder).
@@ -364,6 +363,11 @@ def segment_index(rows: list[int], lengths: list[int], offsets: list[int]) -> tu
     return row, pos
 
 
+def segment_index_on(device, rows: list[int], lengths: list[int], offsets: list[int]) -> tuple[Tensor, Tensor]:
+    """:func:`segment_index` on ``device`` (both tensors moved in one transfer)."""
+    return to_device(torch.stack(segment_index(rows, lengths, offsets)), device).unbind(0)
+
+
 def _stream_masks(starts: Tensor, new: Tensor, s_max: int, t_new: int, k_tab: int, streaming: Tensor, chunk: int):
     """``(allowed [B, T, S + T] bool, rel_index [B, T, S + T] int64)`` for new positions
     ``starts[b] + i`` (``i < new[b]``) attending to cached positions ``j < starts[b]`` (padded to
@@ -510,8 +514,7 @@ class UpsampleConformerEncoder(nn.Module):
             kc = h.new_zeros(len(layers), b_n, att.h, s_max * scale, att.d_k)
             vc = torch.zeros_like(kc)
             if cached:
-                row, at = to_device(torch.stack(segment_index(cached, [starts[b] * scale for b in cached],
-                                                          [0] * len(cached))), device).unbind(0)
+                row, at = segment_index_on(device, cached, [starts[b] * scale for b in cached], [0] * len(cached))
                 kc[:, row, :, at] = torch.cat([getattr(caches[b], attr_k) for b in cached])
                 vc[:, row, :, at] = torch.cat([getattr(caches[b], attr_v) for b in cached])
             out_k, out_v = [], []
@@ -526,7 +529,7 @@ class UpsampleConformerEncoder(nn.Module):
                     rows += [b, b]
                     lens += [starts[b] * scale, (commit[b] - starts[b]) * scale]
                     offs += [0, s_max * scale]
-                row, at = to_device(torch.stack(segment_index(rows, lens, offs)), device).unbind(0)
+                row, at = segment_index_on(device, rows, lens, offs)
                 for kind, cache, new_kv in ((attr_k, kc, out_k), (attr_v, vc, out_v)):
                     full = torch.cat([cache, torch.stack(new_kv)], dim=3)  # [layers, B, H, S + T, d_k]
                     for b, part in zip(grown, full[:, row, :, at].split(sizes)):  # [c_b, layers, H, d_k]
@@ -541,8 +544,7 @@ class UpsampleConformerEncoder(nn.Module):
                             torch.stack([caches[b].context for b in cached]))
         ext = torch.cat([ctx, xn], dim=1)
         if grown:  # each growing item's first-stage outputs just before its new cache end
-            row, at = to_device(torch.stack(segment_index(grown, [ctx_n] * len(grown),
-                                                      [commit[b] - starts[b] for b in grown])), device).unbind(0)
+            row, at = segment_index_on(device, grown, [ctx_n] * len(grown), [commit[b] - starts[b] for b in grown])
             for b, c in zip(grown, ext[row, at].view(len(grown), ctx_n, -1).unbind(0)):
                 caches[b].context = c.clone()
         up = self.up_layer(ext.transpose(1, 2)).transpose(1, 2)[:, stride * ctx_n:]

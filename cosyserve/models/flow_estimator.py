@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from ..errors import ConfigError
 from .config import EstimatorConfig
-from .flow_encoder import chunk_attention_mask, segment_index
+from .flow_encoder import chunk_attention_mask, segment_index_on
 from .fused import FusedOp, linear_gelu
 from .transfer import to_device
 
@@ -509,17 +509,13 @@ class StreamCachePlan:
             raise RuntimeError("stream-cached solve: all steps were already run")
         return StreamStepIO(self, self.k)
 
-    def _index(self, rows: list[int], lengths: list[int], offsets: list[int], device) -> tuple[Tensor, Tensor]:
-        """(row, frame) device index pair of the given segments (:func:`~.flow_encoder.segment_index`)."""
-        return to_device(torch.stack(segment_index(rows, lengths, offsets)), device).unbind(0)
-
     def _load(self, like: Tensor) -> None:
         """At the first step (``like``: a tensor of the model dtype/device): index tensors, the cached
         contexts of all steps ``[n_steps, 2, B, W]``, the growing items' new keys/values buffers."""
         device = like.device
         if self.cached:
-            self._load_at = self._index(self.cached, [self.starts[b] for b in self.cached], [0] * len(self.cached),
-                                        device)
+            self._load_at = segment_index_on(device, self.cached, [self.starts[b] for b in self.cached],
+                                             [0] * len(self.cached))
         width = max((self.caches[b].contexts.size(-1) for b in self.cached), default=0)
         self.ctx = like.new_zeros(self.n_steps, 2, self.b, width)
         if self.cached:
@@ -531,7 +527,7 @@ class StreamCachePlan:
                 rows += [b, b]
                 lens += [self.starts[b], self.commit[b] - self.starts[b]]
                 offs += [0, self.s_max]
-            self._grow_at = self._index(rows, lens, offs, device)
+            self._grow_at = segment_index_on(device, rows, lens, offs)
             shape = (self.n_steps, self.n_sites, 2, self.heads, sum(lens), self.head_dim)
             self._grown_kv = (like.new_empty(shape), like.new_empty(shape))
 
