@@ -38,7 +38,7 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
-from ..models.dit_flow import TRIM_KEEP, DitItem, trim_state
+from ..models.dit_flow import TRIM_KEEP, DitItem
 from ..models.dit_token2wav import DitT2WStreamState, DitToken2Wav
 from ..models.hift import HiFTStreamState, hift_stream_step_batch
 from .token2wav import Token2WavBackend, _null, copy_to_pinned_host
@@ -191,8 +191,8 @@ class DitToken2WavBackend(Token2WavBackend):
                 if j.finalize:
                     new_states.append(DitT2WStreamState())  # stream over: drop the caches
                 else:
-                    # (already trimmed by forward_items: trim_state returns it unchanged)
-                    new_states.append(DitT2WStreamState(flow=trim_state(r.state), hift=hs, started=True))
+                    # r.state is trimmed already (forward_items with trim_keep=TRIM_KEEP)
+                    new_states.append(DitT2WStreamState(flow=r.state, hift=hs, started=True))
             if marks is not None:
                 stamps.append(marks.mark(stream))
             event = None

@@ -1071,8 +1071,8 @@ class DitFlowModel(nn.Module):
             raise ValueError("states, tokens and last must have the same length")
         items = [DitItem(tokens=tk.reshape(-1), spk=st.spk, last=bool(lf), state=st)
                  for st, tk, lf in zip(states, tokens, last)]
-        res = self.forward_items(items, n_timesteps, trim_keep)
-        return [(r.mel, trim_state(r.state, trim_keep) if trim_keep is not None else r.state) for r in res]
+        res = self.forward_items(items, n_timesteps, trim_keep)  # states trimmed there (as trim_state trims)
+        return [(r.mel, r.state) for r in res]
 
     def chunk(self, state: DitStreamState, tokens: Tensor, last: bool, n_timesteps: int | None = None,
               trim_keep: int | None = TRIM_KEEP) -> tuple[Tensor, DitStreamState]:
