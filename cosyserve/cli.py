@@ -704,7 +704,8 @@ def cmd_bench(args) -> int:
         demo=args.demo, device=device, dtype=str(_dtype(args.dtype, device)).replace("torch.", ""),
         hift_dtype=args.hift_dtype, voices_dir=args.voices_dir or DEFAULT_VOICES_DIR,
         engine=_engine_config(args) if args.in_process else None, chunk_policy=args.chunk_policy,
-        metrics_url=args.metrics_url, min_requests_per_client=args.min_requests_per_client, capacity=args.capacity,
+        metrics_url=args.metrics_url, min_requests_per_client=args.min_requests_per_client, ramp_s=args.ramp_s,
+        capacity=args.capacity,
         p99_bound_ms=args.p99_bound_ms, max_streams=args.max_streams, capacity_tolerance=args.capacity_tolerance,
         overload=args.overload, token2wav_dir=args.token2wav_dir)
     report = run_bench(opts)
@@ -1001,6 +1002,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--min-requests-per-client", type=_positive_int, default=3, metavar="N",
                    help="every level sends at least N requests per client, back to back: a steady state, not a "
                         "burst (default 3; fewer per client is flagged 'burst' in the table)")
+    b.add_argument("--ramp-s", type=_nonnegative_float, default=0.0, metavar="SECONDS",
+                   help="start each level's clients over SECONDS (client k of c sends its first request k x SECONDS "
+                        "/ c after the level starts) instead of all at once: arrivals spread as in a steady state "
+                        "rather than one synchronised burst (default 0; about one request's duration, e.g. 1-2, "
+                        "for capacity runs; the tables show the mean number of requests in flight)")
     b.add_argument("--capacity", action="store_true",
                    help="find the most concurrent streams with 0 stalls, no failures and first-chunk p99 within "
                         "--p99-bound-ms: levels doubling up to --max-streams, then bisection")

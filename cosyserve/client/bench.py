@@ -6,7 +6,11 @@ items, cycled to ``--requests-per-level`` (default: every item ``--repeat`` time
 least ``--min-requests-per-client`` (3) x ``c`` so that every level is a steady state rather
 than one burst (a client sends at most its share, so each sends about as many) — and send them
 one after the other (closed loop). A level with fewer requests per client is flagged *burst* in
-the table. Warm-up requests (``--warmup``) run first and are not counted. Protocols and what
+the table. By default a level's clients all send their first request at once, a synchronised
+burst of ``c`` arrivals that a server in steady state never sees; ``--ramp-s R`` starts client
+``k`` at ``k x R / c`` instead (about one request's duration spreads the arrivals as a steady
+state does; the tables then show the mean number of requests in flight, which is below ``c``
+while the level ramps up and drains). Warm-up requests (``--warmup``) run first and are not counted. Protocols and what
 counts as a chunk: :mod:`cosyserve.client.protocols`.
 
 **Capacity mode** (``--capacity``): finds the largest number of concurrent clients that the
@@ -101,6 +105,9 @@ DEFINITIONS = {
                             "last send): Little's law for a closed loop, audio per second with `concurrency` "
                             "requests in flight, without the level's ramp-up and drain; null with fewer than "
                             "`concurrency` such requests",
+    "mean_in_flight": "sum of total_s over the level's requests / wall_s: the mean number of requests in flight "
+                      "(Little's law; below the clients while they ramp up (--ramp-s) and drain)",
+    "ramp_s": "client k of c sent its first request k * ramp_s / c seconds after the level's start (0: all at once)",
     "percentiles": "numpy.percentile (linear interpolation) over successful requests",
 }
 
@@ -145,6 +152,9 @@ class BenchOptions:
     metrics_url: str | None = None
     #: every level sends at least this many requests per client (steady state, not a burst)
     min_requests_per_client: int = 3
+    #: clients start over this many seconds (client k of c sends its first request k x ramp_s / c after the
+    #: level's start) instead of all at once: steady-state arrivals rather than one synchronised burst
+    ramp_s: float = 0.0
     # capacity mode (module doc)
     capacity: bool = False
     p99_bound_ms: float = 500.0
@@ -243,6 +253,7 @@ def summarize(concurrency: int, records: list[dict], wall_s: float) -> dict:
         "burst": len(records) < STEADY_REQUESTS_PER_CLIENT * concurrency,
         "wall_s": wall_s, "audio_s": audio, "compute_s": compute,
         "rtf": compute / audio if audio else None,
+        "mean_in_flight": sum(r["total_s"] for r in records if r["total_s"] is not None) / wall_s if wall_s > 0 else None,
         "rtf_wall": wall_s / audio if audio else None,
         "throughput": audio / wall_s if wall_s > 0 else None,
         "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
@@ -307,7 +318,8 @@ def markdown(report: dict) -> str:
              f"{report['set']['items']} items from `{report['set']['name']}`, "
              f"{c['requests_per_level']} requests per level (at least {c.get('min_requests_per_client', 1)} per "
              f"client), {c['warmup']} warm-up, seed {c['seed']}; "
-             f"{ratio_text(report)}; client: {report['machine']['cpu']}, {report['machine']['cores']} cores", ""]
+             + (f"clients started over {c['ramp_s']:g} s (not all at once); " if c.get("ramp_s") else "")
+             + f"{ratio_text(report)}; client: {report['machine']['cpu']}, {report['machine']['cores']} cores", ""]
     if stream:
         lines += ["| clients | ok/sent | per client | first chunk avg | p50 | p90 | p95 | p99 | 1st→2nd chunk p50 | "
                   "total p50 | total p99 | RTF | throughput | stalled |",
@@ -356,9 +368,9 @@ def capacity_markdown(report: dict) -> list[str]:
     stream = report["config"]["mode"] == "streaming"
     lines = ["", f"Capacity search — pass: 0 failed, 0 stalled, first-chunk p99 ≤ {cap['p99_bound_ms']:g} ms, "
                  f"≥ {cap['min_requests_per_client']} requests per client:", "",
-             "| level | clients | requests | first chunk p50 | p90 | p99 | stalled/sent | failed | throughput | "
-             "queue wait | admitted out of order | capacity gauge | result |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| level | clients | mean in flight | requests | first chunk p50 | p90 | p99 | stalled/sent | failed | "
+             "throughput | queue wait | admitted out of order | capacity gauge | result |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for lv in report["levels"]:
         f = lv["first_chunk_s"] or {}
         b = lv.get("breakdown") or {}
@@ -368,7 +380,9 @@ def capacity_markdown(report: dict) -> list[str]:
         gauge = adm.get("capacity_streams")
         gauge = "–" if gauge is None or gauge != gauge else f"{gauge:.0f}"
         thr = "–" if lv["throughput"] is None else f"{lv['throughput']:.2f}×"
-        lines.append(f"| {lv.get('role', 'probe')} | {lv['concurrency']} | {lv['requests']} | {_ms(f.get('p50'))} | "
+        mif = lv.get("mean_in_flight")
+        lines.append(f"| {lv.get('role', 'probe')} | {lv['concurrency']} | {'–' if mif is None else f'{mif:.1f}'} | "
+                     f"{lv['requests']} | {_ms(f.get('p50'))} | "
                      f"{_ms(f.get('p90'))} | {_ms(f.get('p99'))} | {lv['stalled'] if stream else '–'}/{lv['ok']} | "
                      f"{lv['failed']} | {thr} | {'–' if q is None else f'{q:.0f} ms'} | {ooo} | {gauge} | "
                      f"{lv.get('verdict', '')} |")
@@ -608,11 +622,12 @@ class _Setup:
 
 
 def _run_level(setup: _Setup, work: list[tuple[int, BenchItem, int]], concurrency: int, keep_audio: bool,
-               progress: Progress | None) -> tuple[list[tuple[int, BenchItem, int, Trace]], float, float]:
+               progress: Progress | None, ramp_s: float = 0.0) -> tuple[list[tuple[int, BenchItem, int, Trace]], float, float]:
     """Run ``work`` with ``concurrency`` client threads; returns the traces (in work order),
-    the wall time from the first send to the last completion (seconds) and the start time
+    the wall time from the level's start to the last completion (seconds) and the start time
     (``time.perf_counter``, the traces' clock). Each client sends at most its share,
-    ``ceil(len(work) / concurrency)`` requests, back to back.
+    ``ceil(len(work) / concurrency)`` requests, back to back; client ``k`` sends its first one
+    ``k x ramp_s / concurrency`` seconds after the start (``ramp_s`` 0: all at once).
 
     Each thread opens its own connection (runner) before the clock starts and closes it
     after (tritonclient.http's gevent client must stay on the thread that made it).
@@ -626,7 +641,7 @@ def _run_level(setup: _Setup, work: list[tuple[int, BenchItem, int]], concurrenc
     failures: list[BaseException] = []
     share = -(-len(work) // concurrency)
 
-    def worker() -> None:
+    def worker(k: int) -> None:
         try:
             runner = setup.runner(keep_audio)
         except BaseException as exc:  # noqa: BLE001 - reported after the barrier
@@ -635,6 +650,9 @@ def _run_level(setup: _Setup, work: list[tuple[int, BenchItem, int]], concurrenc
             return
         ready.wait()
         try:
+            delay = start[0] + k * ramp_s / concurrency - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
             for _ in range(share):
                 with lock:
                     if not pending:
@@ -648,7 +666,7 @@ def _run_level(setup: _Setup, work: list[tuple[int, BenchItem, int]], concurrenc
         finally:
             runner.close()
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(concurrency)]
     for t in threads:
         t.start()
     ready.wait()
@@ -678,7 +696,7 @@ def _level(setup: _Setup, opts: BenchOptions, items: list[BenchItem], c: int, n_
     work = [(i, items[i % len(items)], opts.seed + i % len(items)) for i in range(n)]
     prog = Progress(len(work), f"{c} client{'s' if c > 1 else ''}", opts.progress)
     before, adm0 = setup.engine_counters(), setup.admission_counters()
-    res, wall, t0 = _run_level(setup, work, c, opts.save_audio, prog)
+    res, wall, t0 = _run_level(setup, work, c, opts.save_audio, prog, opts.ramp_s)
     after, adm1 = setup.engine_counters(), setup.admission_counters()
     prog.close()
     recs = []
@@ -693,6 +711,7 @@ def _level(setup: _Setup, opts: BenchOptions, items: list[BenchItem], c: int, n_
             r["audio_file"] = str(p.relative_to(out))
         recs.append(r)
     lv = summarize(c, recs, wall)
+    lv["ramp_s"] = opts.ramp_s
     lv["breakdown"] = level_breakdown(before, after)
     lv["admission"] = None if adm0 is None or adm1 is None else {
         "admitted": adm1["admitted"] - adm0["admitted"], "out_of_order": adm1["out_of_order"] - adm0["out_of_order"],
@@ -752,6 +771,8 @@ def run_bench(opts: BenchOptions, echo=print) -> dict:
         raise ClientError("--repeat and --requests-per-level must be >= 1, --warmup >= 0")
     if opts.min_requests_per_client < 1:
         raise ClientError("--min-requests-per-client must be >= 1")
+    if not opts.ramp_s >= 0:
+        raise ClientError("--ramp-s must be >= 0 seconds")
     if opts.capacity and (opts.max_streams < 1 or not opts.p99_bound_ms > 0 or not 0 <= opts.capacity_tolerance < 1
                           or opts.overload < 0):
         raise ClientError("--capacity needs --max-streams >= 1, --p99-bound-ms > 0, --capacity-tolerance in [0, 1) "
