@@ -134,7 +134,6 @@ def main() -> int:
                     cpu_mels = [m.cpu() for m in mels]
                     ort_ms, _ = timed(lambda: [ort_tok(m) for m in cpu_mels], "cpu", max(1, args.reps // 2))
                 rows.append((name, b, audio_s / b, feat_ms, dev_feat_ms, tok_ms, cam_ms, fin_ms, ort_ms, cam))
-                r = rows[-1]
                 print(f"{device} B={b}: features {feat_ms:.1f} ms, tokenizer {tok_ms:.1f} ms, CAM++ {cam_ms:.1f} ms"
                       + (f", onnxruntime tokenizer {ort_ms:.1f} ms" if ort_ms is not None else ""), file=sys.stderr)
         print("\nPrompt extraction, full-size random-weight models (ms; /req = per request; tokenizer = ONE "
