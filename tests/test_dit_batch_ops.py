@@ -162,6 +162,27 @@ def test_states_from_a_batch_are_not_written_by_later_batches(t2w):
             states = new
 
 
+def test_cache_runs_are_the_trimmed_frames_of_the_key_value_buffer():
+    """``_cache_runs``: the contiguous frame runs a solve copies each item's new estimator cache from
+    equal the frame list of upstream's rule (new frames ++ cached frames, trimmed to ``[:P] ++
+    [-keep:]``), adjacent runs joined."""
+    import random
+
+    from cosyserve.models.dit_flow import _cache_runs
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        m = rng.randint(0, 60)
+        mmax, c, p = m + rng.randint(0, 10), rng.randint(0, 300), rng.randint(0, 120)
+        keep = rng.choice([None, rng.randint(0, 150)])
+        idx = [*range(m), *range(mmax, mmax + c)]
+        if keep is not None and len(idx) > p + keep:
+            idx = idx[:p] + idx[len(idx) - keep:]
+        runs = _cache_runs(m, mmax, c, p, keep)
+        assert [f for a, e in runs for f in range(a, e)] == idx
+        assert all(e > a for a, e in runs) and all(r[1] < q[0] for r, q in zip(runs, runs[1:]))
+
+
 def test_merge_adjacent_views():
     """Runs of views lying back to back in one storage become one view; anything else stays apart;
     the concatenation is unchanged."""
