@@ -57,6 +57,12 @@ the one-stream results up to float summation order (~1e-7 relative). The per-str
 outputs move with batched operations (one concatenation and one index operation per cache kind, index
 lists built on the host and copied once), so a batch's host work grows little with its stream count.
 
+CUDA graphs (:class:`GraphedDiTSolve`): the Euler/CFG solve per (rows, frames, cache) bucket, and
+the encoder in a padded static-shape form (:meth:`DitFlowModel._encode_static`: per-row token counts,
+final flags, cache lengths and padding rows as tensors in static buffers, the conformer keys/values
+written in place after left-aligned caches) for the bucket the solve's implies; it equals the eager
+encoder up to float summation order.
+
 Numerics: float32 by default; the module may be cast to bfloat16/float16, then every computation
 including the time grid runs in that dtype (upstream runs under autocast); mel is returned as float32.
 """
@@ -1528,6 +1534,15 @@ class GraphedDiTSolve(_GraphStage):
     twice the largest; the largest-first capture order sizes them once), so hundreds of buckets cost
     the largest bucket's buffers once. All graphs share one memory pool. Not thread-safe for solves: one solve at a time (captures may run in
     another thread: they never write what a replay reads).
+
+    Encoder (:attr:`encoder`, default on): each bucket's entry ``(solve graph, buffers, encoder
+    graph)`` also holds a graph of the streaming encoder's padded static form
+    (:meth:`DitFlowModel._encode_static` for :meth:`DitFlowModel.encoder_bucket` of the bucket's
+    frames and cache: the solve's bucket implies it, nothing else is planned), recorded in the same
+    pool over static tensors shared the same way (:meth:`DitFlowModel._encoder_shapes`); it writes
+    ``mu`` into the solve's inputs and is replayed just before the solve graph
+    (:meth:`DitFlowModel._encode_solve`), so a batch's encoder costs one launch instead of ~1,100
+    eager operators. Callers that bring their own ``mu`` replay the solve graph alone.
     """
 
     name = "DiT solve"
