@@ -884,7 +884,7 @@ class DitFlowModel(nn.Module):
         for name, attr in (("enc_la", "enc_lookahead"), ("enc_up", "enc_up")):
             buf = bufs[name]
             if any(it.state is not None for it in items):
-                zero = buf.new_zeros(1, *buf.shape[1:])
+                zero = buf.new_zeros(1, *buf.shape[1:]) if any(it.state is None for it in items) else None
                 buf[:b].copy_(_cat([getattr(it.state, attr) if it.state is not None else zero for it in items], 0))
             else:
                 buf[:b].zero_()
