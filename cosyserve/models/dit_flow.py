@@ -1558,6 +1558,7 @@ class GraphedDiTSolve(_GraphStage):
         #: as a second graph replayed just before the solve's; set before the first capture
         self.encoder = encoder
         self.encoder_replays = 0
+        self._enc_warmed: set[tuple[int, int, int]] = set()  # buckets whose encoder ran eagerly (warm-ups)
         p = next(flow.parameters(), None) if flow is not None else None
         self._init_stage(p.device if p is not None else "cpu")
         self._flat: dict[str, Tensor] = {}
@@ -1687,6 +1688,7 @@ class GraphedDiTSolve(_GraphStage):
         self._init_stage(dev)  # a new pool and capture stream on that device
         self.capture_on_use = on_use
         self._flat = {}
+        self._enc_warmed = set()
         return True
 
     def _shared(self, name: str, shape: tuple, dtype: torch.dtype, dev) -> Tensor:
@@ -1742,7 +1744,8 @@ class GraphedDiTSolve(_GraphStage):
 
     @torch.inference_mode()
     def _warm_up(self, b: int, mmax: int, cmax: int) -> None:
-        """One eager solve of the bucket's shapes on private, fresh tensors (lazy initialisation)."""
+        """One eager solve (with :attr:`encoder`, encoder first) of the bucket's shapes on private,
+        fresh tensors (lazy initialisation)."""
         flow, steps, dev = self.flow, self.n_timesteps, self.device
         bufs = {name: torch.zeros(shape, dtype=dt, device=dev) for name, (shape, dt) in self._shapes(b, mmax, cmax).items()}
         bufs["mask"].fill_(True)
@@ -1750,9 +1753,22 @@ class GraphedDiTSolve(_GraphStage):
         _, dts, blocks, final = flow._time_conditioning(steps, self.dtype, dev, cache=False)
         bufs.update(dt=dts, mod_blocks=blocks, mod_final=final)
         if self.encoder:
-            flow._encoder_fill(bufs, flow.pre_lookahead_len)
-            flow._encode_graph_body(bufs)
+            self._warm_up_encoder(b, mmax, cmax, bufs)
         flow._euler(bufs, steps)
+
+    def _warm_up_encoder(self, b: int, mmax: int, cmax: int, bufs: dict | None = None) -> None:
+        """One eager run of the bucket's encoder graph body on private tensors (``bufs``: the solve
+        warm-up's, else fresh ones): its lazily initialised state (convolution plans) depends on the
+        shapes, and it is cheap next to a solve, so it runs for every bucket, also those whose solve
+        warm-up :meth:`capture` skips."""
+        flow = self.flow
+        if bufs is None:
+            bufs = {name: torch.zeros(shape, dtype=dt, device=self.device)
+                    for name, (shape, dt) in self._shapes(b, mmax, cmax).items()
+                    if name.startswith("enc_") or name == "static_in"}
+        flow._encoder_fill(bufs, flow.pre_lookahead_len)
+        flow._encode_graph_body(bufs)
+        self._enc_warmed.add((b, mmax, cmax))
 
     @torch.inference_mode()
     def _record_entry(self, key, background: bool):
@@ -1771,6 +1787,8 @@ class GraphedDiTSolve(_GraphStage):
         bufs = {name: self._shared(name, shape, dt, dev) for name, (shape, dt) in shapes.items()}
         g_enc = None
         if self.encoder:
+            if tuple(key) not in self._enc_warmed:  # the bucket's solve warm-up was skipped (capture)
+                self._warm_up_encoder(*key)
             g_enc, _ = _graphs._record(lambda: flow._encode_graph_body(bufs), self.pool, self.stream,
                                        settle_first=not background)
         g, _ = _graphs._record(lambda: flow._euler(bufs, steps), self.pool, self.stream,
