@@ -606,7 +606,8 @@ class DitFlowModel(nn.Module):
     @staticmethod
     def _item_frames(kvs: Sequence[Tensor] | Tensor, rows: list[int], frames: list[int],
                      sizes: list[int]) -> list[Tensor]:
-        """From per-layer key/value outputs ``[B, H, S, E]`` (a list, or stacked ``[L, B, H, S, E]``) gather, for each kept item, its frames
+        """From per-layer key/value outputs ``[B, H, S, E]`` (a list, or stacked ``[L, B, H, S, E]``)
+        gather, for each kept item, its frames
         (``frames`` indexes S, ``rows`` the item of each frame; ``sizes`` frames per item, in order):
         one stack and one gather for the batch, then per item a view ``[L, 1, H, n_b, E]`` of the
         gathered tensor (nothing else holds or writes it)."""
@@ -1347,6 +1348,8 @@ class DitFlowModel(nn.Module):
         concatenation + one index operation per cache kind, index lists built on the host as
         Python ints and moved in one copy); each new state holds views of batch tensors that
         nothing writes afterwards (outputs of CUDA graph buffers are copied out once per batch).
+        With :attr:`graph` set, the encoder and the solve run as the batch's bucket's CUDA graphs when
+        published (:meth:`_encode_solve`).
         """
         if not items:
             return []
