@@ -183,14 +183,27 @@ class _CausalConv(nn.Conv1d):
         return y, new.transpose(1, 2)
 
 
-def _last_frames(xx: Tensor, n: int, new_len: Tensor | None) -> Tensor:
-    """From ``xx [N, C, n + T]`` (n cached frames + T new, padded) the last ``n`` valid frames per row."""
+def _conv_tc(conv: nn.Conv1d, x: Tensor) -> Tensor:
+    """``conv`` (stride 1, no padding or dilation, one group) over time-major ``x [N, T, C_in]`` ->
+    ``[N, T - k + 1, C_out]`` as one GEMM over the unfolded input (as :meth:`_CausalConv.step_tc`).
+    The streaming encoder's convolutions run this way, eagerly and in its CUDA graph: a float32 GEMM
+    whose products do not depend on the batch's padded shape (cuDNN's convolution picks algorithms,
+    TF32 by default, per shape), so padded and unpadded batches agree to float round-off."""
+    k = conv.kernel_size[0]
+    n, t, _ = x.shape
+    cols = x.unfold(1, k, 1).reshape(n, t - k + 1, -1)  # [N, T-k+1, C_in*k], channel-major like the weight
+    return F.linear(cols, conv.weight.reshape(conv.out_channels, -1), conv.bias)
+
+
+def _last_frames_tc(xx: Tensor, n: int, new_len: Tensor | None) -> Tensor:
+    """From time-major ``xx [N, n + T, C]`` (n cached frames + T new, padded) the last ``n`` valid
+    frames per row (``new_len [N]`` new frames per row; None: all ``T``), channel-major ``[N, C, n]``."""
     if n == 0:
-        return xx[:, :, :0]
+        return xx[:, :0].transpose(1, 2)
     if new_len is None:
-        return xx[:, :, -n:]
+        return xx[:, -n:].transpose(1, 2)
     idx = new_len.view(-1, 1) + torch.arange(n, device=xx.device).view(1, -1)  # [N, n]
-    return torch.gather(xx, 2, idx.unsqueeze(1).expand(-1, xx.size(1), -1))
+    return torch.gather(xx, 1, idx.unsqueeze(-1).expand(-1, -1, xx.size(2))).transpose(1, 2)
 
 
 class _CausalConvBlock(nn.Module):
@@ -697,15 +710,15 @@ class DitFlowModel(nn.Module):
         x = torch.where(keep.unsqueeze(-1), x, x.new_zeros(()))
         d = x.size(-1)
 
-        # look-ahead layer (a final item reads la zeros past its end)
+        # look-ahead layer (a final item reads la zeros past its end); convolutions time-major (_conv_tc)
         pl = enc.pre_lookahead_layer
-        xp = F.pad(x, (0, 0, 0, la)).transpose(1, 2)  # [B, D, Lmax + la]
-        h1 = F.leaky_relu(pl.conv1(xp))  # [B, D, Lmax]; item b valid for its first tlen[b] frames
-        la_cache = _cat([it.state.enc_lookahead if it.state is not None else x.new_zeros(1, d, 2) for it in items], 0)
+        k2 = pl.conv2.kernel_size[0] - 1
+        h1 = F.leaky_relu(_conv_tc(pl.conv1, F.pad(x, (0, 0, 0, la))))  # [B, Lmax, D]; item b: tlen[b] frames
+        la_cache = _cat([it.state.enc_lookahead if it.state is not None else x.new_zeros(1, d, k2) for it in items], 0)
         tl = _ints(tlen, dev)
-        h1c = torch.cat([la_cache.to(h1), h1], dim=2)
-        new_la = _last_frames(h1c, 2, None if len(set(tlen)) == 1 and tlen[0] == h1.size(2) else tl)
-        h = pl.conv2(h1c).transpose(1, 2)[:, :tmax] + x[:, :tmax]
+        h1c = torch.cat([la_cache.to(h1).transpose(1, 2), h1], dim=1)  # [B, k2 + Lmax, D]
+        new_la = _last_frames_tc(h1c, k2, None if len(set(tlen)) == 1 and tlen[0] == h1.size(1) else tl)
+        h = _conv_tc(pl.conv2, h1c)[:, :tmax] + x[:, :tmax]
 
         # first conformer stage
         c1 = [0 if it.state is None else int(it.state.enc_att1.shape[3]) for it in items]
@@ -718,13 +731,13 @@ class DitFlowModel(nn.Module):
 
         # upsampling (nearest x stride, causal conv with a 2*stride cache)
         up = enc.up_layer
-        hu = F.interpolate(h.transpose(1, 2), scale_factor=float(stride), mode="nearest")
+        hu = h.repeat_interleave(stride, dim=1)  # [B, stride * Tmax, D]: nearest-neighbour upsampling
         up_cache = _cat([it.state.enc_up if it.state is not None else x.new_zeros(1, d, 2 * stride) for it in items], 0)
-        huc = torch.cat([up_cache.to(hu), hu], dim=2)
+        huc = torch.cat([up_cache.to(hu).transpose(1, 2), hu], dim=1)
         mlen = [stride * t for t in tlen]
-        new_up = _last_frames(huc, 2 * stride, None if len(set(mlen)) == 1 and mlen[0] == hu.size(2)
-                              else _ints(mlen, dev))
-        h = enc.up_embed(up.conv(huc).transpose(1, 2))
+        new_up = _last_frames_tc(huc, 2 * stride, None if len(set(mlen)) == 1 and mlen[0] == hu.size(1)
+                                 else _ints(mlen, dev))
+        h = enc.up_embed(_conv_tc(up.conv, huc))
 
         c2 = [stride * c for c in c1]
         c2max = max(c2)
@@ -939,17 +952,17 @@ class DitFlowModel(nn.Module):
         x = torch.where(keep.unsqueeze(-1), x, x.new_zeros(()))
 
         pl = enc.pre_lookahead_layer  # a final row reads la zeros past its end
-        h1 = F.leaky_relu(pl.conv1(F.pad(x, (0, 0, 0, la)).transpose(1, 2)))  # [bb, D, lb]
-        h1c = torch.cat([bufs["enc_la"], h1], dim=2)
-        bufs["enc_new_la"].copy_(_last_frames(h1c, bufs["enc_la"].shape[2], tlen))
-        h = pl.conv2(h1c).transpose(1, 2)[:, :tb] + x[:, :tb]
+        h1 = F.leaky_relu(_conv_tc(pl.conv1, F.pad(x, (0, 0, 0, la))))  # [bb, lb, D]
+        h1c = torch.cat([bufs["enc_la"].transpose(1, 2), h1], dim=1)
+        bufs["enc_new_la"].copy_(_last_frames_tc(h1c, bufs["enc_la"].shape[2], tlen))
+        h = _conv_tc(pl.conv2, h1c)[:, :tb] + x[:, :tb]
         h = self._static_stack(self.encoder.encoders, h, bufs["enc_kv1"], c1b, c1, tlen)
 
-        hu = F.interpolate(h.transpose(1, 2), scale_factor=float(up), mode="nearest")
-        huc = torch.cat([bufs["enc_up"], hu], dim=2)
+        hu = h.repeat_interleave(up, dim=1)  # nearest-neighbour upsampling
+        huc = torch.cat([bufs["enc_up"].transpose(1, 2), hu], dim=1)
         mlen = tlen * up
-        bufs["enc_new_up"].copy_(_last_frames(huc, 2 * up, mlen))
-        h = enc.up_embed(enc.up_layer.conv(huc).transpose(1, 2))
+        bufs["enc_new_up"].copy_(_last_frames_tc(huc, 2 * up, mlen))
+        h = enc.up_embed(_conv_tc(enc.up_layer.conv, huc))
         h = self._static_stack(enc.up_encoders, h, bufs["enc_kv2"], up * c1b, c1 * up, mlen)
         return self.encoder_proj(enc.after_norm(h))
 
