@@ -1774,9 +1774,9 @@ class GraphedDiTSolve(_GraphStage):
 
     def _warm_up_encoder(self, b: int, mmax: int, cmax: int, bufs: dict | None = None) -> None:
         """One eager run of the bucket's encoder graph body on private tensors (``bufs``: the solve
-        warm-up's, else fresh ones): its lazily initialised state (convolution plans) depends on the
-        shapes, and it is cheap next to a solve, so it runs for every bucket, also those whose solve
-        warm-up :meth:`capture` skips."""
+        warm-up's, else fresh ones): lazily initialised state (GEMM and attention kernel choices,
+        workspaces) may depend on the shapes, and it is cheap next to a solve, so it runs for every
+        bucket, also those whose solve warm-up :meth:`capture` skips."""
         flow = self.flow
         if bufs is None:
             bufs = {name: torch.zeros(shape, dtype=dt, device=self.device)
