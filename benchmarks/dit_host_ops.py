@@ -5,11 +5,17 @@ issued by the scheduler thread, which the H100 runs showed to be the DiT path's 
 "Session 23": 43-56 % of the scheduler thread issuing token2wav batches). A proxy that needs no GPU, so
 a change that removes per-stream work can be checked here before it is measured on one.
 
-    python3 benchmarks/dit_host_ops.py [--batches 1,2,6] [--prompt-tokens 40] [--chunk 25] [--phases]
+    python3 benchmarks/dit_host_ops.py [--batches 1,2,6] [--prompt-tokens 40] [--chunk 25] [--phases] [--padded]
 
 ``--phases`` also splits the per-extra-stream growth by where the operators run (flow encoder, flow
 solve, HiFT F0, HiFT excitation draws, HiFT decode, the rest of the HiFT streaming step, the rest):
-each operator counts for the innermost of those calls it runs in.
+each operator counts for the innermost of those calls it runs in; with ``--phases`` the totals per
+phase of the largest batch are printed too.
+
+``--padded``: the flow encoder runs in its padded static-shape form (``DitFlowModel._encode_padded``,
+eagerly), and the phase "flow encoder graph body" counts what a CUDA graph replays in one launch
+(``_encode_static``); "flow encoder" then counts the host work left around the replay (inputs into
+the static tensors, gathering the new caches).
 
 Tiny random-weight model (``write_token2wav_dir``), eager solve (on CUDA the solve is one graph: its
 operators are not host work there, so compare the growth with the batch rather than the totals).
@@ -43,14 +49,35 @@ PHASES = {"flow encoder": ("flow", "_encode"), "flow solve": ("flow", "_solve"),
           "HiFT stream step (rest)": ("module", "hift_stream_step_batch")}
 
 
-def _phases(t2w) -> dict:
-    """:data:`PHASES` with the objects of ``t2w`` (for :func:`_common.phase_ranges`)."""
+#: with ``--padded``: the part of the padded encoder that a CUDA graph replays
+PADDED_PHASES = {"flow encoder graph body": ("flow", "_encode_static")}
+
+
+def _phases(t2w, padded: bool = False) -> dict:
+    """:data:`PHASES` (and :data:`PADDED_PHASES` when ``padded``) with the objects of ``t2w`` (for
+    :func:`_common.phase_ranges`)."""
     owners = {"flow": t2w.flow, "hift": t2w.hift, "module": dit_t2w}
-    return {label: [(owners[owner], attr)] for label, (owner, attr) in PHASES.items()}
+    table = {**PHASES, **(PADDED_PHASES if padded else {})}
+    return {label: [(owners[owner], attr)] for label, (owner, attr) in table.items()}
+
+
+@contextlib.contextmanager
+def _padded_encoder(flow):
+    """``flow._encode`` replaced by the padded static-shape form (the batch's own bucket), eagerly."""
+
+    def encode(items, trim_keep=None, keep_state=None, check_device_tokens=False, token_lists=None):
+        return flow._encode_padded(items, trim_keep=trim_keep, keep_state=keep_state,
+                                   check_device_tokens=check_device_tokens)
+
+    flow._encode = encode
+    try:
+        yield
+    finally:
+        del flow._encode
 
 
 def _counts(t2w, batch: int, prompt_tokens: int, chunk: int, warm_chunks: int, g: torch.Generator,
-            phases: bool = False) -> tuple[dict, dict]:
+            phases: bool = False, padded: bool = False) -> tuple[dict, dict]:
     states = []
     for _ in range(batch):
         pt = torch.randint(0, 6561, (prompt_tokens,), generator=g)
@@ -63,9 +90,10 @@ def _counts(t2w, batch: int, prompt_tokens: int, chunk: int, warm_chunks: int, g
 
     for _ in range(warm_chunks):  # steady state: caches at their trimmed length
         states = step(states)
-    with phase_ranges(_phases(t2w)) if phases else contextlib.nullcontext():
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            step(states)
+    with _padded_encoder(t2w.flow) if padded else contextlib.nullcontext():
+        with phase_ranges(_phases(t2w, padded)) if phases else contextlib.nullcontext():
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                step(states)
     ops = {e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::")}
     return ops, (ops_by_phase(prof) if phases else {})
 
@@ -77,13 +105,16 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=25, help="new tokens per chunk (plus the look-ahead)")
     ap.add_argument("--warm-chunks", type=int, default=4)
     ap.add_argument("--phases", action="store_true", help="split the per-extra-stream growth by phase")
+    ap.add_argument("--padded", action="store_true",
+                    help="the flow encoder in its padded static-shape form (what the CUDA graph replays)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
         t2w = load_dit_token2wav(write_token2wav_dir(Path(d) / "t2w", TINY_SIZE))
     g = torch.Generator().manual_seed(0)
     batches = [int(b) for b in args.batches.split(",")]
-    both = {b: _counts(t2w, b, args.prompt_tokens, args.chunk, args.warm_chunks, g, args.phases) for b in batches}
+    both = {b: _counts(t2w, b, args.prompt_tokens, args.chunk, args.warm_chunks, g, args.phases, args.padded)
+            for b in batches}
     counts = {b: c for b, (c, _) in both.items()}
     base = batches[0]
     for b in batches:
@@ -94,9 +125,13 @@ def main() -> None:
     grow = sorted(((counts[top].get(k, 0) - counts[base].get(k, 0)) / max(1, top - base), k)
                   for k in set(counts[top]) | set(counts[base]))
     print("per extra stream:", ", ".join(f"{k} {n:.0f}" for n, k in reversed(grow[-10:]) if n > 0))
+    labels = [*PHASES, *(PADDED_PHASES if args.padded else {}), "other"]
+    if args.phases:
+        for b in batches:
+            pb = both[b][1]
+            print(f"batch {b} by phase:", ", ".join(f"{k} {pb.get(k, 0)}" for k in labels))
     if args.phases and top != base:
         pa, pb = both[base][1], both[top][1]
-        labels = [*PHASES, "other"]
         print("per extra stream by phase:", ", ".join(
             f"{k} {(pb.get(k, 0) - pa.get(k, 0)) / (top - base):.0f}" for k in labels))
 

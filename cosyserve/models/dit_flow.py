@@ -57,6 +57,12 @@ the one-stream results up to float summation order (~1e-7 relative). The per-str
 outputs move with batched operations (one concatenation and one index operation per cache kind, index
 lists built on the host and copied once), so a batch's host work grows little with its stream count.
 
+CUDA graphs (:class:`GraphedDiTSolve`): the Euler/CFG solve per (rows, frames, cache) bucket, and
+the encoder in a padded static-shape form (:meth:`DitFlowModel._encode_static`: per-row token counts,
+final flags, cache lengths and padding rows as tensors in static buffers, the conformer keys/values
+written in place after left-aligned caches) for the bucket the solve's implies; it equals the eager
+encoder up to float summation order.
+
 Numerics: float32 by default; the module may be cast to bfloat16/float16, then every computation
 including the time grid runs in that dtype (upstream runs under autocast); mel is returned as float32.
 """
@@ -177,14 +183,27 @@ class _CausalConv(nn.Conv1d):
         return y, new.transpose(1, 2)
 
 
-def _last_frames(xx: Tensor, n: int, new_len: Tensor | None) -> Tensor:
-    """From ``xx [N, C, n + T]`` (n cached frames + T new, padded) the last ``n`` valid frames per row."""
+def _conv_tc(conv: nn.Conv1d, x: Tensor) -> Tensor:
+    """``conv`` (stride 1, no padding or dilation, one group) over time-major ``x [N, T, C_in]`` ->
+    ``[N, T - k + 1, C_out]`` as one GEMM over the unfolded input (as :meth:`_CausalConv.step_tc`).
+    The streaming encoder's convolutions run this way, eagerly and in its CUDA graph: a float32 GEMM
+    whose products do not depend on the batch's padded shape (cuDNN's convolution picks algorithms,
+    TF32 by default, per shape), so padded and unpadded batches agree to float round-off."""
+    k = conv.kernel_size[0]
+    n, t, _ = x.shape
+    cols = x.unfold(1, k, 1).reshape(n, t - k + 1, -1)  # [N, T-k+1, C_in*k], channel-major like the weight
+    return F.linear(cols, conv.weight.reshape(conv.out_channels, -1), conv.bias)
+
+
+def _last_frames_tc(xx: Tensor, n: int, new_len: Tensor | None) -> Tensor:
+    """From time-major ``xx [N, n + T, C]`` (n cached frames + T new, padded) the last ``n`` valid
+    frames per row (``new_len [N]`` new frames per row; None: all ``T``), channel-major ``[N, C, n]``."""
     if n == 0:
-        return xx[:, :, :0]
+        return xx[:, :0].transpose(1, 2)
     if new_len is None:
-        return xx[:, :, -n:]
+        return xx[:, -n:].transpose(1, 2)
     idx = new_len.view(-1, 1) + torch.arange(n, device=xx.device).view(1, -1)  # [N, n]
-    return torch.gather(xx, 2, idx.unsqueeze(1).expand(-1, xx.size(1), -1))
+    return torch.gather(xx, 1, idx.unsqueeze(-1).expand(-1, -1, xx.size(2))).transpose(1, 2)
 
 
 class _CausalConvBlock(nn.Module):
@@ -558,11 +577,13 @@ class DitFlowModel(nn.Module):
             self.rand_noise = noise.to(self.rand_noise.device)
         return self
 
-    def enable_cuda_graphs(self, frames_bucket: int = 25, cache_bucket: int = 64, max_graphs: int = 512) -> "GraphedDiTSolve":
+    def enable_cuda_graphs(self, frames_bucket: int = 25, cache_bucket: int = 64, max_graphs: int = 512,
+                           encoder: bool = True) -> "GraphedDiTSolve":
         """Replay the whole CUDA solve from a CUDA graph per (rows, padded frames, padded cache)
         bucket (see :class:`GraphedDiTSolve`: captured by its ``warmup()`` for the buckets it was
-        planned for, or on first use while ``capture_on_use``). Returns it."""
-        self.graph = GraphedDiTSolve(frames_bucket, cache_bucket, max_graphs, flow=self)
+        planned for, or on first use while ``capture_on_use``), and with ``encoder`` the batch's
+        streaming encoder too (a second graph per bucket, :meth:`_encode_static`). Returns it."""
+        self.graph = GraphedDiTSolve(frames_bucket, cache_bucket, max_graphs, flow=self, encoder=encoder)
         return self.graph
 
     def set_noise(self, noise: Tensor) -> None:
@@ -628,25 +649,26 @@ class DitFlowModel(nn.Module):
         return g.view(n_layers, heads, len(lens), cmax, width).transpose(1, 2)
 
     @staticmethod
-    def _item_frames(kvs: Sequence[Tensor], rows: list[int], frames: list[int], sizes: list[int]) -> list[Tensor]:
-        """From per-layer key/value outputs ``[B, H, S, E]`` gather, for each kept item, its frames
+    def _item_frames(kvs: Sequence[Tensor] | Tensor, rows: list[int], frames: list[int],
+                     sizes: list[int]) -> list[Tensor]:
+        """From per-layer key/value outputs ``[B, H, S, E]`` (a list, or stacked ``[L, B, H, S, E]``)
+        gather, for each kept item, its frames
         (``frames`` indexes S, ``rows`` the item of each frame; ``sizes`` frames per item, in order):
         one stack and one gather for the batch, then per item a view ``[L, 1, H, n_b, E]`` of the
         gathered tensor (nothing else holds or writes it)."""
         if not sizes:
             return []
-        stacked = torch.stack(list(kvs))  # [L, B, H, S, E]
+        stacked = kvs if isinstance(kvs, Tensor) else torch.stack(list(kvs))  # [L, B, H, S, E]
         ix = _ints(rows + frames, stacked.device)
         g = stacked[:, ix[: len(rows)], :, ix[len(rows):]]  # [N, L, H, E]
         return list(g.permute(1, 2, 0, 3).unsqueeze(1).split(sizes, dim=3))
 
-    def _token_matrix(self, items: Sequence[DitItem], check_device: bool = True) -> tuple[Tensor, list[int]]:
-        """The items' tokens right-padded with 0 into ``[B, Lmax]`` int64 on the module's device, and
-        their counts. Host (CPU) token tensors are checked and padded as Python ints and moved with
-        one copy (no per-item tensor work); tokens already on another device are copied per item,
-        checked with :meth:`_check_tokens` when ``check_device`` (its range check synchronises with
-        that device). Raises ValueError (1-D tokens, vocabulary range)."""
-        dev = self.input_embedding.weight.device
+    def _token_lists(self, items: Sequence[DitItem],
+                     check_device: bool) -> tuple[list[list[int] | None], dict[int, Tensor], list[int]]:
+        """The items' tokens: per item a list of Python ints (host tensors, range-checked) or None,
+        the int64 device tensors of the others (``{item: tokens}``, checked with :meth:`_check_tokens`
+        when ``check_device``), and every item's token count. Raises ValueError (1-D tokens,
+        vocabulary range)."""
         vocab = self.cfg.vocab_size
         host: list[list[int] | None] = []
         other: dict[int, Tensor] = {}
@@ -663,6 +685,29 @@ class DitFlowModel(nn.Module):
                 other[i] = self._check_tokens(t) if check_device else t.to(torch.long)
                 host.append(None)
         lens = [len(v) if v is not None else int(other[i].numel()) for i, v in enumerate(host)]
+        return host, other, lens
+
+    def _encoder_frames(self, items: Sequence[DitItem], lens: Sequence[int]) -> list[int]:
+        """Encoder frames per item: its token count, less the look-ahead for a non-final item.
+        Raises ValueError for an item that produces no frame."""
+        la = self.pre_lookahead_len
+        tlen = [n if it.last else n - la for n, it in zip(lens, items)]
+        for n, t, it in zip(lens, tlen, items):
+            if t < 1:
+                raise ValueError(f"a {'final' if it.last else 'non-final'} chunk of {n} tokens produces no frame "
+                                 f"(non-final chunks need more than the {la} look-ahead tokens)")
+        return tlen
+
+    def _token_matrix(self, items: Sequence[DitItem], check_device: bool = True,
+                      lists: tuple | None = None) -> tuple[Tensor, list[int]]:
+        """The items' tokens right-padded with 0 into ``[B, Lmax]`` int64 on the module's device, and
+        their counts. Host (CPU) token tensors are checked and padded as Python ints and moved with
+        one copy (no per-item tensor work); tokens already on another device are copied per item,
+        checked with :meth:`_check_tokens` when ``check_device`` (its range check synchronises with
+        that device). ``lists``: :meth:`_token_lists` of the items, when the caller has it. Raises
+        ValueError (1-D tokens, vocabulary range)."""
+        dev = self.input_embedding.weight.device
+        host, other, lens = self._token_lists(items, check_device) if lists is None else lists
         lmax = max(lens)
         flat: list[int] = []
         for v in host:
@@ -677,38 +722,35 @@ class DitFlowModel(nn.Module):
         return tok, lens
 
     def _encode(self, items: Sequence[DitItem], trim_keep: int | None = None,
-                keep_state: Sequence[bool] | None = None, check_device_tokens: bool = False):
+                keep_state: Sequence[bool] | None = None, check_device_tokens: bool = False,
+                token_lists: tuple | None = None):
         """Encoder + projection for a batch of items -> ``(mu [B, Mmax, 80], frames per item, new enc
         caches)``: per item ``(enc_att1, enc_att2, enc_lookahead, enc_up)`` (views of batch tensors),
         already trimmed as :func:`trim_state` would when ``trim_keep`` is given; None for items with
         ``keep_state[i]`` False (not gathered). Host tokens are always range-checked, tokens on the
-        device only with ``check_device_tokens`` (see :meth:`_token_matrix`)."""
+        device only with ``check_device_tokens`` (see :meth:`_token_matrix`); ``token_lists``: the
+        items' :meth:`_token_lists` when the caller has them (checked already)."""
         enc = self.encoder
         la = self.pre_lookahead_len
         stride = self.up_rate
         dev = self.input_embedding.weight.device
-        tok, lens = self._token_matrix(items, check_device_tokens)
-        tlen = [n if it.last else n - la for n, it in zip(lens, items)]
-        for n, t, it in zip(lens, tlen, items):
-            if t < 1:
-                raise ValueError(f"a {'final' if it.last else 'non-final'} chunk of {n} tokens produces no frame "
-                                 f"(non-final chunks need more than the {la} look-ahead tokens)")
-        b = len(items)
+        tok, lens = self._token_matrix(items, check_device_tokens, token_lists)
+        tlen = self._encoder_frames(items, lens)
         lmax, tmax = max(lens), max(tlen)
         x = enc.embed(self.input_embedding(tok))  # [B, Lmax, D] (padded rows hold garbage past L_b)
         keep = torch.arange(lmax, device=dev).view(1, -1) < _ints(lens, dev).view(-1, 1)
         x = torch.where(keep.unsqueeze(-1), x, x.new_zeros(()))
         d = x.size(-1)
 
-        # look-ahead layer (a final item reads la zeros past its end)
+        # look-ahead layer (a final item reads la zeros past its end); convolutions time-major (_conv_tc)
         pl = enc.pre_lookahead_layer
-        xp = F.pad(x, (0, 0, 0, la)).transpose(1, 2)  # [B, D, Lmax + la]
-        h1 = F.leaky_relu(pl.conv1(xp))  # [B, D, Lmax]; item b valid for its first tlen[b] frames
-        la_cache = _cat([it.state.enc_lookahead if it.state is not None else x.new_zeros(1, d, 2) for it in items], 0)
+        k2 = pl.conv2.kernel_size[0] - 1
+        h1 = F.leaky_relu(_conv_tc(pl.conv1, F.pad(x, (0, 0, 0, la))))  # [B, Lmax, D]; item b: tlen[b] frames
+        la_cache = _cat([it.state.enc_lookahead if it.state is not None else x.new_zeros(1, d, k2) for it in items], 0)
         tl = _ints(tlen, dev)
-        h1c = torch.cat([la_cache.to(h1), h1], dim=2)
-        new_la = _last_frames(h1c, 2, None if len(set(tlen)) == 1 and tlen[0] == h1.size(2) else tl)
-        h = pl.conv2(h1c).transpose(1, 2)[:, :tmax] + x[:, :tmax]
+        h1c = torch.cat([la_cache.to(h1).transpose(1, 2), h1], dim=1)  # [B, k2 + Lmax, D]
+        new_la = _last_frames_tc(h1c, k2, None if len(set(tlen)) == 1 and tlen[0] == h1.size(1) else tl)
+        h = _conv_tc(pl.conv2, h1c)[:, :tmax] + x[:, :tmax]
 
         # first conformer stage
         c1 = [0 if it.state is None else int(it.state.enc_att1.shape[3]) for it in items]
@@ -721,13 +763,13 @@ class DitFlowModel(nn.Module):
 
         # upsampling (nearest x stride, causal conv with a 2*stride cache)
         up = enc.up_layer
-        hu = F.interpolate(h.transpose(1, 2), scale_factor=float(stride), mode="nearest")
+        hu = h.repeat_interleave(stride, dim=1)  # [B, stride * Tmax, D]: nearest-neighbour upsampling
         up_cache = _cat([it.state.enc_up if it.state is not None else x.new_zeros(1, d, 2 * stride) for it in items], 0)
-        huc = torch.cat([up_cache.to(hu), hu], dim=2)
+        huc = torch.cat([up_cache.to(hu).transpose(1, 2), hu], dim=1)
         mlen = [stride * t for t in tlen]
-        new_up = _last_frames(huc, 2 * stride, None if len(set(mlen)) == 1 and mlen[0] == hu.size(2)
-                              else _ints(mlen, dev))
-        h = enc.up_embed(up.conv(huc).transpose(1, 2))
+        new_up = _last_frames_tc(huc, 2 * stride, None if len(set(mlen)) == 1 and mlen[0] == hu.size(1)
+                                 else _ints(mlen, dev))
+        h = enc.up_embed(_conv_tc(up.conv, huc))
 
         c2 = [stride * c for c in c1]
         c2max = max(c2)
@@ -737,16 +779,32 @@ class DitFlowModel(nn.Module):
                                              c2, c2max))
         h, kv2 = self._conformer_stack(enc.up_encoders, h, caches, c2, mlen)
         mu = self.encoder_proj(enc.after_norm(h))
+        return mu, mlen, self._enc_caches(items, kv1, kv2, new_la, new_up, c1, tlen, c1max, c2max, trim_keep,
+                                          keep_state)
 
-        # new caches of the kept items: each item's frames of the padded layout (cache ++ new),
-        # trimmed on upstream's layout (see trim_state), gathered for the whole batch at once
+    def _enc_caches(self, items: Sequence[DitItem], kv1, kv2, new_la: Tensor, new_up: Tensor, c1: list[int],
+                    tlen: list[int], c1max: int, c2max: int, trim_keep: int | None,
+                    keep_state: Sequence[bool] | None) -> list[tuple | None]:
+        """The new encoder caches of a batch's kept items from the encoder's padded outputs.
+
+        ``kv1`` / ``kv2``: per-layer keys ‖ values of the two conformer stages, a list of ``[B', H,
+        c1max + T, 2dk]`` / ``[B', H, c2max + up*T, 2dk]`` or one stacked ``[L, B', H, ., 2dk]``
+        tensor (``B' >= B`` rows, item b's cache left-aligned to end at ``c1max`` / ``c2max``, its
+        new frames after it); ``new_la [B', D, 2]``, ``new_up [B', D, 2*stride]``; ``c1`` / ``tlen``:
+        per item first-stage cache length and encoder frames (host ints; the second stage's are
+        ``up_rate`` times them). Returns per item ``(enc_att1, enc_att2, enc_lookahead, enc_up)``
+        (views of one gathered tensor per kind), trimmed as :func:`trim_state` trims when
+        ``trim_keep`` is given; None for items with ``keep_state[i]`` False."""
+        b, stride = len(items), self.up_rate
+        # each item's frames of the padded layout (cache ++ new), trimmed on upstream's layout (see
+        # trim_state), gathered for the whole batch at once
         kept = [i for i in range(b) if keep_state is None or keep_state[i]]
         rows1, fr1, n1s, rows2, fr2, n2s = [], [], [], [], [], []
         for i in kept:
-            n1, n2 = c1[i] + tlen[i], c2[i] + mlen[i]
+            n1, n2 = c1[i] + tlen[i], stride * (c1[i] + tlen[i])
             it = items[i]
             p = it.prompt_frames if it.state is None else it.state.prompt_frames
-            base1, base2 = c1max - c1[i], c2max - c2[i]
+            base1, base2 = c1max - c1[i], c2max - stride * c1[i]
             if trim_keep is not None and n2 > p + trim_keep:
                 sel2 = [*range(base2, base2 + p), *range(base2 + n2 - trim_keep, base2 + n2)]
                 sel1 = [base1 + (j - base2) % n1 for j in sel2[: (p + trim_keep) // 2]]
@@ -764,7 +822,244 @@ class DitFlowModel(nn.Module):
         new_caches: list[tuple | None] = [None] * b
         for k, i in enumerate(kept):
             new_caches[i] = (a1[k], a2[k], las[i], ups[i])
-        return mu, mlen, new_caches
+        return new_caches
+
+    # ------------------------------------------------------------------ encoder, padded static form
+
+    def encoder_bucket(self, frames: int, cache: int) -> tuple[int, int]:
+        """The padded encoder shape that serves a solve bucket of ``frames`` mel frames and ``cache``
+        estimator cache frames: ``(encoder frames tb, first-stage cache c1b)`` = ``(ceil(frames /
+        up_rate), ceil(cache / up_rate))`` (tokens ``tb + pre_lookahead_len``, second-stage cache
+        ``up_rate * c1b``). Every batch the solve pads to that bucket fits it: its mel frames are
+        ``up_rate`` x its encoder frames, and a stream's estimator cache and its encoder's second
+        stage cache have the same length (``up_rate`` x the first stage's; both grow by the chunk's
+        mel frames and are trimmed by the same rule, :func:`trim_state`)."""
+        up = self.up_rate
+        return -(-frames // up), -(-cache // up)
+
+    def _encoder_shapes(self, bb: int, tb: int, c1b: int, dtype: torch.dtype) -> dict[str, tuple[tuple, torch.dtype]]:
+        """``name -> (shape, dtype)`` of the static tensors of :meth:`_encode_static` for ``bb`` rows,
+        ``tb`` encoder frames and a first-stage cache of ``c1b`` frames (``lb = tb + la`` tokens):
+
+        * ``enc_ints [bb * lb + 3 * bb]`` int64: the token matrix ``[bb, lb]`` (right-padded with 0),
+          then per row its token count, encoder frames and first-stage cache length;
+        * ``enc_la [bb, D, k-1]`` / ``enc_up [bb, D, 2 * up]``: look-ahead layer and upsampler caches;
+        * ``enc_kv1 [num_blocks, bb, H, c1b + tb, 2dk]`` / ``enc_kv2 [num_up_blocks, bb, H, up * (c1b +
+          tb), 2dk]``: keys ‖ values, each row's cache left-aligned to end at ``c1b`` / ``up * c1b``
+          (written before a run), its new frames after it (written by the run);
+        * outputs ``enc_new_la`` / ``enc_new_up`` (shapes of ``enc_la`` / ``enc_up``)."""
+        enc = self.encoder
+        d = enc.output_size
+        att = enc.encoders[0].self_attn if len(enc.encoders) else enc.up_encoders[0].self_attn
+        heads, width = att.h, 2 * att.d_k
+        up, lb = self.up_rate, tb + self.pre_lookahead_len
+        k1 = enc.pre_lookahead_layer.conv2.kernel_size[0] - 1
+        return {"enc_ints": ((bb * lb + 3 * bb,), torch.long),
+                "enc_la": ((bb, d, k1), dtype),
+                "enc_up": ((bb, d, 2 * up), dtype),
+                "enc_kv1": ((len(enc.encoders), bb, heads, c1b + tb, width), dtype),
+                "enc_kv2": ((len(enc.up_encoders), bb, heads, up * (c1b + tb), width), dtype),
+                "enc_new_la": ((bb, d, k1), dtype),
+                "enc_new_up": ((bb, d, 2 * up), dtype)}
+
+    def _encoder_dims(self, bufs: dict) -> tuple[int, int, int, int]:
+        """``(bb, lb, tb, c1b)`` of the static encoder tensors in ``bufs`` (see :meth:`_encoder_shapes`)."""
+        kv1 = bufs["enc_kv1"]
+        bb = kv1.shape[1]
+        lb = bufs["enc_ints"].numel() // bb - 3
+        tb = lb - self.pre_lookahead_len
+        return bb, lb, tb, kv1.shape[3] - tb
+
+    def _encoder_fits(self, bufs: dict, lens: Sequence[int], c1: Sequence[int]) -> bool:
+        """Whether a batch (token counts, first-stage cache lengths) fits the static tensors in ``bufs``."""
+        bb, lb, _, c1b = self._encoder_dims(bufs)
+        return len(lens) <= bb and max(lens) <= lb and max(c1) <= c1b
+
+    def _encoder_inputs(self, items: Sequence[DitItem], bufs: dict, host: list, other: dict[int, Tensor],
+                        lens: list[int], tlen: list[int], c1: list[int]) -> None:
+        """Write a batch's encoder inputs into the static tensors ``bufs`` (:meth:`_encoder_shapes`; the
+        batch must fit: :meth:`_encoder_fits`). Host work only plus batched copies: one host-to-device
+        transfer of every index (token matrix, lengths, the caches' target rows and frames), one
+        copy into ``enc_ints``, one concatenation + one indexed copy per attention cache kind
+        (item b's cache left-aligned in its row), one concatenation + copy per convolution cache.
+        Padding rows get one token, one frame and no cache (finite values nobody reads); cache
+        frames left of an item's cache keep whatever they hold (masked, never read)."""
+        bb, lb, _, c1b = self._encoder_dims(bufs)
+        up, b = self.up_rate, len(items)
+        kv1, kv2 = bufs["enc_kv1"], bufs["enc_kv2"]
+        dev = kv1.device
+        pad = bb - b
+        flat: list[int] = []
+        for v in host:
+            if v is None:
+                flat += [0] * lb
+            else:
+                flat += v
+                flat += [0] * (lb - len(v))
+        flat += [0] * (lb * pad)
+        flat += lens
+        flat += [1] * pad
+        flat += tlen
+        flat += [1] * pad
+        flat += c1
+        flat += [0] * pad
+        n_ints = len(flat)
+        src = [i for i in range(b) if c1[i] > 0]
+        n1 = sum(c1[i] for i in src)
+        for i in src:  # rows, then frames, of every cached first-stage frame; then the second stage's
+            flat += [i] * c1[i]
+        for i in src:
+            flat += range(c1b - c1[i], c1b)
+        for i in src:
+            flat += [i] * (up * c1[i])
+        for i in src:
+            flat += range(up * (c1b - c1[i]), up * c1b)
+        ix = _ints(flat, dev)
+        ints = bufs["enc_ints"]
+        ints.copy_(ix[:n_ints])
+        for i, t in other.items():
+            ints[i * lb: i * lb + lens[i]].copy_(t)
+        if n1:
+            a, n2 = n_ints, up * n1
+            states = [items[i].state for i in src]
+            k1 = _cat([s.enc_att1 for s in states], 3)[:, 0]  # [L1, H, n1, E]
+            kv1[:, ix[a: a + n1], :, ix[a + n1: a + 2 * n1]] = k1.permute(2, 0, 1, 3).to(kv1.dtype)
+            a += 2 * n1
+            k2 = _cat([s.enc_att2 for s in states], 3)[:, 0]  # [L2, H, n2, E]
+            kv2[:, ix[a: a + n2], :, ix[a + n2: a + 2 * n2]] = k2.permute(2, 0, 1, 3).to(kv2.dtype)
+        for name, attr in (("enc_la", "enc_lookahead"), ("enc_up", "enc_up")):
+            buf = bufs[name]
+            if any(it.state is not None for it in items):
+                zero = buf.new_zeros(1, *buf.shape[1:]) if any(it.state is None for it in items) else None
+                buf[:b].copy_(_cat([getattr(it.state, attr) if it.state is not None else zero for it in items], 0))
+            else:
+                buf[:b].zero_()
+
+    def _static_stack(self, layers, x: Tensor, kv: Tensor, cb: int, cache_len: Tensor, new_len: Tensor) -> Tensor:
+        """Conformer ``layers`` over ``x [bb, T, D]`` with every row's keys ‖ values in ``kv [L, bb, H,
+        cb + T, 2dk]`` (its cache left-aligned to end at ``cb``; the layer's new keys/values are
+        written **in place** into frames ``cb ..``), ``cache_len`` / ``new_len [bb]`` int64 (valid
+        cached / new frames per row, as tensors: fixed shapes, no host sync). Query ``i`` sits at
+        position ``cb + i``, key ``j`` at ``j`` (the relative-position scores of
+        :meth:`~cosyserve.models.flow_encoder.RelPositionSelfAttention.forward_after_cache`); keys
+        outside ``[cb - cache_len, cb + new_len)`` are masked. Returns ``x [bb, T, D]``."""
+        b, t, d = x.shape
+        s = cb + t
+        j = torch.arange(s, device=x.device).view(1, -1)
+        mask = ((j >= cb - cache_len.view(-1, 1)) & (j < cb + new_len.view(-1, 1))).view(b, 1, 1, s)
+        pos = relative_position_table(s, d, x.device, x.dtype)
+        for layer, buf in zip(layers, kv):
+            att = layer.self_attn
+            dk = att.d_k
+            q_u, q_v, k, v, p, scale = att._project(layer.norm_mha(x), pos)
+            buf[:, :, cb:, :dk].copy_(k)
+            buf[:, :, cb:, dk:].copy_(v)
+            bias = att._shift(torch.matmul(q_v, p.transpose(-2, -1)), s) * scale
+            bias = bias.masked_fill(~mask, float("-inf"))
+            out = F.scaled_dot_product_attention(q_u, buf[..., :dk], buf[..., dk:], attn_mask=bias, scale=scale)
+            x = x + att.linear_out(out.transpose(1, 2).reshape(b, t, -1))
+            x = x + layer.feed_forward(layer.norm_ff(x))
+        return x
+
+    def _encode_static(self, bufs: dict) -> Tensor:
+        """The streaming encoder + projection of :meth:`_encode` in fixed shapes (what a CUDA graph of
+        the encoder captures): every per-row difference (token counts, final or not, cache lengths,
+        padding rows) comes from the tensors of ``bufs`` (:meth:`_encoder_shapes`, written by
+        :meth:`_encoder_inputs`), with no Python branching on their values, no host synchronisation
+        and no data-dependent allocation. Algorithm: Step-Audio2 token2wav's streaming
+        ``UpsampleConformerEncoderV2`` (see the module docstring); per row the same operations as
+        :meth:`_encode`, so results equal it up to float summation order.
+
+        Writes the new keys/values into ``enc_kv1`` / ``enc_kv2`` (frames after each cache), the
+        new convolution caches into ``enc_new_la`` / ``enc_new_up``; returns ``mu [bb, up * tb, 80]``
+        in the module's dtype (row b valid for its first ``up * tlen_b`` frames)."""
+        enc = self.encoder
+        la, up = self.pre_lookahead_len, self.up_rate
+        bb, lb, tb, c1b = self._encoder_dims(bufs)
+        ints = bufs["enc_ints"]
+        tok = ints[: bb * lb].view(bb, lb)
+        lens, tlen, c1 = ints[bb * lb:].view(3, bb)
+        x = enc.embed(self.input_embedding(tok))  # [bb, lb, D]
+        keep = torch.arange(lb, device=x.device).view(1, -1) < lens.view(-1, 1)
+        x = torch.where(keep.unsqueeze(-1), x, x.new_zeros(()))
+
+        pl = enc.pre_lookahead_layer  # a final row reads la zeros past its end
+        h1 = F.leaky_relu(_conv_tc(pl.conv1, F.pad(x, (0, 0, 0, la))))  # [bb, lb, D]
+        h1c = torch.cat([bufs["enc_la"].transpose(1, 2), h1], dim=1)
+        bufs["enc_new_la"].copy_(_last_frames_tc(h1c, bufs["enc_la"].shape[2], tlen))
+        h = _conv_tc(pl.conv2, h1c)[:, :tb] + x[:, :tb]
+        h = self._static_stack(self.encoder.encoders, h, bufs["enc_kv1"], c1b, c1, tlen)
+
+        hu = h.repeat_interleave(up, dim=1)  # nearest-neighbour upsampling
+        huc = torch.cat([bufs["enc_up"].transpose(1, 2), hu], dim=1)
+        mlen = tlen * up
+        bufs["enc_new_up"].copy_(_last_frames_tc(huc, 2 * up, mlen))
+        h = enc.up_embed(_conv_tc(enc.up_layer.conv, huc))
+        h = self._static_stack(enc.up_encoders, h, bufs["enc_kv2"], up * c1b, c1 * up, mlen)
+        return self.encoder_proj(enc.after_norm(h))
+
+    def _encode_graph_body(self, bufs: dict) -> None:
+        """:meth:`_encode_static`, then ``mu`` into the conditional rows of the solve's ``static_in``
+        (``[2bb, 240, M]``, channels ``[:80]``, its first ``M`` frames): what a bucket's encoder graph
+        records (:class:`GraphedDiTSolve`)."""
+        mu = self._encode_static(bufs)
+        static_in = bufs["static_in"]
+        static_in[0::2, : self.n_mels].copy_(mu[:, : static_in.shape[2]].transpose(1, 2))
+
+    @staticmethod
+    def _encoder_fill(bufs: dict, la: int) -> None:
+        """Valid placeholder inputs in fresh static encoder tensors (graph warm-ups): zero tokens, every
+        row at its full token count, frames and cache."""
+        kv1 = bufs["enc_kv1"]
+        bb = kv1.shape[1]
+        ints = bufs["enc_ints"]
+        lb = ints.numel() // bb - 3
+        tb = lb - la
+        ints.zero_()
+        rows = ints[bb * lb:].view(3, bb)
+        rows[0].fill_(lb)
+        rows[1].fill_(tb)
+        rows[2].fill_(kv1.shape[3] - tb)
+
+    @torch.inference_mode()
+    def _encode_padded(self, items: Sequence[DitItem], frames: int | None = None, cache: int | None = None,
+                       rows: int | None = None, trim_keep: int | None = None,
+                       keep_state: Sequence[bool] | None = None, check_device_tokens: bool = False):
+        """:meth:`_encode` through the padded static form, run eagerly on fresh tensors: the batch is
+        padded to ``rows`` items (default: its count) and the encoder bucket of a solve bucket of
+        ``frames`` mel frames and ``cache`` estimator cache frames (:meth:`encoder_bucket`; default:
+        the batch's own). Returns what :meth:`_encode` returns: ``(mu [B, Mmax, 80], frames per item,
+        new caches)`` (equal to it up to float summation order). Raises ValueError as :meth:`_encode`
+        and when the batch does not fit the bucket. For tests and host-work measurements; serving
+        runs the form as a CUDA graph (:class:`GraphedDiTSolve`)."""
+        lists = self._token_lists(items, check_device_tokens)
+        tlen = self._encoder_frames(items, lists[2])
+        c1 = [0 if it.state is None else int(it.state.enc_att1.shape[3]) for it in items]
+        up = self.up_rate
+        tb, c1b = self.encoder_bucket(up * max(tlen) if frames is None else frames,
+                                      up * max(c1) if cache is None else cache)
+        bb = len(items) if rows is None else rows
+        if len(items) > bb or max(tlen) > tb or max(c1) > c1b:
+            raise ValueError(f"batch of {len(items)} items, {max(tlen)} frames, cache {max(c1)} does not fit the "
+                             f"encoder bucket ({bb} rows, {tb} frames, cache {c1b})")
+        mu, caches = self._encode_padded_run(items, lists, tlen, c1, bb, tb, c1b, trim_keep, keep_state)
+        mlen = [up * t for t in tlen]
+        return mu[: len(items), : max(mlen)], mlen, caches
+
+    def _encode_padded_run(self, items: Sequence[DitItem], lists: tuple, tlen: list[int], c1: list[int], bb: int,
+                           tb: int, c1b: int, trim_keep: int | None,
+                           keep_state: Sequence[bool] | None) -> tuple[Tensor, list[tuple | None]]:
+        """:meth:`_encode_static` eagerly on fresh tensors of the bucket ``(bb, tb, c1b)`` (which the
+        batch fits) -> ``(mu [bb, up * tb, 80], new caches as :meth:`_enc_caches`)``; ``lists``:
+        the items' :meth:`_token_lists`, ``tlen`` / ``c1``: encoder frames and first-stage caches."""
+        host, other, lens = lists
+        bufs = {name: torch.zeros(shape, dtype=dt, device=self.input_embedding.weight.device)
+                for name, (shape, dt) in self._encoder_shapes(bb, tb, c1b, self.encoder_proj.weight.dtype).items()}
+        self._encoder_inputs(items, bufs, host, other, lens, tlen, c1)
+        mu = self._encode_static(bufs)
+        caches = self._enc_caches(items, bufs["enc_kv1"], bufs["enc_kv2"], bufs["enc_new_la"], bufs["enc_new_up"],
+                                  c1, tlen, c1b, self.up_rate * c1b, trim_keep, keep_state)
+        return mu, caches
 
     # ------------------------------------------------------------------ CFM with the DiT
 
@@ -861,9 +1156,36 @@ class DitFlowModel(nn.Module):
             x = x + dts[step] * v
         bufs["x_out"].copy_(x)
 
-    def _solve(self, items: Sequence[DitItem], mu: Tensor, mlen: list[int], n_timesteps: int,
-               trim_keep: int | None = None, keep_state: Sequence[bool] | None = None):
+    def _solve_bucket(self, items: Sequence[DitItem], mlen: list[int], n_timesteps: int, dtype: torch.dtype,
+                      dev) -> tuple[int, int, int, tuple | None]:
+        """The padded solve shape of a batch ``(rows, frames, cache frames)`` and its published graph
+        entry (or None: eager), counted in :attr:`GraphedDiTSolve.used`; without :attr:`graph` the
+        batch's own shape and None. Raises ValueError for states with too few steps' caches or
+        streams longer than the noise buffer."""
+        ce = [0 if it.state is None else it.state.cache_frames for it in items]
+        for i, it in enumerate(items):
+            if it.state is not None and it.state.est_att.shape[0] < n_timesteps:
+                raise ValueError(f"stream state holds caches for {it.state.est_att.shape[0]} steps, {n_timesteps} asked")
+            if ce[i] + mlen[i] > self.rand_noise.size(-1):
+                raise ValueError(f"DiT flow: {ce[i] + mlen[i]} frames exceed the noise buffer of {self.rand_noise.size(-1)}")
+        graph = self.graph
+        b, mmax, cmax = len(items), max(mlen), max(ce)
+        if graph is None:
+            return b, mmax, cmax, None
+        # with graphs the item count is padded too (fewer distinct graphs); a padding item has one valid
+        # frame and no cache, so its rows compute finite garbage that is never read
+        key = (graph.rows_bucket(b), graph.frames_bucket(mmax), graph.cache_bucket(cmax))
+        graph.used[key] += 1
+        return (*key, graph.solve_entry(key, n_timesteps, dtype, dev))
+
+    def _solve(self, items: Sequence[DitItem], mu: Tensor | None, mlen: list[int], n_timesteps: int,
+               trim_keep: int | None = None, keep_state: Sequence[bool] | None = None,
+               bucket: tuple[int, int, int, tuple | None] | None = None):
         """Euler/CFG solve over the batch; returns (mel [B, 80, Mmax], per-item (est_att, est_cnn) or None).
+
+        ``bucket``: :meth:`_solve_bucket` of the batch when the caller has it already. ``mu`` None:
+        the bucket's graph entry holds an encoder graph whose inputs the caller has written
+        (:meth:`_encode_solve`); it is replayed first and writes ``mu`` into the solve's inputs.
 
         The ODE state ``x`` and the time grid stay float32 (the estimator runs in the module's dtype).
         With :attr:`graph` set, rows, frames and cache lengths are padded to the graph's buckets (masked)
@@ -874,27 +1196,19 @@ class DitFlowModel(nn.Module):
         items with ``keep_state[i]`` False get None. Every solve's padded bucket is counted in
         :attr:`GraphedDiTSolve.used`.
         """
-        b, m_real, n_mels = mu.shape
-        dev, dtype = mu.device, mu.dtype
+        b, n_mels = len(items), self.n_mels
+        if mu is not None:
+            dev, dtype = mu.device, mu.dtype
+        else:
+            dev, dtype = self.input_embedding.weight.device, self.encoder_proj.weight.dtype
         ce = [0 if it.state is None else it.state.cache_frames for it in items]
-        for i, it in enumerate(items):
-            if it.state is not None and it.state.est_att.shape[0] < n_timesteps:
-                raise ValueError(f"stream state holds caches for {it.state.est_att.shape[0]} steps, {n_timesteps} asked")
-            if ce[i] + mlen[i] > self.rand_noise.size(-1):
-                raise ValueError(f"DiT flow: {ce[i] + mlen[i]} frames exceed the noise buffer of {self.rand_noise.size(-1)}")
         graph = self.graph
-        mmax, cmax = m_real, max(ce)
-        if graph is not None:
-            mmax, cmax = graph.frames_bucket(mmax), graph.cache_bucket(cmax)
-            mu = F.pad(mu, (0, 0, 0, mmax - m_real))
-        # with graphs the item count is padded too (fewer distinct graphs); a padding item has one valid
-        # frame and no cache, so its rows compute finite garbage that is never read
-        bb = graph.rows_bucket(b) if graph is not None else b
-        entry = None
-        if graph is not None:
-            graph.used[(bb, mmax, cmax)] += 1
-            entry = graph.solve_entry((bb, mmax, cmax), n_timesteps, dtype, dev)
+        bb, mmax, cmax, entry = bucket if bucket is not None else self._solve_bucket(items, mlen, n_timesteps, dtype, dev)
+        if graph is not None and mu is not None and mu.shape[1] < mmax:
+            mu = F.pad(mu, (0, 0, 0, mmax - mu.shape[1]))
         use_graph = entry is not None
+        if mu is None and not (use_graph and len(entry) > 2 and entry[2] is not None):
+            raise ValueError("DitFlowModel._solve: mu is None but the bucket has no encoder graph")
         if use_graph:
             bufs = entry[1]
         else:  # no graphs, bucket not captured (yet), or no more graphs allowed: eager on fresh buffers
@@ -925,7 +1239,8 @@ class DitFlowModel(nn.Module):
         ix = _ints(idx, dev)
         x0.copy_(noise.index_select(1, ix[: bb * mmax]).view(n_mels, bb, mmax).transpose(0, 1))
         cond_rows = static_in[0: 2 * b: 2]  # [B, 240, M] views of the conditional rows
-        cond_rows[:, :n_mels].copy_(mu.transpose(1, 2))
+        if mu is not None:  # else the encoder graph writes it
+            cond_rows[:, :n_mels].copy_(mu.transpose(1, 2))
         spk = torch.cat([it.spk if it.spk.dtype == dtype and it.spk.device == dev else it.spk.to(device=dev, dtype=dtype)
                          for it in items])  # [B, 80]
         cond_rows[:, n_mels: 2 * n_mels].copy_(spk.unsqueeze(-1).expand(-1, -1, mmax))
@@ -974,6 +1289,9 @@ class DitFlowModel(nn.Module):
                 bufs["mask"], bufs["new_len"] = mask, row_len
 
         if use_graph:
+            if mu is None:
+                entry[2].replay()  # the encoder: mu into static_in, new encoder caches into its buffers
+                graph.encoder_replays += 1
             entry[0].replay()
             graph.replays += 1
         else:
@@ -1003,6 +1321,53 @@ class DitFlowModel(nn.Module):
         x_out = bufs["x_out"][:b]
         return x_out.clone() if use_graph else x_out, per_item
 
+    def _encode_solve(self, items: Sequence[DitItem], n_timesteps: int, trim_keep: int | None,
+                      keep_state: Sequence[bool] | None):
+        """Encoder and solve of a batch: ``(mel [B, 80, Mmax], mel frames per item, new encoder caches,
+        new estimator caches)`` (see :meth:`_encode`, :meth:`_solve`).
+
+        With :attr:`graph` set and its encoder graphs on (:attr:`GraphedDiTSolve.encoder`), when the
+        batch's solve bucket is published with an encoder graph and the batch fits it (always, for
+        states made by this model): the encoder's inputs go into the bucket's static tensors
+        (:meth:`_encoder_inputs`), the encoder graph and the solve graph replay back to back, and
+        the new encoder caches are gathered from the static tensors (fresh tensors). A batch that fits
+        its bucket whose graphs are not published (yet) runs the same padded encoder eagerly on
+        fresh tensors (the graphs' numerics), then the solve (eagerly or its graph). Otherwise the
+        eager :meth:`_encode`, then :meth:`_solve`."""
+        graph = self.graph
+        if graph is None or not graph.encoder:
+            mu, mlen, enc_caches = self._encode(items, trim_keep, keep_state, check_device_tokens=True)
+            mel, est_caches = self._solve(items, mu, mlen, n_timesteps, trim_keep, keep_state)
+            return mel, mlen, enc_caches, est_caches
+        lists = self._token_lists(items, True)
+        host, other, lens = lists
+        tlen = self._encoder_frames(items, lens)
+        up = self.up_rate
+        mlen = [up * t for t in tlen]
+        dev, dtype = self.input_embedding.weight.device, self.encoder_proj.weight.dtype
+        bucket = self._solve_bucket(items, mlen, n_timesteps, dtype, dev)
+        entry = bucket[3]
+        c1 = [0 if it.state is None else int(it.state.enc_att1.shape[3]) for it in items]
+        if entry is not None and len(entry) > 2 and entry[2] is not None and self._encoder_fits(entry[1], lens, c1):
+            bufs = entry[1]
+            self._encoder_inputs(items, bufs, host, other, lens, tlen, c1)
+            mel, est_caches = self._solve(items, None, mlen, n_timesteps, trim_keep, keep_state, bucket)
+            c1b = self._encoder_dims(bufs)[3]
+            b = len(items)
+            enc_caches = self._enc_caches(items, bufs["enc_kv1"], bufs["enc_kv2"], bufs["enc_new_la"][:b].clone(),
+                                          bufs["enc_new_up"][:b].clone(), c1, tlen, c1b, up * c1b, trim_keep,
+                                          keep_state)
+            return mel, mlen, enc_caches, est_caches
+        bb, mmax, cmax = bucket[:3]
+        tb, c1b = self.encoder_bucket(mmax, cmax)
+        if max(tlen) <= tb and max(c1) <= c1b:
+            mu, enc_caches = self._encode_padded_run(items, lists, tlen, c1, bb, tb, c1b, trim_keep, keep_state)
+            mu = mu[: len(items), :mmax]
+        else:  # a state whose caches do not follow the rule (not made by this model): as without graphs
+            mu, mlen, enc_caches = self._encode(items, trim_keep, keep_state, token_lists=lists)
+        mel, est_caches = self._solve(items, mu, mlen, n_timesteps, trim_keep, keep_state, bucket)
+        return mel, mlen, enc_caches, est_caches
+
     # ------------------------------------------------------------------ public API
 
     @torch.inference_mode()
@@ -1021,13 +1386,14 @@ class DitFlowModel(nn.Module):
         concatenation + one index operation per cache kind, index lists built on the host as
         Python ints and moved in one copy); each new state holds views of batch tensors that
         nothing writes afterwards (outputs of CUDA graph buffers are copied out once per batch).
+        With :attr:`graph` set, the encoder and the solve run as the batch's bucket's CUDA graphs when
+        published (:meth:`_encode_solve`).
         """
         if not items:
             return []
         n_timesteps = n_timesteps or self.cfg.n_timesteps
         keep = None if final_states else [not it.last for it in items]
-        mu, mlen, enc_caches = self._encode(items, trim_keep, keep, check_device_tokens=True)
-        mel, est_caches = self._solve(items, mu, mlen, n_timesteps, trim_keep, keep)
+        mel, mlen, enc_caches, est_caches = self._encode_solve(items, n_timesteps, trim_keep, keep)
         if mel.dtype != torch.float32:
             mel = mel.float()
         out = []
@@ -1209,17 +1575,31 @@ class GraphedDiTSolve(_GraphStage):
     twice the largest; the largest-first capture order sizes them once), so hundreds of buckets cost
     the largest bucket's buffers once. All graphs share one memory pool. Not thread-safe for solves: one solve at a time (captures may run in
     another thread: they never write what a replay reads).
+
+    Encoder (:attr:`encoder`, default on): each bucket's entry ``(solve graph, buffers, encoder
+    graph)`` also holds a graph of the streaming encoder's padded static form
+    (:meth:`DitFlowModel._encode_static` for :meth:`DitFlowModel.encoder_bucket` of the bucket's
+    frames and cache: the solve's bucket implies it, nothing else is planned), recorded in the same
+    pool over static tensors shared the same way (:meth:`DitFlowModel._encoder_shapes`); it writes
+    ``mu`` into the solve's inputs and is replayed just before the solve graph
+    (:meth:`DitFlowModel._encode_solve`), so a batch's encoder costs one launch instead of ~1,100
+    eager operators. Callers that bring their own ``mu`` replay the solve graph alone.
     """
 
     name = "DiT solve"
     demand_first = False  # the largest-first capture order sizes the shared storages once
 
     def __init__(self, frames_bucket: int = 25, cache_bucket: int = 64, max_graphs: int = 512,
-                 flow: "DitFlowModel | None" = None):
+                 flow: "DitFlowModel | None" = None, encoder: bool = True):
         if frames_bucket < 1 or cache_bucket < 1 or max_graphs < 1:
             raise ValueError("graph buckets and max_graphs must be positive")
         self.fb, self.cb, self.max_graphs = frames_bucket, cache_bucket, max_graphs
         self.flow = flow
+        #: each bucket also records the padded streaming encoder (:meth:`DitFlowModel._encode_static`)
+        #: as a second graph replayed just before the solve's; set before the first capture
+        self.encoder = encoder
+        self.encoder_replays = 0
+        self._enc_warmed: set[tuple[int, int, int]] = set()  # buckets whose encoder ran eagerly (warm-ups)
         p = next(flow.parameters(), None) if flow is not None else None
         self._init_stage(p.device if p is not None else "cpu")
         self._flat: dict[str, Tensor] = {}
@@ -1349,6 +1729,7 @@ class GraphedDiTSolve(_GraphStage):
         self._init_stage(dev)  # a new pool and capture stream on that device
         self.capture_on_use = on_use
         self._flat = {}
+        self._enc_warmed = set()
         return True
 
     def _shared(self, name: str, shape: tuple, dtype: torch.dtype, dev) -> Tensor:
@@ -1362,9 +1743,13 @@ class GraphedDiTSolve(_GraphStage):
         return flat[:numel].view(shape)
 
     def _shapes(self, b: int, mmax: int, cmax: int) -> dict[str, tuple[tuple, torch.dtype]]:
-        """``name -> (shape, dtype)`` of every tensor a bucket's graph reads or writes
-        (:meth:`DitFlowModel._solve_shapes` at the flow's steps and dtype)."""
-        return self.flow._solve_shapes(b, mmax, cmax, self.n_timesteps, self.dtype)
+        """``name -> (shape, dtype)`` of every tensor a bucket's graphs read or write
+        (:meth:`DitFlowModel._solve_shapes` at the flow's steps and dtype; with :attr:`encoder` also
+        :meth:`DitFlowModel._encoder_shapes` of :meth:`DitFlowModel.encoder_bucket`)."""
+        shapes = self.flow._solve_shapes(b, mmax, cmax, self.n_timesteps, self.dtype)
+        if self.encoder:
+            shapes.update(self.flow._encoder_shapes(b, *self.flow.encoder_bucket(mmax, cmax), self.dtype))
+        return shapes
 
     def buffer_bytes(self, key: tuple[int, int, int]) -> int:
         """Bytes of a bucket's buffers (what the shared storages hold when ``key`` is the largest)."""
@@ -1400,20 +1785,40 @@ class GraphedDiTSolve(_GraphStage):
 
     @torch.inference_mode()
     def _warm_up(self, b: int, mmax: int, cmax: int) -> None:
-        """One eager solve of the bucket's shapes on private, fresh tensors (lazy initialisation)."""
+        """One eager solve (with :attr:`encoder`, encoder first) of the bucket's shapes on private,
+        fresh tensors (lazy initialisation)."""
         flow, steps, dev = self.flow, self.n_timesteps, self.device
         bufs = {name: torch.zeros(shape, dtype=dt, device=dev) for name, (shape, dt) in self._shapes(b, mmax, cmax).items()}
         bufs["mask"].fill_(True)
         bufs["new_len"].fill_(mmax)
         _, dts, blocks, final = flow._time_conditioning(steps, self.dtype, dev, cache=False)
         bufs.update(dt=dts, mod_blocks=blocks, mod_final=final)
+        if self.encoder:
+            self._warm_up_encoder(b, mmax, cmax, bufs)
         flow._euler(bufs, steps)
+
+    def _warm_up_encoder(self, b: int, mmax: int, cmax: int, bufs: dict | None = None) -> None:
+        """One eager run of the bucket's encoder graph body on private tensors (``bufs``: the solve
+        warm-up's, else fresh ones): lazily initialised state (GEMM and attention kernel choices,
+        workspaces) may depend on the shapes, and it is cheap next to a solve, so it runs for every
+        bucket, also those whose solve warm-up :meth:`capture` skips."""
+        flow = self.flow
+        if bufs is None:
+            bufs = {name: torch.zeros(shape, dtype=dt, device=self.device)
+                    for name, (shape, dt) in self._shapes(b, mmax, cmax).items()
+                    if name.startswith("enc_") or name == "static_in"}
+        flow._encoder_fill(bufs, flow.pre_lookahead_len)
+        flow._encode_graph_body(bufs)
+        self._enc_warmed.add((b, mmax, cmax))
 
     @torch.inference_mode()
     def _record_entry(self, key, background: bool):
         """Record :meth:`DitFlowModel._euler` over the bucket's buffers, all of them views of the
         storages shared by every graph (nothing written: :meth:`DitFlowModel._solve` rewrites every
-        input before a replay); returns ``(graph, buffers)``."""
+        input before a replay), and with :attr:`encoder` first
+        :meth:`DitFlowModel._encode_graph_body` (the padded encoder, writing the solve's ``mu``) as
+        a graph of its own in the same pool; returns ``(solve graph, buffers, encoder graph or
+        None)``. The solve graph alone serves callers that bring ``mu``."""
         from . import graphs as _graphs  # tests substitute graphs._record
 
         flow, steps, dev = self.flow, self.n_timesteps, self.device
@@ -1421,9 +1826,15 @@ class GraphedDiTSolve(_GraphStage):
         for name, (shape, dt) in shapes.items():  # grow every shared storage first
             self._shared(name, shape, dt, dev)
         bufs = {name: self._shared(name, shape, dt, dev) for name, (shape, dt) in shapes.items()}
+        g_enc = None
+        if self.encoder:
+            if tuple(key) not in self._enc_warmed:  # the bucket's solve warm-up was skipped (capture)
+                self._warm_up_encoder(*key)
+            g_enc, _ = _graphs._record(lambda: flow._encode_graph_body(bufs), self.pool, self.stream,
+                                       settle_first=not background)
         g, _ = _graphs._record(lambda: flow._euler(bufs, steps), self.pool, self.stream,
-                               settle_first=not background)
-        return g, bufs
+                               settle_first=not background and g_enc is None)
+        return g, bufs, g_enc
 
     def lookup(self, key):
         """The published ``(graph, buffers)`` of ``key`` or None (run eagerly); captures it now with
