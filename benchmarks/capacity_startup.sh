@@ -5,7 +5,8 @@
 # the same server. Full-size CosyVoice2-0.5B with random weights, ratio 6, exponential schedule, KServe gRPC, voice
 # `default`. PATH_KIND=unet (CosyVoice2 flow) or dit (Step-Audio2 DiT token2wav, full size, built here).
 # Usage: benchmarks/capacity_startup.sh OUT  (env: PATH_KIND, CAPACITY_LEVELS, MAX_ACTIVE, SERVE_ARGS, RAMP_S: each
-# capacity level's clients start over RAMP_S seconds, `bench --ramp-s`, default 0 = all at once; CHUNK_POLICY:
+# capacity level's clients start over RAMP_S seconds, `bench --ramp-s`, default 0 = all at once; OFFLINE_CLIENTS: then
+# one offline level (whole utterances, KServe gRPC ModelInfer) of that many clients x 3 requests; CHUNK_POLICY:
 # default exponential for unet, the DiT path's own default (15 tokens, then 25-token hops) for dit). Needs .whl.
 set -u
 cd "$(dirname "$0")/.."
@@ -30,6 +31,12 @@ echo "== capacity (voice default, 0 stalls, p99 <= 500 ms), then 2x overload"
 $CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default --capacity \
   --concurrency "$CAPACITY_LEVELS" --max-streams "$MAX_ACTIVE" --p99-bound-ms 500 --min-requests-per-client 3 \
   --overload 2 --ramp-s "${RAMP_S:-0}" --warmup 0 --out "$OUTDIR/capacity" 2>&1 | tail -30
+if [ -n "${OFFLINE_CLIENTS:-}" ]; then
+  echo "== offline throughput: $OFFLINE_CLIENTS clients x 3 requests"
+  $CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default \
+    --mode offline --concurrency "$OFFLINE_CLIENTS" --min-requests-per-client 3 --warmup 0 --out "$OUTDIR/offline" \
+    2>&1 | grep -A3 "^| clients"
+fi
 grep -i "capacity estimate" "$OUTDIR/server.log" | tail -3
 grep -i "graphs\b.*captured\|captured .* graph buckets" "$OUTDIR/server.log" | tail -3
 # the device tool brings back at most 8 files: the plots go, the reports and logs stay

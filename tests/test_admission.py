@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from _server import Server
 from cosyserve.client.bench import playback_stalls
-from cosyserve.engine.admission import AdmissionPolicy, CapacityEstimator, chunk_speedup
+from cosyserve.engine.admission import T2W_PERIOD_S, AdmissionPolicy, CapacityEstimator, chunk_speedup
 from cosyserve.engine.chunking import ChunkPolicy
 from cosyserve.engine.core import EngineConfig, QueueFullError
 from cosyserve.engine.request import AudioChunk, RequestFinished, SynthesisParams
@@ -118,6 +118,38 @@ def test_estimator_bounds_extrapolation_and_takes_the_tighter_resource():
     est4 = CapacityEstimator(25, target=1.0, clock=clock4)
     feed(est4, clock4, 0.01, 0.0, 0.0, rows=[2])
     assert est4.estimate() == pytest.approx(2 * 1.0 / (25 * 0.01), rel=0.06)
+
+
+def test_token2wav_fixed_part_is_budgeted_per_batch_period_not_per_stream():
+    """Token2wav batches cost ``a_t + k * audio``: a batch grows with the streams, so the fixed part
+    is charged once per ``T2W_PERIOD_S``, not per stream (the ratio of batch time to audio at small
+    batches priced each stream at up to twice its marginal cost: the H100's UNet and DiT servers
+    were held at the level being run). Batches of one size give no slope: the ratio again."""
+    clock = Clock()
+    est = CapacityEstimator(25, target=0.8, clock=clock)
+    a, c, a_t, k = 0.002, 0.0001, 0.06, 0.002  # an H100-like flat batch: 60 ms + 2 ms per audio second
+    g = torch.Generator().manual_seed(1)
+    for i in range(600):
+        b = 1 + i % 12
+        noise = 1 + 0.04 * (float(torch.rand(1, generator=g)) - 0.5)
+        est.observe_lm(b, (a + c * b) * noise, admitted=b)
+        if i % 3 == 0:
+            audio = 0.5 + 0.5 * (i % 7)  # 0.5 .. 3.5 s per batch
+            est.observe_t2w(audio, (a_t + k * audio) * noise)
+        clock.t += 0.02
+    exact = (0.8 - 25 * a - a_t / T2W_PERIOD_S) / (25 * c + k)
+    assert est.estimate() == pytest.approx(exact, rel=0.1)
+    ratio_model = (0.8 - 25 * a) / (25 * c + (a_t + k * 2.0) / 2.0)  # at the mean batch's 2 s of audio
+    assert est.estimate() > 3 * ratio_model
+    # every batch makes the same audio: no slope to fit, the ratio (pessimistic) stands
+    clock2 = Clock()
+    est2 = CapacityEstimator(25, target=0.8, clock=clock2)
+    for i in range(300):
+        est2.observe_lm(4, a + c * 4 + 1e-4 * (i % 2), admitted=4)
+        est2.observe_lm(8, a + c * 8, admitted=8)
+        est2.observe_t2w(2.0, a_t + k * 2.0)
+        clock2.t += 0.02
+    assert est2.estimate() == pytest.approx((0.8 - 25 * a) / (25 * c + (a_t + k * 2.0) / 2.0), rel=0.05)
 
 
 def test_policy_parsing_and_chunk_speedup(capsys):
@@ -399,7 +431,7 @@ def test_auto_admission_on_cuda_measures_the_device(tmp_path):
     assert sorted(e.request_id for e in done) == [f"g{i}" for i in range(8)]
     assert all(e.outcome.value == "ok" for e in done)
     model = core.capacity_model
-    assert model.device.lm.w > 0 and model.device.t2w.value() is not None and model.host.t2w.value() is not None
+    assert model.device.lm.w > 0 and model.device.t2w.solve() is not None and model.host.t2w.solve() is not None
     assert max(speedups) == pytest.approx(chunk_speedup(ChunkPolicy.parse("exponential")))
     assert model.last_estimate is not None and 1 <= core.capacity_streams <= 8
     assert obs.order == [f"g{i}" for i in range(8)] and all(obs.in_order)

@@ -13,14 +13,18 @@ the model's ``token_frame_rate``, 25/s for CosyVoice2) and one second of audio f
 * the LM advances every running stream by one token per step, so it needs ``R`` steps per
   second; a step over ``b`` rows costs ``L(b) = a + c*b`` seconds, fitted by exponentially
   weighted least squares over the steps the engine ran (prefills included, as they occur);
-* token2wav costs ``k`` seconds per second of audio (exponentially weighted ratio of batch
-  time to the audio the batch produced, at the batch sizes the engine currently runs);
-* a stream's chunk schedule may need more than 1x while it starts: with hops ``h1, h2, ...``
-  (tokens), chunk ``k+1`` must be made while chunks ``1..k`` play, so the engine must run
-  ``S = max_k (h2 + ... + h(k+1)) / (h1 + ... + hk)`` times faster than real time
-  (:func:`chunk_speedup`: 2 for the doubling ``upstream`` and ``exponential`` schedules, 1 for
-  ``fixed``; 1 for offline requests); the admitted streams' largest ``S`` applies;
-* the share of a resource that ``b`` streams need is ``U(b) = S*R*L(b) + b*k*(1 + (S-1)*f)``:
+* a token2wav batch that makes ``x`` seconds of audio costs ``T(x) = a_t + k*x`` seconds (a
+  fixed part per batch — launches, set-up work, kernels whose time hardly depends on the rows —
+  and a part per audio second), fitted like ``L(b)`` over the batches the engine ran. Batches are
+  formed from whatever chunks are ready, so with more streams they grow rather than multiply: the
+  fixed part is budgeted once per :data:`T2W_PERIOD_S` (the batch period the admitted streams may
+  grow the batches to), ``P = a_t / T2W_PERIOD_S``, not per stream. (The first model, a ratio
+  of batch time to audio at the batch sizes of the moment, charged the fixed part to every
+  stream: at light load it priced a stream at up to twice its marginal cost and held admission
+  at the level being run — 32 streams where one H100 kept 45 stall-free, docs/perf.md "Session
+  25". With batches of hardly varying audio the fit is that ratio again: ``a_t = 0``);
+* the share of a resource that ``b`` streams need is
+  ``U(b) = S*R*L(b) + P + b*k*(1 + (S-1)*f)``:
   the LM advances every stream at once, so it must keep the pace ``S*R`` of the newest stream;
   token2wav work is per stream and issued earliest-deadline-first as soon as a chunk's tokens
   exist (the LM runs ahead of playback), so the ``S``-fold pace binds only streams whose early,
@@ -66,6 +70,11 @@ START_CHUNKS = 2
 #: :func:`chunk_speedup` looks at the chunks of this many speech tokens (10 s at 25/s): later
 #: hops of a long utterance matter less (the LM usually finishes first) and none is infinite
 SPEEDUP_HORIZON_TOKENS = 250
+
+#: the token2wav batch period (seconds) the capacity model budgets a batch's fixed part for (module
+#: doc, ``P``): batches grow with the streams until one lasts about this long, so a first chunk
+#: waits at most about two periods for its batch
+T2W_PERIOD_S = 0.25
 
 
 def chunk_speedup(policy, horizon_tokens: int = SPEEDUP_HORIZON_TOKENS) -> float:
@@ -169,46 +178,30 @@ class _LinearFit:
         return a, c
 
 
-class _Ratio:
-    """Exponentially weighted ratio ``sum(num) / sum(den)``."""
-
-    def __init__(self):
-        self.num = self.den = 0.0
-
-    def decay(self, f: float) -> None:
-        self.num *= f
-        self.den *= f
-
-    def add(self, num: float, den: float) -> None:
-        self.num += num
-        self.den += den
-
-    def value(self) -> float | None:
-        return self.num / self.den if self.den > 1e-9 else None
-
-
 class _Resource:
-    """One resource's cost model: LM step seconds vs rows, token2wav seconds per audio second."""
+    """One resource's cost model: LM step seconds vs rows, token2wav batch seconds vs the audio
+    seconds it made (both ``a + c*x``)."""
 
     def __init__(self):
         self.lm = _LinearFit()
-        self.t2w = _Ratio()
+        self.t2w = _LinearFit()
 
     def decay(self, f: float) -> None:
         self.lm.decay(f)
         self.t2w.decay(f)
 
     def capacity(self, rate: float, target: float, audio: bool, t2w_factor: float = 1.0) -> float | None:
-        """Largest real number of streams ``b`` with ``rate*(a + c*b) + b*k*t2w_factor <= target``
-        (``rate`` already scaled by the speed-up; ``k`` only with ``audio``; None without LM data,
-        or without token2wav data when ``audio``; ``inf`` if nothing grows with ``b``)."""
+        """Largest real number of streams ``b`` with
+        ``rate*(a + c*b) + a_t/T2W_PERIOD_S + b*k*t2w_factor <= target`` (``rate`` already scaled
+        by the speed-up; token2wav only with ``audio``); None without LM data, or without
+        token2wav data when ``audio``; ``inf`` if nothing grows with ``b``."""
         fit = self.lm.solve()
-        k = self.t2w.value() if audio else 0.0
-        if fit is None or k is None:
+        t2w = self.t2w.solve() if audio else (0.0, 0.0)
+        if fit is None or t2w is None:
             return None
-        a, c = fit
+        (a, c), (a_t, k) = fit, t2w
         per_stream = rate * c + k * t2w_factor
-        room = target - rate * a
+        room = target - rate * a - a_t / T2W_PERIOD_S
         if room <= 0:
             return 0.0
         return math.inf if per_stream <= 0 else room / per_stream
@@ -283,9 +276,9 @@ class CapacityEstimator:
         if not audio_s > 0 or not host_s >= 0:
             return
         self._decay()
-        self.host.t2w.add(host_s, audio_s)
+        self.host.t2w.add(audio_s, host_s)
         if device_s is not None and device_s >= 0:
-            self.device.t2w.add(device_s, audio_s)
+            self.device.t2w.add(audio_s, device_s)
 
     def estimate(self) -> float | None:
         """The model's capacity in streams (a real number, unbounded by slow start and
@@ -313,4 +306,5 @@ class CapacityEstimator:
         return self.last
 
 
-__all__ = ["AdmissionPolicy", "CapacityEstimator", "chunk_speedup", "SPEEDUP_HORIZON_TOKENS", "START_CHUNKS"]
+__all__ = ["AdmissionPolicy", "CapacityEstimator", "chunk_speedup", "SPEEDUP_HORIZON_TOKENS", "START_CHUNKS",
+           "T2W_PERIOD_S"]
