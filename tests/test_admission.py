@@ -340,6 +340,33 @@ def test_auto_admission_estimates_the_artificial_capacity(synth):
     assert obs.admissions._value.get() == 6
 
 
+def test_auto_admission_is_bounded_by_device_memory(synth, caplog):
+    """Per-stream token2wav caches (the DiT path's ~180 MB at full size) bound admission: active
+    streams never need more than the device's available memory (less a 5 % reserve) at 2 copies
+    each, whatever the time-based capacity estimate says. The device is faked: available memory
+    drops by two state sizes per active stream and leaves room for 1 (the time-based estimate
+    admits 2-3 here)."""
+    core, _ = slow_engine(synth, max_active=16, max_queue=16, admission="auto")
+    per, total = 100, 10_000
+    core.t2w.stream_state_bytes = lambda: per
+    core._device_memory = lambda: (int(0.05 * total) + 2 * per * (1 - len(core._active)), total)
+    peak = []
+    step = core.step
+
+    def tracked():
+        events = step()
+        peak.append(len(core._active))
+        return events
+
+    core.step = tracked
+    with caplog.at_level("WARNING", logger="cosyserve.engine.core"):
+        res = run_load(synth, core, 5)
+    assert max(peak) == 1 and all(r["done"].outcome.value == "ok" for r in res.values())
+    assert sum("bounded by device memory" in r.getMessage() for r in caplog.records) == 1
+    core.t2w.stream_state_bytes = lambda: 0  # streams that hold little: no memory bound
+    assert core._memory_limit() is None
+
+
 # ---------------------------------------------------------------------------- /metrics
 
 

@@ -247,6 +247,11 @@ T2W_ATTENTION_LEN = 1024  #: see ``EngineConfig.max_t2w_tokens``: the attention 
 #: the Step-Audio2 DiT solve graphs plan no bucket whose buffers (held once captured) exceed this
 #: share of the device's memory (at full size a 64-row bucket of 75 frames + 640 cached is 28 GB)
 DIT_GRAPH_BUFFER_SHARE = 0.25
+#: admission's memory bound (:meth:`EngineCore._memory_limit`): device memory kept free, as a share of
+#: the device's, and how many copies of a stream's caches a stream is budgeted for
+MEMORY_RESERVE_SHARE = 0.05
+MEMORY_PER_STREAM_COPIES = 2
+MEMORY_GROWING_CHUNKS = 3
 T2W_SLACK_MIN_S = 0.15  #: adaptive ``t2w_slack_s``: lower bound (seconds)
 T2W_SLACK_MAX_S = 1.0  #: adaptive ``t2w_slack_s``: upper bound (seconds)
 
@@ -436,6 +441,7 @@ class EngineCore:
         self._t2w_host_s = 0.0  # scheduler-thread token2wav seconds since the last batch was emitted
         self._last_admitted_arrival = float("-inf")
         self._logged_capacity: int | None = None
+        self._memory_bound_logged = False
         self._limit = self._admission_limit()
 
     def _t2w_graphs(self, models, config: EngineConfig) -> list:
@@ -817,10 +823,49 @@ class EngineCore:
                     hook(cap, est)
             self._logged_capacity = cap
         if self.admission.mode == "auto":
+            mem = self._memory_limit() if self._waiting else None
+            if mem is not None and mem < min(cap, self.cfg.max_active):
+                if not self._memory_bound_logged:
+                    log.warning("admission bounded by device memory: %d streams (per-stream caches %.0f MB; "
+                                "real-time capacity estimate %d)", mem, self.t2w.stream_state_bytes() / 1e6, cap,
+                                extra={"event": "memory_bound", "streams": mem})
+                    self._memory_bound_logged = True
+                return max(1, mem)
             return min(cap, self.cfg.max_active)
         if self.admission.mode == "fixed":
             return min(self.admission.streams, self.cfg.max_active)
         return self.cfg.max_active
+
+    def _device_memory(self) -> tuple[int, int] | None:
+        """``(bytes the engine's device can still allocate, its total bytes)``; None on CPU. Available
+        = free memory plus what the caching allocator holds unused (``torch.cuda.mem_get_info`` +
+        reserved - allocated)."""
+        if not self.cache.k.is_cuda:
+            return None
+        dev = self.cache.k.device
+        free, total = torch.cuda.mem_get_info(dev)
+        return int(free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)), int(total)
+
+    def _memory_limit(self) -> int | None:
+        """Streams that may be active so that every one's per-stream token2wav caches fit in device
+        memory (``auto`` admission on CUDA; None where the backend's streams hold little,
+        :meth:`~cosyserve.engine.token2wav.Token2WavBackend.stream_state_bytes`, or on CPU): the
+        active ones plus as many more as the available memory, less a reserve of
+        ``MEMORY_RESERVE_SHARE`` of the device, holds at ``MEMORY_PER_STREAM_COPIES`` x the largest
+        per-stream state seen (a batch holds a stream's old and new caches at once), less the active
+        streams that have sent fewer than ``MEMORY_GROWING_CHUNKS`` chunks (their caches still grow:
+        admitted, not yet allocated). Without it the
+        capacity estimate, which models time, not memory, admitted 106-128 DiT streams on an H100
+        whose memory held ~70 (CUDA out of memory, docs/perf.md "Session 25")."""
+        per = self.t2w.stream_state_bytes()
+        mem = self._device_memory() if per > 0 else None
+        if mem is None:
+            return None
+        available, total = mem
+        room = available - MEMORY_RESERVE_SHARE * total
+        # active streams whose caches have not reached their trimmed size yet still need it
+        growing = sum(1 for st in self._active.values() if st.chunks < MEMORY_GROWING_CHUNKS)
+        return len(self._active) + max(0, int(room // (MEMORY_PER_STREAM_COPIES * per)) - growing)
 
     def _admit(self) -> None:
         """Activate queued requests in arrival order while fewer than the admission limit are

@@ -88,6 +88,12 @@ class Token2WavBackend:
         CosyVoice2/3 flows re-run the prompt and every token so far on each chunk: ``prompt + end``."""
         return prompt_tokens + end
 
+    def stream_state_bytes(self) -> int:
+        """Device bytes one streaming segment's per-stream caches hold at most (the largest seen so
+        far), for the engine's memory bound on admission; 0 where they are small next to the
+        model (the CosyVoice2/3 flows recompute each chunk: their streams hold only the HiFT state)."""
+        return 0
+
     @torch.inference_mode()
     def run(self, jobs: list[Token2WavJob]) -> list[Token2WavResult]:
         """Run ``jobs`` as one batch; results in job order (blocking)."""

@@ -82,6 +82,7 @@ class DitToken2WavBackend(Token2WavBackend):
         self.setup_cache_size = setup_cache_size
         self._setups: OrderedDict[str, object] = OrderedDict()  # prompt hash -> DitStreamState
         self.setup_hits = 0
+        self._state_bytes = 0  # the largest per-stream flow state seen (stream_state_bytes)
 
     @staticmethod
     def _prompt_key(pt: torch.Tensor, pm: torch.Tensor, emb: torch.Tensor) -> str:
@@ -91,6 +92,11 @@ class DitToken2WavBackend(Token2WavBackend):
             h.update(str((t.dtype, tuple(t.shape))).encode())
             h.update(t.numpy().tobytes() if t.dtype != torch.bfloat16 else t.float().numpy().tobytes())
         return h.hexdigest()
+
+    def stream_state_bytes(self) -> int:
+        """The largest per-stream DiT flow state seen (encoder and per-step estimator caches, at
+        full size ~180 MB in bf16 once trimmed to ``P + TRIM_KEEP`` frames); 0 before any chunk."""
+        return self._state_bytes
 
     def cost_tokens(self, prompt_tokens: int, end: int, token_offset: int) -> int:
         """A stream's first job runs the prompt set-up too (``prompt + end``); a later chunk computes
@@ -193,6 +199,7 @@ class DitToken2WavBackend(Token2WavBackend):
                 else:
                     # r.state is trimmed already (forward_items with trim_keep=TRIM_KEEP)
                     new_states.append(DitT2WStreamState(flow=r.state, hift=hs, started=True))
+                    self._state_bytes = max(self._state_bytes, r.state.nbytes())
             if marks is not None:
                 stamps.append(marks.mark(stream))
             event = None
