@@ -342,14 +342,13 @@ def test_auto_admission_estimates_the_artificial_capacity(synth):
 
 def test_auto_admission_is_bounded_by_device_memory(synth, caplog):
     """Per-stream token2wav caches (the DiT path's ~180 MB at full size) bound admission: active
-    streams never need more than the device's available memory (less a 5 % reserve) at 2 copies
-    each, whatever the time-based capacity estimate says. The device is faked: available memory
-    drops by two state sizes per active stream and leaves room for 1 (the time-based estimate
-    admits 2-3 here)."""
+    streams never need more than the device's memory (less a 5 % reserve and what the rest holds) at 2 copies
+    each, whatever the time-based capacity estimate says. The device is faked: what the rest holds
+    leaves room for 1 stream (the time-based estimate admits 2-3 here)."""
     core, _ = slow_engine(synth, max_active=16, max_queue=16, admission="auto")
     per, total = 100, 10_000
     core.t2w.stream_state_bytes = lambda: per
-    core._device_memory = lambda: (int(0.05 * total) + 2 * per * (1 - len(core._active)), total)
+    core._device_memory = lambda: (int(0.95 * total) - 2 * per, total)  # room for one stream's 2 copies
     peak = []
     step = core.step
 
@@ -365,6 +364,22 @@ def test_auto_admission_is_bounded_by_device_memory(synth, caplog):
     assert sum("bounded by device memory" in r.getMessage() for r in caplog.records) == 1
     core.t2w.stream_state_bytes = lambda: 0  # streams that hold little: no memory bound
     assert core._memory_limit() is None
+
+
+def test_dit_chunk_batches_stay_within_the_rows_whose_buffers_fit():
+    """A DiT solve graph's ``max_rows`` (the most rows whose bucket buffers fit the planned memory
+    share) bounds the scheduler's batches: a larger one would run eagerly on fresh buffers of tens of
+    GB at full size. A lone job always runs."""
+    from types import SimpleNamespace
+
+    from cosyserve.engine.core import EngineCore
+
+    fake = SimpleNamespace(models=SimpleNamespace(flow=SimpleNamespace(graph=SimpleNamespace(max_rows=4, grid=None))),
+                           cfg=EngineConfig(max_t2w_tokens=16384))
+    assert EngineCore._t2w_fits(fake, 4, 100) and not EngineCore._t2w_fits(fake, 5, 100)
+    assert EngineCore._t2w_fits(fake, 1, 16000) and not EngineCore._t2w_fits(fake, 4, 5000)  # the token budget
+    fake.models.flow.graph.max_rows = None
+    assert EngineCore._t2w_fits(fake, 64, 100)
 
 
 # ---------------------------------------------------------------------------- /metrics

@@ -521,6 +521,15 @@ class EngineCore:
             if dev.type == "cuda" else None
         n = graph.plan(setups, chunks, config.max_t2w_batch, up_rate=flow.up_rate, max_bytes=max_bytes,
                        fits=lambda rows, tokens: within_budgets(rows, tokens, budget, budget * T2W_ATTENTION_LEN))
+        # chunk batches stay within the rows whose buffers fit at the largest chunk frames and cache
+        # planned: a larger batch would run eagerly on fresh buffers of its bucket (tens of GB at full
+        # size: the H100 ran out of memory at ~96 streams, docs/perf.md "Session 25")
+        chunk_keys = [k for k in graph.keys() if k[2] > 0]
+        if max_bytes is not None and chunk_keys:
+            fmax, cmax = max(k[1] for k in chunk_keys), max(k[2] for k in chunk_keys)
+            fitting = [r for r in graph.rows_buckets(config.max_t2w_batch)
+                       if graph.buffer_bytes((r, fmax, cmax)) <= max_bytes]
+            graph.max_rows = max(fitting, default=1)
         if n != before:
             top = max(graph.buffer_bytes(k) for k in graph.keys()) if n and graph.flow is not None else 0
             log.info("DiT solve graphs: %d buckets planned (chunk policy %s; %d set-up and %d chunk shapes; rows up "
@@ -837,35 +846,34 @@ class EngineCore:
         return self.cfg.max_active
 
     def _device_memory(self) -> tuple[int, int] | None:
-        """``(bytes the engine's device can still allocate, its total bytes)``; None on CPU. Available
-        = free memory plus what the caching allocator holds unused (``torch.cuda.mem_get_info`` +
-        reserved - allocated)."""
+        """``(bytes the caching allocator holds on the engine's device, the device's total bytes)``;
+        None on CPU."""
         if not self.cache.k.is_cuda:
             return None
         dev = self.cache.k.device
-        free, total = torch.cuda.mem_get_info(dev)
-        return int(free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)), int(total)
+        return int(torch.cuda.memory_reserved(dev)), int(torch.cuda.get_device_properties(dev).total_memory)
 
     def _memory_limit(self) -> int | None:
         """Streams that may be active so that every one's per-stream token2wav caches fit in device
         memory (``auto`` admission on CUDA; None where the backend's streams hold little,
         :meth:`~cosyserve.engine.token2wav.Token2WavBackend.stream_state_bytes`, or on CPU): the
-        active ones plus as many more as the available memory, less a reserve of
-        ``MEMORY_RESERVE_SHARE`` of the device, holds at ``MEMORY_PER_STREAM_COPIES`` x the largest
-        per-stream state seen (a batch holds a stream's old and new caches at once), less the active
-        streams that have sent fewer than ``MEMORY_GROWING_CHUNKS`` chunks (their caches still grow:
-        admitted, not yet allocated). Without it the
-        capacity estimate, which models time, not memory, admitted 106-128 DiT streams on an H100
-        whose memory held ~70 (CUDA out of memory, docs/perf.md "Session 25")."""
+        device's memory less a reserve of ``MEMORY_RESERVE_SHARE`` and less what the rest holds
+        (the allocator's reservation — weights, KV cache, graph pools, cached blocks — minus the
+        caches of the active streams that have sent ``MEMORY_GROWING_CHUNKS`` chunks, i.e. reached
+        their trimmed size), divided by ``MEMORY_PER_STREAM_COPIES`` x the largest per-stream state
+        seen (a batch holds a stream's old and new caches at once). Counting cached blocks as held
+        errs on the safe side. Without it the capacity estimate, which models time, not memory,
+        admitted 106-128 DiT streams on an H100 (CUDA out of memory, docs/perf.md "Session 25")."""
         per = self.t2w.stream_state_bytes()
         mem = self._device_memory() if per > 0 else None
         if mem is None:
             return None
-        available, total = mem
-        room = available - MEMORY_RESERVE_SHARE * total
-        # active streams whose caches have not reached their trimmed size yet still need it
-        growing = sum(1 for st in self._active.values() if st.chunks < MEMORY_GROWING_CHUNKS)
-        return len(self._active) + max(0, int(room // (MEMORY_PER_STREAM_COPIES * per)) - growing)
+        reserved, total = mem
+        # what the rest holds: the allocator's reservation (graph pools and cached blocks included)
+        # less the caches of the active streams that have reached their trimmed size
+        full = sum(1 for st in self._active.values() if st.chunks >= MEMORY_GROWING_CHUNKS)
+        room = (1.0 - MEMORY_RESERVE_SHARE) * total - (reserved - full * per)
+        return max(0, int(room // (MEMORY_PER_STREAM_COPIES * per)))
 
     def _admit(self) -> None:
         """Activate queued requests in arrival order while fewer than the admission limit are
@@ -1328,9 +1336,13 @@ class EngineCore:
         tokens, within ``max_t2w_tokens`` (rows x tokens) and its attention budget (rows x
         tokens², ``max_t2w_tokens x T2W_ATTENTION_LEN``)? Padded shapes with CUDA graphs (the
         flow graph's bucket: what runs, and exactly the buckets captured at start-up)."""
-        grid = getattr(getattr(self.models.flow, "graph", None), "grid", None)  # the DiT's step graphs have none
+        graph = getattr(self.models.flow, "graph", None)
+        grid = getattr(graph, "grid", None)  # the DiT's step graphs have none
         if grid is not None:
             return grid.fits(rows, n_tokens)
+        max_rows = getattr(graph, "max_rows", None)  # the DiT solve: rows whose buffers fit in memory
+        if max_rows is not None and rows > max_rows and rows > 1:
+            return False
         budget = self.cfg.max_t2w_tokens
         return within_budgets(rows, n_tokens, budget, budget * T2W_ATTENTION_LEN)
 

@@ -1607,6 +1607,9 @@ class GraphedDiTSolve(_GraphStage):
         self._plan_replaced = False  # replace_default_plan() was done
         self._warm_classes: set[tuple[bool, bool]] = set()  # warm-up classes captured once (capture)
         self.replays = 0
+        #: the engine's scheduler forms chunk batches of at most this many items (None: no bound): the
+        #: most rows whose buffers fit the memory share the plan allows (EngineCore._plan_dit_graphs)
+        self.max_rows: int | None = None
         #: solves per bucket ``(rows, frames, cache)`` seen by :meth:`DitFlowModel._solve` (graphed or eager)
         self.used: Counter = Counter()
 
