@@ -369,7 +369,7 @@ def test_auto_admission_is_bounded_by_device_memory(synth, caplog):
 def test_dit_chunk_batches_stay_within_the_rows_whose_buffers_fit():
     """A DiT solve graph's ``max_rows`` (the most rows whose bucket buffers fit the planned memory
     share) bounds the scheduler's batches: a larger one would run eagerly on fresh buffers of tens of
-    GB at full size. A lone job always runs."""
+    GB at full size (the scheduler takes the most urgent job alone whatever fits)."""
     from types import SimpleNamespace
 
     from cosyserve.engine.core import EngineCore
@@ -377,7 +377,7 @@ def test_dit_chunk_batches_stay_within_the_rows_whose_buffers_fit():
     fake = SimpleNamespace(models=SimpleNamespace(flow=SimpleNamespace(graph=SimpleNamespace(max_rows=4, grid=None))),
                            cfg=EngineConfig(max_t2w_tokens=16384))
     assert EngineCore._t2w_fits(fake, 4, 100) and not EngineCore._t2w_fits(fake, 5, 100)
-    assert EngineCore._t2w_fits(fake, 1, 16000) and not EngineCore._t2w_fits(fake, 4, 5000)  # the token budget
+    assert EngineCore._t2w_fits(fake, 2, 1000) and not EngineCore._t2w_fits(fake, 4, 5000)  # the token budget
     fake.models.flow.graph.max_rows = None
     assert EngineCore._t2w_fits(fake, 64, 100)
 
