@@ -16,26 +16,18 @@ import copy
 import pytest
 import torch
 
-from cosyserve.models.dit_flow import TRIM_KEEP, DitItem, trim_state
-from cosyserve.models.dit_token2wav import TINY_SIZE, load_dit_token2wav, write_token2wav_dir
-
+from _dit import prompts as _prompts
+from _dit import tiny_t2w
 from _reference import rel_l2
+from cosyserve.models.dit_flow import TRIM_KEEP, DitItem, trim_state
 
 FIELDS = ("spk", "enc_att1", "enc_att2", "enc_lookahead", "enc_up", "est_att", "est_cnn")
-PROMPT_TOKENS = (6, 17, 11, 23)  # different prompt (and so cache) lengths
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def t2w(tmp_path_factory):
-    torch.set_num_threads(1)
-    return load_dit_token2wav(write_token2wav_dir(tmp_path_factory.mktemp("t2w") / "t2w", TINY_SIZE))
-
-
-def _prompts(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 6561, (n,), generator=g), torch.randn(2 * n, 80, generator=g),
-             torch.randn(192, generator=g)) for n in PROMPT_TOKENS]
+    return tiny_t2w(tmp_path_factory)
 
 
 def _assert_states(got, ref, what: str) -> None:

@@ -20,28 +20,21 @@ import copy
 import pytest
 import torch
 
+from _dit import Replay, stand_in_record, tiny_t2w
+from _dit import prompts as _prompts
 from _reference import rel_l2
 from cosyserve.models import graphs as G
 from cosyserve.models.dit_flow import TRIM_KEEP, DitItem, GraphedDiTSolve
-from cosyserve.models.dit_token2wav import TINY_SIZE, load_dit_token2wav, write_token2wav_dir
 
 FIELDS = ("spk", "enc_att1", "enc_att2", "enc_lookahead", "enc_up", "est_att", "est_cnn")
 ENC_FIELDS = ("enc_att1", "enc_att2", "enc_lookahead", "enc_up")
-PROMPT_TOKENS = (6, 17, 11, 23)
 EXACT = 1e-6  # padded vs eager encoder: float32 round-off
 TOL = 1e-5  # whole flow (the solve adds its own summation-order noise), as tests/test_dit_batch_ops.py
 
 
 @pytest.fixture(scope="module")
 def t2w(tmp_path_factory):
-    torch.set_num_threads(1)
-    return load_dit_token2wav(write_token2wav_dir(tmp_path_factory.mktemp("t2w") / "t2w", TINY_SIZE))
-
-
-def _prompts(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 6561, (n,), generator=g), torch.randn(2 * n, 80, generator=g),
-             torch.randn(192, generator=g)) for n in PROMPT_TOKENS]
+    return tiny_t2w(tmp_path_factory)
 
 
 def _toks(g: torch.Generator, n: int) -> torch.Tensor:
@@ -136,19 +129,6 @@ def test_encoder_bucket_follows_the_solve_bucket(t2w):
         states = [s for _, s in flow.chunk_batch(states, [_toks(g, n) for n in lens], [False] * len(states))]
 
 
-class _Replay:
-    """A stand-in CUDA graph: replay() runs the recorded function again (on the same tensors)."""
-
-    def __init__(self, run):
-        self.run, self.replays = run, 0
-
-    def replay(self):
-        self.replays += 1
-        self.run()
-
-
-def _stand_in_record(run, pool, stream, settle_first=True):
-    return _Replay(run), None  # recording runs nothing (as CUDA's)
 
 
 def _streams(flow, eager, g, rounds: int, capture):
@@ -183,7 +163,7 @@ def test_graphed_encoder_replays_equal_eager(t2w, monkeypatch):
     """With the stand-in recording, each batch's bucket is captured (encoder + solve graphs) and
     replayed: mels and states equal the eager flow's across chunks (states carried); every replay runs
     the encoder graph then the solve graph."""
-    monkeypatch.setattr(G, "_record", _stand_in_record)
+    monkeypatch.setattr(G, "_record", stand_in_record)
     flow = copy.deepcopy(t2w.flow)
     graph = flow.enable_cuda_graphs(frames_bucket=16, cache_bucket=48)
     assert graph.encoder
@@ -191,7 +171,7 @@ def test_graphed_encoder_replays_equal_eager(t2w, monkeypatch):
     def capture(flow, items):
         key = _batch_key(flow, items)
         entry = graph.capture(key)
-        assert isinstance(entry[2], _Replay)
+        assert isinstance(entry[2], Replay)
 
     capture(flow, [flow.setup_item(*p) for p in _prompts(5)])  # the set-up batch
     _streams(flow, t2w.flow, torch.Generator().manual_seed(6), 5, capture)
@@ -204,7 +184,7 @@ def test_same_bucket_reuses_graphs_and_solve_only_use_stays(t2w, monkeypatch):
     """A second batch with other token counts in the same bucket replays the same graphs (nothing new
     captured) and equals eager; a caller bringing its own ``mu`` (:meth:`_solve`) replays the solve
     graph alone; ``encoder=False`` records the solve only (the encoder runs eagerly)."""
-    monkeypatch.setattr(G, "_record", _stand_in_record)
+    monkeypatch.setattr(G, "_record", stand_in_record)
     ref_flow = t2w.flow
     prompts, states = _grown_states(ref_flow, 7, 3)
     for enc_graph in (True, False):

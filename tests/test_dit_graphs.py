@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from _dit import stand_in_record
 from _reference import dit_discover, dit_tensors, one_thread, rel_l2
 from cosyserve.engine.chunking import DIT_CHUNK_POLICY, ChunkPolicy, default_chunk_policy
 from cosyserve.engine.core import EngineConfig, EngineCore
@@ -29,19 +30,6 @@ def _single_thread():
         yield
 
 
-class _Replay:
-    """A stand-in CUDA graph: replay() runs the recorded function again (on the same tensors)."""
-
-    def __init__(self, run):
-        self.run, self.replays = run, 0
-
-    def replay(self):
-        self.replays += 1
-        self.run()
-
-
-def _stand_in_record(run, pool, stream, settle_first=True):
-    return _Replay(run), None  # recording runs nothing (as CUDA's)
 
 
 # ---------------------------------------------------------------------------------------------- arithmetic
@@ -186,7 +174,7 @@ def test_published_graphs_give_the_eager_results(t2w, monkeypatch):  # noqa: F81
     from cosyserve.engine.token2wav_dit import DitToken2WavBackend
     from cosyserve.models.dit_token2wav import DitToken2Wav
 
-    monkeypatch.setattr(G, "_record", _stand_in_record)
+    monkeypatch.setattr(G, "_record", stand_in_record)
     t = dit_tensors(STREAM[0])
     flow = copy.deepcopy(t2w.flow)
     graph = flow.enable_cuda_graphs()
@@ -222,7 +210,7 @@ def test_capture_steps_never_write_what_replays_read(t2w, monkeypatch):  # noqa:
     conditioning cache of the serving path is not touched by a warm-up."""
     import copy
 
-    monkeypatch.setattr(G, "_record", _stand_in_record)
+    monkeypatch.setattr(G, "_record", stand_in_record)
     flow = copy.deepcopy(t2w.flow)
     graph = flow.enable_cuda_graphs()
     graph.plan({(40, 0)}, {(50, 40), (6, 90)}, max_rows=2)
@@ -274,7 +262,7 @@ def test_engine_has_the_dit_stage_and_warms_it(dit_model_dirs, monkeypatch, tmp_
     from cosyserve.engine.pipeline import Synthesizer
     from cosyserve.server.state import ServerConfig, ServerState
 
-    monkeypatch.setattr(G, "_record", _stand_in_record)
+    monkeypatch.setattr(G, "_record", stand_in_record)
     md, t2w_dir = dit_model_dirs
     syn = Synthesizer(md, token2wav_dir=t2w_dir, normalizer="none")
     cfg = EngineConfig(max_active=2, kv_max_len=128, stream_prompt_s=(1.0, 1.2))

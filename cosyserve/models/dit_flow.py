@@ -195,6 +195,20 @@ def _conv_tc(conv: nn.Conv1d, x: Tensor) -> Tensor:
     return F.linear(cols, conv.weight.reshape(conv.out_channels, -1), conv.bias)
 
 
+def _right_padded(rows: Sequence[list[int] | None], width: int) -> list[int]:
+    """Host token lists right-padded with 0 to ``width`` each, concatenated (a row that is None —
+    tokens on the device, copied in afterwards — is all zeros): the flat ``[len(rows) * width]`` list
+    one host-to-device copy moves."""
+    flat: list[int] = []
+    for v in rows:
+        if v is None:
+            flat += [0] * width
+        else:
+            flat += v
+            flat += [0] * (width - len(v))
+    return flat
+
+
 def _last_frames_tc(xx: Tensor, n: int, new_len: Tensor | None) -> Tensor:
     """From time-major ``xx [N, n + T, C]`` (n cached frames + T new, padded) the last ``n`` valid
     frames per row (``new_len [N]`` new frames per row; None: all ``T``), channel-major ``[N, C, n]``."""
@@ -709,14 +723,7 @@ class DitFlowModel(nn.Module):
         dev = self.input_embedding.weight.device
         host, other, lens = self._token_lists(items, check_device) if lists is None else lists
         lmax = max(lens)
-        flat: list[int] = []
-        for v in host:
-            if v is None:
-                flat += [0] * lmax
-            else:
-                flat += v
-                flat += [0] * (lmax - len(v))
-        tok = _ints(flat, dev).view(len(items), lmax)
+        tok = _ints(_right_padded(host, lmax), dev).view(len(items), lmax)
         for i, t in other.items():
             tok[i, : lens[i]] = t
         return tok, lens
@@ -889,13 +896,7 @@ class DitFlowModel(nn.Module):
         kv1, kv2 = bufs["enc_kv1"], bufs["enc_kv2"]
         dev = kv1.device
         pad = bb - b
-        flat: list[int] = []
-        for v in host:
-            if v is None:
-                flat += [0] * lb
-            else:
-                flat += v
-                flat += [0] * (lb - len(v))
+        flat = _right_padded(host, lb)
         flat += [0] * (lb * pad)
         flat += lens
         flat += [1] * pad
