@@ -362,6 +362,7 @@ def test_auto_admission_is_bounded_by_device_memory(synth, caplog):
         res = run_load(synth, core, 5)
     assert max(peak) == 1 and all(r["done"].outcome.value == "ok" for r in res.values())
     assert sum("bounded by device memory" in r.getMessage() for r in caplog.records) == 1
+    assert core.capacity_streams == 1  # the gauge shows the bound admission used
     core.t2w.stream_state_bytes = lambda: 0  # streams that hold little: no memory bound
     assert core._memory_limit() is None
 

@@ -442,6 +442,7 @@ class EngineCore:
         self._last_admitted_arrival = float("-inf")
         self._logged_capacity: int | None = None
         self._memory_bound_logged = False
+        self._memory_cap: int | None = None  # the latest memory bound on active streams (auto admission)
         self._limit = self._admission_limit()
 
     def _t2w_graphs(self, models, config: EngineConfig) -> list:
@@ -663,12 +664,13 @@ class EngineCore:
     @property
     def capacity_streams(self) -> float:
         """The real-time capacity in streams as admission sees it: the estimate (with slow
-        start) in ``auto`` mode, N in fixed mode; in ``off`` mode the estimate, not enforced
+        start; at most the device-memory bound, :meth:`_memory_limit`) in ``auto`` mode, N in fixed mode; in ``off`` mode the estimate, not enforced
         (NaN before anything was measured). Capped at ``max_active``."""
         if self.admission.mode == "fixed":
             return float(min(self.admission.streams, self.cfg.max_active))
         if self.admission.mode == "auto":
-            return float(self.capacity_model.last)
+            mem = self._memory_cap
+            return float(self.capacity_model.last if mem is None else max(1, min(self.capacity_model.last, mem)))
         est = self.capacity_model.last_estimate
         return float("nan") if est is None else float(max(1, min(int(min(est, 1e9)), self.cfg.max_active)))
 
@@ -832,7 +834,8 @@ class EngineCore:
                     hook(cap, est)
             self._logged_capacity = cap
         if self.admission.mode == "auto":
-            mem = self._memory_limit() if self._waiting else None
+            mem = self._memory_limit() if self._waiting else self._memory_cap
+            self._memory_cap = mem
             if mem is not None and mem < min(cap, self.cfg.max_active):
                 if not self._memory_bound_logged:
                     log.warning("admission bounded by device memory: %d streams (per-stream caches %.0f MB; "
