@@ -455,9 +455,10 @@ def test_cli_synthesize_with_token2wav_dir(tmp_path, capsys, dit_model_dirs):
     assert code != 0 and "missing" in err and "Traceback" not in err
 
 
-def test_engine_batches_streams_of_the_dit_backend(dit_model_dirs):
-    """Several streaming requests in one engine: chunks of different streams share token2wav batches and each
-    request's audio equals its audio when run alone."""
+def _engine_streams_and_alone(dit_model_dirs, seeds, before_engine=None):
+    """Streaming requests (one per seed, fixed 15-token chunks) run alone, then together in one engine of
+    the DiT backend (``before_engine()`` runs in between, e.g. to inject a fault). Returns ``(engine stats,
+    requests, chunks per request id, RequestFinished per request id, audio of each request alone)``."""
     from _reference import reference_dir
     from cosyserve.engine.chunking import ChunkPolicy
     from cosyserve.engine.core import EngineConfig
@@ -468,27 +469,66 @@ def test_engine_batches_streams_of_the_dit_backend(dit_model_dirs):
     syn = Synthesizer(md, token2wav_dir=t2w, normalizer="none")
     voice = syn.make_voice("v", reference_dir() / "audio" / "zero_shot_prompt.wav", "希望你以后能够做的比我还好呦。")
     params = [SynthesisParams(stream=True, seed=s, min_token_text_ratio=6, max_token_text_ratio=7,
-                              chunk_policy=ChunkPolicy.parse("fixed:15")) for s in (1, 2)]
+                              chunk_policy=ChunkPolicy.parse("fixed:15")) for s in seeds]
     alone = [syn.synthesize("你好，世界。", voice, p).audio for p in params]
-    engine = syn.new_engine(EngineConfig(max_active=2))
+    if before_engine is not None:
+        before_engine()
+    engine = syn.new_engine(EngineConfig(max_active=len(params)))
     try:
         reqs = [syn.build_request("你好，世界。", voice, p) for p in params]
         for r in reqs:
             engine.add_request(r)
         chunks = {r.request_id: [] for r in reqs}
+        done = {}
         while engine.has_work():
             for ev in engine.step():
                 if hasattr(ev, "samples"):
                     chunks[ev.request_id].append(ev.samples)
+                elif hasattr(ev, "outcome"):
+                    done[ev.request_id] = ev
     finally:
         engine.close()
-    assert max(engine.stats.t2w_batches) >= 2  # chunks of both streams ran together
+    return engine.stats, reqs, chunks, done, alone
+
+
+def test_engine_batches_streams_of_the_dit_backend(dit_model_dirs):
+    """Several streaming requests in one engine: chunks of different streams share token2wav batches and each
+    request's audio equals its audio when run alone."""
+    stats, reqs, chunks, _, alone = _engine_streams_and_alone(dit_model_dirs, (1, 2))
+    assert max(stats.t2w_batches) >= 2  # chunks of both streams ran together
     for r, ref in zip(reqs, alone):
         got = torch.from_numpy(np.concatenate(chunks[r.request_id]))
         assert got.shape == ref.shape
         # flow batching noise (~1e-7, test_batched_streaming_equals_single_streams) amplified by HiFT's F0
         # phase integration; the CosyVoice2 path's engine tests use the same bound (test_pipeline WAVE_TOL)
         assert rel_l2(got, ref) <= 2e-3
+
+
+def test_engine_survives_a_token2wav_batch_that_runs_out_of_memory(dit_model_dirs, monkeypatch):
+    """A DiT chunk batch that runs out of device memory after its solve (as the H100 run of session 25 did, in
+    the gather of the new caches) fails no request that can run alone: the engine re-runs each job of the batch
+    by itself, and every stream's audio equals its audio when run alone (nothing the failed batch touched
+    leaks into later chunks)."""
+    from cosyserve.models.dit_flow import DitFlowModel
+
+    solve = DitFlowModel._solve
+    calls = {"n": 0, "failed_rows": 0}
+
+    def failing_solve(self, items, *a, **k):
+        out = solve(self, items, *a, **k)
+        calls["n"] += 1
+        if calls["n"] == 3 and len(items) > 1:  # a batch of several streams, after its solve ran
+            calls["failed_rows"] = len(items)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.45 GiB (simulated)")
+        return out
+
+    _, reqs, chunks, done, alone = _engine_streams_and_alone(
+        dit_model_dirs, (1, 2, 3), lambda: monkeypatch.setattr(DitFlowModel, "_solve", failing_solve))
+    assert calls["failed_rows"] > 1  # the injected failure hit a batch of several streams
+    assert all(done[r.request_id].outcome.value == "ok" for r in reqs)
+    for r, ref in zip(reqs, alone):
+        got = torch.from_numpy(np.concatenate(chunks[r.request_id]))
+        assert got.shape == ref.shape and rel_l2(got, ref) <= 2e-3
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -667,54 +707,3 @@ def test_backend_jobs_and_setup_cache(t2w):
     assert be.setup_hits == 1
     assert r3.speech.shape == (2 * 15 * 480 + 3840,) and r3.hift_state.empty
 
-
-def test_engine_survives_a_token2wav_batch_that_runs_out_of_memory(dit_model_dirs, monkeypatch):
-    """A DiT chunk batch that runs out of device memory after its solve (as the H100 run of session 25 did, in
-    the gather of the new caches) fails no request that can run alone: the engine re-runs each job of the batch
-    by itself, and every stream's audio equals its audio when run alone (nothing the failed batch touched
-    leaks into later chunks)."""
-    from _reference import reference_dir
-    from cosyserve.engine.chunking import ChunkPolicy
-    from cosyserve.engine.core import EngineConfig
-    from cosyserve.engine.pipeline import Synthesizer
-    from cosyserve.engine.request import SynthesisParams
-    from cosyserve.models.dit_flow import DitFlowModel
-
-    md, t2w = dit_model_dirs
-    syn = Synthesizer(md, token2wav_dir=t2w, normalizer="none")
-    voice = syn.make_voice("v", reference_dir() / "audio" / "zero_shot_prompt.wav", "希望你以后能够做的比我还好呦。")
-    params = [SynthesisParams(stream=True, seed=s, min_token_text_ratio=6, max_token_text_ratio=7,
-                              chunk_policy=ChunkPolicy.parse("fixed:15")) for s in (1, 2, 3)]
-    alone = [syn.synthesize("你好，世界。", voice, p).audio for p in params]
-    solve = DitFlowModel._solve
-    calls = {"n": 0, "failed_rows": 0}
-
-    def failing_solve(self, items, *a, **k):
-        out = solve(self, items, *a, **k)
-        calls["n"] += 1
-        if calls["n"] == 3 and len(items) > 1:  # a batch of several streams, after its solve ran
-            calls["failed_rows"] = len(items)
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.45 GiB (simulated)")
-        return out
-
-    monkeypatch.setattr(DitFlowModel, "_solve", failing_solve)
-    engine = syn.new_engine(EngineConfig(max_active=3))
-    try:
-        reqs = [syn.build_request("你好，世界。", voice, p) for p in params]
-        for r in reqs:
-            engine.add_request(r)
-        chunks = {r.request_id: [] for r in reqs}
-        done = {}
-        while engine.has_work():
-            for ev in engine.step():
-                if hasattr(ev, "samples"):
-                    chunks[ev.request_id].append(ev.samples)
-                elif hasattr(ev, "outcome"):
-                    done[ev.request_id] = ev
-    finally:
-        engine.close()
-    assert calls["failed_rows"] > 1  # the injected failure hit a batch of several streams
-    assert all(done[r.request_id].outcome.value == "ok" for r in reqs)
-    for r, ref in zip(reqs, alone):
-        got = torch.from_numpy(np.concatenate(chunks[r.request_id]))
-        assert got.shape == ref.shape and rel_l2(got, ref) <= 2e-3
