@@ -1007,20 +1007,16 @@ class DitFlowModel(nn.Module):
         static_in = bufs["static_in"]
         static_in[0::2, : self.n_mels].copy_(mu[:, : static_in.shape[2]].transpose(1, 2))
 
-    @staticmethod
-    def _encoder_fill(bufs: dict, la: int) -> None:
+    def _encoder_fill(self, bufs: dict) -> None:
         """Valid placeholder inputs in fresh static encoder tensors (graph warm-ups): zero tokens, every
         row at its full token count, frames and cache."""
-        kv1 = bufs["enc_kv1"]
-        bb = kv1.shape[1]
+        bb, lb, tb, c1b = self._encoder_dims(bufs)
         ints = bufs["enc_ints"]
-        lb = ints.numel() // bb - 3
-        tb = lb - la
         ints.zero_()
         rows = ints[bb * lb:].view(3, bb)
         rows[0].fill_(lb)
         rows[1].fill_(tb)
-        rows[2].fill_(kv1.shape[3] - tb)
+        rows[2].fill_(c1b)
 
     @torch.inference_mode()
     def _encode_padded(self, items: Sequence[DitItem], frames: int | None = None, cache: int | None = None,
@@ -1301,11 +1297,10 @@ class DitFlowModel(nn.Module):
         # new estimator caches of the kept items: one concatenation for the batch of each item's
         # frame runs (a fresh tensor, also off the graph's buffers; copies of contiguous runs, not an
         # element-wise gather), one view per item
-        att, cnn_out = bufs["att"], bufs["cnn_out"]
+        cnn_out = bufs["cnn_out"]  # (``att``, so ``pairs``, was updated in place)
         kept = [i for i in range(b) if keep_state is None or keep_state[i]]
         per_item: list[tuple[Tensor, Tensor] | None] = [None] * b
         if kept:
-            pairs = att.unflatten(2, (bb, 2))
             parts, sizes = [], []
             for i in kept:
                 it = items[i]
@@ -1811,7 +1806,7 @@ class GraphedDiTSolve(_GraphStage):
             bufs = {name: torch.zeros(shape, dtype=dt, device=self.device)
                     for name, (shape, dt) in self._shapes(b, mmax, cmax).items()
                     if name.startswith("enc_") or name == "static_in"}
-        flow._encoder_fill(bufs, flow.pre_lookahead_len)
+        flow._encoder_fill(bufs)
         flow._encode_graph_body(bufs)
         self._enc_warmed.add((b, mmax, cmax))
 
