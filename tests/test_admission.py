@@ -342,13 +342,13 @@ def test_auto_admission_estimates_the_artificial_capacity(synth):
 
 def test_auto_admission_is_bounded_by_device_memory(synth, caplog):
     """Per-stream token2wav caches (the DiT path's ~180 MB at full size) bound admission: active
-    streams never need more than the device's memory (less a 5 % reserve and what the rest holds) at 2 copies
-    each, whatever the time-based capacity estimate says. The device is faked: what the rest holds
+    streams never need more than the device's memory (less a 5 % reserve and what the rest holds) at 1.5
+    copies each, whatever the time-based capacity estimate says. The device is faked: what the rest holds
     leaves room for 1 stream (the time-based estimate admits 2-3 here)."""
     core, _ = slow_engine(synth, max_active=16, max_queue=16, admission="auto")
     per, total = 100, 10_000
     core.t2w.stream_state_bytes = lambda: per
-    core._device_memory = lambda: (int(0.95 * total) - 2 * per, total)  # room for one stream's 2 copies
+    core._device_memory = lambda: (int(0.95 * total - 1.5 * per), total)  # room for one stream at 1.5 copies
     peak = []
     step = core.step
 
@@ -365,6 +365,38 @@ def test_auto_admission_is_bounded_by_device_memory(synth, caplog):
     assert core.capacity_streams == 1  # the gauge shows the bound admission used
     core.t2w.stream_state_bytes = lambda: 0  # streams that hold little: no memory bound
     assert core._memory_limit() is None
+
+
+def test_device_memory_counts_recent_peaks_and_graph_pools_not_cached_blocks():
+    """The memory bound's view of the device: held = the peak of live tensors over this and the
+    previous window + the graph pools' free blocks (re-read every pool_refresh_s); the allocator's
+    cached free blocks are not held, so the figure does not creep up as the allocator caches."""
+    from cosyserve.engine.admission import DeviceMemory
+
+    now, peak, pools, resets = [0.0], [500], [70], []  # seconds, bytes, bytes
+
+    def reset():
+        resets.append(now[0])
+        peak[0] = 0
+
+    mem = DeviceMemory(window_s=2.0, pool_refresh_s=10.0, clock=lambda: now[0], allocated_peak=lambda: peak[0],
+                       reset_peak=reset, pool_free=lambda: pools[0], total=10_000)
+
+    def at(t, peak_since_reset):
+        now[0] = t
+        peak[0] = max(peak[0], peak_since_reset)  # a peak since the last reset never falls
+        return mem.held()
+
+    assert mem.held() == (570, 10_000) and resets == [0.0]
+    assert at(1.0, 300) == (570, 10_000)  # the window's peak so far (300) < the previous one (500)
+    pools[0] = 90  # graph pools grew: seen at the next re-read (pool_refresh_s), not before
+    assert at(2.5, 350) == (570, 10_000) and resets == [0.0, 2.5]  # new window; 500 still counts once more
+    assert at(3.0, 100) == (420, 10_000)  # max(100, the last window's 350)
+    assert at(4.6, 120) == (420, 10_000) and resets[-1] == 4.6  # 350 counts until this boundary
+    assert at(5.0, 0) == (190, 10_000)  # the 350 window is gone: max(0, 120) + 70
+    assert at(10.0, 40) == (210, 10_000)  # pools re-read: max(40, 120) + 90
+    with pytest.raises(ValueError, match="CUDA device or all of"):
+        DeviceMemory()
 
 
 def test_dit_chunk_batches_stay_within_the_rows_whose_buffers_fit():
@@ -478,3 +510,41 @@ def test_auto_admission_on_cuda_measures_the_device(tmp_path):
     assert max(speedups) == pytest.approx(chunk_speedup(ChunkPolicy.parse("exponential")))
     assert model.last_estimate is not None and 1 <= core.capacity_streams <= 8
     assert obs.order == [f"g{i}" for i in range(8)] and all(obs.in_order)
+
+
+@pytest.mark.gpu
+def test_device_memory_on_cuda_counts_graph_pools_free_blocks():
+    """On CUDA, :class:`DeviceMemory` reads the allocator: a graph's pool keeps the blocks its capture
+    freed (held), a freed tensor of the default pool does not stay held once its window passed."""
+    import torch
+
+    from cosyserve.engine.admission import DeviceMemory
+    from cosyserve.models.capture import graph_pool_free_bytes
+
+    dev = torch.device("cuda")
+    before = graph_pool_free_bytes(dev)
+    x = torch.zeros(1 << 20, device=dev)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            tmp = x * 2  # 4 MiB freed inside the capture: stays in the graph's pool
+            y = tmp.sum()
+            del tmp
+    torch.cuda.synchronize()
+    assert graph_pool_free_bytes(dev) >= before + (4 << 20)
+    now = [0.0]
+    mem = DeviceMemory(dev, window_s=1.0, clock=lambda: now[0])
+    big = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    held0, total = mem.held()
+    assert held0 >= (256 << 20) + (4 << 20) and total == torch.cuda.get_device_properties(dev).total_memory
+    del big  # cached by the allocator, no longer live
+    now[0] = 1.5  # a new window: the last one (``big`` live at its start) still counts
+    assert mem.held()[0] >= held0 - (1 << 20)
+    now[0] = 3.0  # and once more (it was the window before this one)
+    assert mem.held()[0] >= held0 - (1 << 20)
+    now[0] = 4.5  # gone: cached blocks are not held
+    assert mem.held()[0] <= held0 - (255 << 20)
+    g.replay()
+    assert float(y) == 0.0

@@ -225,7 +225,9 @@ def test_batched_streaming_equals_single_streams(t2w, name):
         g2, r2 = flow.chunk(r2, t2, l2)
         assert m1.shape == g1.shape and m2.shape == g2.shape
         assert rel_l2(m1, g1) < 1e-5 and rel_l2(m2, g2) < 1e-5, (rel_l2(m1, g1), rel_l2(m2, g2))
-        for f in ("enc_att1", "enc_att2", "enc_lookahead", "enc_up", "est_att", "est_cnn"):
+        if not (l1 or l2):
+            _assert_own_storages([s1, s2])
+        for f in _STATE_TENSORS:
             assert getattr(s1, f).shape == getattr(r1, f).shape
             assert rel_l2(getattr(s1, f), getattr(r1, f)) < 1e-5, f
             assert rel_l2(getattr(s2, f), getattr(r2, f)) < 1e-5, f
@@ -287,7 +289,25 @@ def test_graph_row_padding_equals_unpadded(t2w, name):
             assert ma.shape == mb.shape and rel_l2(ma, mb) < 1e-5
             assert sa.est_att.shape == sb.est_att.shape and rel_l2(sa.est_att, sb.est_att) < 1e-5
             assert rel_l2(sa.est_cnn, sb.est_cnn) < 1e-5
+        _assert_own_storages([s for _, s in got if s is not None])
         states = [s for _, s in ref]
+
+
+_STATE_TENSORS = ("enc_att1", "enc_att2", "enc_lookahead", "enc_up", "est_att", "est_cnn")
+
+
+def _assert_own_storages(states):
+    """Every state tensor of a batch's states is contiguous in a storage of its own (exactly its
+    size): a view of a batch-wide tensor would keep the whole batch's storage alive as long as any
+    of its streams holds its state (the memory a stream costs would depend on its batch-mates)."""
+    seen = set()
+    for st in states:
+        for f in _STATE_TENSORS:
+            t = getattr(st, f)
+            assert t.is_contiguous(), f
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), f
+            assert t.untyped_storage().data_ptr() not in seen, f
+            seen.add(t.untyped_storage().data_ptr())
 
 
 def test_caches_stay_bounded_and_chunk_cost_constant(t2w):

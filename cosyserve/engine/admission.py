@@ -77,6 +77,58 @@ SPEEDUP_HORIZON_TOKENS = 250
 T2W_PERIOD_S = 0.25
 
 
+class DeviceMemory:
+    """What a CUDA device's memory holds for everything but the streams' own caches to come, for
+    the engine's memory bound on admission (:meth:`~cosyserve.engine.core.EngineCore._memory_limit`).
+
+    :meth:`held` is ``(held bytes, total bytes)``: the peak of the caching allocator's *allocated*
+    bytes (live tensors: weights, KV cache, graph buffers, streams' caches, a batch's transient
+    tensors) over the current and the previous window of ``window_s`` seconds, plus the free bytes
+    inside CUDA-graph memory pools (:func:`~cosyserve.models.capture.graph_pool_free_bytes`, re-read
+    every ``pool_refresh_s`` seconds: it lists every segment). The default pool's cached free blocks
+    are not held: the allocator reuses them, and returns them to the driver before it reports
+    running out of memory. (Counting the whole reservation, the first bound, tightened as the
+    allocator cached blocks: it held an H100 at 33 streams, docs/perf.md "Session 25".)
+
+    ``allocated_peak()`` returns the peak since the last ``reset_peak()``; both, ``pool_free()`` and
+    ``total`` default to the device's (``torch.cuda``); tests pass their own.
+    """
+
+    def __init__(self, device=None, window_s: float = 2.0, pool_refresh_s: float = 10.0, clock=time.monotonic,
+                 allocated_peak=None, reset_peak=None, pool_free=None, total: int | None = None):
+        if device is not None and (allocated_peak is None or reset_peak is None or pool_free is None or total is None):
+            import torch
+
+            from ..models.capture import graph_pool_free_bytes
+
+            allocated_peak = allocated_peak or (lambda: int(torch.cuda.max_memory_allocated(device)))
+            reset_peak = reset_peak or (lambda: torch.cuda.reset_peak_memory_stats(device))
+            pool_free = pool_free or (lambda: graph_pool_free_bytes(device))
+            total = total if total is not None else int(torch.cuda.get_device_properties(device).total_memory)
+        if allocated_peak is None or reset_peak is None or pool_free is None or total is None:
+            raise ValueError("DeviceMemory needs a CUDA device or all of allocated_peak, reset_peak, pool_free, total")
+        self.window_s, self.pool_refresh_s, self.clock = window_s, pool_refresh_s, clock
+        self._peak, self._reset, self._pool_free, self.total = allocated_peak, reset_peak, pool_free, int(total)
+        self._window_t0: float | None = None
+        self._prev_peak = 0
+        self._pool: tuple[float, int] | None = None  # (when read, bytes)
+
+    def held(self) -> tuple[int, int]:
+        """``(held bytes, total bytes)`` (see the class doc)."""
+        now = self.clock()
+        peak = self._peak()
+        if self._window_t0 is None or now - self._window_t0 >= self.window_s:
+            held = max(peak, self._prev_peak)
+            self._prev_peak = peak
+            self._reset()
+            self._window_t0 = now
+        else:
+            held = max(peak, self._prev_peak)
+        if self._pool is None or now - self._pool[0] >= self.pool_refresh_s:
+            self._pool = (now, int(self._pool_free()))
+        return held + self._pool[1], self.total
+
+
 def chunk_speedup(policy, horizon_tokens: int = SPEEDUP_HORIZON_TOKENS) -> float:
     """How many times faster than real time a stream with chunk ``policy`` (a
     :class:`~cosyserve.engine.chunking.ChunkPolicy`) must be computed so that no chunk arrives

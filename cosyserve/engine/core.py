@@ -61,7 +61,7 @@ from ..models.llm import DecodeState, KVCache, SilentTokenFilter
 from ..models.loader import CosyVoice2Models
 from ..models.sampling import UpstreamSampler, ras_sample_device
 from ..models.transfer import to_device
-from .admission import START_CHUNKS, AdmissionPolicy, CapacityEstimator
+from .admission import START_CHUNKS, AdmissionPolicy, CapacityEstimator, DeviceMemory
 from .chunking import ChunkPolicy, default_chunk_policy
 from .request import (
     AudioChunk,
@@ -248,9 +248,11 @@ T2W_ATTENTION_LEN = 1024  #: see ``EngineConfig.max_t2w_tokens``: the attention 
 #: share of the device's memory (at full size a 64-row bucket of 75 frames + 640 cached is 28 GB)
 DIT_GRAPH_BUFFER_SHARE = 0.25
 #: admission's memory bound (:meth:`EngineCore._memory_limit`): device memory kept free, as a share of
-#: the device's, and how many copies of a stream's caches a stream is budgeted for
+#: the device's; how many copies of a stream's caches each further stream is budgeted for (its own,
+#: and half of one for the new caches a batch makes before it drops the old ones: a batch holds
+#: both for its streams); chunks after which a stream's caches have their trimmed (largest) size
 MEMORY_RESERVE_SHARE = 0.05
-MEMORY_PER_STREAM_COPIES = 2
+MEMORY_PER_STREAM_COPIES = 1.5
 MEMORY_GROWING_CHUNKS = 3
 T2W_SLACK_MIN_S = 0.15  #: adaptive ``t2w_slack_s``: lower bound (seconds)
 T2W_SLACK_MAX_S = 1.0  #: adaptive ``t2w_slack_s``: upper bound (seconds)
@@ -443,6 +445,9 @@ class EngineCore:
         self._logged_capacity: int | None = None
         self._memory_bound_logged = False
         self._memory_cap: int | None = None  # the latest memory bound on active streams (auto admission)
+        self._memory: DeviceMemory | None = None  # created on first use (CUDA only)
+        self._memory_held = 0  # bytes held at the latest memory bound (logged)
+        self._memory_logged: int | None = None  # the memory bound last logged
         self._limit = self._admission_limit()
 
     def _t2w_graphs(self, models, config: EngineConfig) -> list:
@@ -836,6 +841,13 @@ class EngineCore:
         if self.admission.mode == "auto":
             mem = self._memory_limit() if self._waiting else self._memory_cap
             self._memory_cap = mem
+            logged = self._memory_logged
+            if mem is not None and (logged is None or abs(mem - logged) >= max(4, 0.1 * logged)):
+                log.info("memory bound: %d streams (%d active; held %.1f GB: recent peak of live tensors + graph "
+                         "pools' free blocks; per-stream caches %.0f MB)", mem, len(self._active),
+                         self._memory_held / 1e9, self.t2w.stream_state_bytes() / 1e6,
+                         extra={"event": "memory_limit", "streams": mem, "held_gb": round(self._memory_held / 1e9, 2)})
+                self._memory_logged = mem
             if mem is not None and mem < min(cap, self.cfg.max_active):
                 if not self._memory_bound_logged:
                     log.warning("admission bounded by device memory: %d streams (per-stream caches %.0f MB; "
@@ -849,33 +861,32 @@ class EngineCore:
         return self.cfg.max_active
 
     def _device_memory(self) -> tuple[int, int] | None:
-        """``(bytes the caching allocator holds on the engine's device, the device's total bytes)``;
-        None on CPU."""
+        """``(bytes held on the engine's device, the device's total bytes)``
+        (:class:`~cosyserve.engine.admission.DeviceMemory`); None on CPU."""
         if not self.cache.k.is_cuda:
             return None
-        dev = self.cache.k.device
-        return int(torch.cuda.memory_reserved(dev)), int(torch.cuda.get_device_properties(dev).total_memory)
+        if self._memory is None:
+            self._memory = DeviceMemory(self.cache.k.device)
+        return self._memory.held()
 
     def _memory_limit(self) -> int | None:
         """Streams that may be active so that every one's per-stream token2wav caches fit in device
         memory (``auto`` admission on CUDA; None where the backend's streams hold little,
         :meth:`~cosyserve.engine.token2wav.Token2WavBackend.stream_state_bytes`, or on CPU): the
         device's memory less a reserve of ``MEMORY_RESERVE_SHARE`` and less what the rest holds
-        (the allocator's reservation — weights, KV cache, graph pools, cached blocks — minus the
-        caches of the active streams that have sent ``MEMORY_GROWING_CHUNKS`` chunks, i.e. reached
-        their trimmed size), divided by ``MEMORY_PER_STREAM_COPIES`` x the largest per-stream state
-        seen (a batch holds a stream's old and new caches at once). Counting cached blocks as held
-        errs on the safe side. Without it the capacity estimate, which models time, not memory,
+        (:meth:`_device_memory`: the recent peak of live tensors plus the graph pools' free blocks,
+        minus the caches of the active streams that have sent ``MEMORY_GROWING_CHUNKS`` chunks, i.e.
+        reached their trimmed size), divided by ``MEMORY_PER_STREAM_COPIES`` x the largest
+        per-stream state seen. Without it the capacity estimate, which models time, not memory,
         admitted 106-128 DiT streams on an H100 (CUDA out of memory, docs/perf.md "Session 25")."""
         per = self.t2w.stream_state_bytes()
         mem = self._device_memory() if per > 0 else None
         if mem is None:
             return None
-        reserved, total = mem
-        # what the rest holds: the allocator's reservation (graph pools and cached blocks included)
-        # less the caches of the active streams that have reached their trimmed size
+        held, total = mem
+        self._memory_held = held
         full = sum(1 for st in self._active.values() if st.chunks >= MEMORY_GROWING_CHUNKS)
-        room = (1.0 - MEMORY_RESERVE_SHARE) * total - (reserved - full * per)
+        room = (1.0 - MEMORY_RESERVE_SHARE) * total - (held - full * per)
         return max(0, int(room // (MEMORY_PER_STREAM_COPIES * per)))
 
     def _admit(self) -> None:

@@ -153,3 +153,26 @@ def _repair_default_generator(dev: int) -> None:
         torch.empty(1, device=f"cuda:{dev}").normal_()
     except Exception as exc:  # noqa: BLE001 - report, the caller's error is the one that matters
         log.warning("could not restore the default CUDA generator after a failed capture: %s", exc)
+
+
+def graph_pool_free_bytes(device) -> int:
+    """Bytes the caching allocator holds on ``device`` in CUDA-graph memory pools without a live
+    tensor in them (0 off CUDA).
+
+    A graph's private pool keeps every block its capture used, freed ones included (a replay writes
+    them again), and no allocation outside the pool can take them, so for what remains free on the
+    device they count as held; the default pool's cached free blocks do not (the allocator hands
+    them out, and empties them before it reports running out of memory). Read from
+    ``torch.cuda.memory_snapshot()`` (segments whose ``segment_pool_id`` is not the default
+    ``(0, 0)``: ``total_size - allocated_size``); it lists every segment, so callers should cache the
+    figure (it only changes when graphs are captured)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return 0
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    free = 0
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("device", idx) != idx or tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0):
+            continue
+        free += int(seg["total_size"]) - int(seg["allocated_size"])
+    return free

@@ -411,9 +411,10 @@ class DitStreamState:
 
     ``noise_offset`` (= ``C``) is where the next chunk's start noise begins.
 
-    States made by :meth:`DitFlowModel.forward_items` hold views of the batch's gathered tensors
-    (possibly non-contiguous); nothing writes those tensors afterwards, so states stay immutable and
-    may be shared (the engine's set-up cache does).
+    States made by :meth:`DitFlowModel.forward_items` hold tensors of their own (contiguous, one
+    storage per state tensor: never views of a batch tensor, whose storage would live as long as
+    any state of the batch); nothing writes them afterwards, so states stay immutable and may be
+    shared (the engine's set-up cache does).
     """
 
     spk: Tensor
@@ -443,6 +444,11 @@ def _trim_index(length: int, prompt: int, keep: int, device) -> Tensor | None:
     if length <= prompt + keep:
         return None
     return torch.cat([torch.arange(prompt, device=device), torch.arange(length - keep, length, device=device)])
+
+
+def _own(t: Tensor) -> Tensor:
+    """A contiguous copy of ``t`` in a storage of its own (for stream states: see DitStreamState)."""
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _cache_runs(m: int, mmax: int, c: int, prompt: int, keep: int | None) -> list[tuple[int, int]]:
@@ -668,14 +674,15 @@ class DitFlowModel(nn.Module):
         """From per-layer key/value outputs ``[B, H, S, E]`` (a list, or stacked ``[L, B, H, S, E]``)
         gather, for each kept item, its frames
         (``frames`` indexes S, ``rows`` the item of each frame; ``sizes`` frames per item, in order):
-        one stack and one gather for the batch, then per item a view ``[L, 1, H, n_b, E]`` of the
-        gathered tensor (nothing else holds or writes it)."""
+        one stack and one gather for the batch, then per item a contiguous ``[L, 1, H, n_b, E]`` copy
+        in a storage of its own (a view would keep the whole batch's gather alive while any item
+        holds it)."""
         if not sizes:
             return []
         stacked = kvs if isinstance(kvs, Tensor) else torch.stack(list(kvs))  # [L, B, H, S, E]
         ix = _ints(rows + frames, stacked.device)
         g = stacked[:, ix[: len(rows)], :, ix[len(rows):]]  # [N, L, H, E]
-        return list(g.permute(1, 2, 0, 3).unsqueeze(1).split(sizes, dim=3))
+        return [_own(t) for t in g.permute(1, 2, 0, 3).unsqueeze(1).split(sizes, dim=3)]
 
     def _token_lists(self, items: Sequence[DitItem],
                      check_device: bool) -> tuple[list[list[int] | None], dict[int, Tensor], list[int]]:
@@ -732,7 +739,7 @@ class DitFlowModel(nn.Module):
                 keep_state: Sequence[bool] | None = None, check_device_tokens: bool = False,
                 token_lists: tuple | None = None):
         """Encoder + projection for a batch of items -> ``(mu [B, Mmax, 80], frames per item, new enc
-        caches)``: per item ``(enc_att1, enc_att2, enc_lookahead, enc_up)`` (views of batch tensors),
+        caches)``: per item ``(enc_att1, enc_att2, enc_lookahead, enc_up)`` (tensors of their own),
         already trimmed as :func:`trim_state` would when ``trim_keep`` is given; None for items with
         ``keep_state[i]`` False (not gathered). Host tokens are always range-checked, tokens on the
         device only with ``check_device_tokens`` (see :meth:`_token_matrix`); ``token_lists``: the
@@ -800,8 +807,8 @@ class DitFlowModel(nn.Module):
         new frames after it); ``new_la [B', D, 2]``, ``new_up [B', D, 2*stride]``; ``c1`` / ``tlen``:
         per item first-stage cache length and encoder frames (host ints; the second stage's are
         ``up_rate`` times them). Returns per item ``(enc_att1, enc_att2, enc_lookahead, enc_up)``
-        (views of one gathered tensor per kind), trimmed as :func:`trim_state` trims when
-        ``trim_keep`` is given; None for items with ``keep_state[i]`` False."""
+        (each tensor in a storage of its own, see :meth:`_item_frames`), trimmed as :func:`trim_state`
+        trims when ``trim_keep`` is given; None for items with ``keep_state[i]`` False."""
         b, stride = len(items), self.up_rate
         # each item's frames of the padded layout (cache ++ new), trimmed on upstream's layout (see
         # trim_state), gathered for the whole batch at once
@@ -825,10 +832,9 @@ class DitFlowModel(nn.Module):
             n2s.append(len(sel2))
         a1 = self._item_frames(kv1, rows1, fr1, n1s)
         a2 = self._item_frames(kv2, rows2, fr2, n2s)
-        las, ups = new_la.split(1), new_up.split(1)
         new_caches: list[tuple | None] = [None] * b
         for k, i in enumerate(kept):
-            new_caches[i] = (a1[k], a2[k], las[i], ups[i])
+            new_caches[i] = (a1[k], a2[k], _own(new_la[i: i + 1]), _own(new_up[i: i + 1]))
         return new_caches
 
     # ------------------------------------------------------------------ encoder, padded static form
@@ -1294,26 +1300,21 @@ class DitFlowModel(nn.Module):
         else:
             self._euler(bufs, n_timesteps)
 
-        # new estimator caches of the kept items: one concatenation for the batch of each item's
-        # frame runs (a fresh tensor, also off the graph's buffers; copies of contiguous runs, not an
-        # element-wise gather), one view per item
+        # new estimator caches of the kept items, each in a storage of its own (a concatenation of the
+        # item's frame runs: copies of contiguous runs, not an element-wise gather). Not views of one
+        # batch tensor: such a storage lives until the last of its items is replaced, so states of
+        # streams batched in changing groups pinned up to ~2x their size (docs/perf.md "Session 26")
         cnn_out = bufs["cnn_out"]  # (``att``, so ``pairs``, was updated in place)
-        kept = [i for i in range(b) if keep_state is None or keep_state[i]]
         per_item: list[tuple[Tensor, Tensor] | None] = [None] * b
-        if kept:
-            parts, sizes = [], []
-            for i in kept:
-                it = items[i]
-                p = it.prompt_frames if it.state is None else it.state.prompt_frames
-                runs = _cache_runs(mlen[i], mmax, ce[i], p, trim_keep)
-                rows = pairs.select(2, i)
-                parts += [rows.narrow(4, a, e - a) for a, e in runs]
-                sizes.append(sum(e - a for a, e in runs))
-            est = torch.cat(parts, dim=4).split(sizes, dim=4)  # [S, depth, 2, h, n_b, 2hd] each
-            ix = _ints([r for i in kept for r in (2 * i, 2 * i + 1)], dev)
-            cnn_k = cnn_out.index_select(2, ix).split(2, dim=2)
-            for k, i in enumerate(kept):
-                per_item[i] = (est[k], cnn_k[k])
+        for i in range(b):
+            if keep_state is not None and not keep_state[i]:
+                continue
+            it = items[i]
+            p = it.prompt_frames if it.state is None else it.state.prompt_frames
+            rows = pairs.select(2, i)
+            est = torch.cat([rows.narrow(4, a, e - a) for a, e in _cache_runs(mlen[i], mmax, ce[i], p, trim_keep)],
+                            dim=4)  # [S, depth, 2, h, n, 2hd]
+            per_item[i] = (est, _own(cnn_out.narrow(2, 2 * i, 2)))
         x_out = bufs["x_out"][:b]
         return x_out.clone() if use_graph else x_out, per_item
 
@@ -1380,8 +1381,9 @@ class DitFlowModel(nn.Module):
 
         Host work: the per-item inputs and outputs are moved with batched operations (one
         concatenation + one index operation per cache kind, index lists built on the host as
-        Python ints and moved in one copy); each new state holds views of batch tensors that
-        nothing writes afterwards (outputs of CUDA graph buffers are copied out once per batch).
+        Python ints and moved in one copy); each new state's tensors are copied out of the batch's
+        buffers into storages of their own (one copy per item and cache kind), which nothing writes
+        afterwards.
         With :attr:`graph` set, the encoder and the solve run as the batch's bucket's CUDA graphs when
         published (:meth:`_encode_solve`).
         """
