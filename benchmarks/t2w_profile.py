@@ -6,6 +6,7 @@ kernels launched per call, and the split between stages (DiT: encoder / Euler so
 largest batch. Full-size architectures with random weights, bf16 (``--dtype``).
 
     python3 benchmarks/t2w_profile.py --mode dit --batches 1,8,32
+    python3 benchmarks/t2w_profile.py --mode dit --batches 1,4,8 --offline-tokens 250   # offline utterances
     python3 benchmarks/t2w_profile.py --mode cv3 --batches 1,4 --yaml benchmarks/configs/cosyvoice3-0.5b.yaml
 """
 
@@ -78,6 +79,8 @@ def dit(args) -> None:
         t2w.flow.enable_cuda_graphs()
     flow = t2w.flow
     g = torch.Generator().manual_seed(0)
+    if args.offline_tokens:
+        return dit_offline(args, t2w, g)
     last_fn = None
     for b in (int(x) for x in args.batches.split(",")):
         prompts = [(torch.randint(0, 6561, (args.prompt_tokens,), generator=g),
@@ -118,6 +121,44 @@ def dit(args) -> None:
         last_fn = step
     n = _profile(last_fn, "dit stream_step_batch")
     print(json.dumps({"mode": "dit", "kernels_per_call": n}))
+
+
+def dit_offline(args, t2w, g) -> None:
+    """Offline utterances (prompt + ``--offline-tokens`` target tokens, one pass each) in batches:
+    eagerly (a bucket no graph was planned for, as the server runs them) and, unless ``--eager``,
+    with the bucket's graph captured on first use."""
+    flow = t2w.flow
+    p, n = args.prompt_tokens, args.offline_tokens
+    last_fn = None
+    for b in (int(x) for x in args.batches.split(",")):
+        items = [flow.prompt_item(torch.randint(0, 6561, (p,), generator=g),
+                                  torch.randn(2 * p, 80, generator=g).cuda(), torch.randn(192, generator=g).cuda(),
+                                  torch.randint(0, 6561, (n,), generator=g), last=True) for _ in range(b)]
+
+        @torch.inference_mode()
+        def run():
+            return flow.forward_items(items, final_states=False)
+
+        rows = {}
+        for label, on_use in (("eager", False), ("graph", True)):
+            if label == "graph" and flow.graph is None:
+                continue
+            if flow.graph is not None:
+                flow.graph.capture_on_use = on_use
+            host, gpu = _time(run, n=3, warm=1)
+            rows[label] = (round(host, 1), round(gpu, 1))
+        audio_s = b * 2 * n / 50  # mel frames at 50/s of the target tokens
+        print(json.dumps({"mode": "dit-offline", "dtype": args.dtype, "utterances": b, "prompt_tokens": p,
+                          "target_tokens": n, "audio_s": audio_s,
+                          **{f"{k}_host_ms": v[0] for k, v in rows.items()},
+                          **{f"{k}_gpu_ms": v[1] for k, v in rows.items()},
+                          **{f"{k}_x_real_time": round(audio_s / (v[1] / 1e3), 1) for k, v in rows.items()}}),
+              flush=True)
+        last_fn = run
+    if flow.graph is not None:
+        flow.graph.capture_on_use = False
+    n_k = _profile(last_fn, "dit offline forward_items (eager)")
+    print(json.dumps({"mode": "dit-offline", "kernels_per_call_eager": n_k}))
 
 
 def cv3(args) -> None:
@@ -163,6 +204,8 @@ def main() -> None:
     ap.add_argument("--yaml", default="benchmarks/configs/cosyvoice3-0.5b.yaml")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", action="store_true", help="dit: no CUDA graphs")
+    ap.add_argument("--offline-tokens", type=int, default=0,
+                    help="dit: time offline utterances of this many target tokens (prompt + target in one pass)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     dit(args) if args.mode == "dit" else cv3(args)

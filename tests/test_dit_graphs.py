@@ -83,6 +83,32 @@ def test_plan_pairs_every_frames_with_every_cache_and_bounds_the_count(caplog):
     assert small.order(small.keys())[0] == max(small.keys(), key=small._size)  # largest first, then smallest
 
 
+def test_plan_adds_offline_utterances_at_a_coarse_frames_bucket():
+    """Offline utterances (one pass, no cache) of any length up to the longest planned get a graph in
+    a few coarse frame buckets past the set-ups' (which keep the fine bucket), for batches of up to
+    ``offline_rows``; chunks are unaffected, and without offline shapes nothing changes."""
+    setups, chunks = stream_solve_shapes(100, ChunkPolicy.parse(DIT_CHUNK_POLICY).hops(100, 1000), 3, 2)
+    plain = GraphedDiTSolve(frames_bucket=25, cache_bucket=64)
+    plain.plan(setups, chunks, max_rows=12)
+    assert plain.offline_from is None and plain.solve_frames_bucket(1000, 0) == 1000
+    g = GraphedDiTSolve(frames_bucket=25, cache_bucket=64)
+    offline = set(range(202, 2 * (100 + 750) + 1, 2))  # 100-token prompt + 1 .. 750 target tokens
+    g.plan(setups, chunks, max_rows=12, offline=offline, offline_rows=8)
+    assert g.offline_from == 200  # the longest set-up bucket
+    assert set(plain.keys()) <= set(g.keys())
+    coarse = sorted({f for _, f, c in g.keys() if c == 0 and f > 200})
+    assert coarse == [256, 512, 768, 1024, 1280, 1536, 1792]
+    assert {r for r, f, c in g.keys() if c == 0 and f > 200} == {1, 2, 3, 4, 6, 8}
+    assert [g.solve_frames_bucket(m, 0) for m in (150, 200, 202, 700, 1700)] == [150, 200, 256, 768, 1792]
+    assert g.solve_frames_bucket(202, 64) == 225  # a chunk: the fine bucket
+    assert {(g.rows_bucket(5), g.solve_frames_bucket(f, 0), 0) for f in offline} <= set(g.keys())
+
+
+def _models(flow):
+    """The engine's view of a DiT model for the planner: the flow and the 25 Hz token rate."""
+    return SimpleNamespace(flow=flow, cfg=SimpleNamespace(token_frame_rate=25))
+
+
 # ---------------------------------------------------------------------------------------------- simulated engine
 
 
@@ -158,7 +184,7 @@ def test_planned_buckets_cover_what_streams_use(t2w):  # noqa: F811
     assert any(f == 75 for _, f, _ in used)
     cfg = EngineConfig(max_active=5, kv_max_len=256, stream_chunk_policy=DIT_CHUNK_POLICY)
     prompts = [int(v.flow_speech_token.numel()) for v in voices]
-    n = EngineCore._plan_dit_graphs(graph, prompts, SimpleNamespace(flow=flow), cfg)
+    n = EngineCore._plan_dit_graphs(graph, prompts, _models(flow), cfg)
     assert n == len(graph.keys()) and n <= graph.max_graphs
     missing = used - set(graph.keys())
     assert not missing, f"buckets used but not planned: {sorted(missing)}"
@@ -180,7 +206,7 @@ def test_published_graphs_give_the_eager_results(t2w, monkeypatch):  # noqa: F81
     graph = flow.enable_cuda_graphs()
     voices = _voices(t, flow)
     cfg = EngineConfig(max_active=2, kv_max_len=128, stream_chunk_policy=DIT_CHUNK_POLICY)
-    EngineCore._plan_dit_graphs(graph, [int(v.flow_speech_token.numel()) for v in voices], SimpleNamespace(flow=flow),
+    EngineCore._plan_dit_graphs(graph, [int(v.flow_speech_token.numel()) for v in voices], _models(flow),
                                 cfg)
     graph.capture_on_use = False
     graph.warmup()

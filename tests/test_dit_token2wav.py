@@ -267,6 +267,30 @@ def test_graph_bucket_padding_equals_unpadded(t2w, name):
         assert a.shape == b.shape and rel_l2(a, b) < 1e-5
 
 
+@pytest.mark.parametrize("name", OFFLINE_FLOW[:1])
+def test_offline_bucket_padding_equals_unpadded(t2w, name):
+    """Offline utterances padded to the coarse offline frames bucket (and 3 items to 3 rows, 5 to 6)
+    give the unpadded results: the padding is masked like any other."""
+    import copy
+
+    t = dit_tensors(name)
+    padded = copy.deepcopy(t2w.flow)
+    graph = padded.enable_cuda_graphs(frames_bucket=16, cache_bucket=48)
+    graph.offline_from, graph.offline_bucket = 8, 64  # as if set-ups were planned up to 8 frames
+    p = (t["prompt_token"][0], t["prompt_feat"][0], t["embedding"][0])
+    tok = t["token"][0]
+    lens = [tok.numel(), tok.numel() - 7, 9, tok.numel() - 20, 30]
+    items = [t2w.flow.prompt_item(*p, tok[:n], last=True) for n in lens]
+    ref = [t2w.flow.inference(tok[:n], *p) for n in lens]
+    got = padded.forward_items(items, final_states=False)
+    got3 = padded.forward_items(items[:3], final_states=False)
+    assert {r for r, _, _ in graph.used} == {6, 3} and all(c == 0 and f % 64 == 0 for _, f, c in graph.used)
+    f = p[1].shape[0]
+    for r, g in zip(ref, got):
+        assert g.state is None and g.mel.shape[2] == f + r.shape[2] and rel_l2(g.mel[:, :, f:], r) < 1e-5
+    assert all(rel_l2(g.mel[:, :, f:], r) < 1e-5 for g, r in zip(got3, ref))
+
+
 @pytest.mark.parametrize("name", STREAM_FLOW[:1])
 def test_graph_row_padding_equals_unpadded(t2w, name):
     """With graphs set, a batch of 5 streams is padded to 6 items (a padding item has one valid frame

@@ -247,6 +247,10 @@ T2W_ATTENTION_LEN = 1024  #: see ``EngineConfig.max_t2w_tokens``: the attention 
 #: the Step-Audio2 DiT solve graphs plan no bucket whose buffers (held once captured) exceed this
 #: share of the device's memory (at full size a 64-row bucket of 75 frames + 640 cached is 28 GB)
 DIT_GRAPH_BUFFER_SHARE = 0.25
+#: the Step-Audio2 DiT solve graphs plan offline utterances (no cache) in batches of up to this many,
+#: with up to this many seconds of target speech (longer ones run eagerly)
+DIT_OFFLINE_ROWS = 8
+DIT_OFFLINE_MAX_S = 30.0
 #: admission's memory bound (:meth:`EngineCore._memory_limit`): device memory kept free, as a share of
 #: the device's; how many copies of a stream's caches each further stream is budgeted for (its own,
 #: and half of one for the new caches a batch makes before it drops the old ones: a batch holds
@@ -501,7 +505,9 @@ class EngineCore:
         prompts of ``prompt_tokens`` tokens (an iterable of ints) reach under
         ``config.stream_chunk_policy`` (None: the DiT default): per prompt length the set-up and
         every chunk's (frames, cache) of :func:`~cosyserve.models.dit_flow.stream_solve_shapes`
-        over the policy's hops for segments of up to ``kv_max_len`` tokens, then
+        over the policy's hops for segments of up to ``kv_max_len`` tokens, and offline utterances
+        (prompt + up to ``DIT_OFFLINE_MAX_S`` of target tokens in one pass, batches of up to
+        ``DIT_OFFLINE_ROWS``), then
         :meth:`~cosyserve.models.dit_flow.GraphedDiTSolve.plan` (rows up to ``max_t2w_batch``
         within the scheduler's ``max_t2w_tokens`` budgets; every frames x cache pair, since a mixed
         batch pads to the largest of each). Returns the stage's planned bucket count (logged when
@@ -513,9 +519,8 @@ class EngineCore:
         policy = ChunkPolicy.parse(spec, lookahead=flow.pre_lookahead_len)
         setups: set = set()
         chunks: set = set()
-        for p in sorted({int(n) for n in prompt_tokens}):
-            if p < 1:
-                continue
+        ps = sorted({int(n) for n in prompt_tokens if int(n) >= 1})
+        for p in ps:
             s, c = stream_solve_shapes(p, policy.hops(p, config.kv_max_len), flow.pre_lookahead_len, flow.up_rate,
                                        TRIM_KEEP)
             setups |= s
@@ -525,8 +530,13 @@ class EngineCore:
         dev = graph.device
         max_bytes = int(DIT_GRAPH_BUFFER_SHARE * torch.cuda.get_device_properties(dev).total_memory) \
             if dev.type == "cuda" else None
+        # offline utterances: one pass over prompt + every target token (up to DIT_OFFLINE_MAX_S), no cache
+        longest = min(config.kv_max_len, round(DIT_OFFLINE_MAX_S * models.cfg.token_frame_rate))
+        offline = set(range(flow.up_rate * (min(ps) + 1), flow.up_rate * (max(ps) + longest) + 1,
+                            flow.up_rate)) if ps else set()
         n = graph.plan(setups, chunks, config.max_t2w_batch, up_rate=flow.up_rate, max_bytes=max_bytes,
-                       fits=lambda rows, tokens: within_budgets(rows, tokens, budget, budget * T2W_ATTENTION_LEN))
+                       fits=lambda rows, tokens: within_budgets(rows, tokens, budget, budget * T2W_ATTENTION_LEN),
+                       offline=offline, offline_rows=DIT_OFFLINE_ROWS)
         # chunk batches stay within the rows whose buffers fit at the largest chunk frames and cache
         # planned: a larger batch would run eagerly on fresh buffers of its bucket (tens of GB at full
         # size: the H100 ran out of memory at ~96 streams, docs/perf.md "Session 25")
@@ -538,9 +548,11 @@ class EngineCore:
             graph.max_rows = max(fitting, default=1)
         if n != before:
             top = max(graph.buffer_bytes(k) for k in graph.keys()) if n and graph.flow is not None else 0
-            log.info("DiT solve graphs: %d buckets planned (chunk policy %s; %d set-up and %d chunk shapes; rows up "
-                     "to %d within --max-t2w-tokens %d); shared buffers %.2f GB (the largest bucket's)", n, spec,
-                     len(setups), len(chunks), config.max_t2w_batch, budget, top / 2**30)
+            log.info("DiT solve graphs: %d buckets planned (chunk policy %s; %d set-up and %d chunk shapes, offline "
+                     "utterances up to %d frames at %d-frame buckets past %s; rows up to %d within --max-t2w-tokens "
+                     "%d); shared buffers %.2f GB (the largest bucket's)", n, spec, len(setups), len(chunks),
+                     max(offline, default=0), graph.offline_bucket, graph.offline_from, config.max_t2w_batch, budget,
+                     top / 2**30)
         return n
 
     def plan_stream_prompts(self, prompt_tokens) -> int:

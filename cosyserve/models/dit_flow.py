@@ -1177,7 +1177,7 @@ class DitFlowModel(nn.Module):
             return b, mmax, cmax, None
         # with graphs the item count is padded too (fewer distinct graphs); a padding item has one valid
         # frame and no cache, so its rows compute finite garbage that is never read
-        key = (graph.rows_bucket(b), graph.frames_bucket(mmax), graph.cache_bucket(cmax))
+        key = (graph.rows_bucket(b), graph.solve_frames_bucket(mmax, cmax), graph.cache_bucket(cmax))
         graph.used[key] += 1
         return (*key, graph.solve_entry(key, n_timesteps, dtype, dev))
 
@@ -1610,10 +1610,26 @@ class GraphedDiTSolve(_GraphStage):
         self.max_rows: int | None = None
         #: solves per bucket ``(rows, frames, cache)`` seen by :meth:`DitFlowModel._solve` (graphed or eager)
         self.used: Counter = Counter()
+        #: offline utterances (prompt + every target token in one pass, no cache): frames past
+        #: :attr:`offline_from` pad to a multiple of this coarser bucket (:meth:`solve_frames_bucket`)
+        self.offline_bucket = 256
+        #: None (no offline buckets planned: every solve pads to ``frames_bucket``) or the longest
+        #: set-up frames bucket planned (set-ups keep the fine bucket), :meth:`plan`
+        self.offline_from: int | None = None
 
     # ------------------------------------------------------------------ buckets
     def frames_bucket(self, m: int) -> int:
         return -(-m // self.fb) * self.fb
+
+    def solve_frames_bucket(self, m: int, c: int) -> int:
+        """The padded frames of a solve of ``m`` frames and ``c`` cache frames: :meth:`frames_bucket`,
+        except for a solve without cache longer than :attr:`offline_from` frames (offline
+        utterances, once :meth:`plan` planned them), which pads to a multiple of
+        :attr:`offline_bucket` (a few graphs cover every utterance length; their padding is masked
+        like any other)."""
+        if c == 0 and self.offline_from is not None and m > self.offline_from:
+            return -(-m // self.offline_bucket) * self.offline_bucket
+        return self.frames_bucket(m)
 
     def cache_bucket(self, c: int) -> int:
         return -(-c // self.cb) * self.cb if c > 0 else 0
@@ -1649,12 +1665,17 @@ class GraphedDiTSolve(_GraphStage):
         return self.n_graphs
 
     def plan(self, setups: set[tuple[int, int]], chunks: set[tuple[int, int]], max_rows: int,
-             setup_rows: int = 4, fits=None, up_rate: int = 2, max_bytes: int | None = None) -> int:
+             setup_rows: int = 4, fits=None, up_rate: int = 2, max_bytes: int | None = None,
+             offline: set[int] = frozenset(), offline_rows: int = 8) -> int:
         """Add to :meth:`keys` the buckets that streams with these unpadded solve shapes use
         (:func:`stream_solve_shapes` of each prompt length): set-up batches of up to ``setup_rows``
         prompts at any of the set-ups' frame buckets (no cache), and chunk batches of up to
         ``max_rows`` items at every (frames bucket, cache bucket) pair of the chunks (a batch pads to
-        its largest frames and largest cache, which may come from different streams).
+        its largest frames and largest cache, which may come from different streams). ``offline``:
+        frame counts of offline utterances (no cache) to plan too, in batches of up to
+        ``offline_rows``, at :meth:`solve_frames_bucket` (those longer than every set-up pad to
+        the coarse :attr:`offline_bucket`: eagerly, a 10-second utterance's solve costs ~230 ms of
+        host time on an H100, 36 ms as a graph, docs/perf.md "Session 26").
 
         ``fits(rows, tokens) -> bool``: the scheduler's batch budget (rows x the longest job's
         cost in flow tokens, its new tokens plus its cache's tokens at ``up_rate`` frames per
@@ -1669,6 +1690,11 @@ class GraphedDiTSolve(_GraphStage):
         keys = {(r, f, c) for r in self.rows_buckets(max_rows) for f in fr for c in ca}
         keys |= {(r, self.frames_bucket(f), self.cache_bucket(c)) for r in self.rows_buckets(min(setup_rows, max_rows))
                  for f, c in setups}
+        if offline:
+            done = [f for r, f, c in (*keys, *self._plan) if c == 0]
+            self.offline_from = max(done, default=0)
+            keys |= {(r, self.solve_frames_bucket(f, 0), 0) for r in self.rows_buckets(min(offline_rows, max_rows))
+                     for f in offline}
         if fits is not None:
             rows = self.rows_buckets(max_rows)
             fewest = {r: (rows[i - 1] + 1 if i else 1) for i, r in enumerate(rows)}
