@@ -83,25 +83,28 @@ def test_plan_pairs_every_frames_with_every_cache_and_bounds_the_count(caplog):
     assert small.order(small.keys())[0] == max(small.keys(), key=small._size)  # largest first, then smallest
 
 
-def test_plan_adds_offline_utterances_at_a_coarse_frames_bucket():
+def test_plan_adds_offline_utterances_at_coarse_frames_buckets():
     """Offline utterances (one pass, no cache) of any length up to the longest planned get a graph in
-    a few coarse frame buckets past the set-ups' (which keep the fine bucket), for batches of up to
-    ``offline_rows``; chunks are unaffected, and without offline shapes nothing changes."""
+    a dozen coarse frame buckets (multiples of 128 frames up to 1024, of 256 beyond) for batches of up
+    to ``offline_rows``; set-ups (no cache either) pad the same way then; chunks are unaffected, and
+    without offline shapes nothing changes."""
     setups, chunks = stream_solve_shapes(100, ChunkPolicy.parse(DIT_CHUNK_POLICY).hops(100, 1000), 3, 2)
     plain = GraphedDiTSolve(frames_bucket=25, cache_bucket=64)
     plain.plan(setups, chunks, max_rows=12)
-    assert plain.offline_from is None and plain.solve_frames_bucket(1000, 0) == 1000
+    assert not plain.coarse_uncached and plain.solve_frames_bucket(1000, 0) == 1000
     g = GraphedDiTSolve(frames_bucket=25, cache_bucket=64)
     offline = set(range(202, 2 * (100 + 750) + 1, 2))  # 100-token prompt + 1 .. 750 target tokens
     g.plan(setups, chunks, max_rows=12, offline=offline, offline_rows=8)
-    assert g.offline_from == 200  # the longest set-up bucket
-    assert set(plain.keys()) <= set(g.keys())
-    coarse = sorted({f for _, f, c in g.keys() if c == 0 and f > 200})
-    assert coarse == [256, 512, 768, 1024, 1280, 1536, 1792]
-    assert {r for r, f, c in g.keys() if c == 0 and f > 200} == {1, 2, 3, 4, 6, 8}
-    assert [g.solve_frames_bucket(m, 0) for m in (150, 200, 202, 700, 1700)] == [150, 200, 256, 768, 1792]
+    assert g.coarse_uncached
+    assert {k for k in plain.keys() if k[2] > 0} == {k for k in g.keys() if k[2] > 0}  # chunks unchanged
+    uncached = {k for k in g.keys() if k[2] == 0}
+    assert sorted({f for _, f, _ in uncached}) == [256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792]
+    assert {r for r, _, _ in uncached} == {1, 2, 3, 4, 6, 8}
+    assert [g.solve_frames_bucket(m, 0) for m in (100, 200, 202, 700, 1024, 1025, 1700)] == \
+        [128, 256, 256, 768, 1024, 1280, 1792]
     assert g.solve_frames_bucket(202, 64) == 225  # a chunk: the fine bucket
-    assert {(g.rows_bucket(5), g.solve_frames_bucket(f, 0), 0) for f in offline} <= set(g.keys())
+    assert {(g.rows_bucket(5), g.solve_frames_bucket(f, 0), 0) for f in offline} <= uncached
+    assert {(r, g.solve_frames_bucket(f, 0), 0) for r in (1, 2, 3, 4) for f, _ in setups} <= uncached
 
 
 def _models(flow):
@@ -176,16 +179,16 @@ def test_planned_buckets_cover_what_streams_use(t2w):  # noqa: F811
     voices = _voices(t, flow)
     backend = DitToken2WavBackend(DitToken2Wav(flow, t2w.hift), setup_cache_size=0)  # every stream sets up
     policy = ChunkPolicy.parse(DIT_CHUNK_POLICY)
+    cfg = EngineConfig(max_active=5, kv_max_len=256, stream_chunk_policy=DIT_CHUNK_POLICY)
+    prompts = [int(v.flow_speech_token.numel()) for v in voices]
+    n = EngineCore._plan_dit_graphs(graph, prompts, _models(flow), cfg)  # (set-ups pad as planned)
+    assert n == len(graph.keys()) and n <= graph.max_graphs
     # stream 1 ends with a final chunk of 27 tokens (54 frames: the 75-frame bucket), 3 with a 15-token one
     _simulate(backend, voices, lengths=[142, 67, 97, 30, 41], starts=[0, 1, 1, 3, 4], policy=policy, per_step=9)
     used = set(graph.used)
     assert any(r > 2 and c > 0 for r, _, c in used)  # chunks of several streams shared batches
     assert any(r > 1 and c == 0 for r, _, c in used)  # set-ups of both voices in one batch
     assert any(f == 75 for _, f, _ in used)
-    cfg = EngineConfig(max_active=5, kv_max_len=256, stream_chunk_policy=DIT_CHUNK_POLICY)
-    prompts = [int(v.flow_speech_token.numel()) for v in voices]
-    n = EngineCore._plan_dit_graphs(graph, prompts, _models(flow), cfg)
-    assert n == len(graph.keys()) and n <= graph.max_graphs
     missing = used - set(graph.keys())
     assert not missing, f"buckets used but not planned: {sorted(missing)}"
 

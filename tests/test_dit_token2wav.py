@@ -276,7 +276,7 @@ def test_offline_bucket_padding_equals_unpadded(t2w, name):
     t = dit_tensors(name)
     padded = copy.deepcopy(t2w.flow)
     graph = padded.enable_cuda_graphs(frames_bucket=16, cache_bucket=48)
-    graph.offline_from, graph.offline_bucket = 8, 64  # as if set-ups were planned up to 8 frames
+    graph.coarse_uncached = True  # as once offline utterances are planned
     p = (t["prompt_token"][0], t["prompt_feat"][0], t["embedding"][0])
     tok = t["token"][0]
     lens = [tok.numel(), tok.numel() - 7, 9, tok.numel() - 20, 30]
@@ -284,7 +284,7 @@ def test_offline_bucket_padding_equals_unpadded(t2w, name):
     ref = [t2w.flow.inference(tok[:n], *p) for n in lens]
     got = padded.forward_items(items, final_states=False)
     got3 = padded.forward_items(items[:3], final_states=False)
-    assert {r for r, _, _ in graph.used} == {6, 3} and all(c == 0 and f % 64 == 0 for _, f, c in graph.used)
+    assert {r for r, _, _ in graph.used} == {6, 3} and all(c == 0 and f % 128 == 0 for _, f, c in graph.used)
     f = p[1].shape[0]
     for r, g in zip(ref, got):
         assert g.state is None and g.mel.shape[2] == f + r.shape[2] and rel_l2(g.mel[:, :, f:], r) < 1e-5

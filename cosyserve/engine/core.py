@@ -550,10 +550,9 @@ class EngineCore:
         if n != before:
             top = max(graph.buffer_bytes(k) for k in graph.keys()) if n and graph.flow is not None else 0
             log.info("DiT solve graphs: %d buckets planned (chunk policy %s; %d set-up and %d chunk shapes, offline "
-                     "utterances up to %d frames at %d-frame buckets past %s; rows up to %d within --max-t2w-tokens "
-                     "%d); shared buffers %.2f GB (the largest bucket's)", n, spec, len(setups), len(chunks),
-                     max(offline, default=0), graph.offline_bucket, graph.offline_from, config.max_t2w_batch, budget,
-                     top / 2**30)
+                     "utterances up to %d frames; rows up to %d within --max-t2w-tokens %d); shared buffers %.2f GB "
+                     "(the largest bucket's)", n, spec, len(setups), len(chunks), max(offline, default=0),
+                     config.max_t2w_batch, budget, top / 2**30)
         return n
 
     def plan_stream_prompts(self, prompt_tokens) -> int:

@@ -1610,12 +1610,9 @@ class GraphedDiTSolve(_GraphStage):
         self.max_rows: int | None = None
         #: solves per bucket ``(rows, frames, cache)`` seen by :meth:`DitFlowModel._solve` (graphed or eager)
         self.used: Counter = Counter()
-        #: offline utterances (prompt + every target token in one pass, no cache): frames past
-        #: :attr:`offline_from` pad to a multiple of this coarser bucket (:meth:`solve_frames_bucket`)
-        self.offline_bucket = 256
-        #: None (no offline buckets planned: every solve pads to ``frames_bucket``) or the longest
-        #: set-up frames bucket planned (set-ups keep the fine bucket), :meth:`plan`
-        self.offline_from: int | None = None
+        #: solves without cache (set-ups, offline utterances: prompt + every target token in one pass)
+        #: pad to the coarse :meth:`solve_frames_bucket` once :meth:`plan` planned offline utterances
+        self.coarse_uncached = False
 
     # ------------------------------------------------------------------ buckets
     def frames_bucket(self, m: int) -> int:
@@ -1623,12 +1620,13 @@ class GraphedDiTSolve(_GraphStage):
 
     def solve_frames_bucket(self, m: int, c: int) -> int:
         """The padded frames of a solve of ``m`` frames and ``c`` cache frames: :meth:`frames_bucket`,
-        except for a solve without cache longer than :attr:`offline_from` frames (offline
-        utterances, once :meth:`plan` planned them), which pads to a multiple of
-        :attr:`offline_bucket` (a few graphs cover every utterance length; their padding is masked
-        like any other)."""
-        if c == 0 and self.offline_from is not None and m > self.offline_from:
-            return -(-m // self.offline_bucket) * self.offline_bucket
+        except for solves without cache once offline utterances are planned
+        (:attr:`coarse_uncached`): a multiple of 128 frames up to 1024, of 256 beyond (utterance
+        lengths vary widely: a dozen graphs per row count cover 2 .. 40 s; the padding is masked like
+        any other)."""
+        if c == 0 and self.coarse_uncached:
+            step = 128 if m <= 1024 else 256
+            return -(-m // step) * step
         return self.frames_bucket(m)
 
     def cache_bucket(self, c: int) -> int:
@@ -1673,9 +1671,9 @@ class GraphedDiTSolve(_GraphStage):
         ``max_rows`` items at every (frames bucket, cache bucket) pair of the chunks (a batch pads to
         its largest frames and largest cache, which may come from different streams). ``offline``:
         frame counts of offline utterances (no cache) to plan too, in batches of up to
-        ``offline_rows``, at :meth:`solve_frames_bucket` (those longer than every set-up pad to
-        the coarse :attr:`offline_bucket`: eagerly, a 10-second utterance's solve costs ~230 ms of
-        host time on an H100, 36 ms as a graph, docs/perf.md "Session 26").
+        ``offline_rows``; then every solve without cache, set-ups included, pads to the coarse
+        :meth:`solve_frames_bucket` (eagerly, a 10-second utterance's solve costs ~230 ms of host
+        time on an H100, 36 ms as a graph, docs/perf.md "Session 26").
 
         ``fits(rows, tokens) -> bool``: the scheduler's batch budget (rows x the longest job's
         cost in flow tokens, its new tokens plus its cache's tokens at ``up_rate`` frames per
@@ -1688,13 +1686,12 @@ class GraphedDiTSolve(_GraphStage):
         fr = sorted({self.frames_bucket(f) for f, _ in chunks})
         ca = sorted({self.cache_bucket(c) for _, c in chunks})
         keys = {(r, f, c) for r in self.rows_buckets(max_rows) for f in fr for c in ca}
-        keys |= {(r, self.frames_bucket(f), self.cache_bucket(c)) for r in self.rows_buckets(min(setup_rows, max_rows))
-                 for f, c in setups}
         if offline:
-            done = [f for r, f, c in (*keys, *self._plan) if c == 0]
-            self.offline_from = max(done, default=0)
+            self.coarse_uncached = True
             keys |= {(r, self.solve_frames_bucket(f, 0), 0) for r in self.rows_buckets(min(offline_rows, max_rows))
                      for f in offline}
+        keys |= {(r, self.solve_frames_bucket(f, c), self.cache_bucket(c))
+                 for r in self.rows_buckets(min(setup_rows, max_rows)) for f, c in setups}
         if fits is not None:
             rows = self.rows_buckets(max_rows)
             fewest = {r: (rows[i - 1] + 1 if i else 1) for i, r in enumerate(rows)}
