@@ -95,7 +95,7 @@ def test_plan_adds_offline_utterances_at_coarse_frames_buckets():
     g = GraphedDiTSolve(frames_bucket=25, cache_bucket=64)
     offline = set(range(202, 2 * (100 + 750) + 1, 2))  # 100-token prompt + 1 .. 750 target tokens
     g.plan(setups, chunks, max_rows=12, offline=offline, offline_rows=8)
-    assert g.coarse_uncached
+    assert g.coarse_uncached and g.offline_rows == 8 and plain.offline_rows is None
     assert {k for k in plain.keys() if k[2] > 0} == {k for k in g.keys() if k[2] > 0}  # chunks unchanged
     uncached = {k for k in g.keys() if k[2] == 0}
     assert sorted({f for _, f, _ in uncached}) == [256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792]

@@ -751,3 +751,42 @@ def test_backend_jobs_and_setup_cache(t2w):
     assert be.setup_hits == 1
     assert r3.speech.shape == (2 * 15 * 480 + 3840,) and r3.hift_state.empty
 
+
+
+def test_backend_solves_offline_utterances_in_groups_the_graphs_plan(t2w):
+    """With solve graphs planned for offline utterances in solves of up to ``offline_rows``, the DiT
+    backend runs a batch's offline items in groups of at most that many (longest first) after one pass
+    of its streaming items; every result equals the ungrouped batch's."""
+    import copy
+    from types import SimpleNamespace
+
+    from cosyserve.engine.token2wav import Token2WavJob
+    from cosyserve.engine.token2wav_dit import DitToken2WavBackend
+    from cosyserve.models.dit_token2wav import DitToken2Wav
+    from cosyserve.models.hift import HiFTStreamState
+
+    t = dit_tensors((STREAM_FLOW or E2E_STREAM)[0])
+    voice = SimpleNamespace(flow_speech_token=t["prompt_token"][0], speech_feat=t["prompt_feat"][0],
+                            flow_embedding=t["embedding"][0])
+    toks = t["stream_token"][0]
+
+    def jobs():
+        offline = [Token2WavJob(voice, toks[:n], 0, True, False, HiFTStreamState(), torch.Generator().manual_seed(n))
+                   for n in (20, 33, 9, 41, 27)]
+        stream = Token2WavJob(voice, toks[:28], 0, False, True, HiFTStreamState(), torch.Generator().manual_seed(1))
+        return offline[:2] + [stream] + offline[2:]
+
+    ref = DitToken2WavBackend(t2w).run(jobs())
+    flow = copy.deepcopy(t2w.flow)
+    graph = flow.enable_cuda_graphs(frames_bucket=16, cache_bucket=48)
+    graph.coarse_uncached, graph.offline_rows = True, 2
+    calls = []
+    forward = flow.forward_items
+    flow.forward_items = lambda items, **kw: calls.append([int(it.tokens.numel()) for it in items]) or \
+        forward(items, **kw)
+    got = DitToken2WavBackend(DitToken2Wav(flow, t2w.hift)).run(jobs())
+    assert len(calls[0]) == 1 and calls[1] == [28]  # the stream's set-up, then its chunk
+    q = calls[2][0] - 41  # an offline item's prompt tokens
+    assert calls[2:] == [[q + 41, q + 33], [q + 27, q + 20], [q + 9]]  # offline in pairs, longest first
+    for a, b in zip(got, ref):
+        assert a.speech.shape == b.speech.shape and rel_l2(a.speech, b.speech) <= 2e-3

@@ -247,10 +247,11 @@ T2W_ATTENTION_LEN = 1024  #: see ``EngineConfig.max_t2w_tokens``: the attention 
 #: the Step-Audio2 DiT solve graphs plan no bucket whose buffers (held once captured) exceed this
 #: share of the device's memory (at full size a 64-row bucket of 75 frames + 640 cached is 28 GB)
 DIT_GRAPH_BUFFER_SHARE = 0.25
-#: the Step-Audio2 DiT solve graphs plan offline utterances (no cache) in batches of up to this many (the
-#: scheduler's token budgets allow ~16 of the longest),
+#: the Step-Audio2 DiT solve graphs plan offline utterances (no cache) in solves of up to this many (the
+#: DiT backend splits larger groups: 4 x 2048 frames keep the largest graph's activations below the
+#: streaming buckets'; 16 cost ~7 GB more of graph pool on an H100, docs/perf.md "Session 26"),
 #: with up to this many seconds of target speech (longer ones run eagerly)
-DIT_OFFLINE_ROWS = 16
+DIT_OFFLINE_ROWS = 4
 DIT_OFFLINE_MAX_S = 30.0
 #: admission's memory bound (:meth:`EngineCore._memory_limit`): device memory kept free, as a share of
 #: the device's; how many copies of a stream's caches each further stream is budgeted for (its own,

@@ -122,6 +122,27 @@ class DitToken2WavBackend(Token2WavBackend):
         pt, pm = self.t2w.prompt(v.flow_speech_token.reshape(-1), v.speech_feat)
         return pt, pm, v.flow_embedding.reshape(-1)
 
+    def _forward_items(self, items: list[DitItem], offline: list[bool]) -> list:
+        """:meth:`DitFlowModel.forward_items` of a batch's items (trimmed states, none for final
+        items), results in item order. With solve graphs that plan offline utterances
+        (:attr:`GraphedDiTSolve.offline_rows`), offline items run in groups of at most that many,
+        longest first (similar lengths pad little), after one pass of the set-ups and chunks: a
+        larger batch of whole utterances would run eagerly (~230 ms of host time per solve at full
+        size) and its graph would need several times the memory of the streaming buckets'."""
+        flow = self.flow
+        rows = getattr(flow.graph, "offline_rows", None) if flow.graph is not None else None
+        off = [i for i, o in enumerate(offline) if o]
+        if rows is None or len(off) <= rows:
+            return flow.forward_items(items, trim_keep=TRIM_KEEP, final_states=False)
+        res: list = [None] * len(items)
+        rest = [i for i, o in enumerate(offline) if not o]
+        off.sort(key=lambda i: -items[i].tokens.numel())
+        for group in ([rest] if rest else []) + [off[k: k + rows] for k in range(0, len(off), rows)]:
+            for i, r in zip(group, flow.forward_items([items[i] for i in group], trim_keep=TRIM_KEEP,
+                                                      final_states=False)):
+                res[i] = r
+        return res
+
     @torch.inference_mode()
     def launch(self, jobs: list[Token2WavJob], stream=None, marks=None, queue_steps=None) -> _Done:
         """Run ``jobs`` (set-ups, then flow, then HiFT), on ``stream`` when given; never waits for the
@@ -172,7 +193,7 @@ class DitToken2WavBackend(Token2WavBackend):
                     items.append(DitItem(tokens=j.tokens[j.token_offset:], spk=s.flow.spk, last=j.finalize,
                                          state=s.flow))
                     prompt_frames.append(0)
-            res = flow.forward_items(items, trim_keep=TRIM_KEEP, final_states=False)
+            res = self._forward_items(items, offline)
             if marks is not None:
                 stamps.append(marks.mark(stream))
             dev = self.hift_device

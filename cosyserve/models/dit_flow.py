@@ -1613,6 +1613,9 @@ class GraphedDiTSolve(_GraphStage):
         #: solves without cache (set-ups, offline utterances: prompt + every target token in one pass)
         #: pad to the coarse :meth:`solve_frames_bucket` once :meth:`plan` planned offline utterances
         self.coarse_uncached = False
+        #: the most offline utterances one planned graph solves (None: not planned); the engine's DiT
+        #: backend runs larger groups of them in several solves
+        self.offline_rows: int | None = None
 
     # ------------------------------------------------------------------ buckets
     def frames_bucket(self, m: int) -> int:
@@ -1688,6 +1691,7 @@ class GraphedDiTSolve(_GraphStage):
         keys = {(r, f, c) for r in self.rows_buckets(max_rows) for f in fr for c in ca}
         if offline:
             self.coarse_uncached = True
+            self.offline_rows = self.rows_bucket(min(offline_rows, max_rows))
             keys |= {(r, self.solve_frames_bucket(f, 0), 0) for r in self.rows_buckets(min(offline_rows, max_rows))
                      for f in offline}
         keys |= {(r, self.solve_frames_bucket(f, c), self.cache_bucket(c))
