@@ -141,6 +141,19 @@ def test_token2wav_fixed_part_is_budgeted_per_batch_period_not_per_stream():
     assert est.estimate() == pytest.approx(exact, rel=0.1)
     ratio_model = (0.8 - 25 * a) / (25 * c + (a_t + k * 2.0) / 2.0)  # at the mean batch's 2 s of audio
     assert est.estimate() > 3 * ratio_model
+    # a backend whose chunks cost more the longer a stream runs (the CosyVoice2/3 flows) keeps the ratio
+    clock3 = Clock()
+    est3 = CapacityEstimator(25, target=0.8, clock=clock3, t2w_fixed_part=False)
+    g = torch.Generator().manual_seed(1)
+    for i in range(600):
+        b = 1 + i % 12
+        noise = 1 + 0.04 * (float(torch.rand(1, generator=g)) - 0.5)
+        est3.observe_lm(b, (a + c * b) * noise, admitted=b)
+        if i % 3 == 0:
+            audio = 0.5 + 0.5 * (i % 7)
+            est3.observe_t2w(audio, (a_t + k * audio) * noise)
+        clock3.t += 0.02
+    assert est3.estimate() == pytest.approx((0.8 - 25 * a) / (25 * c + (a_t + k * 2.0) / 2.0), rel=0.1)
     # every batch makes the same audio: no slope to fit, the ratio (pessimistic) stands
     clock2 = Clock()
     est2 = CapacityEstimator(25, target=0.8, clock=clock2)
@@ -326,6 +339,10 @@ def test_auto_admission_estimates_the_artificial_capacity(synth):
     """``auto`` on the slowed engine: the capacity it settles on is what the artificial costs
     allow (the demo's own compute only lowers it), and no admitted stream stalls."""
     core, obs = slow_engine(synth, max_active=16, max_queue=16, admission="auto")
+    # the CosyVoice2 flow re-runs each stream's prompt and tokens so far: token2wav priced by its ratio
+    assert core.t2w.chunk_cost_grows and not core.capacity_model.device.t2w_fixed_part
+    from cosyserve.engine.token2wav_dit import DitToken2WavBackend
+    assert not DitToken2WavBackend.chunk_cost_grows  # the DiT's chunks: a fixed part + a part per audio second
     res = run_load(synth, core, 6)
     est = core.capacity_model.last_estimate
     # sleep-only bound: S * (25 * (LM_FIXED + LM_ROW * b) + b * T2W_PER_AUDIO_S) <= 0.8 with S = 1

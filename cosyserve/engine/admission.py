@@ -22,7 +22,11 @@ the model's ``token_frame_rate``, 25/s for CosyVoice2) and one second of audio f
   of batch time to audio at the batch sizes of the moment, charged the fixed part to every
   stream: at light load it priced a stream at up to twice its marginal cost and held admission
   at the level being run — 32 streams where one H100 kept 45 stall-free, docs/perf.md "Session
-  25". With batches of hardly varying audio the fit is that ratio again: ``a_t = 0``);
+  25". With batches of hardly varying audio the fit is that ratio again: ``a_t = 0``). Backends
+  whose chunks cost more the longer a stream runs (the CosyVoice2/3 flows re-run the prompt and
+  every token so far: a batch's time follows its streams' lengths, not its audio) keep the ratio,
+  ``a_t = 0, k = Σ time / Σ audio`` (``t2w_fixed_part=False``): with the fit, the CosyVoice2
+  flow's admitted streams stalled at 2x overload on an H100 (docs/perf.md "Session 26");
 * the share of a resource that ``b`` streams need is
   ``U(b) = S*R*L(b) + P + b*k*(1 + (S-1)*f)``:
   the LM advances every stream at once, so it must keep the pace ``S*R`` of the newest stream;
@@ -212,6 +216,12 @@ class _LinearFit:
         self.xx += x * x
         self.xy += x * y
 
+    def ratio(self) -> tuple[float, float] | None:
+        """``(0, mean y / mean x)``: the cost per unit at the sizes of the moment; None without data."""
+        if self.w < 1e-6 or self.x <= 0:
+            return None
+        return 0.0, self.y / self.x
+
     def solve(self) -> tuple[float, float] | None:
         """``(a, c)`` with ``a, c >= 0``; None without data. With (nearly) one batch size the
         cost is taken as proportional to it (``a = 0``)."""
@@ -234,9 +244,10 @@ class _Resource:
     """One resource's cost model: LM step seconds vs rows, token2wav batch seconds vs the audio
     seconds it made (both ``a + c*x``)."""
 
-    def __init__(self):
+    def __init__(self, t2w_fixed_part: bool = True):
         self.lm = _LinearFit()
         self.t2w = _LinearFit()
+        self.t2w_fixed_part = t2w_fixed_part
 
     def decay(self, f: float) -> None:
         self.lm.decay(f)
@@ -248,7 +259,7 @@ class _Resource:
         by the speed-up; token2wav only with ``audio``); None without LM data, or without
         token2wav data when ``audio``; ``inf`` if nothing grows with ``b``."""
         fit = self.lm.solve()
-        t2w = self.t2w.solve() if audio else (0.0, 0.0)
+        t2w = (self.t2w.solve() if self.t2w_fixed_part else self.t2w.ratio()) if audio else (0.0, 0.0)
         if fit is None or t2w is None:
             return None
         (a, c), (a_t, k) = fit, t2w
@@ -268,21 +279,26 @@ class CapacityEstimator:
     before any measurement; ``growth``: the estimate is at most ``growth`` x the most
     streams measured admitted at once, + 1; ``half_life_s``: the weight of a measurement
     halves every this many seconds (an idle gap counts as at most 5 half-lives); ``clock``:
-    the time source (seconds; tests pass their own). Raises ValueError for settings out of
+    the time source (seconds; tests pass their own); ``t2w_fixed_part``: fit token2wav batches
+    as a fixed part + a part per audio second (module doc), or, False, price them at their cost
+    per audio second at the batches of the moment (the first model; for flows whose chunks cost
+    more the longer a stream runs, where a batch's time follows its streams' lengths rather than
+    its audio: on the H100 the fixed-part model let the CosyVoice2 flow admit streams that
+    stalled at 2x overload, 7 of 240, where this one stalled none, docs/perf.md "Session 26"). Raises ValueError for settings out of
     range. Not thread-safe: fed and read by the engine thread (readers elsewhere read
     :attr:`last` / :attr:`last_estimate`, plain attributes).
     """
 
     def __init__(self, token_rate: float, target: float = 0.8, max_streams: int = 1 << 30, initial: int = 2,
-                 growth: float = 1.5, half_life_s: float = 10.0, clock=time.monotonic):
+                 growth: float = 1.5, half_life_s: float = 10.0, clock=time.monotonic, t2w_fixed_part: bool = True):
         if not (token_rate > 0 and 0 < target <= 1 and max_streams >= 1 and initial >= 1 and growth >= 1
                 and half_life_s > 0):
             raise ValueError("invalid capacity estimator settings")
         self.rate, self.target, self.max_streams = float(token_rate), float(target), int(max_streams)
         self.initial, self.growth, self.half_life_s = int(initial), float(growth), float(half_life_s)
         self.clock = clock
-        self.host = _Resource()
-        self.device = _Resource()
+        self.host = _Resource(t2w_fixed_part)
+        self.device = _Resource(t2w_fixed_part)
         self.seen = 0  #: the most streams admitted at once while the LM was measured
         #: the chunk schedules' speed-up ``S`` (module doc) that the capacity is computed for
         self.speedup = 1.0

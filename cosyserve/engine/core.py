@@ -445,7 +445,8 @@ class EngineCore:
         cuda = self.cache.k.is_cuda
         self.admission = config.admission or AdmissionPolicy("auto" if cuda else "off")
         self.capacity_model = CapacityEstimator(models.cfg.token_frame_rate, target=config.admission_target,
-                                                max_streams=config.max_active)
+                                                max_streams=config.max_active,
+                                                t2w_fixed_part=not getattr(self.t2w, "chunk_cost_grows", True))
         self._t2w_host_s = 0.0  # scheduler-thread token2wav seconds since the last batch was emitted
         self._last_admitted_arrival = float("-inf")
         self._logged_capacity: int | None = None

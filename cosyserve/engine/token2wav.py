@@ -88,6 +88,12 @@ class Token2WavBackend:
         CosyVoice2/3 flows re-run the prompt and every token so far on each chunk: ``prompt + end``."""
         return prompt_tokens + end
 
+    #: whether a stream's chunks cost more the longer it runs (the CosyVoice2/3 flows re-run the prompt
+    #: and every token so far on each chunk; the DiT's chunks attend a bounded cache). The capacity model
+    #: then prices token2wav by its cost per audio second at the batches of the moment, fixed part
+    #: included (:class:`~cosyserve.engine.admission.CapacityEstimator`, ``t2w_fixed_part=False``)
+    chunk_cost_grows = True
+
     def stream_state_bytes(self) -> int:
         """Device bytes one streaming segment's per-stream caches hold at most (the largest seen so
         far), for the engine's memory bound on admission; 0 where they are small next to the

@@ -93,6 +93,8 @@ class DitToken2WavBackend(Token2WavBackend):
             h.update(t.numpy().tobytes() if t.dtype != torch.bfloat16 else t.float().numpy().tobytes())
         return h.hexdigest()
 
+    chunk_cost_grows = False  # a chunk computes its new frames against a bounded cache
+
     def stream_state_bytes(self) -> int:
         """The largest per-stream DiT flow state seen (encoder and per-step estimator caches, at
         full size ~180 MB in bf16 once trimmed to ``P + TRIM_KEEP`` frames); 0 before any chunk."""
