@@ -542,6 +542,7 @@ def test_device_memory_on_cuda_counts_graph_pools_free_blocks():
     from cosyserve.models.capture import graph_pool_free_bytes
 
     dev = torch.device("cuda")
+    torch.cuda.reset_peak_memory_stats(dev)  # earlier tests' peaks (the first window counts the peak so far)
     now = [0.0]
     mem = DeviceMemory(dev, window_s=1.0, clock=lambda: now[0])
     big = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
