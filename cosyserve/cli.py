@@ -422,6 +422,11 @@ def _engine_args(p, in_process: bool = False) -> None:
     note = " (--in-process)" if in_process else ""
     p.add_argument("--max-active-streams", type=_positive_int, default=16,
                    help="requests processed at once (KV-cache slots)" + note)
+    p.add_argument("--kv-max-len", type=_positive_int, default=4096, metavar="N",
+                   help="positions per KV-cache slot: prompt text + prompt speech tokens + text + speech tokens of "
+                        "one segment (default 4096); the cache holds --max-active-streams + 1 slots of N positions "
+                        "(Qwen2-0.5B in bf16: 12 KiB per position, 6.4 GB at 128 streams x 4096), so a smaller N "
+                        "leaves device memory to more streams' token2wav caches" + note)
     p.add_argument("--token2wav-thread", action="store_true",
                    help="run token2wav on its own thread (experimental; slower on the H100 measured, docs/perf-history.md)"
                         + note)
@@ -539,7 +544,7 @@ def _engine_config(args, background_default: bool = False, **overrides):
 
     _compile_cache(getattr(args, "compile_cache", None))
     lazy = args.lazy_graphs
-    fields = dict(max_active=args.max_active_streams, t2w_thread=args.token2wav_thread,
+    fields = dict(max_active=args.max_active_streams, kv_max_len=args.kv_max_len, t2w_thread=args.token2wav_thread,
                   t2w_queue_steps=_queue_steps(args.t2w_queue_steps), device_sampling=_SAMPLING[args.sampling],
                   t2w_slack_s=_slack(args.t2w_slack), lm_stream_priority=args.lm_stream_priority == "high",
                   max_t2w_tokens=args.max_t2w_tokens, t2w_batch_target=args.t2w_batch_target,

@@ -224,13 +224,18 @@ class EngineConfig:
             object.__setattr__(self, "admission", AdmissionPolicy.parse(self.admission))
         if not 0 < self.admission_target <= 1:
             raise ValueError("admission_target must be in (0, 1]")
-        if self.max_active < 1 or self.max_queue < 0 or self.kv_max_len < 64 or self.max_t2w_batch < 1 \
-                or self.max_t2w_tokens < 1 or self.t2w_batch_target < 1 or self.t2w_gather_s < 0 \
-                or not 0 <= self.t2w_length_window < 1 \
-                or (self.t2w_slack_s is not None and self.t2w_slack_s < 0) \
-                or (self.t2w_queue_steps is not None and self.t2w_queue_steps < 1) or self.decode_lookahead < 1 \
-                or (self.flow_stream_cache_frames is not None and self.flow_stream_cache_frames < 0):
-            raise ValueError("invalid engine limits")
+        bad = [name for name, ok in (
+            ("max_active >= 1", self.max_active >= 1), ("max_queue >= 0", self.max_queue >= 0),
+            ("kv_max_len >= 64", self.kv_max_len >= 64), ("max_t2w_batch >= 1", self.max_t2w_batch >= 1),
+            ("max_t2w_tokens >= 1", self.max_t2w_tokens >= 1), ("t2w_batch_target >= 1", self.t2w_batch_target >= 1),
+            ("t2w_gather_s >= 0", self.t2w_gather_s >= 0), ("0 <= t2w_length_window < 1", 0 <= self.t2w_length_window < 1),
+            ("t2w_slack_s >= 0", self.t2w_slack_s is None or self.t2w_slack_s >= 0),
+            ("t2w_queue_steps >= 1", self.t2w_queue_steps is None or self.t2w_queue_steps >= 1),
+            ("decode_lookahead >= 1", self.decode_lookahead >= 1),
+            ("flow_stream_cache_frames >= 0", self.flow_stream_cache_frames is None or self.flow_stream_cache_frames >= 0))
+            if not ok]
+        if bad:
+            raise ValueError(f"invalid engine limits: need {', '.join(bad)}")
         if self.graph_capture not in GRAPH_CAPTURE_MODES:
             raise ValueError(f"graph_capture must be one of {', '.join(GRAPH_CAPTURE_MODES)}, "
                              f"got {self.graph_capture!r}")
