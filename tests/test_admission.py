@@ -120,14 +120,11 @@ def test_estimator_bounds_extrapolation_and_takes_the_tighter_resource():
     assert est4.estimate() == pytest.approx(2 * 1.0 / (25 * 0.01), rel=0.06)
 
 
-def test_token2wav_fixed_part_is_budgeted_per_batch_period_not_per_stream():
-    """Token2wav batches cost ``a_t + k * audio``: a batch grows with the streams, so the fixed part
-    is charged once per ``T2W_PERIOD_S``, not per stream (the ratio of batch time to audio at small
-    batches priced each stream at up to twice its marginal cost: the H100's UNet and DiT servers
-    were held at the level being run). Batches of one size give no slope: the ratio again."""
+def _fed_with_varying_batches(a, c, a_t, k, **kw) -> CapacityEstimator:
+    """An estimator fed 600 LM steps of 1-12 rows (``a + c*rows`` s) and every third step a token2wav
+    batch of 0.5-3.5 s of audio (``a_t + k*audio`` s), with 4 % noise; ``kw``: estimator options."""
     clock = Clock()
-    est = CapacityEstimator(25, target=0.8, clock=clock)
-    a, c, a_t, k = 0.002, 0.0001, 0.06, 0.002  # an H100-like flat batch: 60 ms + 2 ms per audio second
+    est = CapacityEstimator(25, target=0.8, clock=clock, **kw)
     g = torch.Generator().manual_seed(1)
     for i in range(600):
         b = 1 + i % 12
@@ -137,23 +134,24 @@ def test_token2wav_fixed_part_is_budgeted_per_batch_period_not_per_stream():
             audio = 0.5 + 0.5 * (i % 7)  # 0.5 .. 3.5 s per batch
             est.observe_t2w(audio, (a_t + k * audio) * noise)
         clock.t += 0.02
+    return est
+
+
+def test_token2wav_fixed_part_is_budgeted_per_batch_period_not_per_stream():
+    """Token2wav batches cost ``a_t + k * audio``: a batch grows with the streams, so the fixed part
+    is charged once per ``T2W_PERIOD_S``, not per stream (the ratio of batch time to audio at small
+    batches priced each stream at up to twice its marginal cost: the H100's UNet and DiT servers
+    were held at the level being run). Batches of one size give no slope: the ratio again. A
+    backend whose chunks cost more the longer a stream runs keeps the ratio."""
+    a, c, a_t, k = 0.002, 0.0001, 0.06, 0.002  # an H100-like flat batch: 60 ms + 2 ms per audio second
+    est = _fed_with_varying_batches(a, c, a_t, k)
     exact = (0.8 - 25 * a - a_t / T2W_PERIOD_S) / (25 * c + k)
     assert est.estimate() == pytest.approx(exact, rel=0.1)
     ratio_model = (0.8 - 25 * a) / (25 * c + (a_t + k * 2.0) / 2.0)  # at the mean batch's 2 s of audio
     assert est.estimate() > 3 * ratio_model
-    # a backend whose chunks cost more the longer a stream runs (the CosyVoice2/3 flows) keeps the ratio
-    clock3 = Clock()
-    est3 = CapacityEstimator(25, target=0.8, clock=clock3, t2w_fixed_part=False)
-    g = torch.Generator().manual_seed(1)
-    for i in range(600):
-        b = 1 + i % 12
-        noise = 1 + 0.04 * (float(torch.rand(1, generator=g)) - 0.5)
-        est3.observe_lm(b, (a + c * b) * noise, admitted=b)
-        if i % 3 == 0:
-            audio = 0.5 + 0.5 * (i % 7)
-            est3.observe_t2w(audio, (a_t + k * audio) * noise)
-        clock3.t += 0.02
-    assert est3.estimate() == pytest.approx((0.8 - 25 * a) / (25 * c + (a_t + k * 2.0) / 2.0), rel=0.1)
+    # the CosyVoice2/3 flows (chunk_cost_grows): priced at the ratio
+    assert _fed_with_varying_batches(a, c, a_t, k, t2w_fixed_part=False).estimate() == \
+        pytest.approx(ratio_model, rel=0.1)
     # every batch makes the same audio: no slope to fit, the ratio (pessimistic) stands
     clock2 = Clock()
     est2 = CapacityEstimator(25, target=0.8, clock=clock2)
