@@ -94,8 +94,9 @@ class DeviceMemory:
     running out of memory. (Counting the whole reservation, the first bound, tightened as the
     allocator cached blocks: it held an H100 at 33 streams, docs/perf.md "Session 25".)
 
-    ``allocated_peak()`` returns the peak since the last ``reset_peak()``; both, ``pool_free()`` and
-    ``total`` default to the device's (``torch.cuda``); tests pass their own.
+    ``allocated_peak()`` (bytes allocated at most since the last ``reset_peak()``), ``reset_peak()``,
+    ``pool_free()`` (bytes) and ``total`` (bytes) default to ``device``'s (``torch.cuda``); tests pass
+    their own. Raises ValueError with neither a device nor all four.
     """
 
     def __init__(self, device=None, window_s: float = 2.0, pool_refresh_s: float = 10.0, clock=time.monotonic,
@@ -284,8 +285,8 @@ class CapacityEstimator:
     per audio second at the batches of the moment (the first model; for flows whose chunks cost
     more the longer a stream runs, where a batch's time follows its streams' lengths rather than
     its audio: on the H100 the fixed-part model let the CosyVoice2 flow admit streams that
-    stalled at 2x overload, 7 of 240, where this one stalled none, docs/perf.md "Session 26"). Raises ValueError for settings out of
-    range. Not thread-safe: fed and read by the engine thread (readers elsewhere read
+    stalled at 2x overload, 7 of 240, where this one stalled none, docs/perf.md "Session 26").
+    Raises ValueError for settings out of range. Not thread-safe: fed and read by the engine thread (readers elsewhere read
     :attr:`last` / :attr:`last_estimate`, plain attributes).
     """
 
