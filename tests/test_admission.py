@@ -388,14 +388,14 @@ def test_device_memory_counts_recent_peaks_and_graph_pools_not_cached_blocks():
     cached free blocks are not held, so the figure does not creep up as the allocator caches."""
     from cosyserve.engine.admission import DeviceMemory
 
-    now, peak, pools, resets = [0.0], [500], [70], []  # seconds, bytes, bytes
+    now, peak, pools, resets, reserved = [0.0], [500], [70], [], [1000]  # seconds, bytes, bytes, -, bytes
 
     def reset():
         resets.append(now[0])
         peak[0] = 0
 
     mem = DeviceMemory(window_s=2.0, pool_refresh_s=10.0, clock=lambda: now[0], allocated_peak=lambda: peak[0],
-                       reset_peak=reset, pool_free=lambda: pools[0], total=10_000)
+                       reset_peak=reset, pool_free=lambda: pools[0], reserved=lambda: reserved[0], total=10_000)
 
     def at(t, peak_since_reset):
         now[0] = t
@@ -404,12 +404,14 @@ def test_device_memory_counts_recent_peaks_and_graph_pools_not_cached_blocks():
 
     assert mem.held() == (570, 10_000) and resets == [0.0]
     assert at(1.0, 300) == (570, 10_000)  # the window's peak so far (300) < the previous one (500)
-    pools[0] = 90  # graph pools grew: seen at the next re-read (pool_refresh_s), not before
+    pools[0], reserved[0] = 90, 1200  # a capture grew the pools: seen at the next re-read (pool_refresh_s)
     assert at(2.5, 350) == (570, 10_000) and resets == [0.0, 2.5]  # new window; 500 still counts once more
     assert at(3.0, 100) == (420, 10_000)  # max(100, the last window's 350)
     assert at(4.6, 120) == (420, 10_000) and resets[-1] == 4.6  # 350 counts until this boundary
     assert at(5.0, 0) == (190, 10_000)  # the 350 window is gone: max(0, 120) + 70
-    assert at(10.0, 40) == (210, 10_000)  # pools re-read: max(40, 120) + 90
+    assert at(10.0, 40) == (210, 10_000) and mem.pool_reads == 2  # pools re-read: max(40, 120) + 90
+    pools[0] = 10  # (not what pools do without a capture; shows the figure is not re-read)
+    assert at(25.0, 40) == (130, 10_000) and mem.pool_reads == 2  # reservation unchanged: not re-read
     with pytest.raises(ValueError, match="CUDA device or all of"):
         DeviceMemory()
 

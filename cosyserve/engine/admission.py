@@ -88,20 +88,23 @@ class DeviceMemory:
     :meth:`held` is ``(held bytes, total bytes)``: the peak of the caching allocator's *allocated*
     bytes (live tensors: weights, KV cache, graph buffers, streams' caches, a batch's transient
     tensors) over the current and the previous window of ``window_s`` seconds, plus the free bytes
-    inside CUDA-graph memory pools (:func:`~cosyserve.models.capture.graph_pool_free_bytes`, re-read
-    every ``pool_refresh_s`` seconds: it lists every segment). The default pool's cached free blocks
+    inside CUDA-graph memory pools (:func:`~cosyserve.models.capture.graph_pool_free_bytes`: it lists
+    every segment and block, so it is re-read at most every ``pool_refresh_s`` seconds, and only when
+    the allocator's reservation changed since — a capture adds pool segments; in steady state it is
+    read once). The default pool's cached free blocks
     are not held: the allocator reuses them, and returns them to the driver before it reports
     running out of memory. (Counting the whole reservation, the first bound, tightened as the
     allocator cached blocks: it held an H100 at 33 streams, docs/perf.md "Session 25".)
 
     ``allocated_peak()`` (bytes allocated at most since the last ``reset_peak()``), ``reset_peak()``,
-    ``pool_free()`` (bytes) and ``total`` (bytes) default to ``device``'s (``torch.cuda``); tests pass
-    their own. Raises ValueError with neither a device nor all four.
+    ``pool_free()`` (bytes), ``reserved()`` (bytes) and ``total`` (bytes) default to ``device``'s
+    (``torch.cuda``); tests pass their own. Raises ValueError with neither a device nor all five.
     """
 
     def __init__(self, device=None, window_s: float = 2.0, pool_refresh_s: float = 10.0, clock=time.monotonic,
-                 allocated_peak=None, reset_peak=None, pool_free=None, total: int | None = None):
-        if device is not None and (allocated_peak is None or reset_peak is None or pool_free is None or total is None):
+                 allocated_peak=None, reset_peak=None, pool_free=None, reserved=None, total: int | None = None):
+        fns = (allocated_peak, reset_peak, pool_free, reserved, total)
+        if device is not None and any(f is None for f in fns):
             import torch
 
             from ..models.capture import graph_pool_free_bytes
@@ -109,14 +112,18 @@ class DeviceMemory:
             allocated_peak = allocated_peak or (lambda: int(torch.cuda.max_memory_allocated(device)))
             reset_peak = reset_peak or (lambda: torch.cuda.reset_peak_memory_stats(device))
             pool_free = pool_free or (lambda: graph_pool_free_bytes(device))
+            reserved = reserved or (lambda: int(torch.cuda.memory_reserved(device)))
             total = total if total is not None else int(torch.cuda.get_device_properties(device).total_memory)
-        if allocated_peak is None or reset_peak is None or pool_free is None or total is None:
-            raise ValueError("DeviceMemory needs a CUDA device or all of allocated_peak, reset_peak, pool_free, total")
+        if any(f is None for f in (allocated_peak, reset_peak, pool_free, reserved, total)):
+            raise ValueError("DeviceMemory needs a CUDA device or all of allocated_peak, reset_peak, pool_free, "
+                             "reserved, total")
         self.window_s, self.pool_refresh_s, self.clock = window_s, pool_refresh_s, clock
         self._peak, self._reset, self._pool_free, self.total = allocated_peak, reset_peak, pool_free, int(total)
+        self._reserved = reserved
         self._window_t0: float | None = None
         self._prev_peak = 0
-        self._pool: tuple[float, int] | None = None  # (when read, bytes)
+        self._pool: tuple[float, int, int] | None = None  # (when read, reservation then, pools' free bytes)
+        self.pool_reads = 0  #: how often the pools were read (each lists every segment)
 
     def held(self) -> tuple[int, int]:
         """``(held bytes, total bytes)`` (see the class doc)."""
@@ -130,8 +137,13 @@ class DeviceMemory:
         else:
             held = max(peak, self._prev_peak)
         if self._pool is None or now - self._pool[0] >= self.pool_refresh_s:
-            self._pool = (now, int(self._pool_free()))
-        return held + self._pool[1], self.total
+            res = int(self._reserved())
+            if self._pool is None or res != self._pool[1]:
+                self._pool = (now, res, int(self._pool_free()))
+                self.pool_reads += 1
+            else:
+                self._pool = (now, res, self._pool[2])
+        return held + self._pool[2], self.total
 
 
 def chunk_speedup(policy, horizon_tokens: int = SPEEDUP_HORIZON_TOKENS) -> float:
