@@ -427,6 +427,10 @@ def _engine_args(p, in_process: bool = False) -> None:
                         "one segment (default 4096); the cache holds --max-active-streams + 1 slots of N positions "
                         "(Qwen2-0.5B in bf16: 12 KiB per position, 6.4 GB at 128 streams x 4096), so a smaller N "
                         "leaves device memory to more streams' token2wav caches" + note)
+    p.add_argument("--dit-graph-memory", type=_fraction, default=0.25, metavar="FRACTION",
+                   help="Step-Audio2 DiT token2wav: the share of the device's memory its solve graphs' shared buffers "
+                        "may take (default 0.25); they hold a batch's copy of its streams' caches, so a smaller share "
+                        "bounds a chunk batch's rows lower and leaves more memory to the streams' own caches" + note)
     p.add_argument("--token2wav-thread", action="store_true",
                    help="run token2wav on its own thread (experimental; slower on the H100 measured, docs/perf-history.md)"
                         + note)
@@ -544,7 +548,8 @@ def _engine_config(args, background_default: bool = False, **overrides):
 
     _compile_cache(getattr(args, "compile_cache", None))
     lazy = args.lazy_graphs
-    fields = dict(max_active=args.max_active_streams, kv_max_len=args.kv_max_len, t2w_thread=args.token2wav_thread,
+    fields = dict(max_active=args.max_active_streams, kv_max_len=args.kv_max_len,
+                  dit_graph_memory=args.dit_graph_memory, t2w_thread=args.token2wav_thread,
                   t2w_queue_steps=_queue_steps(args.t2w_queue_steps), device_sampling=_SAMPLING[args.sampling],
                   t2w_slack_s=_slack(args.t2w_slack), lm_stream_priority=args.lm_stream_priority == "high",
                   max_t2w_tokens=args.max_t2w_tokens, t2w_batch_target=args.t2w_batch_target,

@@ -107,6 +107,26 @@ def test_plan_adds_offline_utterances_at_coarse_frames_buckets():
     assert {(r, g.solve_frames_bucket(f, 0), 0) for r in (1, 2, 3, 4) for f, _ in setups} <= uncached
 
 
+def test_dit_graph_memory_share_bounds_the_buckets_and_the_rows(monkeypatch):
+    """``EngineConfig.dit_graph_memory`` (``--dit-graph-memory``): no planned bucket's buffers exceed that
+    share of the device's memory, and chunk batches are bounded to the rows whose buffers fit at the
+    largest chunk shape (``max_rows``); a smaller share, fewer rows (device faked: no CUDA here)."""
+    total = 4 * 4 * 2000  # a stand-in buffer costs 4 bytes x rows x (frames + cache)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(total_memory=total))
+    models = SimpleNamespace(flow=SimpleNamespace(up_rate=2, pre_lookahead_len=3),
+                             cfg=SimpleNamespace(token_frame_rate=25))
+    rows = {}
+    for share in (0.25, 0.1):
+        g = GraphedDiTSolve(frames_bucket=25, cache_bucket=64)
+        g.device = torch.device("cuda")
+        g._shapes = lambda b, f, c: {"att": ((b, f + c), torch.float32)}
+        cfg = EngineConfig(max_active=16, kv_max_len=256, dit_graph_memory=share)
+        EngineCore._plan_dit_graphs(g, [60], models, cfg)
+        assert g.keys() and all(g.buffer_bytes(k) <= share * total for k in g.keys())
+        rows[share] = g.max_rows
+    assert 1 < rows[0.1] < rows[0.25] <= 16, rows
+
+
 def _models(flow):
     """The engine's view of a DiT model for the planner: the flow and the 25 Hz token rate."""
     return SimpleNamespace(flow=flow, cfg=SimpleNamespace(token_frame_rate=25))

@@ -185,7 +185,10 @@ class EngineConfig:
     token2wav path); with a Step-Audio2 DiT token2wav directory the solve graphs captured before
     serving are the buckets streams of this policy reach (:meth:`EngineCore.plan_stream_prompts`);
     ``stream_prompt_s``: the prompt lengths (seconds, min and max) those graphs are planned for
-    until the engine is told its voices' (:meth:`EngineCore.plan_stream_prompts`).
+    until the engine is told its voices' (:meth:`EngineCore.plan_stream_prompts`);
+    ``dit_graph_memory``: the share of the device's memory the DiT solve graphs' shared buffers may
+    take (they hold a batch's copy of its streams' caches, so the share bounds the rows of a chunk
+    batch, ``GraphedDiTSolve.max_rows``; what they do not take is left to the streams' own caches).
     """
 
     max_active: int = 16
@@ -216,6 +219,7 @@ class EngineConfig:
     flow_stream_cache_frames: int | None = None
     stream_chunk_policy: str | None = None
     stream_prompt_s: tuple[float, float] = (2.0, 10.0)
+    dit_graph_memory: float = 0.25
 
     def __post_init__(self):
         if self.max_t2w_batch is None:
@@ -232,7 +236,8 @@ class EngineConfig:
             ("t2w_slack_s >= 0", self.t2w_slack_s is None or self.t2w_slack_s >= 0),
             ("t2w_queue_steps >= 1", self.t2w_queue_steps is None or self.t2w_queue_steps >= 1),
             ("decode_lookahead >= 1", self.decode_lookahead >= 1),
-            ("flow_stream_cache_frames >= 0", self.flow_stream_cache_frames is None or self.flow_stream_cache_frames >= 0))
+            ("flow_stream_cache_frames >= 0", self.flow_stream_cache_frames is None or self.flow_stream_cache_frames >= 0),
+            ("0 < dit_graph_memory < 1", 0 < self.dit_graph_memory < 1))
             if not ok]
         if bad:
             raise ValueError(f"invalid engine limits: need {', '.join(bad)}")
@@ -249,9 +254,6 @@ class EngineConfig:
 
 GRAPH_CAPTURE_MODES = ("background", "startup")  #: see ``EngineConfig.graph_capture``
 T2W_ATTENTION_LEN = 1024  #: see ``EngineConfig.max_t2w_tokens``: the attention budget's unit length
-#: the Step-Audio2 DiT solve graphs plan no bucket whose buffers (held once captured) exceed this
-#: share of the device's memory (at full size a 64-row bucket of 75 frames + 640 cached is 28 GB)
-DIT_GRAPH_BUFFER_SHARE = 0.25
 #: the Step-Audio2 DiT solve graphs plan offline utterances (no cache) in solves of up to this many (the
 #: DiT backend splits larger groups: 4 x 2048 frames keep the largest graph's activations below the
 #: streaming buckets'; 16 cost ~7 GB more of graph pool on an H100, docs/perf.md "Session 26"),
@@ -536,7 +538,9 @@ class EngineCore:
         before = len(graph.keys())
         budget = config.max_t2w_tokens  # the scheduler's batch budget (_t2w_fits without a grid)
         dev = graph.device
-        max_bytes = int(DIT_GRAPH_BUFFER_SHARE * torch.cuda.get_device_properties(dev).total_memory) \
+        # no bucket whose buffers (held once captured) exceed the configured share of the device's memory
+        # (at full size a 64-row bucket of 75 frames + 640 cached is 28 GB)
+        max_bytes = int(config.dit_graph_memory * torch.cuda.get_device_properties(dev).total_memory) \
             if dev.type == "cuda" else None
         # offline utterances: one pass over prompt + every target token (up to DIT_OFFLINE_MAX_S), no cache
         longest = min(config.kv_max_len, round(DIT_OFFLINE_MAX_S * models.cfg.token_frame_rate))
