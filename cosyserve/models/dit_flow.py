@@ -53,9 +53,10 @@ different streams (different token counts and cache lengths) in one padded pass.
 are left-aligned to a common end so that one relative-position table serves every stream (query
 ``i`` of stream ``b`` sits at position ``C_max + i``, its cached keys at ``C_max - C_b ..``); padded
 keys are masked; convolutions are causal so right padding never reaches valid frames. Results equal
-the one-stream results up to float summation order (~1e-7 relative). The per-stream inputs and
-outputs move with batched operations (one concatenation and one index operation per cache kind, index
-lists built on the host and copied once), so a batch's host work grows little with its stream count.
+the one-stream results up to float summation order (~1e-7 relative). The per-stream inputs move with
+batched operations (index lists built on the host and copied once; one copy per stream for the
+estimator caches); each new state is copied out into storages of its own (a few copies per stream and
+cache kind), so a batch's host work grows little with its stream count.
 
 CUDA graphs (:class:`GraphedDiTSolve`): the Euler/CFG solve per (rows, frames, cache) bucket, and
 the encoder in a padded static-shape form (:meth:`DitFlowModel._encode_static`: per-row token counts,
@@ -1350,10 +1351,9 @@ class DitFlowModel(nn.Module):
             self._encoder_inputs(items, bufs, host, other, lens, tlen, c1)
             mel, est_caches = self._solve(items, None, mlen, n_timesteps, trim_keep, keep_state, bucket)
             c1b = self._encoder_dims(bufs)[3]
-            b = len(items)
-            enc_caches = self._enc_caches(items, bufs["enc_kv1"], bufs["enc_kv2"], bufs["enc_new_la"][:b].clone(),
-                                          bufs["enc_new_up"][:b].clone(), c1, tlen, c1b, up * c1b, trim_keep,
-                                          keep_state)
+            # (each item's caches are copied out of the static tensors: the next replay rewrites them)
+            enc_caches = self._enc_caches(items, bufs["enc_kv1"], bufs["enc_kv2"], bufs["enc_new_la"],
+                                          bufs["enc_new_up"], c1, tlen, c1b, up * c1b, trim_keep, keep_state)
             return mel, mlen, enc_caches, est_caches
         bb, mmax, cmax = bucket[:3]
         tb, c1b = self.encoder_bucket(mmax, cmax)
