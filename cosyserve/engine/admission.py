@@ -243,7 +243,7 @@ class _LinearFit:
         mx, my = self.x / self.w, self.y / self.w
         var = self.xx / self.w - mx * mx
         if var < 0.1:  # rows hardly varied: no slope can be told apart from the fixed part
-            return 0.0, my / mx
+            return self.ratio()
         c = (self.xy / self.w - mx * my) / var
         a = my - c * mx
         if c < 0:  # cost falling with rows: noise; flat

@@ -460,7 +460,6 @@ class EngineCore:
         self._memory_bound_logged = False
         self._memory_cap: int | None = None  # the latest memory bound on active streams (auto admission)
         self._memory: DeviceMemory | None = None  # created on first use (CUDA only)
-        self._memory_held = 0  # bytes held at the latest memory bound (logged)
         self._memory_logged: int | None = None  # the memory bound last logged
         self._limit = self._admission_limit()
 
@@ -864,13 +863,6 @@ class EngineCore:
         if self.admission.mode == "auto":
             mem = self._memory_limit() if self._waiting else self._memory_cap
             self._memory_cap = mem
-            logged = self._memory_logged
-            if mem is not None and (logged is None or abs(mem - logged) >= max(4, 0.1 * logged)):
-                log.info("memory bound: %d streams (%d active; held %.1f GB: recent peak of live tensors + graph "
-                         "pools' free blocks; per-stream caches %.0f MB)", mem, len(self._active),
-                         self._memory_held / 1e9, self.t2w.stream_state_bytes() / 1e6,
-                         extra={"event": "memory_limit", "streams": mem, "held_gb": round(self._memory_held / 1e9, 2)})
-                self._memory_logged = mem
             if mem is not None and mem < min(cap, self.cfg.max_active):
                 if not self._memory_bound_logged:
                     log.warning("admission bounded by device memory: %d streams (per-stream caches %.0f MB; "
@@ -907,10 +899,16 @@ class EngineCore:
         if mem is None:
             return None
         held, total = mem
-        self._memory_held = held
         full = sum(1 for st in self._active.values() if st.chunks >= MEMORY_GROWING_CHUNKS)
         room = (1.0 - MEMORY_RESERVE_SHARE) * total - (held - full * per)
-        return max(0, int(room // (MEMORY_PER_STREAM_COPIES * per)))
+        limit = max(0, int(room // (MEMORY_PER_STREAM_COPIES * per)))
+        logged = self._memory_logged
+        if logged is None or abs(limit - logged) >= max(4, 0.1 * logged):  # material changes only
+            log.info("memory bound: %d streams (%d active; held %.1f GB: recent peak of live tensors + graph "
+                     "pools' free blocks; per-stream caches %.0f MB)", limit, len(self._active), held / 1e9,
+                     per / 1e6, extra={"event": "memory_limit", "streams": limit, "held_gb": round(held / 1e9, 2)})
+            self._memory_logged = limit
+        return limit
 
     def _admit(self) -> None:
         """Activate queued requests in arrival order while fewer than the admission limit are
