@@ -132,7 +132,7 @@ class DitToken2WavBackend(Token2WavBackend):
         larger batch of whole utterances would run eagerly (~230 ms of host time per solve at full
         size) and its graph would need several times the memory of the streaming buckets'."""
         flow = self.flow
-        rows = getattr(flow.graph, "offline_rows", None) if flow.graph is not None else None
+        rows = getattr(flow.graph, "offline_rows", None)  # (None without graphs)
         off = [i for i, o in enumerate(offline) if o]
         if rows is None or len(off) <= rows:
             return flow.forward_items(items, trim_keep=TRIM_KEEP, final_states=False)
