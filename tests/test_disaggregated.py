@@ -121,7 +121,10 @@ def test_streaming_completions_disconnect_frees_the_slot_and_errors_are_4xx(llm)
 
 def test_remote_engine_tokens_equal_local_engine(llm):
     """The seam: RemoteLMEngine (tokens streamed from the LLM server) samples exactly what the
-    all-in-one EngineCore samples for a seed, and makes the same streamed audio from them."""
+    all-in-one EngineCore samples for a seed, and makes the same streamed audio from them. The
+    remote engine runs with ``auto`` admission (the default on CUDA), whose state it shares with
+    EngineCore (a missing attribute failed it on the H100 in session 27)."""
+    from cosyserve.engine.admission import AdmissionPolicy
     from cosyserve.engine.core import EngineConfig
     from cosyserve.engine.pipeline import Synthesizer
     from cosyserve.engine.request import AudioChunk, RequestFinished, SynthesisParams
@@ -146,7 +149,7 @@ def test_remote_engine_tokens_equal_local_engine(llm):
 
     a_chunks, a = run(local.new_engine(cfg), local)
     source = remote_source_for(remote.models, len(remote.frontend.tokenizer), llm.url)
-    engine = RemoteLMEngine(remote.models, source, cfg)
+    engine = RemoteLMEngine(remote.models, source, EngineConfig(max_active=2, admission=AdmissionPolicy("auto")))
     try:
         b_chunks, b = run(engine, remote)
     finally:

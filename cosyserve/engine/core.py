@@ -447,10 +447,16 @@ class EngineCore:
         self._n_requests = 0  # waiting + active + not yet processed adds
         self._ids: set[str] = set()  # their request ids (an id may be in progress only once)
         self.stats = EngineStats()
-        # admission control (module doc, step 2): the policy, the capacity model (always fed,
-        # so the estimate is reported in every mode) and the limit in effect
-        cuda = self.cache.k.is_cuda
-        self.admission = config.admission or AdmissionPolicy("auto" if cuda else "off")
+        self._init_admission(models, config, self.cache.k.device)
+
+    def _init_admission(self, models, config: EngineConfig, device: torch.device) -> None:
+        """Admission control's state (module doc, step 2): the policy (``auto`` on CUDA, else
+        ``off``, unless ``config.admission`` says), the capacity model (always fed, so the
+        estimate is reported in every mode), the memory bound (CUDA, auto mode) and the limit in
+        effect. ``device``: where the token2wav stage's stream states live (the memory bound reads
+        it). Needs ``self.t2w`` (its ``chunk_cost_grows`` picks the token2wav price)."""
+        self._state_device = device
+        self.admission = config.admission or AdmissionPolicy("auto" if device.type == "cuda" else "off")
         self.capacity_model = CapacityEstimator(models.cfg.token_frame_rate, target=config.admission_target,
                                                 max_streams=config.max_active,
                                                 t2w_fixed_part=not getattr(self.t2w, "chunk_cost_grows", True))
@@ -878,10 +884,10 @@ class EngineCore:
     def _device_memory(self) -> tuple[int, int] | None:
         """``(bytes held on the engine's device, the device's total bytes)``
         (:class:`~cosyserve.engine.admission.DeviceMemory`); None on CPU."""
-        if not self.cache.k.is_cuda:
+        if self._state_device.type != "cuda":
             return None
         if self._memory is None:
-            self._memory = DeviceMemory(self.cache.k.device)
+            self._memory = DeviceMemory(self._state_device)
         return self._memory.held()
 
     def _memory_limit(self) -> int | None:

@@ -54,7 +54,6 @@ import torch
 from ..client.remote_lm import RemoteLMError, StreamingCompletionsLM
 from ..models.export import SpeechVocab
 from ..models.loader import CosyVoice2Models
-from .admission import AdmissionPolicy, CapacityEstimator
 from .core import EngineConfig, EngineCore, EngineObserver, EngineStats, _Marks
 from .request import EngineRequest, Outcome, RequestState, SegmentState
 
@@ -251,13 +250,7 @@ class RemoteLMEngine(EngineCore):
         self._n_requests = 0
         self._ids = set()
         self.stats = EngineStats()
-        self.admission = config.admission or AdmissionPolicy("auto" if cuda else "off")
-        self.capacity_model = CapacityEstimator(models.cfg.token_frame_rate, target=config.admission_target,
-                                                max_streams=config.max_active)
-        self._t2w_host_s = 0.0
-        self._last_admitted_arrival = float("-inf")
-        self._logged_capacity = None
-        self._limit = self._admission_limit()
+        self._init_admission(models, config, device)
         self.graph_capturer = None
         self._t2w_stages = []
         if cuda and config.cuda_graphs:  # EngineCore's token2wav graphs, captured by warmup() / the first step
