@@ -7,11 +7,13 @@
 # Usage: benchmarks/capacity_startup.sh OUT  (env: PATH_KIND, CAPACITY_LEVELS, MAX_ACTIVE, SERVE_ARGS, RAMP_S: each
 # capacity level's clients start over RAMP_S seconds, `bench --ramp-s`, default 0 = all at once; OFFLINE_CLIENTS: then
 # one offline level (whole utterances, KServe gRPC ModelInfer) of that many clients x 3 requests; CHUNK_POLICY:
-# default exponential for unet, the DiT path's own default (15 tokens, then 25-token hops) for dit). Needs .whl.
+# default exponential for unet, the DiT path's own default (15 tokens, then 25-token hops) for dit; ONE_STREAM=N: first
+# N requests from one client after the warm-up, the first-chunk table at 1 stream; CAPACITY_LEVELS= (empty) skips the
+# capacity search). Needs .whl.
 set -u
 cd "$(dirname "$0")/.."
 OUTDIR=${1:-capacity_startup_out}; KIND=${PATH_KIND:-unet}; RATIO=${RATIO:-6}
-CAPACITY_LEVELS=${CAPACITY_LEVELS:-32,48,64,96}; MAX_ACTIVE=${MAX_ACTIVE:-128}
+CAPACITY_LEVELS=${CAPACITY_LEVELS-32,48,64,96}; MAX_ACTIVE=${MAX_ACTIVE:-128}
 mkdir -p "$OUTDIR"
 . benchmarks/_full_size_server.sh
 full_size_setup "$KIND" || exit 1
@@ -27,10 +29,17 @@ python3 benchmarks/startup_probe.py --since "$T0" --url http://127.0.0.1:8000 --
 echo "== warm-up (not counted): lazily captured graphs (the DiT solves) get captured here"
 $CS bench --url grpc://127.0.0.1:8001 --no-progress --voice default --concurrency 1,4,16,32 --requests-per-level 24 \
   --min-requests-per-client 1 --warmup 0 --out "$OUTDIR/warmup" >/dev/null 2>&1
-echo "== capacity (voice default, 0 stalls, p99 <= 500 ms), then 2x overload"
-$CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default --capacity \
-  --concurrency "$CAPACITY_LEVELS" --max-streams "$MAX_ACTIVE" --p99-bound-ms 500 --min-requests-per-client 3 \
-  --overload 2 --ramp-s "${RAMP_S:-0}" --warmup 0 --out "$OUTDIR/capacity" 2>&1 | tail -30
+if [ -n "${ONE_STREAM:-}" ]; then
+  echo "== one stream: $ONE_STREAM requests back to back (first-chunk latency at 1 stream, client side)"
+  $CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default \
+    --concurrency 1 --requests-per-level "$ONE_STREAM" --warmup 2 --out "$OUTDIR/one" 2>&1 | grep -A3 "^| clients"
+fi
+if [ -n "$CAPACITY_LEVELS" ]; then
+  echo "== capacity (voice default, 0 stalls, p99 <= 500 ms), then 2x overload"
+  $CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default \
+    --capacity --concurrency "$CAPACITY_LEVELS" --max-streams "$MAX_ACTIVE" --p99-bound-ms 500 \
+    --min-requests-per-client 3 --overload 2 --ramp-s "${RAMP_S:-0}" --warmup 0 --out "$OUTDIR/capacity" 2>&1 | tail -30
+fi
 if [ -n "${OFFLINE_CLIENTS:-}" ]; then
   echo "== offline throughput: $OFFLINE_CLIENTS clients x 3 requests"
   $CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default \
