@@ -9,7 +9,8 @@
 # one offline level (whole utterances, KServe gRPC ModelInfer) of that many clients x 3 requests; CHUNK_POLICY:
 # default exponential for unet, the DiT path's own default (15 tokens, then 25-token hops) for dit; ONE_STREAM=N: first
 # N requests from one client after the warm-up, the first-chunk table at 1 stream; CAPACITY_LEVELS= (empty) skips the
-# capacity search). Needs .whl.
+# capacity search; STREAM_CLIENTS=N: one plain streaming level of N clients x 3 requests; SAMPLE_STACKS=1: the
+# scheduler thread's stacks per level, benchmarks/stack_sampler.py). Needs .whl.
 set -u
 cd "$(dirname "$0")/.."
 OUTDIR=${1:-capacity_startup_out}; KIND=${PATH_KIND:-unet}; RATIO=${RATIO:-6}
@@ -21,6 +22,19 @@ CS="python3 -m cosyserve.cli"
 POLICY=${CHUNK_POLICY-exponential}
 [ "$KIND" = dit ] && POLICY=${CHUNK_POLICY-}
 T0=$(date +%s.%N)
+# SAMPLE_STACKS=1: the server runs under benchmarks/stack_sampler.py; each level below then prints where the
+# scheduler thread (cosyserve-engine) spent its time during that level
+if [ "${SAMPLE_STACKS:-0}" = 1 ]; then
+  SERVE_PREFIX=(python3 benchmarks/stack_sampler.py --out "$OUTDIR/stacks.txt" --interval-ms 5 -- -m cosyserve.cli)
+fi
+since() { python3 -c "import time; print(int(time.time() - $T0))"; }
+stacks() {  # stacks LABEL SINCE: the scheduler thread's stacks from SINCE to now
+  [ "${SAMPLE_STACKS:-0}" = 1 ] || return 0
+  sleep 6  # the sampler writes its file every few seconds
+  echo "-- scheduler thread stacks during $1 (inclusive share of samples)"
+  python3 benchmarks/stack_sampler.py --report "$OUTDIR/stacks.txt" --since "$2" --until "$(since)" \
+    --thread cosyserve-engine --top "${STACKS_TOP:-40}" | cut -c1-190
+}
 full_size_serve "$OUTDIR/server.log" --min-token-text-ratio "$RATIO" --max-token-text-ratio "$RATIO" \
   --max-active-streams "$MAX_ACTIVE" --max-queue 512 ${POLICY:+--chunk-policy "$POLICY"} ${SERVE_ARGS:-}
 trap 'kill $SERVER 2>/dev/null' EXIT
@@ -34,6 +48,14 @@ if [ -n "${ONE_STREAM:-}" ]; then
   $CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default \
     --concurrency 1 --requests-per-level "$ONE_STREAM" --warmup 2 --out "$OUTDIR/one" 2>&1 | grep -A3 "^| clients"
 fi
+if [ -n "${STREAM_CLIENTS:-}" ]; then
+  echo "== streaming: $STREAM_CLIENTS clients x 3 requests (ramp ${RAMP_S:-0} s)"
+  S0=$(since)
+  $CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default \
+    --concurrency "$STREAM_CLIENTS" --min-requests-per-client 3 --ramp-s "${RAMP_S:-0}" --warmup 0 \
+    --out "$OUTDIR/stream" 2>&1 | grep -A3 "^| clients"
+  stacks "streaming at $STREAM_CLIENTS clients" "$S0"
+fi
 if [ -n "$CAPACITY_LEVELS" ]; then
   echo "== capacity (voice default, 0 stalls, p99 <= 500 ms), then 2x overload"
   $CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default \
@@ -42,9 +64,11 @@ if [ -n "$CAPACITY_LEVELS" ]; then
 fi
 if [ -n "${OFFLINE_CLIENTS:-}" ]; then
   echo "== offline throughput: $OFFLINE_CLIENTS clients x 3 requests"
+  S0=$(since)
   $CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default \
     --mode offline --concurrency "$OFFLINE_CLIENTS" --min-requests-per-client 3 --warmup 0 --out "$OUTDIR/offline" \
     2>&1 | grep -A3 "^| clients"
+  stacks "offline at $OFFLINE_CLIENTS clients" "$S0"
 fi
 grep -i "capacity estimate" "$OUTDIR/server.log" | tail -3
 grep -i "graphs\b.*captured\|captured .* graph buckets" "$OUTDIR/server.log" | tail -3
