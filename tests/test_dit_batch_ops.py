@@ -233,3 +233,35 @@ def test_gpu_graphed_batches_keep_states_and_issue_without_sync(t2w):
                 assert rel_l2(getattr(s, f).cpu(), getattr(rs, f).cpu()) < TOL, (k, i, f)
         states, ref = [s for _, s in res], [s for _, s in rref]
     assert graph.replays > 0
+
+
+def test_gpu_offline_items_from_host_inputs_issue_without_sync(t2w):
+    """Offline utterances as the engine's DiT backend builds them (``prompt_item`` from host tokens,
+    prompt mel and embedding) keep their tokens on the host, and a graphed batch of them is built and
+    issued without a host synchronisation: a range check of device tokens waited for the previous
+    solve, ~40 % of the scheduler thread's busy time offline on an H100 (docs/perf.md "Session 27").
+    The result equals the eager model's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (run on the device machine)")
+    flow = copy.deepcopy(t2w.flow).cuda()
+    eager = copy.deepcopy(t2w.flow).cuda()
+    graph = flow.enable_cuda_graphs(frames_bucket=16, cache_bucket=48)
+    g = torch.Generator().manual_seed(4)
+    inputs = [(pt, pm, emb, torch.randint(0, 6561, (40,), generator=g)) for pt, pm, emb in _prompts(5)]
+
+    def items(model):
+        return [model.prompt_item(pt, pm, emb, extra, last=True) for pt, pm, emb, extra in inputs]
+
+    first = flow.forward_items(items(flow), final_states=False)  # may capture its bucket
+    assert all(it.tokens.device.type == "cpu" for it in items(flow))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:  # the same bucket again: host tokens, pinned copies and replays only
+        again = flow.forward_items(items(flow), final_states=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    ref = eager.forward_items(items(eager), final_states=False)
+    for a, b, r in zip(first, again, ref):
+        assert torch.equal(a.mel, b.mel)
+        assert rel_l2(b.mel.cpu(), r.mel.cpu()) < TOL
+    assert graph.replays > 0

@@ -617,10 +617,22 @@ class DitFlowModel(nn.Module):
         """``[B, spk_embed_dim]`` raw speaker embedding (CAM++) -> ``[B, 80]`` (L2-normalise, affine)."""
         if embedding.dim() != 2 or embedding.shape[1] != self.cfg.spk_embed_dim:
             raise ValueError(f"speaker embedding must be [B, {self.cfg.spk_embed_dim}], got {tuple(embedding.shape)}")
-        p = self.spk_embed_affine_layer.weight
-        return self.spk_embed_affine_layer(F.normalize(embedding.to(device=p.device, dtype=p.dtype), dim=1))
+        p = self.spk_embed_affine_layer.weight  # (a host embedding is copied without a device sync)
+        return self.spk_embed_affine_layer(F.normalize(_to_device(embedding, p.device).to(p.dtype), dim=1))
+
+    def _check_host_tokens(self, tokens: Tensor) -> Tensor:
+        """``tokens`` ``[L]`` (a host tensor) as int64 on the host; raises ValueError unless 1-D and
+        within the vocabulary."""
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens must be 1-D, got {tuple(tokens.shape)}")
+        tokens = tokens.to(torch.long)
+        if tokens.numel() and (int(tokens.max()) >= self.cfg.vocab_size or int(tokens.min()) < 0):
+            raise ValueError(f"speech token out of range [0, {self.cfg.vocab_size})")
+        return tokens
 
     def _check_tokens(self, tokens: Tensor) -> Tensor:
+        """``tokens`` ``[L]`` as int64 on the flow's device, range-checked (ValueError); the check of a
+        device tensor waits for the device (prefer host tokens: :meth:`_check_host_tokens`)."""
         if tokens.dim() != 1:
             raise ValueError(f"tokens must be 1-D, got {tuple(tokens.shape)}")
         if tokens.numel() and (int(tokens.max()) >= self.cfg.vocab_size or int(tokens.min()) < 0):
@@ -1251,7 +1263,7 @@ class DitFlowModel(nn.Module):
         for i, it in enumerate(items):  # prompt mel (set-ups and offline items only)
             if it.cond is not None:
                 f = min(int(it.cond.shape[0]), mlen[i])
-                cond_rows[i, 2 * n_mels:, :f] = it.cond[:f].to(device=dev, dtype=dtype).transpose(0, 1)
+                cond_rows[i, 2 * n_mels:, :f] = _to_device(it.cond[:f], dev).to(dtype).transpose(0, 1)
 
         def steps(t: Tensor) -> Tensor:  # a state's caches for this solve's steps and dtype
             t = t if t.shape[0] == n_timesteps else t[:n_timesteps]
@@ -1411,8 +1423,16 @@ class DitFlowModel(nn.Module):
         """An item of :meth:`forward_items` starting a stream: ``prompt_tokens`` ``[P_tok]`` followed by
         ``extra`` tokens, ``prompt_mel`` ``[F, 80]`` as ``cond``, raw ``embedding`` ``[192]``. With
         ``last=True`` and ``extra`` the target tokens it is an offline utterance (its mel's first F
-        frames are the prompt's); :meth:`setup_item` builds set-ups. Raises ValueError on bad shapes."""
-        pt = self._check_tokens(prompt_tokens.reshape(-1))
+        frames are the prompt's); :meth:`setup_item` builds set-ups. The item's tokens stay on the host
+        when both token tensors are host tensors (:meth:`forward_items` reads host tokens as Python ints;
+        the range check of a device tensor synchronises with the device, which held the engine's
+        scheduler thread behind the previous solve for ~40 % of its busy time with offline utterances
+        on an H100, docs/perf.md "Session 27"). Raises ValueError on bad shapes or tokens out of range."""
+        pt, ex = prompt_tokens.reshape(-1), extra.reshape(-1)
+        if pt.device.type == "cpu" and ex.device.type == "cpu":
+            tokens = self._check_host_tokens(torch.cat([pt.to(torch.long), ex.to(torch.long)]))
+        else:
+            tokens = torch.cat([self._check_tokens(pt), self._check_tokens(ex)])
         if prompt_mel.dim() == 3:
             if prompt_mel.shape[0] != 1:
                 raise ValueError(f"prompt_mel must be [F, {self.n_mels}] or [1, F, {self.n_mels}]")
@@ -1420,8 +1440,7 @@ class DitFlowModel(nn.Module):
         if prompt_mel.dim() != 2 or prompt_mel.shape[1] != self.n_mels:
             raise ValueError(f"prompt_mel must be [F, {self.n_mels}], got {tuple(prompt_mel.shape)}")
         spk = self.project_speaker(embedding.reshape(1, -1))
-        return DitItem(tokens=torch.cat([pt, self._check_tokens(extra.reshape(-1))]), spk=spk, last=last,
-                       cond=prompt_mel, prompt_frames=int(prompt_mel.shape[0]))
+        return DitItem(tokens=tokens, spk=spk, last=last, cond=prompt_mel, prompt_frames=int(prompt_mel.shape[0]))
 
     def setup_item(self, prompt_tokens: Tensor, prompt_mel: Tensor, embedding: Tensor,
                    silence_token: int = SILENCE_TOKEN) -> DitItem:
