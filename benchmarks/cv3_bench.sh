@@ -6,7 +6,8 @@
 # overload; as benchmarks/session_capacity.sh does for the CosyVoice2 paths; CAPACITY_LEVELS= skips it).
 # Usage: benchmarks/cv3_bench.sh OUT   (env: LEVELS 1,4,8, OFFLINE 32, RATIO 6, DTYPE bfloat16, CAPACITY_LEVELS
 # 8,16,32,48,64, MAX_ACTIVE 64, SERVE_ARGS; e.g. SERVE_ARGS="--flow-stream-cache on" for the A/B of the per-stream DiT
-# cache, which the default `auto` leaves off while the flow runs as CUDA graphs). Needs .whl.
+# cache, which the default `auto` leaves off while the flow runs as CUDA graphs; SAMPLE_STACKS=1: the scheduler thread's
+# stacks per level, benchmarks/stack_sampler.py). Needs .whl.
 # The server runs with --strict-min-len: with random weights CosyVoice3's upstream min-length mask (it masks sos, not
 # the 200 stop ids) ends most utterances after ~30 tokens whatever the ratio, which made requests ~1.2 s long.
 set -u
@@ -18,7 +19,18 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/cosyserve-site:$PWD PYTHONUNBUFFERED=1 COSYSERVE_CACHE_DIR=/tmp/cosyserve-cache
 CS="python3 -m cosyserve.cli"
 t0=$(date +%s)
-$CS serve --graphs-before-ready --random-weights benchmarks/configs/cosyvoice3-0.5b.yaml --qwen-config benchmarks/configs/CosyVoice-BlankEN-config.json \
+# SAMPLE_STACKS=1: the server runs under benchmarks/stack_sampler.py; the streaming and offline levels then print where
+# the scheduler thread (cosyserve-engine) spent its time
+PREFIX=($CS)
+[ "${SAMPLE_STACKS:-0}" = 1 ] && PREFIX=(python3 benchmarks/stack_sampler.py --out "$OUTDIR/stacks.txt" --interval-ms 5 -- -m cosyserve.cli)
+stacks() {  # stacks LABEL SINCE: the scheduler thread's stacks from SINCE (seconds after the start) to now
+  [ "${SAMPLE_STACKS:-0}" = 1 ] || return 0
+  sleep 6
+  echo "-- scheduler thread stacks during $1 (inclusive share of samples)"
+  python3 benchmarks/stack_sampler.py --report "$OUTDIR/stacks.txt" --since "$2" --until "$(( $(date +%s) - t0 ))" \
+    --thread cosyserve-engine --top "${STACKS_TOP:-40}" | cut -c1-190
+}
+"${PREFIX[@]}" serve --graphs-before-ready --random-weights benchmarks/configs/cosyvoice3-0.5b.yaml --qwen-config benchmarks/configs/CosyVoice-BlankEN-config.json \
   --device cuda --dtype "$DTYPE" --min-token-text-ratio "$RATIO" --max-token-text-ratio "$RATIO" --max-active-streams "$MAX_ACTIVE" \
   --max-queue 256 --strict-min-len --voices-dir /tmp/cosyserve-voices-cv3 --port 8000 --grpc-port 8001 ${SERVE_ARGS:-} >"$OUTDIR/server.log" 2>&1 &
 SERVER=$!; trap 'kill $SERVER 2>/dev/null' EXIT
@@ -26,9 +38,13 @@ until python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/v2
   kill -0 $SERVER 2>/dev/null || { echo "server exited"; tail -30 "$OUTDIR/server.log"; exit 1; }; sleep 1; done
 echo "== CosyVoice3 server ready in $(( $(date +%s) - t0 )) s ($(nvidia-smi --query-gpu=name --format=csv,noheader))"
 URL=(--url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default)
+S0=$(( $(date +%s) - t0 ))
 $CS bench "${URL[@]}" --concurrency "$LEVELS" --warmup 2 --out "$OUTDIR/streaming" 2>&1 | grep -v "^$" | head -12
+stacks "streaming at $LEVELS clients" "$S0"
+S0=$(( $(date +%s) - t0 ))
 $CS bench "${URL[@]}" --mode offline --concurrency "$OFFLINE" --requests-per-level $((OFFLINE * 3)) --warmup 0 \
   --out "$OUTDIR/offline" 2>&1 | grep -v "^$" | head -12
+stacks "offline at $OFFLINE clients" "$S0"
 if [ -n "$CAPACITY_LEVELS" ]; then
   echo "== capacity (voice default, 0 stalls, p99 <= 500 ms), then 2x overload"
   $CS bench "${URL[@]}" --capacity --concurrency "$CAPACITY_LEVELS" --max-streams "$MAX_ACTIVE" --p99-bound-ms 500 \
