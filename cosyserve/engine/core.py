@@ -869,7 +869,10 @@ class EngineCore:
         if self.admission.mode == "auto":
             mem = self._memory_limit() if self._waiting else self._memory_cap
             self._memory_cap = mem
-            if mem is not None and mem < min(cap, self.cfg.max_active):
+            # an offline request holds no stream caches: the memory bound does not hold it back
+            # (its batch's transient tensors are in the measured peak)
+            offline_head = head is not None and not head.req.params.stream
+            if mem is not None and not offline_head and mem < min(cap, self.cfg.max_active):
                 if not self._memory_bound_logged:
                     log.warning("admission bounded by device memory: %d streams (per-stream caches %.0f MB; "
                                 "real-time capacity estimate %d)", mem, self.t2w.stream_state_bytes() / 1e6, cap,
@@ -891,8 +894,8 @@ class EngineCore:
         return self._memory.held()
 
     def _memory_limit(self) -> int | None:
-        """Streams that may be active so that every one's per-stream token2wav caches fit in device
-        memory (``auto`` admission on CUDA; None where the backend's streams hold little,
+        """Requests that may be active so that every stream's per-stream token2wav caches fit in device
+        memory, plus the active offline requests, which hold none (``auto`` admission on CUDA; None where the backend's streams hold little,
         :meth:`~cosyserve.engine.token2wav.Token2WavBackend.stream_state_bytes`, or on CPU): the
         device's memory less a reserve of ``MEMORY_RESERVE_SHARE`` and less what the rest holds
         (:meth:`_device_memory`: the recent peak of live tensors plus the graph pools' free blocks,
@@ -905,9 +908,11 @@ class EngineCore:
         if mem is None:
             return None
         held, total = mem
-        full = sum(1 for st in self._active.values() if st.chunks >= MEMORY_GROWING_CHUNKS)
+        full = sum(1 for st in self._active.values() if st.req.params.stream and st.chunks >= MEMORY_GROWING_CHUNKS)
+        offline = sum(1 for st in self._active.values() if not st.req.params.stream)
         room = (1.0 - MEMORY_RESERVE_SHARE) * total - (held - full * per)
-        limit = max(0, int(room // (MEMORY_PER_STREAM_COPIES * per)))
+        # active offline requests hold no stream caches: they count on top of the streams that fit
+        limit = max(0, int(room // (MEMORY_PER_STREAM_COPIES * per))) + offline
         logged = self._memory_logged
         if logged is None or abs(limit - logged) >= max(4, 0.1 * logged):  # material changes only
             log.info("memory bound: %d streams (%d active; held %.1f GB: recent peak of live tensors + graph "
@@ -918,10 +923,18 @@ class EngineCore:
 
     def _admit(self) -> None:
         """Activate queued requests in arrival order while fewer than the admission limit are
-        active (the head of the queue is never passed over)."""
+        active (the head of the queue is never passed over). The limit is recomputed when the head
+        changes between a streaming and an offline request (the memory bound holds back streams only)."""
         self._limit = self._admission_limit()
         now = time.monotonic()
-        while self._waiting and len(self._active) < self._limit:
+        kind = None
+        while self._waiting:
+            head = next(iter(self._waiting.values()))
+            if kind is not None and head.req.params.stream != kind:
+                self._limit = self._admission_limit()
+            kind = head.req.params.stream
+            if len(self._active) >= self._limit:
+                break
             rid, st = self._waiting.popitem(last=False)
             self._active[rid] = st
             in_order = st.req.arrival >= self._last_admitted_arrival
