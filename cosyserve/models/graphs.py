@@ -41,6 +41,7 @@ import threading
 import time
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from . import fused
@@ -757,15 +758,19 @@ class SlotRows:
         if len(set(sl)) != n or min(sl) < 0:
             raise ValueError(f"decode step slots must be distinct and non-negative: {sl}")
         bb = _pick(self.batch_buckets, max(sl) + 1)
-        packed = self.idle(bb)
-        idx = torch.tensor(sl)
-        st = start.reshape(-1).to("cpu", torch.long)
-        self.field(packed, "start")[idx] = st
-        self.field(packed, "active")[idx] = 1
+        # packed in numpy: a decode step's host work, half the time of torch's indexed writes on CPU
+        # tensors (one step every few ms on the scheduler thread)
+        rows = self.FIELDS
+        a = np.zeros((len(rows), bb), dtype=np.int64)
+        a[rows.index("start")] = self.idle_pos
+        idx = np.asarray(sl, dtype=np.int64)
+        st = start.reshape(-1).to("cpu", torch.long).numpy()
+        a[rows.index("start"), idx] = st
+        a[rows.index("active"), idx] = 1
         for name, val in fields.items():
-            self.field(packed, name)[idx] = val.reshape(-1).to("cpu", torch.long)
-        self.field(packed, "order")[:n] = idx
-        return bb, packed, int(st.max()) + 1
+            a[rows.index(name), idx] = val.reshape(-1).to("cpu", torch.long).numpy()
+        a[rows.index("order"), :n] = idx
+        return bb, torch.from_numpy(a), int(st.max()) + 1
 
 
 class GraphedDecoder(_GraphStage):
