@@ -631,3 +631,25 @@ def test_device_sampling_is_per_request_and_batch_independent(syn, voice):
         for other in (piped, ahead):
             assert other[rid].outcome == Outcome.OK and other[rid].tokens == ev.tokens
             assert other[rid].audio_s == pytest.approx(ev.audio_s)
+
+
+def test_async_engine_shortens_the_gil_switch_interval_while_it_runs(syn):
+    """While an AsyncEngine runs, the GIL switch interval is at most ENGINE_SWITCH_INTERVAL_S (the
+    scheduler thread re-takes the GIL after every torch op; the event loop's Python would hold it for
+    up to the default 5 ms each time); stop() restores it."""
+    import asyncio
+    import sys
+
+    from cosyserve.engine.async_engine import ENGINE_SWITCH_INTERVAL_S, AsyncEngine
+
+    before = sys.getswitchinterval()
+
+    async def go():
+        eng = AsyncEngine(syn.new_engine(EngineConfig(max_active=2)))
+        eng.start()
+        during = sys.getswitchinterval()
+        await eng.stop()
+        return during
+
+    assert asyncio.run(go()) == pytest.approx(min(before, ENGINE_SWITCH_INTERVAL_S), abs=1e-6)
+    assert sys.getswitchinterval() == before

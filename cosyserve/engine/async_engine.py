@@ -7,12 +7,21 @@ kernels) and sleeps on a condition variable when idle. Each request gets an
 request's async iterator drains it. Leaving the iterator early (client disconnect,
 cancellation, ``break``) aborts the request, so its KV slot and caches are freed before
 the engine's next step.
+
+The engine thread and the event loop share one GIL. PyTorch releases it around every op, and a
+thread that wants it back waits until the holder drops it — up to the interpreter's switch interval
+(5 ms by default) while the event loop runs Python (serving many streams, it mostly does). So while an
+AsyncEngine runs, the switch interval is at most :data:`ENGINE_SWITCH_INTERVAL_S` (process-wide;
+restored at :meth:`AsyncEngine.stop` unless changed meanwhile): the scheduler thread issues hundreds
+of small ops per token2wav batch, and each could otherwise wait milliseconds for the GIL
+(docs/perf-history.md run 5: a token2wav thread next to the scheduler ran 1.6-2.9x slower at 5 ms).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 from collections.abc import AsyncIterator
 
@@ -20,6 +29,9 @@ from .core import EngineCore
 from .request import AudioChunk, EngineRequest, Outcome, RequestFinished
 
 log = logging.getLogger(__name__)
+
+#: the GIL switch interval (seconds) while an AsyncEngine runs (module doc)
+ENGINE_SWITCH_INTERVAL_S = 2e-4
 
 
 class AsyncEngine:
@@ -41,6 +53,9 @@ class AsyncEngine:
             return
         self._loop = asyncio.get_running_loop()
         self._stop = False
+        self._prev_switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._prev_switch, ENGINE_SWITCH_INTERVAL_S))
+        self._switch = sys.getswitchinterval()  # as stored (whole microseconds), for the check in stop()
         self._thread = threading.Thread(target=self._run, name="cosyserve-engine", daemon=True)
         self._thread.start()
 
@@ -61,6 +76,8 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
+            if sys.getswitchinterval() == self._switch:  # (unless someone changed it meanwhile)
+                sys.setswitchinterval(self._prev_switch)
         await asyncio.to_thread(self.core.close)
 
     @property

@@ -606,8 +606,8 @@ class BackgroundCapturer:
         # switch interval (5 ms) to get it back, per op. A short interval bounds that wait (process-wide,
         # restored at the end unless someone else changed it meanwhile).
         prev_switch = sys.getswitchinterval()
-        switch = min(prev_switch, self.switch_interval_s)
-        sys.setswitchinterval(switch)
+        sys.setswitchinterval(min(prev_switch, self.switch_interval_s))
+        switch = sys.getswitchinterval()  # as stored (whole microseconds: 2e-4 reads back as 1.9999...e-4)
         try:
             if self.device is not None and self.device.type == "cuda":
                 if self.device.index is not None:  # a new thread starts on device 0
