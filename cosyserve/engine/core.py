@@ -894,8 +894,9 @@ class EngineCore:
         return self._memory.held()
 
     def _memory_limit(self) -> int | None:
-        """Requests that may be active so that every stream's per-stream token2wav caches fit in device
-        memory, plus the active offline requests, which hold none (``auto`` admission on CUDA; None where the backend's streams hold little,
+        """Requests that may be active so that every stream's per-stream token2wav caches fit in
+        device memory, plus the active offline requests, which hold none (``auto`` admission on
+        CUDA; None where the backend's streams hold little,
         :meth:`~cosyserve.engine.token2wav.Token2WavBackend.stream_state_bytes`, or on CPU): the
         device's memory less a reserve of ``MEMORY_RESERVE_SHARE`` and less what the rest holds
         (:meth:`_device_memory`: the recent peak of live tensors plus the graph pools' free blocks,
