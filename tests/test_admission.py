@@ -22,7 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from _server import Server
 from cosyserve.client.bench import playback_stalls
-from cosyserve.engine.admission import T2W_PERIOD_S, AdmissionPolicy, CapacityEstimator, chunk_speedup
+from cosyserve.engine.admission import (T2W_PERIOD_S, AdmissionPolicy, CapacityEstimator, chunk_speedup,
+                                        latency_pace)
 from cosyserve.engine.chunking import ChunkPolicy
 from cosyserve.engine.core import EngineConfig, QueueFullError
 from cosyserve.engine.request import AudioChunk, RequestFinished, SynthesisParams
@@ -91,6 +92,29 @@ def test_estimator_converges_to_the_known_capacity():
     # costs change (e.g. a slower GPU clock): within a few half-lives the estimate follows
     feed(est, clock, 2 * a, 2 * c, 2 * k, n=3000)
     assert est.estimate() == pytest.approx((0.8 - 50 * a) / (50 * c + 2 * k), rel=0.08)
+
+
+def test_latency_estimate_speeds_up_the_lm_pace_by_what_batch_latency_leaves():
+    """The diagnostic beside the estimate: a second chunk that also waits two token2wav batches of
+    L/2 seconds must have its tokens within D1 - L of a first chunk playing D1 seconds, so the LM's
+    pace is S * D1 / (D1 - L); admission itself still uses estimate()."""
+    assert latency_pace(0.6, 0.0) == 1.0
+    assert latency_pace(0.6, 0.2) == pytest.approx(1.5)
+    assert latency_pace(0.6, 0.6) == math.inf
+    for bad in ((0.0, 0.1), (0.6, -0.1)):
+        with pytest.raises(ValueError, match="latency_pace"):
+            latency_pace(*bad)
+    clock = Clock()
+    est = CapacityEstimator(25, target=0.8, max_streams=64, clock=clock)
+    assert est.latency_estimate(1.5) is None  # nothing measured yet
+    a, c, k = 0.004, 0.002, 0.2
+    feed(est, clock, a, c, k)
+    plain = est.estimate()
+    est.speedup = 2.0
+    lat = est.latency_estimate(1.5)  # the LM at 2 x 1.5 = 3x the token rate; token2wav at S with f = 1
+    assert lat == pytest.approx((0.8 - 75 * a) / (75 * c + 2 * k), rel=0.05)
+    assert est.last_latency_estimate == lat and est.last_estimate == plain  # the estimate is untouched
+    assert est.latency_estimate(math.inf) == 0.0 and est.latency_estimate(0.5) == pytest.approx(est.estimate())
 
 
 def test_estimator_bounds_extrapolation_and_takes_the_tighter_resource():
@@ -349,6 +373,8 @@ def test_auto_admission_estimates_the_artificial_capacity(synth):
     assert 1 <= core.capacity_streams <= math.floor(bound)
     assert stalled(res) == [] and all(r["done"].outcome.value == "ok" for r in res.values())
     assert obs.order == [f"r{i}" for i in range(6)]
+    # the latency diagnostic was logged beside the estimate (streams with a first hop, batches timed)
+    assert core.capacity_model.last_latency_estimate is not None and core.capacity_model.last_latency_estimate >= 0
     # the server's gauges follow the engine (the hook the engine calls on a material change)
     obs.capacity_changed(core.capacity_streams, est)
     assert obs.capacity._value.get() == core.capacity_streams and obs.admitted_streams._value.get() == 0

@@ -146,6 +146,19 @@ class DeviceMemory:
         return held + self._pool[2], self.total
 
 
+def latency_pace(first_hop_s: float, batch_latency_s: float) -> float:
+    """``D1 / (D1 - L)``: how much faster than the chunk schedule's speed-up the LM must produce a
+    stream's second hop when its chunk also spends ``batch_latency_s`` (``L``: waiting for the
+    token2wav batch in flight, then its own) before it is out, all within ``first_hop_s`` (``D1``: the
+    first chunk's playback, seconds). 1 with no latency; ``inf`` when ``L >= D1``. Raises ValueError
+    for a non-positive ``first_hop_s`` or a negative latency."""
+    if not first_hop_s > 0 or not batch_latency_s >= 0:
+        raise ValueError(f"latency_pace needs first_hop_s > 0 and batch_latency_s >= 0, got {first_hop_s}, "
+                         f"{batch_latency_s}")
+    room = first_hop_s - batch_latency_s
+    return math.inf if room <= 0 else first_hop_s / room
+
+
 def chunk_speedup(policy, horizon_tokens: int = SPEEDUP_HORIZON_TOKENS) -> float:
     """How many times faster than real time a stream with chunk ``policy`` (a
     :class:`~cosyserve.engine.chunking.ChunkPolicy`) must be computed so that no chunk arrives
@@ -323,6 +336,8 @@ class CapacityEstimator:
         #: the latest :meth:`capacity` (streams) and raw :meth:`estimate` (None: no data yet)
         self.last: int = min(self.initial, self.max_streams)
         self.last_estimate: float | None = None
+        #: the latest :meth:`latency_estimate` (a diagnostic; None: not computed yet)
+        self.last_latency_estimate: float | None = None
 
     def _decay(self) -> None:
         """Age the sums before a new measurement; an idle gap counts as at most 5 half-lives
@@ -361,17 +376,31 @@ class CapacityEstimator:
         if device_s is not None and device_s >= 0:
             self.device.t2w.add(audio_s, device_s)
 
+    def _estimate(self, lm_pace: float) -> float | None:
+        s = max(1.0, self.speedup)
+        f = min(1.0, max(0.0, self.starting_fraction))
+        rate, t2w_factor = self.rate * s * lm_pace, 1.0 + (s - 1.0) * f
+        caps = [c for c in (self.host.capacity(rate, self.target, self.audio, t2w_factor),
+                            self.device.capacity(rate, self.target, self.audio, t2w_factor)) if c is not None]
+        return min(caps) if caps else None
+
     def estimate(self) -> float | None:
         """The model's capacity in streams (a real number, unbounded by slow start and
         ``max_streams``), the smaller over the measured resources; None before the LM (and,
         with :attr:`audio`, token2wav) was measured."""
-        s = max(1.0, self.speedup)
-        f = min(1.0, max(0.0, self.starting_fraction))
-        rate, t2w_factor = self.rate * s, 1.0 + (s - 1.0) * f
-        caps = [c for c in (self.host.capacity(rate, self.target, self.audio, t2w_factor),
-                            self.device.capacity(rate, self.target, self.audio, t2w_factor)) if c is not None]
-        self.last_estimate = min(caps) if caps else None
+        self.last_estimate = self._estimate(1.0)
         return self.last_estimate
+
+    def latency_estimate(self, lm_pace: float) -> float | None:
+        """A diagnostic, not used for admission: :meth:`estimate` with the LM's required pace
+        multiplied by ``lm_pace`` (>= 1, :func:`latency_pace`: the part of the first chunk's playback
+        that token2wav batch latency leaves the LM for the next hop's tokens). The estimate
+        budgets throughput only; on an H100 it admitted 121-127 DiT streams where ~70 stayed real
+        time, and CosyVoice3 streams at twice what stayed real time, the stalls falling on second
+        chunks (docs/perf.md "Session 27"): logged next to it to test whether latency explains the
+        gap. Stored in :attr:`last_latency_estimate`."""
+        self.last_latency_estimate = self._estimate(max(1.0, lm_pace)) if math.isfinite(lm_pace) else 0.0
+        return self.last_latency_estimate
 
     def capacity(self) -> int:
         """Streams that may be admitted now: ``initial`` before any measurement, else the
@@ -387,5 +416,5 @@ class CapacityEstimator:
         return self.last
 
 
-__all__ = ["AdmissionPolicy", "CapacityEstimator", "chunk_speedup", "SPEEDUP_HORIZON_TOKENS", "START_CHUNKS",
-           "T2W_PERIOD_S"]
+__all__ = ["AdmissionPolicy", "CapacityEstimator", "chunk_speedup", "latency_pace", "SPEEDUP_HORIZON_TOKENS",
+           "START_CHUNKS", "T2W_PERIOD_S"]

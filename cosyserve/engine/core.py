@@ -61,7 +61,7 @@ from ..models.llm import DecodeState, KVCache, SilentTokenFilter
 from ..models.loader import CosyVoice2Models
 from ..models.sampling import UpstreamSampler, ras_sample_device
 from ..models.transfer import to_device
-from .admission import START_CHUNKS, AdmissionPolicy, CapacityEstimator, DeviceMemory
+from .admission import START_CHUNKS, AdmissionPolicy, CapacityEstimator, DeviceMemory, latency_pace
 from .chunking import ChunkPolicy, default_chunk_policy
 from .request import (
     AudioChunk,
@@ -855,13 +855,20 @@ class EngineCore:
                                    if streaming else 1.0)
         model.audio = not states or any(not st.req.params.lm_only for st in states)
         cap = model.capacity()
+        # a diagnostic beside it (CapacityEstimator.latency_estimate): the LM's pace if each second
+        # chunk also waits two token2wav batches, within the shortest first chunk's playback
+        hops = [st.first_hop_tokens for st in states if st.first_hop_tokens > 0]
+        if model.last_estimate is not None and hops and self._batch_s is not None:
+            model.latency_estimate(latency_pace(min(hops) / model.rate, 2.0 * self._batch_s))
         if self._logged_capacity is None or abs(cap - self._logged_capacity) >= max(2, 0.1 * self._logged_capacity):
-            est = self.capacity_model.last_estimate
+            est, lat = model.last_estimate, model.last_latency_estimate
             if self._logged_capacity is not None or est is not None:
-                log.info("real-time capacity estimate: %d streams (model %s, admission %s)", cap,
-                         "unmeasured" if est is None else f"{est:.1f}", self.admission,
+                log.info("real-time capacity estimate: %d streams (model %s, latency-adjusted %s, admission %s)", cap,
+                         "unmeasured" if est is None else f"{est:.1f}", "-" if lat is None else f"{lat:.1f}",
+                         self.admission,
                          extra={"event": "capacity", "capacity_streams": cap,
-                                "estimate": None if est is None else round(min(est, 1e9), 2)})
+                                "estimate": None if est is None else round(min(est, 1e9), 2),
+                                "latency_estimate": None if lat is None else round(min(lat, 1e9), 2)})
                 hook = getattr(self.observer, "capacity_changed", None)  # observers may be duck-typed
                 if hook is not None:
                     hook(cap, est)
