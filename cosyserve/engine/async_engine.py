@@ -53,9 +53,10 @@ class AsyncEngine:
             return
         self._loop = asyncio.get_running_loop()
         self._stop = False
-        self._prev_switch = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._prev_switch, ENGINE_SWITCH_INTERVAL_S))
-        self._switch = sys.getswitchinterval()  # as stored (whole microseconds), for the check in stop()
+        self._prev_switch, self._switch = sys.getswitchinterval(), None
+        if self._prev_switch > ENGINE_SWITCH_INTERVAL_S:  # (setting a value it has already would round it down)
+            sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
+            self._switch = sys.getswitchinterval()  # as stored (whole microseconds), for the check in stop()
         self._thread = threading.Thread(target=self._run, name="cosyserve-engine", daemon=True)
         self._thread.start()
 
@@ -76,7 +77,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
-            if sys.getswitchinterval() == self._switch:  # (unless someone changed it meanwhile)
+            if self._switch is not None and sys.getswitchinterval() == self._switch:  # (unless changed meanwhile)
                 sys.setswitchinterval(self._prev_switch)
         await asyncio.to_thread(self.core.close)
 

@@ -354,7 +354,8 @@ class Token2WavWorker:
         self.t2w, self.stream, self.marks = t2w, stream, marks
         # each torch op releases and re-takes the GIL; with the default 5 ms switch interval the
         # other thread's Python would hold it for up to 5 ms per op (process-wide setting)
-        sys.setswitchinterval(min(sys.getswitchinterval(), 2e-4))
+        if sys.getswitchinterval() > 2e-4:  # (setting a value it has already would round it down)
+            sys.setswitchinterval(2e-4)
         self._in: queue.SimpleQueue = queue.SimpleQueue()
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._busy = False

@@ -605,9 +605,10 @@ class BackgroundCapturer:
         # releases the GIL (every torch op, every graph replay) it would wait up to the interpreter's
         # switch interval (5 ms) to get it back, per op. A short interval bounds that wait (process-wide,
         # restored at the end unless someone else changed it meanwhile).
-        prev_switch = sys.getswitchinterval()
-        sys.setswitchinterval(min(prev_switch, self.switch_interval_s))
-        switch = sys.getswitchinterval()  # as stored (whole microseconds: 2e-4 reads back as 1.9999...e-4)
+        prev_switch, switch = sys.getswitchinterval(), None
+        if prev_switch > self.switch_interval_s:  # (setting a value it has already would round it down)
+            sys.setswitchinterval(self.switch_interval_s)
+            switch = sys.getswitchinterval()  # as stored (whole microseconds: 2e-4 reads back as 1.9999...e-4)
         try:
             if self.device is not None and self.device.type == "cuda":
                 if self.device.index is not None:  # a new thread starts on device 0
@@ -618,7 +619,7 @@ class BackgroundCapturer:
         except BaseException:  # noqa: BLE001 - a bug here must not take the server down: stay eager
             log.exception("background CUDA graph capture stopped")
         finally:
-            if sys.getswitchinterval() == switch:
+            if switch is not None and sys.getswitchinterval() == switch:
                 sys.setswitchinterval(prev_switch)
             if fused._compile_thread in (threading.get_ident(), fused.NO_THREAD):
                 fused.compile_only_on(None)  # every thread compiles (and runs compiled) again
