@@ -23,7 +23,8 @@ POLICY=${CHUNK_POLICY-exponential}
 [ "$KIND" = dit ] && POLICY=${CHUNK_POLICY-}
 T0=$(date +%s.%N)
 # SAMPLE_STACKS=1: the server runs under benchmarks/stack_sampler.py; each level below then prints where the
-# scheduler thread (cosyserve-engine) spent its time during that level
+# scheduler thread (cosyserve-engine) spent its time during that level (the sampler takes the GIL every 5 ms and costs
+# throughput and stalls: read the shares, not the figures of such a run)
 if [ "${SAMPLE_STACKS:-0}" = 1 ]; then
   SERVE_PREFIX=(python3 benchmarks/stack_sampler.py --out "$OUTDIR/stacks.txt" --interval-ms 5 -- -m cosyserve.cli)
 fi

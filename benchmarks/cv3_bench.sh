@@ -20,7 +20,7 @@ export PYTHONPATH=/tmp/cosyserve-site:$PWD PYTHONUNBUFFERED=1 COSYSERVE_CACHE_DI
 CS="python3 -m cosyserve.cli"
 t0=$(date +%s)
 # SAMPLE_STACKS=1: the server runs under benchmarks/stack_sampler.py; the streaming and offline levels then print where
-# the scheduler thread (cosyserve-engine) spent its time
+# the scheduler thread (cosyserve-engine) spent its time (the sampler costs throughput: read the shares, not the figures)
 PREFIX=($CS)
 [ "${SAMPLE_STACKS:-0}" = 1 ] && PREFIX=(python3 benchmarks/stack_sampler.py --out "$OUTDIR/stacks.txt" --interval-ms 5 -- -m cosyserve.cli)
 stacks() {  # stacks LABEL SINCE: the scheduler thread's stacks from SINCE (seconds after the start) to now
