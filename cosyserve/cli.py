@@ -427,6 +427,10 @@ def _engine_args(p, in_process: bool = False) -> None:
                         "one segment (default 4096); the cache holds --max-active-streams + 1 slots of N positions "
                         "(Qwen2-0.5B in bf16: 12 KiB per position, 6.4 GB at 128 streams x 4096), so a smaller N "
                         "leaves device memory to more streams' token2wav caches" + note)
+    p.add_argument("--hift-f0", choices=["per-item", "batched"], default="per-item",
+                   help="CosyVoice2 HiFT (also the DiT token2wav's vocoder): predict F0 item by item (default: a "
+                        "stream's audio is bit-identical to its run alone) or in one masked pass per token2wav "
+                        "batch (~120 fewer host operators per stream; F0 rounding then depends on the batch)" + note)
     p.add_argument("--dit-graph-memory", type=_fraction, default=0.25, metavar="FRACTION",
                    help="Step-Audio2 DiT token2wav: the share of the device's memory its solve graphs' shared buffers "
                         "may take (default 0.25); they hold a batch's copy of its streams' caches, so a smaller share "
@@ -549,7 +553,7 @@ def _engine_config(args, background_default: bool = False, **overrides):
     _compile_cache(getattr(args, "compile_cache", None))
     lazy = args.lazy_graphs
     fields = dict(max_active=args.max_active_streams, kv_max_len=args.kv_max_len,
-                  dit_graph_memory=args.dit_graph_memory, t2w_thread=args.token2wav_thread,
+                  dit_graph_memory=args.dit_graph_memory, hift_f0=args.hift_f0, t2w_thread=args.token2wav_thread,
                   t2w_queue_steps=_queue_steps(args.t2w_queue_steps), device_sampling=_SAMPLING[args.sampling],
                   t2w_slack_s=_slack(args.t2w_slack), lm_stream_priority=args.lm_stream_priority == "high",
                   max_t2w_tokens=args.max_t2w_tokens, t2w_batch_target=args.t2w_batch_target,

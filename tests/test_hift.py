@@ -29,6 +29,7 @@ from cosyserve.models.hift import (
 
 from _reference import PARITY_TOL as TOL
 from _reference import SELF_TOL as BATCH_TOL
+from _reference import WAVE_TOL
 from _reference import (check_close, discover, full_size_config, manifest_shapes, meta, model_dir, rel_l2,
                         require_reference_dir, tensors)
 
@@ -277,6 +278,53 @@ def test_batch_equals_single(hift, with_cache):
         _report(f"batch (cache={with_cache}) item {b} T={mels[b].shape[-1]} source", e_so, torch.equal(so2, so))
         _report(f"batch (cache={with_cache}) item {b} T={mels[b].shape[-1]} speech", e_sp, torch.equal(sp2, sp))
         assert e_so <= BATCH_TOL and e_sp <= BATCH_TOL
+
+
+@parity
+def test_batched_f0_is_one_masked_pass_close_to_per_item(hift):
+    """``batched_f0``: F0 of the whole batch in one masked pass (``predict_f0(mel, lengths)``), frames
+    beyond an item's length 0, each item's F0 within float rounding of its own pass; the speech then
+    differs from single-item runs only by what the excitation phase integrates of that rounding
+    (class doc), and a batch of one is unchanged (item by item)."""
+    mels = _batch_inputs()
+    if len(mels) < 2:
+        pytest.skip("need at least two reference mels of different lengths")
+    seeds = [300 + b for b in range(len(mels))]
+    singles = [hift.inference(m, None, torch.Generator().manual_seed(s)) for m, s in zip(mels, seeds)]
+    calls = []
+    predict = hift.predict_f0
+
+    def counting(mel, lengths=None):
+        calls.append((tuple(mel.shape), lengths is not None))
+        return predict(mel, lengths)
+
+    hift.batched_f0 = True
+    try:
+        hift.predict_f0 = counting
+        sp_b, so_b = hift.inference_batch(mels, None, [torch.Generator().manual_seed(s) for s in seeds])
+        assert calls == [((len(mels), mels[0].shape[1], max(m.shape[-1] for m in mels)), True)]  # one pass
+        calls.clear()
+        one, _ = hift.inference_batch(mels[:1], None, [torch.Generator().manual_seed(seeds[0])])
+        assert calls == [(tuple(mels[0].shape), False)]
+        assert torch.equal(one[0], singles[0][0])
+    finally:
+        hift.batched_f0 = False
+        del hift.predict_f0  # the bound method again
+    t_max = max(m.shape[-1] for m in mels)
+    mel = torch.cat([torch.nn.functional.pad(m, (0, t_max - m.shape[-1])) for m in mels])
+    with torch.no_grad():
+        f0 = hift.predict_f0(mel, torch.tensor([m.shape[-1] for m in mels]))
+    for b, m in enumerate(mels):
+        with torch.no_grad():
+            own = hift.predict_f0(m)[0]
+        n = m.shape[-1]
+        assert torch.all(f0[b, n:] == 0)
+        _report(f"batched F0 item {b} T={n}", rel_l2(f0[b, :n], own), torch.equal(f0[b, :n], own))
+        assert rel_l2(f0[b, :n], own) <= BATCH_TOL
+    for b, ((sp, so), sp2, so2) in enumerate(zip(singles, sp_b, so_b)):
+        assert sp2.shape == sp.shape
+        _report(f"batched F0 item {b} speech", rel_l2(sp2, sp), torch.equal(sp2, sp))
+        assert rel_l2(so2, so) <= WAVE_TOL and rel_l2(sp2, sp) <= WAVE_TOL, b
 
 
 @parity

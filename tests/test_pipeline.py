@@ -653,3 +653,23 @@ def test_async_engine_shortens_the_gil_switch_interval_while_it_runs(syn):
 
     assert asyncio.run(go()) == pytest.approx(min(before, ENGINE_SWITCH_INTERVAL_S), abs=1e-6)
     assert sys.getswitchinterval() == before
+
+
+def test_hift_f0_option_sets_the_vocoders_f0_pass(syn, voice):
+    """``EngineConfig.hift_f0``: ``batched`` makes the engine's HiFT predict F0 in one masked pass per
+    token2wav batch (a request still completes), ``per-item`` (default) item by item; other values are
+    refused naming the field."""
+    hift = syn.models.hift
+    try:
+        engine = syn.new_engine(EngineConfig(max_active=2, hift_f0="batched"))
+        assert hift.batched_f0 is True
+        fin = [ev for ev in engine.run_to_completion(syn.build_request(
+            "Hello there.", voice, SynthesisParams(seed=1, min_token_text_ratio=2, max_token_text_ratio=2), "f0"))
+            if isinstance(ev, RequestFinished)]
+        assert [ev.outcome for ev in fin] == [Outcome.OK]
+        syn.new_engine(EngineConfig(max_active=2))
+        assert hift.batched_f0 is False
+    finally:
+        hift.batched_f0 = False
+    with pytest.raises(ValueError, match="hift_f0"):
+        EngineConfig(hift_f0="fast")

@@ -257,6 +257,7 @@ class RemoteLMEngine(EngineCore):
             self._t2w_stages = self._t2w_graphs(models, config)
             self._pending_warmup = self._t2w_stages[::-1] if config.t2w_graph_warmup else []
         self._set_flow_stream_cache(models, config)
+        self._set_hift_f0(models, config)
         self._streams: dict[str, SegmentStream] = {}  # request id -> its current segment's stream
         self._progress = True  # the last step did something (else the next waits for remote tokens)
         self._got = False  # this step's LM stage received something

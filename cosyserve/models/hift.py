@@ -423,8 +423,10 @@ class HiFTGenerator(nn.Module):
     kernels round differently for batch 1 and batch B; seen ~1e-7 relative on CPU) becomes a phase
     error growing linearly with time (~2e-5 relative on the source after 2 s, ~1e-3 after 10 s);
     with identical F0 the batched source and speech stay within ~1e-7 of single-item runs at any
-    length. The F0 predictor is a small frame-rate network, so the per-item loop is cheap.
-    :meth:`predict_f0` with ``lengths`` remains available as a padded one-pass F0.
+    length. The F0 predictor is a small frame-rate network, but its per-item loop is host work: ~120
+    operators per item, on an H100 server ~13 % of the scheduler thread's busy time streaming the DiT
+    path (docs/perf.md "Session 27"). :attr:`batched_f0` (off by default) trades the bit-identity for
+    one masked pass (:meth:`predict_f0` with ``lengths``).
 
     Raises :class:`ValueError` from the public methods on inconsistent shapes.
     """
@@ -440,6 +442,12 @@ class HiFTGenerator(nn.Module):
         #: optional CUDA-graph replacement of :meth:`decode` for padded batches on CUDA
         #: (:class:`cosyserve.models.graphs.GraphedHiFTDecoder`), used by :meth:`inference_batch`
         self.graph_decode = None
+        #: :meth:`inference_batch` predicts F0 in one padded pass over the batch (masked,
+        #: :meth:`predict_f0` with ``lengths``) instead of item by item: ~120 fewer host operators
+        #: per item, but an item's F0 then depends on its batch-mates at float rounding (~1e-7 Hz
+        #: here), where item by item it is bit-identical to the item run alone. Off by default
+        #: (``serve --hift-f0 batched`` sets it; docs/perf.md "Session 27")
+        self.batched_f0 = False
         #: experimental, off: :meth:`decode` lays its trunk inputs out frame-major (``[B, C, T]``
         #: views of ``[B, T, C]`` memory, the layout cuDNN's NHWC half-precision convolutions read);
         #: same values, but measured no faster: cuDNN still transposes (``benchmarks/hift_probe.py
@@ -825,8 +833,9 @@ class HiFTGenerator(nn.Module):
         None or ``[1, 1, n_b]`` (as :meth:`inference`); ``generators``: per item generator or None.
         Returns (speeches ``[1, T_b*spf]``, sources ``[1, 1, T_b*spf]``), each equal to the
         single-item ``inference(mels[b], cache_sources[b], generators[b])`` run in the same order
-        (up to float rounding of differently blocked conv kernels). Raises ValueError on
-        inconsistent arguments.
+        (up to float rounding of differently blocked conv kernels; with :attr:`batched_f0` the F0
+        rounding too, which the excitation phase integrates: see the class doc). Raises ValueError
+        on inconsistent arguments.
         """
         bsz = len(mels)
         if bsz == 0:
@@ -845,9 +854,10 @@ class HiFTGenerator(nn.Module):
         t_max = max(lengths)
         mel = torch.cat([F.pad(m, (0, t_max - m.shape[-1])) for m in mels], dim=0)
         len_t = _int_tensor(lengths, mel.device)
-        # F0 per item with the single-item kernels (see the class docstring: the excitation phase
-        # integrates F0, so conv rounding differences between batch shapes would grow with time).
-        f0 = torch.cat([F.pad(self.predict_f0(m), (0, t_max - m.shape[-1])) for m in mels], dim=0)
+        if self.batched_f0 and bsz > 1:  # one masked pass (frames beyond an item's length come back 0)
+            f0 = self.predict_f0(mel, len_t)
+        else:  # per item with the single-item kernels: bit-identical to the item run alone
+            f0 = torch.cat([F.pad(self.predict_f0(m), (0, t_max - m.shape[-1])) for m in mels], dim=0)
         source = self.excitation_padded(f0, lengths, generators)
         for b, c in enumerate(caches):
             if c is not None and c.shape[-1] > 0:
