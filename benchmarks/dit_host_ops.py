@@ -6,6 +6,7 @@ issued by the scheduler thread, which the H100 runs showed to be the DiT path's 
 a change that removes per-stream work can be checked here before it is measured on one.
 
     python3 benchmarks/dit_host_ops.py [--batches 1,2,6] [--prompt-tokens 40] [--chunk 25] [--phases] [--padded]
+        [--hift-f0 batched]
 
 ``--phases`` also splits the per-extra-stream growth by where the operators run (flow encoder, flow
 solve, HiFT F0, HiFT excitation draws, HiFT decode, the rest of the HiFT streaming step, the rest):
@@ -107,10 +108,13 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true", help="split the per-extra-stream growth by phase")
     ap.add_argument("--padded", action="store_true",
                     help="the flow encoder in its padded static-shape form (what the CUDA graph replays)")
+    ap.add_argument("--hift-f0", choices=["per-item", "batched"], default="per-item",
+                    help="HiFT F0 item by item (default) or in one masked pass (serve --hift-f0)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
         t2w = load_dit_token2wav(write_token2wav_dir(Path(d) / "t2w", TINY_SIZE))
+    t2w.hift.batched_f0 = args.hift_f0 == "batched"
     g = torch.Generator().manual_seed(0)
     batches = [int(b) for b in args.batches.split(",")]
     both = {b: _counts(t2w, b, args.prompt_tokens, args.chunk, args.warm_chunks, g, args.phases, args.padded)
