@@ -523,7 +523,8 @@ def test_capture_thread_shortens_the_gil_switch_interval_while_it_runs():
     BackgroundCapturer.switch_interval_s, not the interpreter's 5 ms; the setting is restored after."""
     import sys
 
-    before = sys.getswitchinterval()
+    outer = sys.getswitchinterval()
+    sys.setswitchinterval(5e-3)  # the interpreter's default (an earlier test may have shortened it)
     seen = []
 
     class Watching(FakeStage):
@@ -531,15 +532,18 @@ def test_capture_thread_shortens_the_gil_switch_interval_while_it_runs():
             seen.append(sys.getswitchinterval())
             super()._warm_up(*key)
 
-    st = Watching("s", [(1,), (2,)])
-    cap = G.BackgroundCapturer([[st]], prime=False)
-    cap.start()
-    assert cap.wait(10)
-    # (the interpreter stores whole microseconds: 2e-4 reads back as 1.9999...e-4; the restore compares
-    # with the value read back, which an exact comparison with 2e-4 kept from ever happening)
-    want = min(before, G.BackgroundCapturer.switch_interval_s)
-    assert len(seen) == 2 and all(v == pytest.approx(want, abs=1e-6) for v in seen)
-    assert sys.getswitchinterval() == before
+    try:
+        st = Watching("s", [(1,), (2,)])
+        cap = G.BackgroundCapturer([[st]], prime=False)
+        cap.start()
+        assert cap.wait(10)
+        # (the interpreter stores whole microseconds: 2e-4 reads back as 1.9999...e-4; the restore compares
+        # with the value read back, which an exact comparison with 2e-4 kept from ever happening)
+        want = G.BackgroundCapturer.switch_interval_s
+        assert len(seen) == 2 and all(v == pytest.approx(want, abs=1e-6) for v in seen)
+        assert sys.getswitchinterval() == 5e-3
+    finally:
+        sys.setswitchinterval(outer)
 
 
 def test_buckets_serving_runs_eagerly_are_captured_first():

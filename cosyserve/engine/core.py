@@ -189,10 +189,11 @@ class EngineConfig:
     ``dit_graph_memory``: the share of the device's memory the DiT solve graphs' shared buffers may
     take (they hold a batch's copy of its streams' caches, so the share bounds the rows of a chunk
     batch, ``GraphedDiTSolve.max_rows``; what they do not take is left to the streams' own caches);
-    ``hift_f0``: ``per-item`` (default: each stream's F0, so its audio, bit-identical to its run
-    alone) or ``batched`` (one masked F0 pass per token2wav batch: ~120 fewer host operators per
-    stream, F0 rounding depending on batch-mates; :data:`HIFT_F0_MODES`). ValueError for values
-    out of range, naming them.
+    ``hift_f0``: ``per-item`` (default: each stream's F0 bit-identical to its run alone, its speech
+    within ~1e-7) or ``batched`` (one masked F0 pass per token2wav batch: ~120 fewer host operators
+    per stream; F0 rounding then depends on batch-mates, which the excitation phase integrates:
+    speech within ~1e-4 over seconds; :data:`HIFT_F0_MODES`). ValueError for values out of range,
+    naming them.
     """
 
     max_active: int = 16
@@ -274,8 +275,8 @@ DIT_OFFLINE_MAX_S = 30.0
 MEMORY_RESERVE_SHARE = 0.05
 MEMORY_PER_STREAM_COPIES = 1.5
 MEMORY_GROWING_CHUNKS = 3
-#: ``EngineConfig.hift_f0``: the CosyVoice2 HiFT's F0 item by item (bit-identical to a stream run alone) or
-#: in one masked pass per batch (:attr:`~cosyserve.models.hift.HiFTGenerator.batched_f0`)
+#: ``EngineConfig.hift_f0``: the CosyVoice2 HiFT's F0 item by item (bit-identical to a stream's F0 run alone)
+#: or in one masked pass per batch (:attr:`~cosyserve.models.hift.HiFTGenerator.batched_f0`)
 HIFT_F0_MODES = ("per-item", "batched")
 T2W_SLACK_MIN_S = 0.15  #: adaptive ``t2w_slack_s``: lower bound (seconds)
 T2W_SLACK_MAX_S = 1.0  #: adaptive ``t2w_slack_s``: upper bound (seconds)
@@ -896,17 +897,20 @@ class EngineCore:
             self._logged_capacity = cap
         if self.admission.mode == "auto":
             mem = self._memory_limit() if self._waiting else self._memory_cap
-            self._memory_cap = mem
-            # an offline request holds no stream caches: the memory bound does not hold it back
-            # (its batch's transient tensors are in the measured peak)
+            self._memory_cap = mem  # streams (the gauge's bound)
+            # an offline request holds no stream caches: the memory bound does not hold it back, and
+            # active ones count on top of the streams that fit (their batches' transient tensors are
+            # in the measured peak)
             offline_head = head is not None and not head.req.params.stream
-            if mem is not None and not offline_head and mem < min(cap, self.cfg.max_active):
-                if not self._memory_bound_logged:
-                    log.warning("admission bounded by device memory: %d streams (per-stream caches %.0f MB; "
-                                "real-time capacity estimate %d)", mem, self.t2w.stream_state_bytes() / 1e6, cap,
-                                extra={"event": "memory_bound", "streams": mem})
-                    self._memory_bound_logged = True
-                return max(1, mem)
+            if mem is not None and not offline_head:
+                limit = mem + sum(1 for st in self._active.values() if not st.req.params.stream)
+                if limit < min(cap, self.cfg.max_active):
+                    if not self._memory_bound_logged:
+                        log.warning("admission bounded by device memory: %d streams (per-stream caches %.0f MB; "
+                                    "real-time capacity estimate %d)", mem, self.t2w.stream_state_bytes() / 1e6,
+                                    cap, extra={"event": "memory_bound", "streams": mem})
+                        self._memory_bound_logged = True
+                    return max(1, limit)
             return min(cap, self.cfg.max_active)
         if self.admission.mode == "fixed":
             return min(self.admission.streams, self.cfg.max_active)
@@ -922,9 +926,9 @@ class EngineCore:
         return self._memory.held()
 
     def _memory_limit(self) -> int | None:
-        """Requests that may be active so that every stream's per-stream token2wav caches fit in
-        device memory, plus the active offline requests, which hold none (``auto`` admission on
-        CUDA; None where the backend's streams hold little,
+        """Streaming requests that may be active so that every one's per-stream token2wav caches fit
+        in device memory (offline requests hold none: :meth:`_admission_limit` counts the active
+        ones on top) (``auto`` admission on CUDA; None where the backend's streams hold little,
         :meth:`~cosyserve.engine.token2wav.Token2WavBackend.stream_state_bytes`, or on CPU): the
         device's memory less a reserve of ``MEMORY_RESERVE_SHARE`` and less what the rest holds
         (:meth:`_device_memory`: the recent peak of live tensors plus the graph pools' free blocks,
@@ -938,10 +942,8 @@ class EngineCore:
             return None
         held, total = mem
         full = sum(1 for st in self._active.values() if st.req.params.stream and st.chunks >= MEMORY_GROWING_CHUNKS)
-        offline = sum(1 for st in self._active.values() if not st.req.params.stream)
         room = (1.0 - MEMORY_RESERVE_SHARE) * total - (held - full * per)
-        # active offline requests hold no stream caches: they count on top of the streams that fit
-        limit = max(0, int(room // (MEMORY_PER_STREAM_COPIES * per))) + offline
+        limit = max(0, int(room // (MEMORY_PER_STREAM_COPIES * per)))
         logged = self._memory_logged
         if logged is None or abs(limit - logged) >= max(4, 0.1 * logged):  # material changes only
             log.info("memory bound: %d streams (%d active; held %.1f GB: recent peak of live tensors + graph "

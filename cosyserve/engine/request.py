@@ -222,7 +222,7 @@ class RequestState:
     #: how much faster than real time its chunk schedule must be computed while it starts
     #: (:func:`~cosyserve.engine.admission.chunk_speedup`; 1 offline): admission's ``S``
     speedup: float = 1.0
-    #: speech tokens of its schedule's first hop (0 offline): the first chunk's playback
+    #: speech tokens of its first segment's first hop (0 offline): the first chunk's playback
     first_hop_tokens: int = 0
 
     def first_chunk_breakdown(self) -> dict[str, float] | None:
@@ -262,7 +262,8 @@ class RequestState:
             st.deadline = req.arrival + p.timeout_s
         if p.stream and not p.lm_only:
             st.speedup = chunk_speedup(p.chunk_policy)
-            st.first_hop_tokens = int(p.chunk_policy.start(0).hop)
+            if st.segments and st.segments[0].schedule is not None:  # (the first segment's schedule)
+                st.first_hop_tokens = int(st.segments[0].schedule.hop)
         return st
 
     def next_lm_segment(self) -> SegmentState | None:

@@ -444,8 +444,8 @@ class HiFTGenerator(nn.Module):
         self.graph_decode = None
         #: :meth:`inference_batch` predicts F0 in one padded pass over the batch (masked,
         #: :meth:`predict_f0` with ``lengths``) instead of item by item: ~120 fewer host operators
-        #: per item, but an item's F0 then depends on its batch-mates at float rounding (~1e-7 Hz
-        #: here), where item by item it is bit-identical to the item run alone. Off by default
+        #: per item, but an item's F0 then depends on its batch-mates at float rounding (~1e-7
+        #: relative), where item by item it is bit-identical to the item run alone. Off by default
         #: (``serve --hift-f0 batched`` sets it; docs/perf.md "Session 27")
         self.batched_f0 = False
         #: experimental, off: :meth:`decode` lays its trunk inputs out frame-major (``[B, C, T]``
