@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import threading
 from collections.abc import AsyncIterator
 
+from ..models.graphs import restore_switch_interval, shorten_switch_interval
 from .core import EngineCore
 from .request import AudioChunk, EngineRequest, Outcome, RequestFinished
 
@@ -53,10 +53,7 @@ class AsyncEngine:
             return
         self._loop = asyncio.get_running_loop()
         self._stop = False
-        self._prev_switch, self._switch = sys.getswitchinterval(), None
-        if self._prev_switch > ENGINE_SWITCH_INTERVAL_S:  # (setting a value it has already would round it down)
-            sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
-            self._switch = sys.getswitchinterval()  # as stored (whole microseconds), for the check in stop()
+        self._switch = shorten_switch_interval(ENGINE_SWITCH_INTERVAL_S)  # restored in stop()
         self._thread = threading.Thread(target=self._run, name="cosyserve-engine", daemon=True)
         self._thread.start()
 
@@ -77,8 +74,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
-            if self._switch is not None and sys.getswitchinterval() == self._switch:  # (unless changed meanwhile)
-                sys.setswitchinterval(self._prev_switch)
+            restore_switch_interval(self._switch)
         await asyncio.to_thread(self.core.close)
 
     @property

@@ -349,13 +349,12 @@ class Token2WavWorker:
     """
 
     def __init__(self, t2w: Token2Wav, stream, marks=None):
-        import sys
+        from ..models.graphs import shorten_switch_interval
 
         self.t2w, self.stream, self.marks = t2w, stream, marks
         # each torch op releases and re-takes the GIL; with the default 5 ms switch interval the
-        # other thread's Python would hold it for up to 5 ms per op (process-wide setting)
-        if sys.getswitchinterval() > 2e-4:  # (setting a value it has already would round it down)
-            sys.setswitchinterval(2e-4)
+        # other thread's Python would hold it for up to 5 ms per op (process-wide setting, kept)
+        shorten_switch_interval(2e-4)
         self._in: queue.SimpleQueue = queue.SimpleQueue()
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._busy = False

@@ -605,10 +605,7 @@ class BackgroundCapturer:
         # releases the GIL (every torch op, every graph replay) it would wait up to the interpreter's
         # switch interval (5 ms) to get it back, per op. A short interval bounds that wait (process-wide,
         # restored at the end unless someone else changed it meanwhile).
-        prev_switch, switch = sys.getswitchinterval(), None
-        if prev_switch > self.switch_interval_s:  # (setting a value it has already would round it down)
-            sys.setswitchinterval(self.switch_interval_s)
-            switch = sys.getswitchinterval()  # as stored (whole microseconds: 2e-4 reads back as 1.9999...e-4)
+        switch = shorten_switch_interval(self.switch_interval_s)
         try:
             if self.device is not None and self.device.type == "cuda":
                 if self.device.index is not None:  # a new thread starts on device 0
@@ -619,8 +616,7 @@ class BackgroundCapturer:
         except BaseException:  # noqa: BLE001 - a bug here must not take the server down: stay eager
             log.exception("background CUDA graph capture stopped")
         finally:
-            if switch is not None and sys.getswitchinterval() == switch:
-                sys.setswitchinterval(prev_switch)
+            restore_switch_interval(switch)
             if fused._compile_thread in (threading.get_ident(), fused.NO_THREAD):
                 fused.compile_only_on(None)  # every thread compiles (and runs compiled) again
             self._primed.set()
@@ -713,6 +709,26 @@ class BackgroundCapturer:
                  "cache)", n, self.wall_s, " in the background" if background else "", self.capture_s, per_stage,
                  self.failed, self.pending, self.demanded,
                  ": stopped" if self._stop.is_set() else "", (m1 - m0) / 2**30, (m2 - m0) / 2**30)
+
+
+def shorten_switch_interval(seconds: float) -> tuple[float, float] | None:
+    """Set the interpreter's GIL switch interval (process-wide) to ``seconds`` when it is longer, so a
+    thread that released the GIL around a torch op gets it back within that much instead of up to the
+    default 5 ms. Returns what :func:`restore_switch_interval` needs (the previous interval and the
+    new one as the interpreter stores it: whole microseconds, 2e-4 reads back as 1.9999...e-4), or
+    None when nothing changed (setting a value it has already would round it down further)."""
+    prev = sys.getswitchinterval()
+    if prev <= seconds:
+        return None
+    sys.setswitchinterval(seconds)
+    return prev, sys.getswitchinterval()
+
+
+def restore_switch_interval(token: tuple[float, float] | None) -> None:
+    """Undo :func:`shorten_switch_interval` (``token`` its result), unless the interval was changed
+    again meanwhile."""
+    if token is not None and sys.getswitchinterval() == token[1]:
+        sys.setswitchinterval(token[0])
 
 
 def _pick(buckets: list[int], n: int) -> int:
