@@ -621,8 +621,8 @@ class DitFlowModel(nn.Module):
         return self.spk_embed_affine_layer(F.normalize(_to_device(embedding, p.device).to(p.dtype), dim=1))
 
     def _check_host_tokens(self, tokens: Tensor) -> Tensor:
-        """``tokens`` ``[L]`` (a host tensor) as int64 on the host; raises ValueError unless 1-D and
-        within the vocabulary."""
+        """``tokens`` ``[L]`` as int64 where they are (on the host: no device sync); raises ValueError
+        unless 1-D and within the vocabulary."""
         if tokens.dim() != 1:
             raise ValueError(f"tokens must be 1-D, got {tuple(tokens.shape)}")
         tokens = tokens.to(torch.long)
@@ -633,11 +633,7 @@ class DitFlowModel(nn.Module):
     def _check_tokens(self, tokens: Tensor) -> Tensor:
         """``tokens`` ``[L]`` as int64 on the flow's device, range-checked (ValueError); the check of a
         device tensor waits for the device (prefer host tokens: :meth:`_check_host_tokens`)."""
-        if tokens.dim() != 1:
-            raise ValueError(f"tokens must be 1-D, got {tuple(tokens.shape)}")
-        if tokens.numel() and (int(tokens.max()) >= self.cfg.vocab_size or int(tokens.min()) < 0):
-            raise ValueError(f"speech token out of range [0, {self.cfg.vocab_size})")
-        return _to_device(tokens.to(torch.long), self.input_embedding.weight.device)
+        return _to_device(self._check_host_tokens(tokens), self.input_embedding.weight.device)
 
     # ------------------------------------------------------------------ encoder (streaming form)
 

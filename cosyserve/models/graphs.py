@@ -755,11 +755,14 @@ class SlotRows:
         """Row ``name`` of a packed tensor (a view)."""
         return packed[self.FIELDS.index(name)]
 
+    def _idle_rows(self, bb: int) -> np.ndarray:
+        rows = np.zeros((len(self.FIELDS), bb), dtype=np.int64)
+        rows[self.FIELDS.index("start")] = self.idle_pos
+        return rows
+
     def idle(self, bb: int) -> torch.Tensor:
         """``bb`` idle rows: ``start`` = ``idle_pos``, inactive, every other field 0."""
-        packed = torch.zeros(len(self.FIELDS), bb, dtype=torch.long)
-        self.field(packed, "start").fill_(self.idle_pos)
-        return packed
+        return torch.from_numpy(self._idle_rows(bb))
 
     def pack(self, slots: torch.Tensor, start: torch.Tensor, **fields: torch.Tensor) -> tuple[int, torch.Tensor, int]:
         """``(bb, packed, kv_need)`` for a step over ``slots`` (CPU int64 ``[B]``): ``bb`` the
@@ -778,8 +781,7 @@ class SlotRows:
         # packed in numpy: a decode step's host work, half the time of torch's indexed writes on CPU
         # tensors (one step every few ms on the scheduler thread)
         rows = self.FIELDS
-        a = np.zeros((len(rows), bb), dtype=np.int64)
-        a[rows.index("start")] = self.idle_pos
+        a = self._idle_rows(bb)
         idx = np.asarray(sl, dtype=np.int64)
         st = start.reshape(-1).to("cpu", torch.long).numpy()
         a[rows.index("start"), idx] = st
