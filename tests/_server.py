@@ -14,9 +14,20 @@ import httpx
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports of 127.0.0.1: each socket stays bound until all are chosen (two
+    separate calls may get the same port back, which made a server bind HTTP and gRPC to one port)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class Server:
@@ -24,7 +35,7 @@ class Server:
     ready (or raises with its log)."""
 
     def __init__(self, tmp: Path, *extra: str, env: dict | None = None, model: tuple[str, ...] = ("--demo",)):
-        self.port, self.grpc_port = free_port(), free_port()
+        self.port, self.grpc_port = free_ports(2)
         self.url = f"http://127.0.0.1:{self.port}"
         self.grpc_url = f"grpc://127.0.0.1:{self.grpc_port}"
         self.cache = tmp / "cache"
