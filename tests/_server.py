@@ -31,11 +31,15 @@ def free_ports(n: int) -> list[int]:
 
 
 class Server:
-    """``cosyserve serve --demo`` (or ``model`` arguments) on free ports of 127.0.0.1; waits until
-    ready (or raises with its log)."""
+    """``cosyserve serve --demo`` (or ``model`` arguments) on free ports of 127.0.0.1 (HTTP on ``port``
+    when given, e.g. to restart a server on its port); waits until ready (or raises with its log)."""
 
-    def __init__(self, tmp: Path, *extra: str, env: dict | None = None, model: tuple[str, ...] = ("--demo",)):
-        self.port, self.grpc_port = free_ports(2)
+    def __init__(self, tmp: Path, *extra: str, env: dict | None = None, model: tuple[str, ...] = ("--demo",),
+                 port: int | None = None):
+        if port is None:
+            self.port, self.grpc_port = free_ports(2)
+        else:
+            self.port, self.grpc_port = port, next(p for p in free_ports(2) if p != port)
         self.url = f"http://127.0.0.1:{self.port}"
         self.grpc_url = f"grpc://127.0.0.1:{self.grpc_port}"
         self.cache = tmp / "cache"

@@ -22,7 +22,6 @@ import httpx
 import numpy as np
 import pytest
 
-import _server
 from _server import Server, free_port
 
 PROMPT = Path(__file__).resolve().parent.parent / "cosyserve" / "assets" / "prompts" / "zero_shot_prompt.wav"
@@ -33,15 +32,7 @@ KEY = {"Authorization": "Bearer sekret"}
 
 def start(tmp: Path, *extra: str, port: int | None = None) -> Server:
     """A Server (tests/_server.py) whose HTTP port is ``port`` when given (to restart on it)."""
-    if port is None:
-        return Server(tmp, *extra)
-    orig = _server.free_port
-    ports = iter([port])
-    _server.free_port = lambda: next(ports, None) or orig()
-    try:
-        return Server(tmp, *extra)
-    finally:
-        _server.free_port = orig
+    return Server(tmp, *extra, port=port)
 
 
 @pytest.fixture(scope="module")
