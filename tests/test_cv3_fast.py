@@ -61,7 +61,7 @@ def test_attention_is_one_sdpa_call_per_layer(flow, monkeypatch):
     real = F.scaled_dot_product_attention
 
     def spy(q, k, v, attn_mask=None, **kw):
-        calls.append((tuple(q.shape), attn_mask.dtype))
+        calls.append((tuple(q.shape), attn_mask))
         return real(q, k, v, attn_mask=attn_mask, **kw)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
@@ -72,7 +72,39 @@ def test_attention_is_one_sdpa_call_per_layer(flow, monkeypatch):
         est(torch.randn(2, n, t), torch.ones(2, 1, t), torch.randn(2, n, t), torch.rand(2), torch.randn(2, n),
             torch.randn(2, n, t), streaming=True)
     assert len(calls) == est.cfg.depth
-    assert all(shape == (2, est.cfg.heads, t, est.cfg.dim_head) and dt == torch.bool for shape, dt in calls)
+    assert all(shape == (2, est.cfg.heads, t, est.cfg.dim_head) for shape, _ in calls)
+    # one additive mask in the model dtype, built once per evaluation, rows 8-aligned in memory (the
+    # memory-efficient kernel reads it as it is): 0 within the chunk-causal field, -inf elsewhere
+    masks = {id(m) for _, m in calls}
+    mask = calls[0][1]
+    assert len(masks) == 1 and mask.dtype == torch.float32 and mask.stride(-2) % 8 == 0
+    chunk = est.cfg.static_chunk_size
+    pos = torch.arange(t)
+    allowed = pos[None, :] < (pos[:, None] // chunk + 1) * chunk
+    expected = torch.zeros(t, t).masked_fill(~allowed, float("-inf"))
+    assert torch.equal(mask[0, 0], expected) and torch.equal(mask[1, 0], expected)
+
+
+def test_in_place_rotary_rotates_head_zero_pairs():
+    """x-transformers' interleaved rotary on the first ``d`` channels: pair ``(x0, x1)`` at
+    position ``p`` becomes ``(x0 cos - x1 sin, x1 cos + x0 sin)`` with angle ``p * inv_freq[k]``;
+    the other channels are untouched (written from an independent complex-number formula)."""
+    from cosyserve.models.cv3_flow import apply_rotary_, signed_sin
+
+    d, t = 8, 5
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = rotary_tables(inv, t)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, t, 3 * d).to(dtype)
+        ref = x.clone().float()
+        pairs = torch.view_as_complex(ref[..., :d].unflatten(-1, (-1, 2)).contiguous())
+        angle = torch.arange(t).float()[:, None] * inv[None, :]
+        ref[..., :d] = torch.view_as_real(pairs * torch.polar(torch.ones_like(angle), angle)).flatten(-2)
+        out = apply_rotary_(x, cos, signed_sin(sin))
+        assert out is x
+        assert torch.equal(x[..., d:].float(), ref[..., d:])
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        assert torch.allclose(x[..., :d].float(), ref[..., :d].to(dtype).float(), atol=tol, rtol=tol)
 
 
 # ----------------------------------------------------------------------------------------------

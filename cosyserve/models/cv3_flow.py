@@ -54,6 +54,7 @@ from .config import CFMConfig, Tagged, _get, _parse_cfm
 from .flow import CausalFlowMatching, FlowModel
 from .flow_encoder import PreLookaheadLayer, chunk_attention_mask
 from .flow_estimator import sinusoidal_time_embedding
+from .fused import FusedOp, linear_gelu_tanh, norm_modulate
 from .transfer import to_device
 
 __all__ = ["DiTConfig", "CV3FlowConfig", "parse_cv3_flow", "DiT", "DiTPlan", "DiTStreamCache", "DiTCachedPlan",
@@ -194,20 +195,41 @@ def rotary_tables(inv_freq: Tensor, frames: int) -> tuple[Tensor, Tensor]:
     return freqs.cos(), freqs.sin()
 
 
-def _rotate_half_interleaved(x: Tensor) -> Tensor:
-    x = x.unflatten(-1, (-1, 2))
-    x1, x2 = x.unbind(dim=-1)
-    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+def signed_sin(sin: Tensor) -> Tensor:
+    """``sin [..., d]`` with the even channels negated: the sign of x-transformers' interleaved
+    ``rotate_half`` (``(x0, x1) -> (-x1, x0)``) moved into the table, so a rotation is
+    ``x * cos + swap_pairs(x) * signed_sin`` (same products, same float32 values)."""
+    return torch.stack((-sin[..., 0::2], sin[..., 1::2]), dim=-1).flatten(-2)
 
 
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x-transformers ``apply_rotary_pos_emb`` on ``x [B, T, D]`` with tables ``[T, d]``
-    (``d <= D``): only the first ``d`` channels are rotated; computed in float32, returned in
-    ``x.dtype``."""
+def _rotary_eager(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (x * cos + swapped * sin_signed).to(x.dtype)
+
+
+#: one kernel on CUDA (:class:`~cosyserve.models.fused.FusedOp`); eager elsewhere
+_ROTARY = FusedOp(_rotary_eager, "cv3_rotary")
+
+
+def apply_rotary_(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """x-transformers ``apply_rotary_pos_emb`` on ``x [B, T, D]`` **in place** with tables ``cos`` and
+    :func:`signed_sin` ``[T, d]`` or ``[B, T, d]`` float32 (``d <= D``): only the first ``d``
+    channels are rotated, computed in float32 and stored in ``x.dtype`` (upstream computes the
+    rotation in float32 and casts the whole vector back: the other channels are unchanged either
+    way). Returns ``x``. On CUDA the rotation is one fused kernel plus the store."""
     d = cos.shape[-1]
-    head, rest = x[..., :d], x[..., d:]
-    rot = head * cos + _rotate_half_interleaved(head) * sin
-    return torch.cat((rot, rest.to(rot.dtype)), dim=-1).to(x.dtype)
+    head = x[..., :d]
+    head.copy_(_ROTARY(head, cos, sin_signed))
+    return x
+
+
+def attention_bias(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """Additive attention mask (0 where ``allowed`` ``[..., Q, K]`` bool is True, -inf elsewhere) in
+    ``dtype``, its rows padded in memory to a multiple of 8 elements: the memory-efficient attention
+    kernel then reads it as it is, where a boolean mask is converted (and padded) in every call."""
+    k = allowed.shape[-1]
+    bias = torch.zeros(*allowed.shape[:-1], -(-k // 8) * 8, dtype=dtype, device=allowed.device)
+    return bias[..., :k].masked_fill_(~allowed, float("-inf"))
 
 
 class _RotaryEmbedding(nn.Module):
@@ -278,13 +300,10 @@ class _AdaLayerNorm(nn.Module):
         self.linear = nn.Linear(dim, dim * chunks)
         self.chunks = chunks
 
-    def forward(self, t: Tensor) -> tuple[Tensor, ...]:
-        return torch.chunk(self.linear(F.silu(t)), self.chunks, dim=1)
-
-
-def _modulate(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
-    """``LayerNorm(x, eps 1e-6, no affine) * (1 + scale) + shift`` with per-row ``[B, D]`` vectors."""
-    return F.layer_norm(x, x.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
+    def forward(self, silu_t: Tensor) -> tuple[Tensor, ...]:
+        """``silu_t = silu(time embedding)`` ``[B or 1, 1, D]`` (computed once per DiT evaluation for
+        every block) -> ``chunks`` vectors ``[B or 1, 1, D]``."""
+        return torch.chunk(self.linear(silu_t), self.chunks, dim=-1)
 
 
 class _Attention(nn.Module):
@@ -299,11 +318,11 @@ class _Attention(nn.Module):
 
     def forward(self, x: Tensor, plan: "DiTPlan") -> Tensor:
         b, t, _ = x.shape
-        q = apply_rotary(self.to_q(x), plan.cos, plan.sin)
-        k = apply_rotary(self.to_k(x), plan.cos, plan.sin)
+        q = apply_rotary_(self.to_q(x), plan.cos, plan.sin_signed)
+        k = apply_rotary_(self.to_k(x), plan.cos, plan.sin_signed)
         v = self.to_v(x)
         q, k, v = (y.view(b, t, self.heads, self.dim_head).transpose(1, 2) for y in (q, k, v))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.allowed)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.bias)
         o = o.transpose(1, 2).reshape(b, t, self.heads * self.dim_head)
         return self.to_out[0](o) * plan.valid
 
@@ -313,14 +332,14 @@ class _Attention(nn.Module):
         their own. Returns the output ``[B, T, D]`` and the new frames' stacked K, V ``[2, B, H, T,
         dh]`` (what a later call reads from the cache)."""
         b, t, _ = x.shape
-        q = apply_rotary(self.to_q(x), cp.cos, cp.sin)
-        k = apply_rotary(self.to_k(x), cp.cos, cp.sin)
+        q = apply_rotary_(self.to_q(x), cp.cos, cp.sin_signed)
+        k = apply_rotary_(self.to_k(x), cp.cos, cp.sin_signed)
         v = self.to_v(x)
         q, k, v = (y.view(b, t, self.heads, self.dim_head).transpose(1, 2) for y in (q, k, v))
         new = torch.stack((k, v))
         if k_cache is not None:
             k, v = torch.cat((k_cache[0], k), dim=2), torch.cat((k_cache[1], v), dim=2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=cp.allowed)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=cp.bias)
         o = o.transpose(1, 2).reshape(b, t, self.heads * self.dim_head)
         return self.to_out[0](o) * cp.valid, new
 
@@ -333,7 +352,8 @@ class _FeedForward(nn.Module):
                                 nn.Dropout(0.0), nn.Linear(inner, dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.ff(x)
+        first = self.ff[0][0]
+        return self.ff[2](linear_gelu_tanh(x, first.weight, first.bias))
 
 
 class _DiTBlock(nn.Module):
@@ -343,16 +363,18 @@ class _DiTBlock(nn.Module):
         self.attn = _Attention(cfg.dim, cfg.heads, cfg.dim_head)
         self.ff = _FeedForward(cfg.dim, cfg.ff_mult)
 
-    def forward(self, x: Tensor, t: Tensor, plan: "DiTPlan") -> Tensor:
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(t)
-        x = x + gate_msa.unsqueeze(1) * self.attn(_modulate(x, scale_msa, shift_msa), plan)
-        return x + gate_mlp.unsqueeze(1) * self.ff(_modulate(x, scale_mlp, shift_mlp))
+    def forward(self, x: Tensor, silu_t: Tensor, plan: "DiTPlan") -> Tensor:
+        """``x [B, T, D]``, ``silu_t`` ``[B or 1, 1, D]`` (silu of the time embedding)."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(silu_t)
+        x = torch.addcmul(x, gate_msa, self.attn(norm_modulate(x, shift_msa, scale_msa), plan))
+        return torch.addcmul(x, gate_mlp, self.ff(norm_modulate(x, shift_mlp, scale_mlp)))
 
-    def forward_cached(self, x: Tensor, t: Tensor, cp: "DiTCachedPlan", kv: Tensor | None) -> tuple[Tensor, Tensor]:
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(t)
-        a, new = self.attn.forward_cached(_modulate(x, scale_msa, shift_msa), cp, kv)
-        x = x + gate_msa.unsqueeze(1) * a
-        return x + gate_mlp.unsqueeze(1) * self.ff(_modulate(x, scale_mlp, shift_mlp)), new
+    def forward_cached(self, x: Tensor, silu_t: Tensor, cp: "DiTCachedPlan",
+                       kv: Tensor | None) -> tuple[Tensor, Tensor]:
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(silu_t)
+        a, new = self.attn.forward_cached(norm_modulate(x, shift_msa, scale_msa), cp, kv)
+        x = torch.addcmul(x, gate_msa, a)
+        return torch.addcmul(x, gate_mlp, self.ff(norm_modulate(x, shift_mlp, scale_mlp))), new
 
 
 @dataclass
@@ -360,14 +382,17 @@ class DiTPlan:
     """What every Euler step of one solve shares (:meth:`DiT.attention_plan`).
 
     ``allowed`` ``[B, 1, T, T]`` bool (True = may attend: valid keys, and for streaming rows keys
-    in the same or earlier chunks); ``valid`` ``[B, T, 1]`` model dtype (1 valid / 0 padded);
-    ``cos`` / ``sin`` ``[T, dim_head]`` float32 rotary tables.
+    in the same or earlier chunks) and ``bias``, the same as an additive mask in the model dtype
+    (:func:`attention_bias`); ``valid`` ``[B, T, 1]`` model dtype (1 valid / 0 padded); ``cos`` /
+    ``sin`` ``[T, dim_head]`` float32 rotary tables and ``sin_signed`` (:func:`signed_sin`).
     """
 
     allowed: Tensor
+    bias: Tensor
     valid: Tensor
     cos: Tensor
     sin: Tensor
+    sin_signed: Tensor
 
 
 @dataclass
@@ -424,6 +449,7 @@ class DiTCachedPlan:
         pos = st[:, None] + torch.arange(t, device=device)[None, :]  # absolute positions of the new frames
         cos, sin = est.rotary(max(starts) + t)
         self.cos, self.sin = cos[pos], sin[pos]
+        self.sin_signed = signed_sin(self.sin)
         j = torch.arange(t, device=device)
         valid = j[None, :] < n_new[:, None]  # [2B, T]
         self.valid = valid[:, :, None].to(dtype)
@@ -432,6 +458,7 @@ class DiTCachedPlan:
         new_ok = valid[:, None, :] & (j[None, :] < chunk_end[:, None])[None]  # [2B, T, T]
         cache_ok = (torch.arange(self.fmax, device=device)[None, :] < st[:, None])[:, None, :].expand(-1, t, -1)
         self.allowed = torch.cat([cache_ok, new_ok], dim=2).unsqueeze(1)
+        self.bias = attention_bias(self.allowed, dtype)
         k1 = cfg.conv_pos_kernel - 1
         q = st[:, None] - k1 + torch.arange(k1 + t, device=device)[None, :]
         self.keep1 = (q >= 0)[:, :, None].to(dtype)
@@ -521,7 +548,9 @@ class DiT(nn.Module):
         streaming = streaming.to(device=mask.device, dtype=torch.bool)
         allowed = chunk_attention_mask(mask[:, 0].bool(), streaming, self.cfg.static_chunk_size)
         cos, sin = self.rotary(t)
-        return DiTPlan(allowed=allowed.unsqueeze(1), valid=mask.transpose(1, 2), cos=cos, sin=sin)
+        allowed = allowed.unsqueeze(1)
+        return DiTPlan(allowed=allowed, bias=attention_bias(allowed, mask.dtype), valid=mask.transpose(1, 2),
+                       cos=cos, sin=sin, sin_signed=signed_sin(sin))
 
     def rotary(self, frames: int, start: int = 0) -> tuple[Tensor, Tensor]:
         """Rotary tables ``(cos, sin)`` ``[frames, dim_head]`` float32 of positions ``start ..
@@ -555,17 +584,21 @@ class DiT(nn.Module):
         if isinstance(plan, DiTCachedPlan):
             return self.forward_cached(h, plan, t)
         n = self.cfg.mel_dim
-        b = h.shape[0]
         x, mu, spks, cond = h[..., :n], h[..., n:2 * n], h[..., 2 * n:3 * n], h[..., 3 * n:]
-        t_emb = self.time_embed(t.reshape(-1).expand(b) if t.numel() == 1 else t)
+        silu_t = self._silu_time(t)
         x = self.input_embed(x, cond, mu, spks)
         residual = x
         for block in self.transformer_blocks:
-            x = block(x, t_emb, plan)
+            x = block(x, silu_t, plan)
         if self.long_skip_connection is not None:
             x = self.long_skip_connection(torch.cat((x, residual), dim=-1))
-        scale, shift = self.norm_out(t_emb)
-        return self.proj_out(_modulate(x, scale, shift)) * plan.valid
+        scale, shift = self.norm_out(silu_t)
+        return self.proj_out(norm_modulate(x, shift, scale)) * plan.valid
+
+    def _silu_time(self, t: Tensor) -> Tensor:
+        """``silu(time_embed(t))`` ``[B or 1, 1, dim]`` from ``t`` ``[B]`` or ``[1]``: every block's
+        adaLN reads it (one time value for every row -> one row, broadcast)."""
+        return F.silu(self.time_embed(t.reshape(-1))).unsqueeze(1)
 
     def forward_cached(self, h: Tensor, cp: "DiTCachedPlan", t: Tensor) -> Tensor:
         """One Euler step's velocity for the new frames of cached streams: ``h [B, T, 4 * mel_dim]``
@@ -576,9 +609,8 @@ class DiT(nn.Module):
         Eager only (Python state). Equals :meth:`forward_btc` over all frames with the streaming
         chunk mask, restricted to the new frames, up to float summation order."""
         n = self.cfg.mel_dim
-        b = h.shape[0]
         x, mu, spks, cond = h[..., :n], h[..., n:2 * n], h[..., 2 * n:3 * n], h[..., 3 * n:]
-        t_emb = self.time_embed(t.reshape(-1).expand(b) if t.numel() == 1 else t)
+        silu_t = self._silu_time(t)
         emb = self.input_embed
         h0 = emb.proj(torch.cat([x, cond, mu, spks], dim=-1))
         step = cp.step
@@ -586,13 +618,13 @@ class DiT(nn.Module):
         residual = x
         news = []
         for i, block in enumerate(self.transformer_blocks):
-            x, new = block.forward_cached(x, t_emb, cp, cp.kv(step, i))
+            x, new = block.forward_cached(x, silu_t, cp, cp.kv(step, i))
             news.append(new)
         cp.record(h0, news)
         if self.long_skip_connection is not None:
             x = self.long_skip_connection(torch.cat((x, residual), dim=-1))
-        scale, shift = self.norm_out(t_emb)
-        return self.proj_out(_modulate(x, scale, shift)) * cp.valid
+        scale, shift = self.norm_out(silu_t)
+        return self.proj_out(norm_modulate(x, shift, scale)) * cp.valid
 
     def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                 streaming: bool | Tensor = False) -> Tensor:

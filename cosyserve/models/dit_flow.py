@@ -84,8 +84,7 @@ from torch import Tensor, nn
 from ..errors import ConfigError
 from .config import DiTConfig, DitFlowConfig
 from .flow_encoder import UpsampleConformerEncoder, relative_position_table
-from .fused import FusedOp
-from .fused import enabled as fused_enabled
+from .fused import FusedOp, linear_gelu_tanh, norm_modulate
 from .graphs import _GraphStage
 from .views import cat_adjacent as _cat
 from .views import merge_adjacent as _merge_adjacent
@@ -245,33 +244,13 @@ class _CausalConvBlock(nn.Module):
         return h, torch.cat([n1, n2], dim=1)
 
 
-def _modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-    """adaLN modulation ``x * (1 + scale) + shift`` as one fused multiply-add over ``x``."""
-    return torch.addcmul(shift, x, scale + 1)
-
-
-def _norm_modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-    """``_modulate(layer_norm(x, eps=1e-6, no affine), shift, scale)`` over the last dim of ``x [N, T, C]``."""
-    return _modulate(F.layer_norm(x, (x.shape[-1],), eps=1e-6), shift, scale)
-
-
 def _norm_mish(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     """``mish(layer_norm(x, weight, bias, eps=1e-5))`` over the last dim (the conv block's middle)."""
     return F.mish(F.layer_norm(x, (x.shape[-1],), weight, bias, eps=1e-5))
 
 
-#: one kernel each on CUDA (Inductor, :class:`~cosyserve.models.fused.FusedOp`); eager elsewhere
-_NORM_MODULATE = FusedOp(_norm_modulate, "dit_norm_modulate")
+#: one kernel on CUDA (Inductor, :class:`~cosyserve.models.fused.FusedOp`); eager elsewhere
 _NORM_MISH = FusedOp(_norm_mish, "dit_norm_mish")
-
-
-def _linear_gelu_tanh(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-    """``gelu(linear(x), approximate="tanh")`` (upstream's DiT MLP); in half precision on CUDA the
-    GELU runs in cuBLASLt's GEMM epilogue (the same tanh approximation, no extra kernel)."""
-    if fused_enabled() and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
-        y = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
-        return y.view(*x.shape[:-1], weight.shape[0])
-    return F.gelu(F.linear(x, weight, bias), approximate="tanh")
 
 
 class _DiTBlock(nn.Module):
@@ -295,11 +274,11 @@ class _DiTBlock(nn.Module):
         :meth:`_CausalConv.step_tc` -> ``(x, new cnn cache)``."""
         (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
          shift_conv, scale_conv, gate_conv) = mod.chunk(9, dim=-1)
-        x = torch.addcmul(x, gate_msa, self.attn(_NORM_MODULATE(x, shift_msa, scale_msa), kv, mask))
-        cv, new_cnn = self.conv(_NORM_MODULATE(x, shift_conv, scale_conv), cnn_cache, last_idx)
+        x = torch.addcmul(x, gate_msa, self.attn(norm_modulate(x, shift_msa, scale_msa), kv, mask))
+        cv, new_cnn = self.conv(norm_modulate(x, shift_conv, scale_conv), cnn_cache, last_idx)
         x = torch.addcmul(x, gate_conv, cv)
         fc1 = self.mlp.fc1
-        m = self.mlp.fc2(_linear_gelu_tanh(_NORM_MODULATE(x, shift_mlp, scale_mlp), fc1.weight, fc1.bias))
+        m = self.mlp.fc2(linear_gelu_tanh(norm_modulate(x, shift_mlp, scale_mlp), fc1.weight, fc1.bias))
         return torch.addcmul(x, gate_mlp, m), new_cnn
 
 
@@ -313,7 +292,7 @@ class _FinalLayer(nn.Module):
     def forward(self, x: Tensor, mod: Tensor) -> Tensor:
         """``x [N, T, hidden]``, ``mod`` = ``adaLN_modulation(c)`` ``[N or 1, 1, 2*hidden]``."""
         shift, scale = mod.chunk(2, dim=-1)
-        return self.linear(_NORM_MODULATE(x, shift, scale))
+        return self.linear(norm_modulate(x, shift, scale))
 
 
 class _TimestepEmbedder(nn.Module):

@@ -184,3 +184,24 @@ class FusedOp:
     def compiled(self) -> bool:
         """True once a compiled version exists and has not failed."""
         return self._compiled is not None and not self._broken
+
+
+def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``gelu(linear(x, weight, bias), approximate="tanh")``: ``x [..., K]``, ``weight [N, K]``,
+    ``bias [N]`` -> ``[..., N]`` (the feed-forward of both DiT estimators, whose upstream GELU is the
+    tanh approximation). In float16/bfloat16 on CUDA (fused kernels on) the GELU runs in cuBLASLt's
+    GEMM epilogue: the same formula, no extra kernel and no extra read/write of the activations."""
+    if _enabled and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+        y = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    return torch.nn.functional.gelu(torch.nn.functional.linear(x, weight, bias), approximate="tanh")
+
+
+def _norm_modulate_eager(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.addcmul(shift, torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=1e-6), scale + 1)
+
+
+#: adaLN modulation ``layer_norm(x, eps=1e-6, no affine) * (1 + scale) + shift`` over the last dim of
+#: ``x [N, T, C]`` with ``shift``/``scale`` broadcastable to it (``[N or 1, 1, C]``): one kernel on
+#: CUDA (both DiT estimators: DiT-family adaLN-Zero blocks, upstream ``modulate``)
+norm_modulate = FusedOp(_norm_modulate_eager, "dit_norm_modulate")
