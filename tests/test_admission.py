@@ -95,9 +95,9 @@ def test_estimator_converges_to_the_known_capacity():
 
 
 def test_latency_estimate_speeds_up_the_lm_pace_by_what_batch_latency_leaves():
-    """The diagnostic beside the estimate: a second chunk that also waits two token2wav batches of
-    L/2 seconds must have its tokens within D1 - L of a first chunk playing D1 seconds, so the LM's
-    pace is S * D1 / (D1 - L); admission itself still uses estimate()."""
+    """A second chunk that also waits two token2wav batches of L/2 seconds must have its tokens
+    within D1 - L of a first chunk playing D1 seconds, so the LM's pace is S * D1 / (D1 - L);
+    capacity() admits the smaller of the throughput estimate and this one."""
     assert latency_pace(0.6, 0.0) == 1.0
     assert latency_pace(0.6, 0.2) == pytest.approx(1.5)
     assert latency_pace(0.6, 0.6) == math.inf
@@ -115,6 +115,15 @@ def test_latency_estimate_speeds_up_the_lm_pace_by_what_batch_latency_leaves():
     assert lat == pytest.approx((0.8 - 75 * a) / (75 * c + 2 * k), rel=0.05)
     assert est.last_latency_estimate == lat and est.last_estimate == plain  # the estimate is untouched
     assert est.latency_estimate(math.inf) == 0.0 and est.latency_estimate(0.5) == pytest.approx(est.estimate())
+    # admission: the smaller estimate binds; batches that alone outlast the first chunk admit one stream
+    clock = Clock()
+    est = CapacityEstimator(25, target=0.8, max_streams=64, clock=clock)
+    feed(est, clock, 0.001, 0.0005, 0.01)
+    est.seen = 1000  # no slow-start bound
+    plain, lat = est.estimate(), est.latency_estimate(1.5)
+    assert plain == pytest.approx((0.8 - 25 * 0.001) / (25 * 0.0005 + 0.01), rel=0.05)
+    assert est.capacity(1.0) == int(plain) and est.capacity(1.5) == int(lat) < int(plain)
+    assert est.last_estimate == plain and est.capacity(math.inf) == 1
 
 
 def test_estimator_bounds_extrapolation_and_takes_the_tighter_resource():

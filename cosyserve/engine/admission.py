@@ -36,7 +36,15 @@ the model's ``token_frame_rate``, 25/s for CosyVoice2) and one second of audio f
   newcomer included) that have sent fewer than :data:`START_CHUNKS` chunks (1 before any
   stream was admitted: a burst is budgeted at ``S`` for every stream, as the first model did);
 * the capacity is the largest ``b`` with ``U(b) <= target`` (``target`` < 1 leaves headroom
-  for jitter, the prefills of newcomers and batching effects).
+  for jitter, the prefills of newcomers and batching effects);
+* latency: a stream's second chunk must be out before its first chunk has played (``D1``
+  seconds), and besides its tokens it waits for the token2wav batch in flight and then runs in its
+  own (``L``, two batch durations): so the LM must make the next hop's tokens within ``D1 - L``,
+  i.e. at ``S*R * D1/(D1 - L)`` (:func:`latency_pace`). The engine passes that pace to
+  :meth:`CapacityEstimator.capacity`, which admits the smaller of the two estimates; once the
+  batches alone outlast ``D1``, no new stream starts while one runs. (Throughput alone admitted
+  CosyVoice3 and DiT streams that stalled on their second chunks at 2x overload: docs/perf.md
+  "Session 27".)
 
 The resources are the scheduler thread (host wall time of the LM step including its waits,
 and of the token2wav work issued from that thread: on CPU everything runs there) and, on
@@ -336,7 +344,7 @@ class CapacityEstimator:
         #: the latest :meth:`capacity` (streams) and raw :meth:`estimate` (None: no data yet)
         self.last: int = min(self.initial, self.max_streams)
         self.last_estimate: float | None = None
-        #: the latest :meth:`latency_estimate` (a diagnostic; None: not computed yet)
+        #: the latest :meth:`latency_estimate` (None: not computed yet)
         self.last_latency_estimate: float | None = None
 
     def _decay(self) -> None:
@@ -392,21 +400,24 @@ class CapacityEstimator:
         return self.last_estimate
 
     def latency_estimate(self, lm_pace: float) -> float | None:
-        """A diagnostic, not used for admission: :meth:`estimate` with the LM's required pace
-        multiplied by ``lm_pace`` (>= 1, :func:`latency_pace`: the part of the first chunk's playback
-        that token2wav batch latency leaves the LM for the next hop's tokens). The estimate
-        budgets throughput only; on an H100 it admitted 121-127 DiT streams where ~70 stayed real
-        time, and CosyVoice3 streams at twice what stayed real time, the stalls falling on second
-        chunks (docs/perf.md "Session 27"): logged next to it to test whether latency explains the
-        gap. Stored in :attr:`last_latency_estimate`."""
+        """:meth:`estimate` with the LM's required pace multiplied by ``lm_pace`` (>= 1,
+        :func:`latency_pace`: the part of the first chunk's playback that token2wav batch latency
+        leaves the LM for the next hop's tokens); 0 for an infinite pace (the batches alone outlast
+        the first chunk's playback). The estimate budgets throughput only; on an H100 it admitted
+        121-127 DiT streams where ~70 stayed real time, and CosyVoice3 streams at twice what stayed
+        real time, the stalls falling on second chunks (docs/perf.md "Session 27"); logged beside
+        it, this one read 10-27 CosyVoice3 streams where 14-16 stayed real time ("Session 28"), so
+        :meth:`capacity` takes the smaller. Stored in :attr:`last_latency_estimate`."""
         self.last_latency_estimate = self._estimate(max(1.0, lm_pace)) if math.isfinite(lm_pace) else 0.0
         return self.last_latency_estimate
 
-    def capacity(self) -> int:
+    def capacity(self, lm_pace: float = 1.0) -> int:
         """Streams that may be admitted now: ``initial`` before any measurement, else the
-        estimate rounded down, at most ``growth`` x the most streams seen + 1, at least 1,
-        at most ``max_streams``."""
+        estimate — the smaller of :meth:`estimate` and the :meth:`latency_estimate` at ``lm_pace`` — rounded down, at most ``growth`` x the most streams
+        seen + 1, at least 1, at most ``max_streams``."""
         est = self.estimate()
+        if est is not None:
+            est = min(est, self.latency_estimate(lm_pace))
         if est is None:
             cap = self.initial
         else:

@@ -876,16 +876,16 @@ class EngineCore:
         model.starting_fraction = (sum(st.chunks < START_CHUNKS for st in streaming) / len(streaming)
                                    if streaming else 1.0)
         model.audio = not states or any(not st.req.params.lm_only for st in states)
-        cap = model.capacity()
-        # a diagnostic beside it (CapacityEstimator.latency_estimate): the LM's pace if each second
-        # chunk also waits two token2wav batches, within the shortest first chunk's playback
+        # the LM's pace if each second chunk also waits two token2wav batches, within the shortest
+        # first chunk's playback (admission module doc: latency)
         hops = [st.first_hop_tokens for st in states if st.first_hop_tokens > 0]
-        if model.last_estimate is not None and hops and self._batch_s is not None:
-            model.latency_estimate(latency_pace(min(hops) / model.rate, 2.0 * self._batch_s))
+        pace = latency_pace(min(hops) / model.rate, 2.0 * self._batch_s) \
+            if hops and self._batch_s is not None and model.audio else 1.0
+        cap = model.capacity(pace)
         if self._logged_capacity is None or abs(cap - self._logged_capacity) >= max(2, 0.1 * self._logged_capacity):
             est, lat = model.last_estimate, model.last_latency_estimate
             if self._logged_capacity is not None or est is not None:
-                log.info("real-time capacity estimate: %d streams (model %s, latency-adjusted %s, admission %s)", cap,
+                log.info("real-time capacity estimate: %d streams (throughput %s, with batch latency %s, admission %s)", cap,
                          "unmeasured" if est is None else f"{est:.1f}", "-" if lat is None else f"{lat:.1f}",
                          self.admission,
                          extra={"event": "capacity", "capacity_streams": cap,
