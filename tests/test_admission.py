@@ -443,6 +443,38 @@ def test_auto_admission_is_bounded_by_device_memory(synth, caplog):
     assert core._memory_limit() is None
 
 
+def test_offline_work_alone_is_not_held_to_the_real_time_capacity(synth):
+    """With no stream active, offline requests (no playback deadline) are admitted up to max_active
+    whatever the real-time estimate (before any measurement it admits 2); a stream queued behind them
+    starts only once the active requests fit the estimate, and every request completes."""
+    core, _ = slow_engine(synth, max_active=6, max_queue=16, admission="auto")
+    syn, voice = synth
+
+    def req(i, stream):
+        policy = dict(chunk_policy=ChunkPolicy.parse(POLICY)) if stream else dict(stream=False)
+        return syn.build_request(TEXT, voice, SynthesisParams(seed=i, min_token_text_ratio=RATIO,
+                                                              max_token_text_ratio=RATIO, **policy),
+                                 f"{'s' if stream else 'o'}{i}")
+
+    for i in range(5):
+        core.add_request(req(i, False))
+    core.step()
+    assert len(core._active) == 5 and core.capacity_model.capacity() == 2
+    done = []
+    while core.has_work():
+        done += [ev for ev in core.step() if isinstance(ev, RequestFinished)]
+    for i in range(5, 9):
+        core.add_request(req(i, False))
+    core.add_request(req(0, True))
+    started = None
+    while core.has_work():
+        done += [ev for ev in core.step() if isinstance(ev, RequestFinished)]
+        if started is None and "s0" in core._active:
+            started = (len(core._active), core._limit)
+    assert started is not None and started[0] <= started[1] < 5, started  # the stream waited for its estimate
+    assert len(done) == 10 and all(ev.outcome.value == "ok" for ev in done)
+
+
 def test_device_memory_counts_recent_peaks_and_graph_pools_not_cached_blocks():
     """The memory bound's view of the device: held = the peak of live tensors over this and the
     previous window + the graph pools' free blocks (re-read every pool_refresh_s); the allocator's

@@ -902,6 +902,12 @@ class EngineCore:
             # active ones count on top of the streams that fit (their batches' transient tensors are
             # in the measured peak)
             offline_head = head is not None and not head.req.params.stream
+            if offline_head and not any(st.req.params.stream for st in self._active.values()):
+                # offline work alone: no playback deadline to protect, so the real-time capacity does
+                # not bind; offline throughput needs many rows per LM step and full token2wav batches
+                # (CosyVoice3 on an H100: held at ~27 rows by the estimate, docs/perf.md "Session 28").
+                # A stream that arrives meanwhile waits until the active requests fit its estimate.
+                return self.cfg.max_active
             if mem is not None and not offline_head:
                 limit = mem + sum(1 for st in self._active.values() if not st.req.params.stream)
                 if limit < min(cap, self.cfg.max_active):
