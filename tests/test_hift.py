@@ -4,8 +4,10 @@ Cases are discovered from ``../shared/reference/cases`` by kind and by the tenso
 Deterministic checks (F0, decode, fade/trim, caches, source module from stored draws) use a relative
 L2 tolerance of 1e-4 (``PARITY_TOL``, tests/_reference.py); seeded checks (random excitation drawn
 from a ``torch.Generator`` seeded like upstream's global generator) are bit-exact in the reference
-environment and are asserted to the same tolerance, with exactness reported in the test output
-(``-s``). Only discrete values (the voiced flags) are compared exactly.
+environment, with exactness reported in the test output (``-s``): given upstream's F0 the seeded
+excitation is asserted to the same tolerance; from the mel (our F0, whose ~1e-7 rounding the
+excitation integrates into its phase) to ``WAVE_TOL``. Only discrete values (the voiced flags) are
+compared exactly.
 """
 
 from __future__ import annotations
@@ -91,12 +93,21 @@ def test_hift_case(hift, case, one_thread):
         _report(f"{case} decode(mel, source)", err, torch.equal(speech, t["speech"]))
         assert err <= TOL
 
+        # the excitation given upstream's F0 and draws: the source module alone, exact to rounding
+        gen = torch.Generator().manual_seed(int(md["seed"]))
+        source = hift.excitation(t["f0"], gen)
+        err = rel_l2(source, t["source"])
+        _report(f"{case} seeded excitation(reference f0)", err, torch.equal(source, t["source"]))
+        assert err <= TOL
+
+    # end to end from the mel: our F0 (~1e-7 from upstream's on CPUs whose conv kernels sum in
+    # another order) is integrated into the excitation phase, hence WAVE_TOL (_reference.py)
     gen = torch.Generator().manual_seed(int(md["seed"]))
     speech, source = hift.inference(t["mel"], generator=gen)
     e_src, e_sp = rel_l2(source, t["source"]), rel_l2(speech, t["speech"])
     _report(f"{case} seeded inference source", e_src, torch.equal(source, t["source"]))
     _report(f"{case} seeded inference speech", e_sp, torch.equal(speech, t["speech"]))
-    assert e_src <= TOL and e_sp <= TOL
+    assert e_src <= WAVE_TOL and e_sp <= WAVE_TOL
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,7 +217,9 @@ def test_stream_deterministic(hift, full_cfg, case, one_thread):
 @parity
 @pytest.mark.parametrize("case", STREAM_CASES)
 def test_stream_seeded(hift, full_cfg, case, one_thread):
-    """The whole stream with one generator seeded like upstream, chunks in order."""
+    """The whole stream with one generator seeded like upstream, chunks in order. HiFT predicts
+    F0 itself here, so its rounding is integrated into the phase: WAVE_TOL (each stage alone is
+    checked at PARITY_TOL above and in test_hift_case)."""
     t, md = tensors(case), meta(case)
     gen = torch.Generator().manual_seed(int(md["seed"]))
     state = HiFTStreamState()
@@ -215,12 +228,12 @@ def test_stream_seeded(hift, full_cfg, case, one_thread):
         out, state = hift_stream_step(hift, state, _chunk_mel(t, md, full_cfg, i), bool(ch["finalize"]), gen)
         err = rel_l2(out, t[f"c{i}_out_speech"])
         _report(f"{case} seeded c{i} output", err, torch.equal(out, t[f"c{i}_out_speech"]))
-        assert err <= TOL
+        assert err <= WAVE_TOL
         outs.append(out)
     speech = torch.cat(outs, dim=1)
     err = rel_l2(speech, t["speech_concat"])
     _report(f"{case} seeded speech_concat", err, torch.equal(speech, t["speech_concat"]))
-    assert err <= TOL
+    assert err <= WAVE_TOL
 
 
 def test_fade_float64_semantics():

@@ -63,12 +63,13 @@ def test_zero_shot_end_to_end_matches_upstream(syn, case):
                                     v.flow_embedding[None], False, True)
     check_close(mel, d["mel"], f"{case} flow mel")
     # HiFT from upstream's mel with the generator state after the LM draws (bit-exact in the
-    # reference environment; required only to PARITY_TOL).
+    # reference environment; our F0 rounds ~1e-7 differently on other CPUs and the excitation
+    # integrates it into the phase: WAVE_TOL, see tests/test_hift.py for the stages at PARITY_TOL).
     g = torch.Generator().manual_seed(int(m["seed"]))
     list(syn.models.llm.generate(d["text_ids"].reshape(-1), v.prompt_text_ids, v.llm_speech_token, generator=g))
     with one_thread():
         speech, _ = syn.models.hift.inference(d["mel"], None, g)
-    check_close(speech, d["speech"], f"{case} HiFT from the reference mel")
+    check_close(speech, d["speech"], f"{case} HiFT from the reference mel", WAVE_TOL)
     assert res.audio.shape == d["speech"].reshape(-1).shape
     assert rel_l2(res.audio, d["speech"].reshape(-1)) <= WAVE_TOL
 

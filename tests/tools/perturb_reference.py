@@ -23,13 +23,12 @@ What is left unperturbed, and why:
   random draws (``rand_ini``, ``sine_std_noise``);
 * what the tests feed to HiFT's phase integration: the mels passed to the *seeded* HiFT (``mel``
   of ``e2e`` cases, ``c<i>_flow_mel`` and ``c<i>_hift_mel_in`` of ``stream`` cases) and the
-  upsampled F0 passed to the sine generator (``f0_upsampled``). The excitation integrates F0 into
+  F0 passed to the excitation (``f0`` and ``f0_upsampled`` of ``hift`` cases). The excitation integrates F0 into
   a phase, so independent noise on such an input and on the output computed from it (which a
   real reference never has: there, the output is computed from that very input) grows along the
   utterance: 3e-7 on ``f0_upsampled`` gives 1.4e-4 on ``sine_waves`` (measured), the reason for
   the waveform tolerance (docs/architecture.md). These tensors are still checked as outputs
-  against our own computation from perturbed data (flow mels in the ``flow`` cases, F0 upsampled
-  from the perturbed ``f0``).
+  against our own computation (flow mels in the ``flow`` cases, our F0 against ``f0``).
 
 Everything not rewritten is symlinked (``--copy``: copied) from SRC, so DST is cheap.
 Algorithm: plain NumPy/torch; no upstream code.
@@ -49,7 +48,7 @@ import torch
 INPUT_NAMES = {"prompt_feat", "embedding", "llm_embedding", "rand_ini", "sine_std_noise", "prompt_wav_24k",
                "speech_16k"}
 PHASE_INPUTS = {"e2e": re.compile(r"mel"), "stream": re.compile(r"c\d+_(flow_mel|hift_mel_in)"),
-                "hift": re.compile(r"mel|f0_upsampled")}
+                "hift": re.compile(r"mel|f0|f0_upsampled")}
 
 
 def is_perturbed(name: str, kind: str | None, t: torch.Tensor) -> bool:
