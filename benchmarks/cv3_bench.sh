@@ -7,7 +7,8 @@
 # Usage: benchmarks/cv3_bench.sh OUT   (env: LEVELS 1,4,8, OFFLINE 32, RATIO 6, DTYPE bfloat16, CAPACITY_LEVELS
 # 8,16,32,48,64, MAX_ACTIVE 64, SERVE_ARGS; e.g. SERVE_ARGS="--flow-stream-cache on" for the A/B of the per-stream DiT
 # cache, which the default `auto` leaves off while the flow runs as CUDA graphs; SAMPLE_STACKS=1: the scheduler thread's
-# stacks per level, benchmarks/stack_sampler.py). Needs .whl.
+# stacks per level, benchmarks/stack_sampler.py; RAMP_S: each capacity level's clients start over RAMP_S seconds,
+# `bench --ramp-s`, default 0 = all at once, as benchmarks/capacity_startup.sh). Needs .whl.
 # The server runs with --strict-min-len: with random weights CosyVoice3's upstream min-length mask (it masks sos, not
 # the 200 stop ids) ends most utterances after ~30 tokens whatever the ratio, which made requests ~1.2 s long.
 set -u
@@ -46,9 +47,9 @@ $CS bench "${URL[@]}" --mode offline --concurrency "$OFFLINE" --requests-per-lev
   --out "$OUTDIR/offline" 2>&1 | grep -v "^$" | head -12
 stacks "offline at $OFFLINE clients" "$S0"
 if [ -n "$CAPACITY_LEVELS" ]; then
-  echo "== capacity (voice default, 0 stalls, p99 <= 500 ms), then 2x overload"
+  echo "== capacity (voice default, 0 stalls, p99 <= 500 ms, ramp ${RAMP_S:-0} s), then 2x overload"
   $CS bench "${URL[@]}" --capacity --concurrency "$CAPACITY_LEVELS" --max-streams "$MAX_ACTIVE" --p99-bound-ms 500 \
-    --min-requests-per-client 3 --overload 2 --warmup 0 --out "$OUTDIR/capacity" 2>&1 | tail -40
+    --min-requests-per-client 3 --overload 2 --ramp-s "${RAMP_S:-0}" --warmup 0 --out "$OUTDIR/capacity" 2>&1 | tail -40
   grep -m3 -i "capacity" "$OUTDIR/server.log"
 fi
 echo "== token2wav stage times (server /metrics)"
