@@ -45,7 +45,8 @@ from cosyserve.models.dit_token2wav import (  # noqa: E402
 )
 
 #: phase label -> (object, attribute) wrapped in a profiler range while ``--phases`` counts
-PHASES = {"flow encoder": ("flow", "_encode"), "flow solve": ("flow", "_solve"), "HiFT F0": ("hift", "predict_f0"),
+PHASES = {"flow encoder": ("flow", "_encode"), "flow solve": ("flow", "_solve"),
+          "HiFT F0": [("hift", "predict_f0"), ("hift", "predict_f0_batched")],
           "HiFT excitation": ("hift", "excitation_padded"), "HiFT decode": ("hift", "decode"),
           "HiFT stream step (rest)": ("module", "hift_stream_step_batch")}
 
@@ -59,7 +60,8 @@ def _phases(t2w, padded: bool = False) -> dict:
     :func:`_common.phase_ranges`)."""
     owners = {"flow": t2w.flow, "hift": t2w.hift, "module": dit_t2w}
     table = {**PHASES, **(PADDED_PHASES if padded else {})}
-    return {label: [(owners[owner], attr)] for label, (owner, attr) in table.items()}
+    return {label: [(owners[owner], attr) for owner, attr in (sites if isinstance(sites, list) else [sites])]
+            for label, sites in table.items()}
 
 
 @contextlib.contextmanager
@@ -109,7 +111,7 @@ def main() -> None:
     ap.add_argument("--padded", action="store_true",
                     help="the flow encoder in its padded static-shape form (what the CUDA graph replays)")
     ap.add_argument("--hift-f0", choices=["per-item", "batched"], default="per-item",
-                    help="HiFT F0 item by item (default) or in one masked pass (serve --hift-f0)")
+                    help="HiFT F0 item by item (default) or in one masked float64 pass (serve --hift-f0)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:

@@ -61,7 +61,7 @@ PHASES = {
     "solver begin": [("decoder", "begin")],
     "solver steps": [("decoder", "step")],
     "flow mels": [("FlowRun", "mels")],
-    "HiFT F0": [("hift", "predict_f0")],
+    "HiFT F0": [("hift", "predict_f0"), ("hift", "predict_f0_batched")],
     "HiFT excitation": [("hift", "excitation_padded")],
     "HiFT decode": [("hift", "decode")],
     "HiFT stream step (rest)": [("module", "hift_stream_step_batch")],

@@ -334,6 +334,31 @@ def _engine_tokens(m, audio: bool = False, on_start=None, on_done=None, **config
 
 
 @torch.inference_mode()
+def test_batched_f0_float64_pass_on_cuda_is_independent_of_batch_mates(yaml_dir):
+    """``--hift-f0 batched`` on CUDA: one float64 F0 pass per batch; each item's F0 equals its own
+    single-item pass bit for bit (float64 rounding stays below float32's), is within float32
+    rounding of the per-item float32 F0, and issuing it does not synchronise the host."""
+    hift = build(yaml_dir, torch.float32).hift
+    g = torch.Generator(device="cuda").manual_seed(3)
+    lengths = [57, 12, 33, 80]
+    t = max(lengths)
+    mel = torch.randn(len(lengths), 80, t, device="cuda", generator=g)
+    lt = torch.tensor(lengths, device="cuda")
+    hift.predict_f0_batched(mel, lt)  # the float64 weight copies are made here
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        f0 = hift.predict_f0_batched(mel, lt)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for b, n in enumerate(lengths):
+        alone = hift.predict_f0_batched(mel[b:b + 1, :, :n], lt[b:b + 1])[0]
+        assert torch.equal(f0[b, :n], alone), b
+        assert torch.all(f0[b, n:] == 0)
+        assert rel(alone, hift.predict_f0(mel[b:b + 1, :, :n])[0]) < 1e-5
+
+
+@torch.inference_mode()
 def test_token2wav_launch_does_not_wait_for_the_gpu(yaml_dir):
     """Issuing a token2wav batch on the side stream never blocks the host on that stream's
     earlier work (no pageable copies, no reads of device values, excitation noise drawn on

@@ -294,50 +294,80 @@ def test_batch_equals_single(hift, with_cache):
 
 
 @parity
-def test_batched_f0_is_one_masked_pass_close_to_per_item(hift):
-    """``batched_f0``: F0 of the whole batch in one masked pass (``predict_f0(mel, lengths)``), frames
-    beyond an item's length 0, each item's F0 within float rounding of its own pass; the speech then
-    differs from single-item runs only by what the excitation phase integrates of that rounding
-    (class doc), and a batch of one is unchanged (item by item)."""
+def test_batched_f0_is_one_float64_pass_independent_of_batch_mates(hift, one_thread):
+    """``batched_f0``: the F0 of the whole batch in one masked float64 pass (``predict_f0_batched``,
+    for a batch of one too), frames beyond an item's length 0. An item's F0 is then the same alone
+    and in any batch (float64 rounding is far below float32's), so its source and speech equal its
+    single-item run in that mode as the per-item mode's do (SELF_TOL); its F0 is within float32
+    rounding of the per-item float32 F0 and of upstream's. The float64 weight copies are no
+    parameters (state_dict unchanged) and follow changes of the weights."""
     mels = _batch_inputs()
     if len(mels) < 2:
         pytest.skip("need at least two reference mels of different lengths")
     seeds = [300 + b for b in range(len(mels))]
-    singles = [hift.inference(m, None, torch.Generator().manual_seed(s)) for m, s in zip(mels, seeds)]
+    keys = list(hift.state_dict())
     calls = []
-    predict = hift.predict_f0
+    predict = hift.predict_f0_batched
 
-    def counting(mel, lengths=None):
-        calls.append((tuple(mel.shape), lengths is not None))
+    def counting(mel, lengths):
+        calls.append(tuple(mel.shape))
         return predict(mel, lengths)
 
     hift.batched_f0 = True
     try:
-        hift.predict_f0 = counting
+        hift.predict_f0_batched = counting
         sp_b, so_b = hift.inference_batch(mels, None, [torch.Generator().manual_seed(s) for s in seeds])
-        assert calls == [((len(mels), mels[0].shape[1], max(m.shape[-1] for m in mels)), True)]  # one pass
-        calls.clear()
-        one, _ = hift.inference_batch(mels[:1], None, [torch.Generator().manual_seed(seeds[0])])
-        assert calls == [(tuple(mels[0].shape), False)]
-        assert torch.equal(one[0], singles[0][0])
+        assert calls == [(len(mels), mels[0].shape[1], max(m.shape[-1] for m in mels))]  # one pass
+        # alone, in the same mode (a batch of one takes the float64 pass too), and reversed
+        singles = [hift.inference_batch([m], None, [torch.Generator().manual_seed(s)]) for m, s in zip(mels, seeds)]
+        assert len(calls) == 1 + len(mels)
+        rev_sp, _ = hift.inference_batch(mels[::-1], None, [torch.Generator().manual_seed(s) for s in seeds[::-1]])
     finally:
         hift.batched_f0 = False
-        del hift.predict_f0  # the bound method again
+        del hift.predict_f0_batched  # the bound method again
+    assert list(hift.state_dict()) == keys  # the float64 copies are not registered
+
     t_max = max(m.shape[-1] for m in mels)
     mel = torch.cat([torch.nn.functional.pad(m, (0, t_max - m.shape[-1])) for m in mels])
+    lens = torch.tensor([m.shape[-1] for m in mels])
     with torch.no_grad():
-        f0 = hift.predict_f0(mel, torch.tensor([m.shape[-1] for m in mels]))
-    for b, m in enumerate(mels):
-        with torch.no_grad():
-            own = hift.predict_f0(m)[0]
-        n = m.shape[-1]
-        assert torch.all(f0[b, n:] == 0)
-        _report(f"batched F0 item {b} T={n}", rel_l2(f0[b, :n], own), torch.equal(f0[b, :n], own))
-        assert rel_l2(f0[b, :n], own) <= BATCH_TOL
+        f0 = hift.predict_f0_batched(mel, lens)
+        assert f0.dtype == mel.dtype
+        for b, m in enumerate(mels):
+            n = m.shape[-1]
+            alone = hift.predict_f0_batched(m, lens[b:b + 1])[0]
+            assert torch.all(f0[b, n:] == 0)
+            assert torch.equal(f0[b, :n], alone), f"item {b}: its F0 depends on its batch-mates"
+            per_item = hift.predict_f0(m)[0]  # float32, the default mode
+            _report(f"float64 F0 item {b} T={n} vs per-item float32", rel_l2(alone, per_item))
+            assert rel_l2(alone, per_item) <= BATCH_TOL
     for b, ((sp, so), sp2, so2) in enumerate(zip(singles, sp_b, so_b)):
-        assert sp2.shape == sp.shape
-        _report(f"batched F0 item {b} speech", rel_l2(sp2, sp), torch.equal(sp2, sp))
-        assert rel_l2(so2, so) <= WAVE_TOL and rel_l2(sp2, sp) <= WAVE_TOL, b
+        e_so, e_sp = rel_l2(so2, so[0]), rel_l2(sp2, sp[0])
+        _report(f"batched F0 item {b} source / speech vs alone", max(e_so, e_sp), torch.equal(sp2, sp[0]))
+        assert e_so <= BATCH_TOL and e_sp <= BATCH_TOL, b
+        assert rel_l2(rev_sp[len(mels) - 1 - b], sp[0]) <= BATCH_TOL, b
+
+    # the copy follows the weights (here: a changed F0 predictor, then restored)
+    w = hift.f0_predictor.classifier.bias
+    with torch.no_grad():
+        before = hift.predict_f0_batched(mel, lens)
+        w.add_(1.0)
+        moved = hift.predict_f0_batched(mel, lens)
+        w.sub_(1.0)
+    assert not torch.equal(before, moved)
+    with pytest.raises(ValueError, match="lengths"):
+        hift.predict_f0_batched(mel, lens[:1])
+
+
+@parity
+def test_batched_f0_matches_upstream(hift, one_thread):
+    """The float64 F0 pass against the reference cases' float32 F0 (upstream's own rounding, ~1e-7)."""
+    for case in HIFT_CASES:
+        t = tensors(case)
+        with torch.no_grad():
+            f0 = hift.predict_f0_batched(t["mel"], torch.tensor([t["mel"].shape[-1]]))
+        _report(f"{case} float64 F0", rel_l2(f0, t["f0"]), torch.equal(f0, t["f0"]))
+        assert rel_l2(f0, t["f0"]) <= TOL
 
 
 @parity

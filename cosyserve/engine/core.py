@@ -189,10 +189,11 @@ class EngineConfig:
     ``dit_graph_memory``: the share of the device's memory the DiT solve graphs' shared buffers may
     take (they hold a batch's copy of its streams' caches, so the share bounds the rows of a chunk
     batch, ``GraphedDiTSolve.max_rows``; what they do not take is left to the streams' own caches);
-    ``hift_f0``: ``per-item`` (default: each stream's F0 bit-identical to its run alone, its speech
-    within ~1e-7) or ``batched`` (one masked F0 pass per token2wav batch: ~120 fewer host operators
-    per stream; F0 rounding then depends on batch-mates, which the excitation phase integrates:
-    speech within ~1e-4 over seconds; :data:`HIFT_F0_MODES`). ValueError for values out of range,
+    ``hift_f0``: ``per-item`` (default: each stream's F0 in float32 item by item, bit-identical to
+    its run alone, its speech within ~1e-7) or ``batched`` (one masked float64 F0 pass per token2wav
+    batch: ~120 fewer host operators per stream; a stream's F0 is still the same whatever its
+    batch-mates, but it is the float64 F0, ~1e-7 from the float32 one, so the two modes' speech
+    differ by ~1e-4 over seconds; :data:`HIFT_F0_MODES`). ValueError for values out of range,
     naming them.
     """
 
@@ -275,8 +276,8 @@ DIT_OFFLINE_MAX_S = 30.0
 MEMORY_RESERVE_SHARE = 0.05
 MEMORY_PER_STREAM_COPIES = 1.5
 MEMORY_GROWING_CHUNKS = 3
-#: ``EngineConfig.hift_f0``: the CosyVoice2 HiFT's F0 item by item (bit-identical to a stream's F0 run alone)
-#: or in one masked pass per batch (:attr:`~cosyserve.models.hift.HiFTGenerator.batched_f0`)
+#: ``EngineConfig.hift_f0``: the CosyVoice2 HiFT's F0 item by item in float32 (bit-identical to a stream's F0
+#: run alone) or in one masked float64 pass per batch (:attr:`~cosyserve.models.hift.HiFTGenerator.batched_f0`)
 HIFT_F0_MODES = ("per-item", "batched")
 T2W_SLACK_MIN_S = 0.15  #: adaptive ``t2w_slack_s``: lower bound (seconds)
 T2W_SLACK_MAX_S = 1.0  #: adaptive ``t2w_slack_s``: upper bound (seconds)
@@ -630,7 +631,7 @@ class EngineCore:
         if hift is not None and hasattr(hift, "batched_f0") and not getattr(hift.cfg, "causal", False):
             hift.batched_f0 = config.hift_f0 == "batched"
             if hift.batched_f0:
-                log.info("HiFT F0: one masked pass per token2wav batch (--hift-f0 batched)")
+                log.info("HiFT F0: one masked float64 pass per token2wav batch (--hift-f0 batched)")
 
     # ------------------------------------------------------------------ public API
     def _new_sampler(self) -> UpstreamSampler:

@@ -299,11 +299,26 @@ class _F0Predictor(nn.Module):
         self.condnet = nn.Sequential(*layers)
         self.classifier = nn.Linear(cond_channels, num_class)
 
-    def forward(self, mel: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, mel: torch.Tensor, mask: torch.Tensor | None = None,
+                weights: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+        """``weights`` (optional): (weight, bias) of each conv, then of the classifier, used instead of
+        the module's own (:meth:`HiFTGenerator.predict_f0_batched` passes float64 copies)."""
+        if weights is not None:
+            convs, (wc, bc) = weights[:-1], weights[-1]
+            x = mel
+            for w, b in convs:
+                x = F.elu(F.conv1d(_zero_outside(x, mask), w, b, padding=w.shape[-1] // 2))
+            return torch.abs(F.linear(x.transpose(1, 2), wc, bc).squeeze(-1))
         x = mel
         for layer in self.condnet:
             x = layer(_zero_outside(x, mask)) if isinstance(layer, nn.Conv1d) else layer(x)
         return torch.abs(self.classifier(x.transpose(1, 2)).squeeze(-1))
+
+    def weights_as(self, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(weight, bias) of each conv (the weight-norm parametrization evaluated as the module does,
+        in its own dtype), then of the classifier, cast to ``dtype``: the ``weights`` of :meth:`forward`."""
+        convs = [m for m in self.condnet if isinstance(m, nn.Conv1d)]
+        return [(m.weight.detach().to(dtype), m.bias.detach().to(dtype)) for m in (*convs, self.classifier)]
 
 
 class _CausalConv1d(nn.Conv1d):
@@ -425,8 +440,10 @@ class HiFTGenerator(nn.Module):
     with identical F0 the batched source and speech stay within ~1e-7 of single-item runs at any
     length. The F0 predictor is a small frame-rate network, but its per-item loop is host work: ~120
     operators per item, on an H100 server ~13 % of the scheduler thread's busy time streaming the DiT
-    path (docs/perf.md "Session 27"). :attr:`batched_f0` (off by default) trades the bit-identity for
-    one masked pass (:meth:`predict_f0` with ``lengths``).
+    path (docs/perf.md "Session 27"). :attr:`batched_f0` (off by default) predicts the F0 of the whole
+    batch in one masked float64 pass instead (:meth:`predict_f0_batched`): an item's F0 is then the
+    same whatever its batch-mates (float64 rounding is far below float32's), but it is the float64
+    F0, ~1e-7 from the float32 F0 of the per-item mode, so the two modes' speech differ by ~1e-4.
 
     Raises :class:`ValueError` from the public methods on inconsistent shapes.
     """
@@ -442,11 +459,11 @@ class HiFTGenerator(nn.Module):
         #: optional CUDA-graph replacement of :meth:`decode` for padded batches on CUDA
         #: (:class:`cosyserve.models.graphs.GraphedHiFTDecoder`), used by :meth:`inference_batch`
         self.graph_decode = None
-        #: :meth:`inference_batch` predicts F0 in one padded pass over the batch (masked,
-        #: :meth:`predict_f0` with ``lengths``) instead of item by item: ~120 fewer host operators
-        #: per item, but an item's F0 then depends on its batch-mates at float rounding (~1e-7
-        #: relative), where item by item it is bit-identical to the item run alone. Off by default
-        #: (``serve --hift-f0 batched`` sets it; docs/perf.md "Session 27")
+        #: :meth:`inference_batch` predicts F0 in one padded float64 pass over the batch
+        #: (:meth:`predict_f0_batched`, also for a batch of one) instead of item by item in float32:
+        #: ~120 fewer host operators per item, and an item's F0 still does not depend on its
+        #: batch-mates. Off by default (``serve --hift-f0 batched`` sets it; docs/perf.md
+        #: "Session 27", "Session 28")
         self.batched_f0 = False
         #: experimental, off: :meth:`decode` lays its trunk inputs out frame-major (``[B, C, T]``
         #: views of ``[B, T, C]`` memory, the layout cuDNN's NHWC half-precision convolutions read);
@@ -552,6 +569,45 @@ class HiFTGenerator(nn.Module):
         mask = None if lengths is None else _time_mask(lengths, mel.shape[-1])
         f0 = self.f0_predictor(_zero_outside(mel, mask), mask)
         return f0 if mask is None else f0.masked_fill(~mask[:, 0], 0.0)
+
+    def predict_f0_batched(self, mel: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """F0 of a padded batch in one masked pass, computed in float64 and rounded to ``mel.dtype``.
+
+        ``mel`` ``[B, in_channels, T]`` natural-log mel, ``lengths`` int tensor ``[B]`` (valid frames
+        per item, on ``mel.device``) -> ``[B, T]`` Hz, 0 beyond each item's length. Why float64: the
+        batch's conv kernels sum in another order than an item's own pass (batch size and length
+        choose the blocking), ~1e-7 relative in float32, which the excitation phase integrates into
+        ~1e-4 of the speech over seconds (class doc). In float64 that difference is ~1e-16, so after
+        rounding to float32 an item's F0 is the same whatever its batch-mates, except for a value
+        within ~1e-16 of a float32 rounding boundary (about one in 10^8), which then moves by one
+        ulp at one frame (no drift). Against upstream's float32 F0 it is as close as float32 is
+        (its own rounding, ~1e-7: tests/test_hift.py). The weights are the module's own (weight norm
+        evaluated in its dtype, as upstream does) copied to float64 on first use and again whenever
+        they change (load, ``.to(device)``, :meth:`remove_weight_norm`); the copies are no
+        parameters or buffers (``state_dict()`` is unchanged).
+        Raises ValueError if ``mel`` is not ``[B, in_channels, T]`` or ``lengths`` is not ``[B]``, and
+        on the causal (CosyVoice3) HiFT, whose F0 predictor runs per item in float64 anyway.
+        """
+        if self.cfg.causal:
+            raise ValueError("the causal (CosyVoice3) HiFT predicts F0 per item in float64 (upstream): "
+                             "predict_f0_batched is for the CosyVoice2 HiFT")
+        self._check_mel(mel)
+        if lengths.dim() != 1 or lengths.shape[0] != mel.shape[0]:
+            raise ValueError(f"lengths must be [{mel.shape[0]}], got {tuple(lengths.shape)}")
+        mask = _time_mask(lengths, mel.shape[-1])
+        mel64 = mel.to(torch.float64)
+        f0 = self.f0_predictor(mel64, mask, self._f0_weights64())
+        return f0.masked_fill(~mask[:, 0], 0.0).to(mel.dtype)
+
+    def _f0_weights64(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Float64 copies of the F0 predictor's weights (see :meth:`predict_f0_batched`)."""
+        key = tuple((p.device, p.data_ptr(), p._version) for p in self.f0_predictor.parameters())
+        cached = self.__dict__.get("_f0_64")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                # kept out of the module's registries: not in state_dict(), parameters() or .to()
+                self.__dict__["_f0_64"] = cached = (key, self.f0_predictor.weights_as(torch.float64))
+        return cached[1]
 
     # ------------------------------------------------------------------ excitation
 
@@ -833,9 +889,9 @@ class HiFTGenerator(nn.Module):
         None or ``[1, 1, n_b]`` (as :meth:`inference`); ``generators``: per item generator or None.
         Returns (speeches ``[1, T_b*spf]``, sources ``[1, 1, T_b*spf]``), each equal to the
         single-item ``inference(mels[b], cache_sources[b], generators[b])`` run in the same order
-        (up to float rounding of differently blocked conv kernels; with :attr:`batched_f0` the F0
-        rounding too, which the excitation phase integrates: see the class doc). Raises ValueError
-        on inconsistent arguments.
+        (up to float rounding of differently blocked conv kernels; with :attr:`batched_f0` equal to
+        the single-item ``inference_batch([mels[b]], ...)`` in that mode, whose F0 is the float64
+        pass: see :meth:`predict_f0_batched`). Raises ValueError on inconsistent arguments.
         """
         bsz = len(mels)
         if bsz == 0:
@@ -854,8 +910,8 @@ class HiFTGenerator(nn.Module):
         t_max = max(lengths)
         mel = torch.cat([F.pad(m, (0, t_max - m.shape[-1])) for m in mels], dim=0)
         len_t = _int_tensor(lengths, mel.device)
-        if self.batched_f0 and bsz > 1:  # one masked pass (frames beyond an item's length come back 0)
-            f0 = self.predict_f0(mel, len_t)
+        if self.batched_f0:  # one float64 masked pass for any batch size: independent of batch-mates
+            f0 = self.predict_f0_batched(mel, len_t)
         else:  # per item with the single-item kernels: bit-identical to the item run alone
             f0 = torch.cat([F.pad(self.predict_f0(m), (0, t_max - m.shape[-1])) for m in mels], dim=0)
         source = self.excitation_padded(f0, lengths, generators)
