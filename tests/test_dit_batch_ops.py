@@ -80,6 +80,41 @@ def test_chunk_batch_mixed_lengths_and_trimmed_caches_equal_single_streams(t2w, 
     assert seen_mixed and seen_trimmed, "the rounds must batch different cache lengths, trimmed and not"
 
 
+def test_padded_solve_gives_attention_one_additive_bias(t2w, monkeypatch):
+    """A solve of streams with different lengths masks padded keys with one additive bias in the model
+    dtype, built once per solve (rows 8-aligned in memory: the memory-efficient kernel reads it as it
+    is), not a boolean mask that SDPA would convert in every layer of every Euler step: 0 on an item's
+    new and cached frames, -inf on padding."""
+    import torch.nn.functional as F
+
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        calls.append(attn_mask)
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+
+    flow = t2w.flow
+    states = flow.setup_batch(_prompts()[:2])
+    g = torch.Generator().manual_seed(4)
+    toks = [torch.randint(0, 6561, (n,), generator=g) for n in (9, 17)]
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    flow.chunk_batch(states, toks, [False, False])
+    est = flow.decoder.estimator.cfg
+    solve = calls[-est.depth * flow.cfg.n_timesteps:]  # the estimator's calls (the encoder's come first)
+    assert len({id(m) for m in solve}) == 1
+    bias = solve[0]
+    assert bias.dtype == torch.float32 and bias.stride(-2) % 8 == 0 and bias.shape[:3] == (4, 1, 1)
+    mmax = 2 * (max(len(t) for t in toks) - flow.pre_lookahead_len)
+    for row, (st, tk) in enumerate(zip([s for s in states for _ in range(2)], [t for t in toks for _ in range(2)])):
+        m, c = 2 * (len(tk) - flow.pre_lookahead_len), st.cache_frames
+        allowed = torch.zeros(bias.shape[-1], dtype=torch.bool)
+        allowed[:m] = True
+        allowed[mmax:mmax + c] = True
+        expected = torch.zeros(bias.shape[-1]).masked_fill(~allowed, float("-inf"))
+        assert torch.equal(bias[row, 0, 0], expected), row
+
+
 def test_stream_step_batch_equals_single_streams(t2w):
     prompts = _prompts(2)
     got = [t2w.stream_setup(*p) for p in prompts]

@@ -54,7 +54,7 @@ from .config import CFMConfig, Tagged, _get, _parse_cfm
 from .flow import CausalFlowMatching, FlowModel
 from .flow_encoder import PreLookaheadLayer, chunk_attention_mask
 from .flow_estimator import sinusoidal_time_embedding
-from .fused import FusedOp, linear_gelu_tanh, norm_modulate
+from .fused import FusedOp, attention_bias, linear_gelu_tanh, norm_modulate
 from .transfer import to_device
 
 __all__ = ["DiTConfig", "CV3FlowConfig", "parse_cv3_flow", "DiT", "DiTPlan", "DiTStreamCache", "DiTCachedPlan",
@@ -221,15 +221,6 @@ def apply_rotary_(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     head = x[..., :d]
     head.copy_(_ROTARY(head, cos, sin_signed))
     return x
-
-
-def attention_bias(allowed: Tensor, dtype: torch.dtype) -> Tensor:
-    """Additive attention mask (0 where ``allowed`` ``[..., Q, K]`` bool is True, -inf elsewhere) in
-    ``dtype``, its rows padded in memory to a multiple of 8 elements: the memory-efficient attention
-    kernel then reads it as it is, where a boolean mask is converted (and padded) in every call."""
-    k = allowed.shape[-1]
-    bias = torch.zeros(*allowed.shape[:-1], -(-k // 8) * 8, dtype=dtype, device=allowed.device)
-    return bias[..., :k].masked_fill_(~allowed, float("-inf"))
 
 
 class _RotaryEmbedding(nn.Module):

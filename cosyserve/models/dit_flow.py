@@ -84,7 +84,7 @@ from torch import Tensor, nn
 from ..errors import ConfigError
 from .config import DiTConfig, DitFlowConfig
 from .flow_encoder import UpsampleConformerEncoder, relative_position_table
-from .fused import FusedOp, linear_gelu_tanh, norm_modulate
+from .fused import FusedOp, attention_bias, linear_gelu_tanh, norm_modulate
 from .graphs import _GraphStage
 from .views import cat_adjacent as _cat
 from .views import merge_adjacent as _merge_adjacent
@@ -148,7 +148,9 @@ class _DiTAttention(nn.Module):
 
     def forward(self, x: Tensor, kv: Tensor, mask: Tensor | None) -> Tensor:
         """``x [N, T, dim]``; ``kv [N, H, T + C, 2*head_dim]`` (k ‖ v, newest first) whose last ``C``
-        frames hold the cache; ``mask [N, 1, T, T + C]`` bool (True = attend) or None -> ``[N, T, dim]``.
+        frames hold the cache; ``mask [N, 1, T or 1, T + C]`` bool (True = attend) or the same as an
+        additive bias in ``x``'s dtype (:func:`~cosyserve.models.fused.attention_bias`), or None ->
+        ``[N, T, dim]``.
 
         The new keys/values are written **in place** into ``kv[:, :, :T]`` (so ``kv`` afterwards is
         upstream's new cache ``cat([new, cache])``, with no copy of the cache)."""
@@ -349,7 +351,8 @@ class DiT(nn.Module):
                 call's keys/values, so afterwards ``kv`` is the new cache (per row ``cat([new, cache])``
                 in padded layout).
             cnn_cache: ``[depth, N, 2*hidden, kernel-1]`` (zeros at the start of a stream).
-            mask: ``[N, 1, T, T + C]`` bool or None (no padding).
+            mask: ``[N, 1, T or 1, T + C]`` bool, or the same as an additive bias
+                (:func:`~cosyserve.models.fused.attention_bias`, what solves pass), or None (no padding).
             new_len: ``[N]`` valid frames per row or None (all ``T``).
             mods: this step's ``(blocks [depth, 1, 1, 9*hidden], final [1, 1, 2*hidden])`` from
                 :meth:`modulations`, or None (computed from ``t`` per row).
@@ -1138,9 +1141,12 @@ class DitFlowModel(nn.Module):
         b, n_mels, mmax = x.shape
         dtype = static_in.dtype
         r = self.cfg.inference_cfg_rate
+        # the key mask as an additive bias once per solve (SDPA would convert a boolean mask in every
+        # layer of every step)
+        bias = None if mask is None else attention_bias(mask, dtype)
         for step in range(n_timesteps):
             inp = torch.cat([x.to(dtype).repeat_interleave(2, dim=0), static_in], dim=1)
-            v, nc = est(inp, None, att[step], cnn[step], mask, new_len, mods=(mod_blocks[step], mod_final[step]))
+            v, nc = est(inp, None, att[step], cnn[step], bias, new_len, mods=(mod_blocks[step], mod_final[step]))
             bufs["cnn_out"][step].copy_(nc)
             v = v.float().view(b, 2, n_mels, mmax)
             v = (1.0 + r) * v[:, 0] - r * v[:, 1]
