@@ -622,7 +622,9 @@ def cmd_serve(args) -> int:
     need = ("llm", "onnx", "qwen") if args.token2wav_dir else ("llm", "flow", "hift", "onnx", "qwen")
     if args.llm_url:  # the LM runs elsewhere: its weights need not be here
         need = tuple(n for n in need if n != "llm")
-    open_model_dir(args.model_dir, need=need)  # fail fast with a clear message
+    md = open_model_dir(args.model_dir, need=need)  # fail fast with a clear message
+    # the served model's name (KServe model, OpenAI `model`): the model family's unless given
+    args.model_name = args.model_name or md.family
     if args.token2wav_dir:
         from .models.dit_token2wav import open_token2wav_dir
 
@@ -643,7 +645,7 @@ def cmd_serve(args) -> int:
         prompt_cache_size=args.prompt_cache, prompt_batch_window_s=args.prompt_batch_window,
         llm_url=args.llm_url, llm_model=args.llm_model, llm_api_key=llm_api_key, llm_timeout_s=args.llm_timeout,
         llm_checkpoint=args.llm_checkpoint,
-        metrics_port=args.metrics_port,
+        metrics_port=args.metrics_port, model_name=args.model_name,
     )
     try:
         asyncio.run(serve(cfg, args.log_format))
@@ -814,7 +816,7 @@ def _serve_router(args) -> int:
         argv, env = list(base), dict(env)
         if llm_specs:
             llm = llm_specs[i % len(llm_specs)]
-            argv += ["--llm-url", f"http://127.0.0.1:{llm.port}", "--llm-model", "cosyvoice2"]
+            argv += ["--llm-url", f"http://127.0.0.1:{llm.port}", "--llm-model", args.model_name]
             label = f"token2wav, {label}, LM worker {llm.index}"
             key = args.api_key or os.environ.get("COSYSERVE_API_KEY")
             if key:  # the LLM workers inherit the API key; their clients send it
@@ -945,6 +947,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--grpc-port", type=int, default=8001, help="KServe v2 / Triton gRPC port")
     sv.add_argument("--voices-dir", default=DEFAULT_VOICES_DIR, help=f"voice store (default {DEFAULT_VOICES_DIR})")
     sv.add_argument("--default-voice", help="voice used when a request names none (Triton's spk2info cache)")
+    sv.add_argument("--model-name", metavar="NAME",
+                    help="the served model's name: the KServe v2 model and the OpenAI `model` (default: the model "
+                         "family, cosyvoice2 or cosyvoice3; OpenAI's TTS model names are accepted too)")
     sv.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get HTTP 429")
     _engine_args(sv)
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also $COSYSERVE_API_KEY)")
@@ -1039,7 +1044,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="request seed = SEED + item index (same audio across levels)")
     b.add_argument("--voice", help="send this registered voice id instead of each item's reference audio")
     b.add_argument("--api-key", help="bearer key of the server (also $COSYSERVE_API_KEY)")
-    b.add_argument("--model-name", default="cosyvoice2", help="KServe model / OpenAI model name")
+    b.add_argument("--model-name", help="KServe model / OpenAI model name (default: the server's own, from its "
+                                        "model list: cosyvoice2, cosyvoice3 or its serve --model-name)")
     b.add_argument("--out", default="bench_out", help="output folder (default bench_out)")
     b.add_argument("--save-audio", action="store_true", help="write every request's audio into OUT/audio/")
     b.add_argument("--metrics-url", help="the server's Prometheus page for the engine stage breakdown (default: "
@@ -1113,7 +1119,7 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--prompt-text", help="transcript of --prompt-wav")
     cl.add_argument("--seed", type=int, default=None)
     cl.add_argument("--api-key", help="bearer key (also $COSYSERVE_API_KEY)")
-    cl.add_argument("--model-name", default="cosyvoice2")
+    cl.add_argument("--model-name", help="KServe model / OpenAI model name (default: the server's own)")
     cl.add_argument("--timeout", type=float, default=600.0)
     cl.add_argument("-o", "--output", required=True, help="output wav (24 kHz)")
     cl.set_defaults(func=cmd_client)

@@ -41,3 +41,17 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored():
+    """Each test leaves the root logger as it found it: an in-process ``cosyserve serve`` installs its
+    handler and INFO level (``setup_logging``), which would print engine logs into a later CLI test's
+    captured stderr."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)

@@ -234,7 +234,15 @@ def test_serve_openai_instructions_and_grpc_stream(cv3_server):
         r = httpx.post(url + "/v1/audio/voices", files={"audio_sample": ("p.wav", f, "audio/wav")},
                        data={"name": "cv3", "ref_text": PROMPT_TEXT}, timeout=60)
     assert r.status_code == 201, r.text
-    body = {"model": "cosyvoice2", "input": "你好。", "voice": "cv3", "response_format": "pcm", "seed": 1}
+    # a CosyVoice3 server answers as cosyvoice3 (its own name first, then OpenAI's TTS names), not cosyvoice2
+    ids = [m["id"] for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]]
+    assert ids[0] == "cosyvoice3" and "tts-1" in ids and "cosyvoice2" not in ids
+    body = {"model": "cosyvoice3", "input": "你好。", "voice": "cv3", "response_format": "pcm", "seed": 1}
+    r = httpx.post(url + "/v1/audio/speech", json=dict(body, model="cosyvoice2"), timeout=60)
+    assert r.status_code == 404 and "cosyvoice3" in r.json()["error"]["message"], r.text
+    r = httpx.get(url + "/v2/models/cosyvoice2", timeout=10)
+    assert r.status_code == 404 and "cosyvoice3" in r.text
+    assert httpx.get(url + "/v2/models/cosyvoice3/ready", timeout=10).status_code == 200
     r = httpx.post(url + "/v1/audio/speech", json=body, timeout=120)
     assert r.status_code == 200 and len(r.content) > 0, r.text
     # instructions -> CosyVoice3 instruct2
@@ -264,7 +272,7 @@ def test_serve_openai_instructions_and_grpc_stream(cv3_server):
     results: queue.Queue = queue.Queue()
     c.start_stream(callback=lambda result, error: results.put(error or result))
     try:
-        c.async_stream_infer("cosyvoice2", inputs, request_id="1", outputs=[tg.InferRequestedOutput("waveform")],
+        c.async_stream_infer("cosyvoice3", inputs, request_id="1", outputs=[tg.InferRequestedOutput("waveform")],
                              enable_empty_final_response=True, parameters={"seed": 3})
         n = 0
         while True:
@@ -293,9 +301,19 @@ def test_demo_model_cosyvoice3_serves(tmp_path, capsys):
             r = httpx.post(s.url + "/v1/audio/voices", files={"audio_sample": ("p.wav", f, "audio/wav")},
                            data={"name": "demo3", "ref_text": PROMPT_TEXT}, timeout=60)
         assert r.status_code == 201, r.text
-        r = httpx.post(s.url + "/v1/audio/speech", json={"model": "cosyvoice2", "input": "你好。", "voice": "demo3",
+        r = httpx.post(s.url + "/v1/audio/speech", json={"model": "tts-1", "input": "你好。", "voice": "demo3",
                                                          "response_format": "wav", "seed": 1}, timeout=120)
         assert r.status_code == 200 and len(r.content) > 44, r.text
+        # `cosyserve client` without --model-name asks the server for its name (cosyvoice3 here), over
+        # KServe gRPC and HTTP; a wrong name is refused with the served one
+        for url, extra in ((f"grpc://127.0.0.1:{s.grpc_port}", ()), (s.url, ("--protocol", "http", "--mode", "offline"))):
+            out = tmp_path / f"client{len(extra)}.wav"
+            code, o, e = _cli(capsys, "client", "--url", url, *extra, "--text", "你好。", "--voice", "demo3",
+                              "--seed", "1", "-o", out)
+            assert code == 0 and out.stat().st_size > 44, e
+        code, o, e = _cli(capsys, "client", "--url", s.url, "--protocol", "http", "--mode", "offline",
+                          "--model-name", "cosyvoice2", "--text", "你好。", "--voice", "demo3", "-o", tmp_path / "x.wav")
+        assert code != 0 and "cosyvoice3" in e and "Traceback" not in e
     finally:
         s.stop()
 

@@ -205,6 +205,9 @@ def test_tritonclient_http(server, wav16k):
                   outputs=[th.InferRequestedOutput("waveform", binary_data=False)])  # default voice, JSON output
     assert res.as_numpy("waveform").shape[1] > 0
     assert c.get_inference_statistics("cosyvoice2")["model_stats"][0].get("inference_count", 0) >= 2
+    # every model's statistics (GET /v2/models/stats, which `/v2/models/{name}` once took for a model name):
+    # how clients without --model-name learn the served name
+    assert c.get_inference_statistics()["model_stats"][0]["name"] == "cosyvoice2"
 
 
 def test_plain_json_client_http_like_client_http_py(server, wav16k):
@@ -421,7 +424,7 @@ def tight(tmp_path_factory):
     # lengths pinned at 20 speech tokens per text token: the request that occupies the only slot must
     # not end (random weights stop at random after min_len) before the second request arrives
     s = Server(tmp_path_factory.mktemp("tight"), "--max-active-streams", "1", "--max-queue", "0", "--api-key",
-               "sekrit", "--min-token-text-ratio", "20", "--max-token-text-ratio", "20")
+               "sekrit", "--min-token-text-ratio", "20", "--max-token-text-ratio", "20", "--model-name", "voicebox")
     yield s
     s.stop()
 
@@ -435,15 +438,25 @@ def test_api_key(tight):
     assert httpx.get(tight.url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert httpx.get(tight.url + "/v1/models", headers=AUTH).status_code == 200
     assert httpx.get(tight.url + "/metrics").status_code == 401
-    assert httpx.get(tight.url + "/v2/models/cosyvoice2").status_code == 401
+    assert httpx.get(tight.url + "/v2/models/voicebox").status_code == 401
     import tritonclient.grpc as tg
     from tritonclient.utils import InferenceServerException
 
     c = tg.InferenceServerClient(f"127.0.0.1:{tight.grpc_port}")
     assert c.is_server_live()
     with pytest.raises(InferenceServerException, match="API key"):
-        c.get_model_metadata("cosyvoice2")
-    assert c.get_model_metadata("cosyvoice2", headers={"authorization": "Bearer sekrit"}).name == "cosyvoice2"
+        c.get_model_metadata("voicebox")
+    assert c.get_model_metadata("voicebox", headers={"authorization": "Bearer sekrit"}).name == "voicebox"
+    # serve --model-name: the served name everywhere; clients without one ask for it (with the key)
+    from cosyserve.client.protocols import served_model_name
+
+    ids = [m["id"] for m in httpx.get(tight.url + "/v1/models", headers=AUTH).json()["data"]]
+    assert ids[0] == "voicebox" and "cosyvoice2" not in ids
+    host = tight.url.split("://")[1]
+    assert served_model_name("openai", "http", host, "sekrit") == "voicebox"
+    assert served_model_name("http", "http", host, "sekrit") == "voicebox"
+    assert served_model_name("grpc", "grpc", f"127.0.0.1:{tight.grpc_port}", "sekrit") == "voicebox"
+    assert served_model_name("http", "http", host) == "cosyvoice2"  # refused (no key): the default name
 
 
 def test_queue_full_429_and_graceful_shutdown(tight):

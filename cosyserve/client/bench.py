@@ -83,6 +83,7 @@ from .protocols import (
     delete_openai_voices,
     parse_url,
     register_openai_voices,
+    served_model_name,
 )
 
 if TYPE_CHECKING:  # the engine (torch) is imported only for --in-process
@@ -128,7 +129,7 @@ class BenchOptions:
     seed: int = 0
     voice: str | None = None
     api_key: str | None = None
-    model_name: str = "cosyvoice2"
+    model_name: str | None = None  # None: the server's (protocols.served_model_name)
     out: str = "bench_out"
     save_audio: bool = False
     timeout_s: float = 600.0
@@ -500,6 +501,8 @@ class _Setup:
                               "use --protocol grpc --mode streaming (or start the server with --chunk-policy)")
         self.scheme, self.addr = parse_url(opts.url, opts.protocol)
         self.base = f"{self.scheme}://{self.addr}"
+        if not opts.model_name:  # the server's own (cosyvoice2, cosyvoice3 or its --model-name)
+            opts.model_name = served_model_name(opts.protocol, self.scheme, self.addr, opts.api_key)
         self.server_params = _server_ratio(opts, self.addr, self.scheme)
         self.metrics_url = opts.metrics_url or (f"{self.base}/metrics" if self.scheme in ("http", "https") else None)
         if opts.protocol == "openai" and not opts.voice:

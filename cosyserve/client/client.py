@@ -25,6 +25,7 @@ from .protocols import (
     delete_openai_voices,
     parse_url,
     register_openai_voices,
+    served_model_name,
 )
 
 
@@ -42,7 +43,7 @@ class ClientOptions:
     prompt_text: str | None = None
     seed: int | None = None
     api_key: str | None = None
-    model_name: str = "cosyvoice2"
+    model_name: str | None = None  # None: the server's (served_model_name)
     timeout_s: float = 600.0
 
 
@@ -79,12 +80,13 @@ def run_client(o: ClientOptions) -> dict:
 
             spec.prompt_16k = load_prompt_wav(str(path), 16000)[0].numpy()
             spec.prompt_text = o.prompt_text
+    model = o.model_name or served_model_name(o.protocol, scheme, addr, o.api_key)
     if o.protocol == "grpc" and o.mode == "streaming":
-        runner = GrpcStreamRunner(addr, o.model_name, o.api_key, o.timeout_s)
+        runner = GrpcStreamRunner(addr, model, o.api_key, o.timeout_s)
     elif o.protocol in ("grpc", "http"):
-        runner = KServeOfflineRunner(o.protocol, addr, o.model_name, o.api_key, o.timeout_s, ssl=scheme == "https")
+        runner = KServeOfflineRunner(o.protocol, addr, model, o.api_key, o.timeout_s, ssl=scheme == "https")
     else:
-        runner = OpenAIRunner(base, o.mode == "streaming", o.model_name, o.api_key, o.timeout_s)
+        runner = OpenAIRunner(base, o.mode == "streaming", model, o.api_key, o.timeout_s)
     runner.keep_audio = True
     try:
         tr = runner.run(spec)

@@ -118,6 +118,41 @@ def _auth(api_key: str | None) -> dict:
     return {"authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+#: the model name a client uses when the server does not say (older servers, errors)
+DEFAULT_MODEL_NAME = "cosyvoice2"
+
+
+def served_model_name(protocol: str, scheme: str, addr: str, api_key: str | None = None,
+                      timeout_s: float = 10.0) -> str:
+    """The name of the model the server at ``addr`` serves (``cosyvoice2``, ``cosyvoice3`` or its
+    ``serve --model-name``), asked the protocol's way: OpenAI ``GET /v1/models`` (the first is the
+    server's own name, OpenAI's TTS names follow), KServe HTTP ``GET /v2/models/stats``, gRPC
+    ``ModelStatistics`` of every model. :data:`DEFAULT_MODEL_NAME` if the server does not answer
+    (the request itself then reports why)."""
+    try:
+        if protocol == "grpc":
+            import tritonclient.grpc as tg
+
+            cl = tg.InferenceServerClient(addr)
+            try:
+                stats = cl.get_inference_statistics("", headers=_auth(api_key), as_json=True,
+                                                    client_timeout=timeout_s)
+            finally:
+                cl.close()
+            return str(stats["model_stats"][0]["name"])
+        import httpx
+
+        if protocol == "openai":
+            r = httpx.get(f"{scheme}://{addr}/v1/models", headers=_auth(api_key), timeout=timeout_s)
+            r.raise_for_status()
+            return str(r.json()["data"][0]["id"])
+        r = httpx.get(f"{scheme}://{addr}/v2/models/stats", headers=_auth(api_key), timeout=timeout_s)
+        r.raise_for_status()
+        return str(r.json()["model_stats"][0]["name"])
+    except Exception:  # noqa: BLE001 - discovery only: the request reports an unreachable server
+        return DEFAULT_MODEL_NAME
+
+
 class Runner:
     """Sends one request at a time; subclasses implement :meth:`run`."""
 

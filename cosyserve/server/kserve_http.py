@@ -70,6 +70,31 @@ async def server_metadata():
             "extensions": ["binary_tensor_data", "statistics", "model_configuration"]}
 
 
+def statistics(st: ServerState) -> dict:
+    s = st.stats
+    return {"model_stats": [{
+        "name": st.config.model_name, "version": MODEL_VERSION, "last_inference": 0,
+        "inference_count": s["inference_count"], "execution_count": s["inference_count"],
+        "inference_stats": {"success": {"count": s["success"], "ns": s["success_ns"]},
+                            "fail": {"count": s["fail"], "ns": 0}, "queue": {"count": 0, "ns": 0},
+                            "compute_input": {"count": 0, "ns": 0}, "compute_infer": {"count": 0, "ns": 0},
+                            "compute_output": {"count": 0, "ns": 0}},
+        "batch_stats": []}]}
+
+
+# registered before /v2/models/{name}, which would otherwise take "stats" for a model name
+@router.get("/v2/models/stats")
+@router.get("/v2/models/{name}/stats")
+@router.get("/v2/models/{name}/versions/{version}/stats")
+async def get_stats(request: Request, name: str | None = None, version: str | None = None):
+    st = _state(request)
+    if name is not None:
+        err = _check_model(st, name, version)
+        if err is not None:
+            return err
+    return statistics(st)
+
+
 @router.get("/v2/models/{name}")
 @router.get("/v2/models/{name}/versions/{version}")
 async def get_model(name: str, request: Request, version: str | None = None):
@@ -90,30 +115,6 @@ async def get_config(name: str, request: Request, version: str | None = None):
     st = _state(request)
     return _check_model(st, name, version) or model_config(name, st.config.engine.max_active,
                                                             model_parameters(st.config))
-
-
-def statistics(st: ServerState) -> dict:
-    s = st.stats
-    return {"model_stats": [{
-        "name": st.config.model_name, "version": MODEL_VERSION, "last_inference": 0,
-        "inference_count": s["inference_count"], "execution_count": s["inference_count"],
-        "inference_stats": {"success": {"count": s["success"], "ns": s["success_ns"]},
-                            "fail": {"count": s["fail"], "ns": 0}, "queue": {"count": 0, "ns": 0},
-                            "compute_input": {"count": 0, "ns": 0}, "compute_infer": {"count": 0, "ns": 0},
-                            "compute_output": {"count": 0, "ns": 0}},
-        "batch_stats": []}]}
-
-
-@router.get("/v2/models/stats")
-@router.get("/v2/models/{name}/stats")
-@router.get("/v2/models/{name}/versions/{version}/stats")
-async def get_stats(request: Request, name: str | None = None, version: str | None = None):
-    st = _state(request)
-    if name is not None:
-        err = _check_model(st, name, version)
-        if err is not None:
-            return err
-    return statistics(st)
 
 
 def parse_body(body: bytes, header_length: str | None) -> tuple[dict, dict]:
