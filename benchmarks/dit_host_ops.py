@@ -44,15 +44,15 @@ from cosyserve.models.dit_token2wav import (  # noqa: E402
     write_token2wav_dir,
 )
 
-#: phase label -> (object, attribute) wrapped in a profiler range while ``--phases`` counts
-PHASES = {"flow encoder": ("flow", "_encode"), "flow solve": ("flow", "_solve"),
+#: phase label -> the (object, attribute) pairs wrapped in a profiler range while ``--phases`` counts
+PHASES = {"flow encoder": [("flow", "_encode")], "flow solve": [("flow", "_solve")],
           "HiFT F0": [("hift", "predict_f0"), ("hift", "predict_f0_batched")],
-          "HiFT excitation": ("hift", "excitation_padded"), "HiFT decode": ("hift", "decode"),
-          "HiFT stream step (rest)": ("module", "hift_stream_step_batch")}
+          "HiFT excitation": [("hift", "excitation_padded")], "HiFT decode": [("hift", "decode")],
+          "HiFT stream step (rest)": [("module", "hift_stream_step_batch")]}
 
 
 #: with ``--padded``: the part of the padded encoder that a CUDA graph replays
-PADDED_PHASES = {"flow encoder graph body": ("flow", "_encode_static")}
+PADDED_PHASES = {"flow encoder graph body": [("flow", "_encode_static")]}
 
 
 def _phases(t2w, padded: bool = False) -> dict:
@@ -60,8 +60,7 @@ def _phases(t2w, padded: bool = False) -> dict:
     :func:`_common.phase_ranges`)."""
     owners = {"flow": t2w.flow, "hift": t2w.hift, "module": dit_t2w}
     table = {**PHASES, **(PADDED_PHASES if padded else {})}
-    return {label: [(owners[owner], attr) for owner, attr in (sites if isinstance(sites, list) else [sites])]
-            for label, sites in table.items()}
+    return {label: [(owners[owner], attr) for owner, attr in sites] for label, sites in table.items()}
 
 
 @contextlib.contextmanager

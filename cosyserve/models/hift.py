@@ -303,22 +303,19 @@ class _F0Predictor(nn.Module):
                 weights: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """``weights`` (optional): (weight, bias) of each conv, then of the classifier, used instead of
         the module's own (:meth:`HiFTGenerator.predict_f0_batched` passes float64 copies)."""
-        if weights is not None:
-            convs, (wc, bc) = weights[:-1], weights[-1]
-            x = mel
-            for w, b in convs:
-                x = F.elu(F.conv1d(_zero_outside(x, mask), w, b, padding=w.shape[-1] // 2))
-            return torch.abs(F.linear(x.transpose(1, 2), wc, bc).squeeze(-1))
+        *convs, (wc, bc) = self.weights_as() if weights is None else weights
         x = mel
-        for layer in self.condnet:
-            x = layer(_zero_outside(x, mask)) if isinstance(layer, nn.Conv1d) else layer(x)
-        return torch.abs(self.classifier(x.transpose(1, 2)).squeeze(-1))
+        for w, b in convs:  # the k=3 convs with padding 1 and ELU (alpha 1) of ``condnet``
+            x = F.elu(F.conv1d(_zero_outside(x, mask), w, b, padding=w.shape[-1] // 2))
+        return torch.abs(F.linear(x.transpose(1, 2), wc, bc).squeeze(-1))
 
-    def weights_as(self, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def weights_as(self, dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(weight, bias) of each conv (the weight-norm parametrization evaluated as the module does,
-        in its own dtype), then of the classifier, cast to ``dtype``: the ``weights`` of :meth:`forward`."""
+        in its own dtype), then of the classifier, cast to ``dtype`` (None: as they are): the
+        ``weights`` of :meth:`forward`."""
         convs = [m for m in self.condnet if isinstance(m, nn.Conv1d)]
-        return [(m.weight.detach().to(dtype), m.bias.detach().to(dtype)) for m in (*convs, self.classifier)]
+        pairs = [(m.weight, m.bias) for m in (*convs, self.classifier)]
+        return pairs if dtype is None else [(w.detach().to(dtype), b.detach().to(dtype)) for w, b in pairs]
 
 
 class _CausalConv1d(nn.Conv1d):
