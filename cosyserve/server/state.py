@@ -16,7 +16,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import sys
 import time
 import uuid
 from collections import OrderedDict
@@ -503,22 +502,9 @@ class TextFormatter(logging.Formatter):
         return f"{base} {extra}" if extra else base
 
 
-class _StderrHandler(logging.StreamHandler):
-    """A stream handler that writes to whatever ``sys.stderr`` is when a record is emitted (not the
-    stream of the moment it was made: test runners and embedding code replace and close it)."""
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it; the property always answers
-        pass
-
-
 def setup_logging(fmt: str = "text", level: int = logging.INFO) -> None:
     """The root logger's one handler: records to ``sys.stderr`` as text or JSON lines (``fmt``)."""
-    handler = _StderrHandler()
+    handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else
                          TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
