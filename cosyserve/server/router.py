@@ -249,12 +249,15 @@ class Router:
             await self._close_clients(w)
 
     async def _close_clients(self, w: Worker) -> None:
-        if w.http is not None:
-            await w.http.aclose()
-            w.http = None
-        if w.channel is not None:
-            await w.channel.close()
-            w.channel = None
+        """Close the worker's HTTP client and gRPC channel. Both are detached from ``w`` before they
+        close, so a proxied call the close cancels can tell (its worker's channel is no longer the
+        one it used) that its worker went away, not its own client."""
+        http, w.http = w.http, None
+        channel, w.channel = w.channel, None
+        if http is not None:
+            await http.aclose()
+        if channel is not None:
+            await channel.close()
 
     async def _spawn(self, w: Worker) -> None:
         w.http_port, w.grpc_port = w.spec.port or free_port(), free_port()
@@ -525,12 +528,14 @@ class _GrpcProxy(grpc.GenericRpcHandler):
     def _pick(self, speech: bool) -> Worker:
         return self.router.pick(speech)
 
-    async def _lost(self, context, w: Worker, gen: int, exc: grpc.aio.AioRpcError):
+    async def _lost(self, context, w: Worker, gen: int, code: grpc.StatusCode, details: str):
+        """End the client's call after the worker's call failed: ``UNAVAILABLE`` naming the worker when
+        its process exited (the request was lost), else the worker's own status."""
         if await died(w, gen):
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"{w.name} stopped while serving this request; it was lost — retry "
                                 f"(other requests are unaffected)")
-        await context.abort(exc.code(), exc.details() or "")
+        await context.abort(code, details)
 
     def _unary(self, method: str, speech: bool):
         async def handler(request: bytes, context) -> bytes:
@@ -539,12 +544,18 @@ class _GrpcProxy(grpc.GenericRpcHandler):
             except WorkerUnavailable as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             gen = self.router.begin(w)
+            channel = w.channel
             lost = False
             try:
-                return await w.channel.unary_unary(method)(request, metadata=self._metadata(context))
+                return await channel.unary_unary(method)(request, metadata=self._metadata(context))
             except grpc.aio.AioRpcError as exc:
                 lost = await died(w, gen)
-                await self._lost(context, w, gen, exc)
+                await self._lost(context, w, gen, exc.code(), exc.details() or "")
+            except asyncio.CancelledError:
+                if w.channel is channel:  # this RPC itself was cancelled (client gone, server stopping)
+                    raise
+                lost = await died(w, gen)  # the supervisor closed the exited worker's channel under the call
+                await self._lost(context, w, gen, grpc.StatusCode.UNAVAILABLE, f"{w.name} went away")
             finally:
                 self.router.end(w, gen, lost=lost)
         return handler
@@ -556,14 +567,24 @@ class _GrpcProxy(grpc.GenericRpcHandler):
             except WorkerUnavailable as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             gen = self.router.begin(w)
-            call = w.channel.stream_stream(method)(request_iterator, metadata=self._metadata(context))
+            channel = w.channel
+            call = channel.stream_stream(method)(request_iterator, metadata=self._metadata(context))
             lost = False
             try:
                 async for response in call:
                     yield response
             except grpc.aio.AioRpcError as exc:
                 lost = await died(w, gen)
-                await self._lost(context, w, gen, exc)
+                await self._lost(context, w, gen, exc.code(), exc.details() or "")
+            except asyncio.CancelledError:
+                # A cancelled call raises CancelledError, not an RPC error. Re-raised when this RPC itself
+                # was cancelled; when the supervisor closed the exited worker's channel first (a race with
+                # the transport noticing the broken connection), swallowing it would leave the client's
+                # stream open with no status: it must end with UNAVAILABLE like any lost request.
+                if w.channel is channel:
+                    raise
+                lost = await died(w, gen)
+                await self._lost(context, w, gen, grpc.StatusCode.UNAVAILABLE, f"{w.name} went away")
             finally:
                 call.cancel()
                 self.router.end(w, gen, lost=lost)
