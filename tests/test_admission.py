@@ -392,8 +392,8 @@ def test_auto_admission_estimates_the_artificial_capacity(synth):
 
 def test_auto_admission_is_bounded_by_device_memory(synth, caplog):
     """Per-stream token2wav caches (the DiT path's ~180 MB at full size) bound admission: active
-    streams never need more than the device's memory (less a 5 % reserve and what the rest holds) at 1.5
-    copies each, whatever the time-based capacity estimate says. The device is faked: what the rest holds
+    streams never need more than the device's memory (less a 5 % reserve and what the rest holds) at the
+    backend's copies per stream (1.5 here), whatever the time-based capacity estimate says. The device is faked: what the rest holds
     leaves room for 1 stream, and the time-based capacity is pinned at 3 (measured, it depends on this
     machine's speed: since it takes the latency estimate too it was 1 on a 2-core CI machine, which
     left nothing for the memory bound's rules to decide)."""
@@ -401,7 +401,8 @@ def test_auto_admission_is_bounded_by_device_memory(synth, caplog):
     core.capacity_model.capacity = lambda lm_pace=1.0: 3
     per, total = 100, 10_000
     core.t2w.stream_state_bytes = lambda: per
-    core._device_memory = lambda: (int(0.95 * total - 1.5 * per), total)  # room for one stream at 1.5 copies
+    copies = core.t2w.stream_state_copies
+    core._device_memory = lambda: (int(0.95 * total - copies * per), total)  # room for one stream
     peak = []
     step = core.step
 

@@ -131,18 +131,23 @@ def test_encoder_bucket_follows_the_solve_bucket(t2w):
 
 
 
-def _streams(flow, eager, g, rounds: int, capture):
+def _streams(flow, eager, g, rounds: int, capture, in_place: bool = False):
     """Stream the four prompts through ``flow`` and ``eager`` in mixed batches (streams skip rounds, the
     last round ends half of them); ``capture(flow, items)`` runs before each batch. Compares every mel
-    and state."""
+    and state. ``in_place``: ``flow``'s streams keep their estimator caches in stores written in place
+    (:attr:`DitItem.in_place`, the engine's way), the eager reference's states stay immutable."""
     prompts = _prompts(5)
     got, ref = flow.setup_batch(prompts), eager.setup_batch(prompts)
     for k in range(rounds):
         part = [i for i in range(len(got)) if (i + k) % 3 != 2 or k == rounds - 1]
         toks = [_toks(g, int(torch.randint(5, 31, (1,), generator=g))) for _ in part]
         last = [k == rounds - 1 and i % 2 == 0 for i in part]
-        capture(flow, [DitItem(tokens=t, spk=got[i].spk, last=lf, state=got[i]) for t, i, lf in zip(toks, part, last)])
-        res = flow.chunk_batch([got[i] for i in part], toks, last)
+        items = [DitItem(tokens=t, spk=got[i].spk, last=lf, state=got[i], in_place=in_place)
+                 for t, i, lf in zip(toks, part, last)]
+        capture(flow, items)
+        res = [(r.mel, r.state) for r in flow.forward_items(items, trim_keep=TRIM_KEEP)]
+        if in_place:
+            assert all(s.est_store is not None and not s.stale for _, s in res)
         rres = eager.chunk_batch([ref[i] for i in part], toks, last)
         for (m, s), (rm, rs), i in zip(res, rres, part):
             assert m.shape == rm.shape and rel_l2(m, rm) < TOL, (k, i, rel_l2(m, rm))
@@ -159,9 +164,11 @@ def _batch_key(flow, items):
             graph.cache_bucket(max(it.state.cache_frames if it.state is not None else 0 for it in items)))
 
 
-def test_graphed_encoder_replays_equal_eager(t2w, monkeypatch):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_graphed_encoder_replays_equal_eager(t2w, monkeypatch, in_place):
     """With the stand-in recording, each batch's bucket is captured (encoder + solve graphs) and
-    replayed: mels and states equal the eager flow's across chunks (states carried); every replay runs
+    replayed: mels and states equal the eager flow's across chunks (states carried, also when the
+    streams' estimator caches are written in place from the graphs' shared buffers); every replay runs
     the encoder graph then the solve graph."""
     monkeypatch.setattr(G, "_record", stand_in_record)
     flow = copy.deepcopy(t2w.flow)
@@ -174,7 +181,7 @@ def test_graphed_encoder_replays_equal_eager(t2w, monkeypatch):
         assert isinstance(entry[2], Replay)
 
     capture(flow, [flow.setup_item(*p) for p in _prompts(5)])  # the set-up batch
-    _streams(flow, t2w.flow, torch.Generator().manual_seed(6), 5, capture)
+    _streams(flow, t2w.flow, torch.Generator().manual_seed(6), 5, capture, in_place)
     assert graph.replays >= 6 and graph.encoder_replays == graph.replays
     assert sum(e[2].replays for e in graph._graphs.values()) == graph.encoder_replays
     assert sum(e[0].replays for e in graph._graphs.values()) == graph.replays
@@ -227,12 +234,13 @@ def _cuda_flows(t2w):
 
 
 @pytest.mark.gpu
-def test_gpu_graphed_encoder_and_solve_equal_eager_across_chunks(t2w):
-    """CUDA graphs (captured on first use): mixed batches over several chunks, states carried, equal
-    the eager flow; every graphed batch replayed its encoder graph."""
+@pytest.mark.parametrize("in_place", [False, True])
+def test_gpu_graphed_encoder_and_solve_equal_eager_across_chunks(t2w, in_place):
+    """CUDA graphs (captured on first use): mixed batches over several chunks, states carried (also
+    written in place), equal the eager flow; every graphed batch replayed its encoder graph."""
     flow, eager = _cuda_flows(t2w)
     graph = flow.enable_cuda_graphs(frames_bucket=16, cache_bucket=48)
-    _streams(flow, eager, torch.Generator().manual_seed(10), 5, lambda *a: None)
+    _streams(flow, eager, torch.Generator().manual_seed(10), 5, lambda *a: None, in_place)
     assert graph.n_graphs > 0 and graph.replays > 0 and graph.encoder_replays == graph.replays
     assert all(e[2] is not None for e in graph._graphs.values())
 

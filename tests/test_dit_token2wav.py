@@ -18,7 +18,7 @@ from _reference import dit_discover, dit_index, dit_meta, dit_tensors, one_threa
 from cosyserve.errors import CheckpointError, ConfigError, ModelDirError
 from cosyserve.models.checkpoint import load_strict, normalize_weight_norm_keys, read_state_dict
 from cosyserve.models.config import load_dit_flow_config, parse_dit_flow_config, load_hyperpyyaml
-from cosyserve.models.dit_flow import DitFlowModel, DitItem, trim_state
+from cosyserve.models.dit_flow import TRIM_KEEP, DitFlowModel, DitItem, trim_state
 from cosyserve.models.dit_token2wav import (FULL_SIZE, TINY_SIZE, DitToken2Wav, dit_flow_yaml,
                                             hift_config_from_state_dict, load_dit_token2wav, write_token2wav_dir)
 from cosyserve.models.hift import HiFTGenerator
@@ -332,6 +332,143 @@ def _assert_own_storages(states):
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), f
             assert t.untyped_storage().data_ptr() not in seen, f
             seen.add(t.untyped_storage().data_ptr())
+
+
+def _in_place_run(flow, states, calls, write_back=None):
+    """One batched call of :meth:`DitFlowModel.forward_items` with in-place items: ``[(mel, state)]``."""
+    items = [DitItem(tokens=tk, spk=st.spk, last=lf, state=st, in_place=True) for st, (tk, lf) in zip(states, calls)]
+    return [(r.mel, r.state) for r in flow.forward_items(items, trim_keep=TRIM_KEEP, write_back=write_back)]
+
+
+def test_in_place_caches_equal_immutable_states(t2w):
+    """In-place streams (DitItem.in_place: each stream's estimator caches in one store, overwritten chunk after
+    chunk) compute exactly what immutable states compute, through the trimming, with different prompts and
+    chunk sizes in one batch: each stream allocates its store once (P + TRIM_KEEP frames, at its first chunk;
+    the shared set-up state is never written), every state it replaces is stale and refused, and the state's
+    size is the store's."""
+    names = STREAM_FLOW or E2E_STREAM
+    if not names:
+        pytest.skip("no streaming case")
+    t = dit_tensors(names[0])
+    flow = t2w.flow
+    p1 = (t["prompt_token"][0], t["prompt_feat"][0], t["embedding"][0])
+    setups = flow.setup_batch([p1, _second_prompt(t)])
+    before = flow.chunk(setups[0], t["stream_token"][0][:28], False)
+    ref, got = list(setups), list(setups)
+    g = torch.Generator().manual_seed(11)
+    ptrs = None
+    for k in range(7):  # past P + TRIM_KEEP cache frames: the caches are trimmed in the store
+        calls = [(torch.randint(0, 6561, (28,), generator=g), False), (torch.randint(0, 6561, (19,), generator=g), False)]
+        expect = flow.chunk_batch(ref, [c[0] for c in calls], [c[1] for c in calls])
+        old = got
+        res = _in_place_run(flow, got, calls)
+        for (m, st), (mr, sr), prev in zip(res, expect, old):
+            assert torch.equal(m, mr)
+            assert st.cache_frames == sr.cache_frames and torch.equal(st.est_att, sr.est_att)
+            assert torch.equal(st.est_cnn, sr.est_cnn) and torch.equal(st.enc_att2, sr.enc_att2)
+            assert st.est_store.capacity == st.prompt_frames + TRIM_KEEP and not st.stale
+            assert st.nbytes() == sr.nbytes() - sr.est_att.nbytes + st.est_store.tensor.nbytes
+            if k > 0:
+                assert prev.stale
+        if k > 0:
+            assert [st.est_store.tensor.data_ptr() for _, st in res] == ptrs  # written in place
+            with pytest.raises(ValueError, match="stale"):
+                _in_place_run(flow, old, calls)
+        ptrs = [st.est_store.tensor.data_ptr() for _, st in res]
+        ref, got = [s for _, s in expect], [s for _, s in res]
+    assert max(st.cache_frames for st in got) > min(st.prompt_frames for st in got) + 50  # trimming reached
+    assert all(s.est_store is None and not s.stale for s in setups)
+    after = flow.chunk(setups[0], t["stream_token"][0][:28], False)  # the set-up state was never written
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1].est_att, after[1].est_att)
+    # a final chunk whose state is not kept (final_states=False, as the engine asks) writes nothing
+    last = DitItem(tokens=t["stream_token"][0][:10], spk=got[0].spk, last=True, state=got[0], in_place=True)
+    assert flow.forward_items([last], trim_keep=TRIM_KEEP, final_states=False)[0].state is None
+    assert not got[0].stale
+
+
+def test_in_place_write_back_waits_for_its_commit(t2w):
+    """With a CacheWriteBack the stores keep the old caches until the commit: the old states stay valid (the
+    batch can be re-run, with the same result), the new ones are stale until then, and no other batch runs
+    while the write-back is pending (its copies read the solve buffers)."""
+    from cosyserve.models.dit_flow import CacheWriteBack
+
+    names = STREAM_FLOW or E2E_STREAM
+    if not names:
+        pytest.skip("no streaming case")
+    t = dit_tensors(names[0])
+    flow = t2w.flow
+    toks = t["stream_token"][0]
+    states = [s for _, s in _in_place_run(flow, flow.setup_batch([(t["prompt_token"][0], t["prompt_feat"][0],
+                                                                   t["embedding"][0])]), [(toks[:28], False)])]
+    calls = [(toks[25:53], False)]
+    wb = CacheWriteBack()
+    first = _in_place_run(flow, states, calls, wb)
+    assert wb.pending and first[0][1].stale and not states[0].stale
+    with pytest.raises(RuntimeError, match="write-back"):
+        _in_place_run(flow, states, calls)
+    wb.discard()
+    assert not states[0].stale and first[0][1].stale
+    with pytest.raises(ValueError, match="stale"):
+        _in_place_run(flow, [first[0][1]], calls)
+    wb = CacheWriteBack()
+    again = _in_place_run(flow, states, calls, wb)
+    assert torch.equal(again[0][0], first[0][0])
+    wb.commit()
+    assert states[0].stale and not again[0][1].stale
+    ref = flow.chunk(flow.chunk(flow.setup(t["prompt_token"][0], t["prompt_feat"][0], t["embedding"][0]),
+                                toks[:28], False)[1], toks[25:53], False)
+    assert torch.equal(again[0][0], ref[0]) and torch.equal(again[0][1].est_att, ref[1].est_att)
+
+
+def test_backend_batch_failing_after_its_solve_leaves_streams_intact(t2w, monkeypatch):
+    """A DiT backend batch that fails after its chunks' solve (here in HiFT) commits none of its in-place caches,
+    so re-running each job alone (what the engine does) gives every stream the audio of a clean run."""
+    from types import SimpleNamespace
+
+    import cosyserve.engine.token2wav_dit as backend_mod
+    from cosyserve.engine.token2wav import Token2WavJob
+    from cosyserve.engine.token2wav_dit import DitToken2WavBackend
+    from cosyserve.models.hift import HiFTStreamState
+
+    names = STREAM_FLOW or E2E_STREAM
+    if not names:
+        pytest.skip("no streaming case")
+    t = dit_tensors(names[0])
+    toks = t["stream_token"][0]
+    voices = [SimpleNamespace(flow_speech_token=t["prompt_token"][0], speech_feat=t["prompt_feat"][0],
+                              flow_embedding=t["embedding"][0]),
+              SimpleNamespace(flow_speech_token=_second_prompt(t)[0], speech_feat=_second_prompt(t)[1],
+                              flow_embedding=_second_prompt(t)[2])]
+
+    def two_chunks(be, fail: bool):
+        first = be.run([Token2WavJob(v, toks[:28], 0, False, True, HiFTStreamState(), torch.Generator().manual_seed(i))
+                        for i, v in enumerate(voices)])
+        jobs = [Token2WavJob(v, toks[:53], 25, False, True, r.hift_state, torch.Generator().manual_seed(7 + i))
+                for i, (v, r) in enumerate(zip(voices, first))]
+        if not fail:
+            return be.run_each(jobs)  # each job alone, as the retry below runs them
+        real = backend_mod.hift_stream_step_batch
+        calls = {"n": 0}
+
+        def failing(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated, after the solve)")
+            return real(*a, **k)
+
+        monkeypatch.setattr(backend_mod, "hift_stream_step_batch", failing)
+        with pytest.raises(torch.OutOfMemoryError):
+            be.run(jobs)
+        out = be.run_each(jobs)  # (the failure came before HiFT drew from the jobs' generators)
+        monkeypatch.setattr(backend_mod, "hift_stream_step_batch", real)
+        return out
+
+    ref = two_chunks(DitToken2WavBackend(t2w), fail=False)
+    got = two_chunks(DitToken2WavBackend(t2w), fail=True)
+    for a, b in zip(got, ref):
+        assert not isinstance(a, Exception), a
+        assert torch.equal(a.speech, b.speech)
+        assert torch.equal(a.hift_state.flow.est_att, b.hift_state.flow.est_att)
 
 
 def test_caches_stay_bounded_and_chunk_cost_constant(t2w):
@@ -755,8 +892,9 @@ def test_backend_jobs_and_setup_cache(t2w):
 
 def test_backend_solves_offline_utterances_in_groups_the_graphs_plan(t2w):
     """With solve graphs planned for offline utterances in solves of up to ``offline_rows``, the DiT
-    backend runs a batch's offline items in groups of at most that many (longest first) after one pass
-    of its streaming items; every result equals the ungrouped batch's."""
+    backend runs a batch's offline items in groups of at most that many (longest first), then one pass
+    of its streaming items (last: their cache write-back reads the solve buffers); every result equals
+    the ungrouped batch's."""
     import copy
     from types import SimpleNamespace
 
@@ -785,8 +923,8 @@ def test_backend_solves_offline_utterances_in_groups_the_graphs_plan(t2w):
     flow.forward_items = lambda items, **kw: calls.append([int(it.tokens.numel()) for it in items]) or \
         forward(items, **kw)
     got = DitToken2WavBackend(DitToken2Wav(flow, t2w.hift)).run(jobs())
-    assert len(calls[0]) == 1 and calls[1] == [28]  # the stream's set-up, then its chunk
-    q = calls[2][0] - 41  # an offline item's prompt tokens
-    assert calls[2:] == [[q + 41, q + 33], [q + 27, q + 20], [q + 9]]  # offline in pairs, longest first
+    assert len(calls[0]) == 1 and calls[-1] == [28]  # the stream's set-up first, its chunk last
+    q = calls[1][0] - 41  # an offline item's prompt tokens
+    assert calls[1:-1] == [[q + 41, q + 33], [q + 27, q + 20], [q + 9]]  # offline in pairs, longest first
     for a, b in zip(got, ref):
         assert a.speech.shape == b.speech.shape and rel_l2(a.speech, b.speech) <= 2e-3

@@ -270,11 +270,10 @@ T2W_ATTENTION_LEN = 1024  #: see ``EngineConfig.max_t2w_tokens``: the attention 
 DIT_OFFLINE_ROWS = 4
 DIT_OFFLINE_MAX_S = 30.0
 #: admission's memory bound (:meth:`EngineCore._memory_limit`): device memory kept free, as a share of
-#: the device's; how many copies of a stream's caches each further stream is budgeted for (its own,
-#: and half of one for the new caches a batch makes before it drops the old ones: a batch holds
-#: both for its streams); chunks after which a stream's caches have their trimmed (largest) size
+#: the device's; chunks after which a stream's caches have their trimmed (largest) size (the copies of
+#: a stream's caches each further stream is budgeted for are the backend's
+#: :attr:`~cosyserve.engine.token2wav.Token2WavBackend.stream_state_copies`)
 MEMORY_RESERVE_SHARE = 0.05
-MEMORY_PER_STREAM_COPIES = 1.5
 MEMORY_GROWING_CHUNKS = 3
 #: ``EngineConfig.hift_f0``: the CosyVoice2 HiFT's F0 item by item in float32 (bit-identical to a stream's F0
 #: run alone) or in one masked float64 pass per batch (:attr:`~cosyserve.models.hift.HiFTGenerator.batched_f0`)
@@ -940,7 +939,7 @@ class EngineCore:
         device's memory less a reserve of ``MEMORY_RESERVE_SHARE`` and less what the rest holds
         (:meth:`_device_memory`: the recent peak of live tensors plus the graph pools' free blocks,
         minus the caches of the active streams that have sent ``MEMORY_GROWING_CHUNKS`` chunks, i.e.
-        reached their trimmed size), divided by ``MEMORY_PER_STREAM_COPIES`` x the largest
+        reached their trimmed size), divided by the backend's ``stream_state_copies`` x the largest
         per-stream state seen. Without it the capacity estimate, which models time, not memory,
         admitted 106-128 DiT streams on an H100 (CUDA out of memory, docs/perf.md "Session 25")."""
         per = self.t2w.stream_state_bytes()
@@ -950,7 +949,7 @@ class EngineCore:
         held, total = mem
         full = sum(1 for st in self._active.values() if st.req.params.stream and st.chunks >= MEMORY_GROWING_CHUNKS)
         room = (1.0 - MEMORY_RESERVE_SHARE) * total - (held - full * per)
-        limit = max(0, int(room // (MEMORY_PER_STREAM_COPIES * per)))
+        limit = max(0, int(room // (self.t2w.stream_state_copies * per)))
         logged = self._memory_logged
         if logged is None or abs(limit - logged) >= max(4, 0.1 * logged):  # material changes only
             log.info("memory bound: %d streams (%d active; held %.1f GB: recent peak of live tensors + graph "

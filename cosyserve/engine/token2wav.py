@@ -94,6 +94,11 @@ class Token2WavBackend:
     #: included (:class:`~cosyserve.engine.admission.CapacityEstimator`, ``t2w_fixed_part=False``)
     chunk_cost_grows = True
 
+    #: how many times :meth:`stream_state_bytes` the engine's memory bound budgets per stream: a backend
+    #: that makes a batch's new caches while the old ones are alive holds both for the batch's streams
+    #: (and fragments the allocator with caches of changing sizes): 1.5
+    stream_state_copies = 1.5
+
     def stream_state_bytes(self) -> int:
         """Device bytes one streaming segment's per-stream caches hold at most (the largest seen so
         far), for the engine's memory bound on admission; 0 where they are small next to the

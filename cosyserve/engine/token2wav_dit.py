@@ -38,7 +38,7 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
-from ..models.dit_flow import TRIM_KEEP, DitItem
+from ..models.dit_flow import TRIM_KEEP, CacheWriteBack, DitItem
 from ..models.dit_token2wav import DitT2WStreamState, DitToken2Wav
 from ..models.hift import HiFTStreamState, hift_stream_step_batch
 from .token2wav import Token2WavBackend, _null, copy_to_pinned_host
@@ -94,6 +94,9 @@ class DitToken2WavBackend(Token2WavBackend):
         return h.hexdigest()
 
     chunk_cost_grows = False  # a chunk computes its new frames against a bounded cache
+    #: a stream's estimator caches (~97 % of its state) are written in place into one store allocated at
+    #: its first chunk (DitItem.in_place); only the encoder and conv caches (~3 %) are made anew per chunk
+    stream_state_copies = 1.05
 
     def stream_state_bytes(self) -> int:
         """The largest per-stream DiT flow state seen (encoder and per-step estimator caches, at
@@ -124,24 +127,26 @@ class DitToken2WavBackend(Token2WavBackend):
         pt, pm = self.t2w.prompt(v.flow_speech_token.reshape(-1), v.speech_feat)
         return pt, pm, v.flow_embedding.reshape(-1)
 
-    def _forward_items(self, items: list[DitItem], offline: list[bool]) -> list:
+    def _forward_items(self, items: list[DitItem], offline: list[bool], write_back: CacheWriteBack) -> list:
         """:meth:`DitFlowModel.forward_items` of a batch's items (trimmed states, none for final
-        items), results in item order. With solve graphs that plan offline utterances
+        items), results in item order; the chunks' new caches are left in ``write_back`` (the
+        caller commits it). With solve graphs that plan offline utterances
         (:attr:`GraphedDiTSolve.offline_rows`), offline items run in groups of at most that many,
-        longest first (similar lengths pad little), after one pass of the set-ups and chunks: a
-        larger batch of whole utterances would run eagerly (~230 ms of host time per solve at full
-        size) and its graph would need several times the memory of the streaming buckets'."""
+        longest first (similar lengths pad little), before one pass of the chunks (last: its
+        write-back reads the solve buffers the next pass would rewrite): a larger batch of whole
+        utterances would run eagerly (~230 ms of host time per solve at full size) and its graph
+        would need several times the memory of the streaming buckets'."""
         flow = self.flow
         rows = getattr(flow.graph, "offline_rows", None)  # (None without graphs)
         off = [i for i, o in enumerate(offline) if o]
         if rows is None or len(off) <= rows:
-            return flow.forward_items(items, trim_keep=TRIM_KEEP, final_states=False)
+            return flow.forward_items(items, trim_keep=TRIM_KEEP, final_states=False, write_back=write_back)
         res: list = [None] * len(items)
         rest = [i for i, o in enumerate(offline) if not o]
         off.sort(key=lambda i: -items[i].tokens.numel())
-        for group in ([rest] if rest else []) + [off[k: k + rows] for k in range(0, len(off), rows)]:
+        for group in [off[k: k + rows] for k in range(0, len(off), rows)] + ([rest] if rest else []):
             for i, r in zip(group, flow.forward_items([items[i] for i in group], trim_keep=TRIM_KEEP,
-                                                      final_states=False)):
+                                                      final_states=False, write_back=write_back)):
                 res[i] = r
         return res
 
@@ -153,84 +158,96 @@ class DitToken2WavBackend(Token2WavBackend):
         if not jobs:
             return _Done(jobs, [], [], None, stamps)
         ctx = torch.cuda.stream(stream) if stream is not None else _null()
-        with ctx:
-            if marks is not None:
-                stamps.append(marks.mark(stream))
-            states = [_stream_state(j.hift_state) for j in jobs]
-            flow = self.flow
-            offline = [j.finalize and not j.streaming and s.flow is None for j, s in zip(jobs, states)]
-            # 1. set-ups of streams starting now, as one pass
-            new = [i for i, j in enumerate(jobs) if not offline[i] and states[i].flow is None]
-            todo: dict[str, list[int]] = {}
-            prompts = {}
-            for i in new:
-                p = self._prompt(jobs[i])
-                key = self._prompt_key(*p) if self.setup_cache_size > 0 else str(i)
-                cached = self._setups.get(key)
-                if cached is not None:
-                    self._setups.move_to_end(key)
-                    self.setup_hits += 1
-                    states[i] = DitT2WStreamState(flow=cached)
-                else:
-                    todo.setdefault(key, []).append(i)
-                    prompts[key] = p
-            if todo:
-                keys = list(todo)
-                set_up = flow.forward_items([flow.setup_item(*prompts[k]) for k in keys])
-                for k, r in zip(keys, set_up):
-                    for i in todo[k]:
-                        states[i] = DitT2WStreamState(flow=r.state)
-                    if self.setup_cache_size > 0:
-                        self._setups[k] = r.state
-                        while len(self._setups) > self.setup_cache_size:
-                            self._setups.popitem(last=False)
-            # 2. every chunk and offline utterance, as one pass
-            items, prompt_frames = [], []
-            for j, s, off in zip(jobs, states, offline):
-                if off:
-                    pt, pm, emb = self._prompt(j)
-                    items.append(flow.prompt_item(pt, pm, emb, j.tokens, last=True))
-                    prompt_frames.append(pm.shape[0])
-                else:
-                    items.append(DitItem(tokens=j.tokens[j.token_offset:], spk=s.flow.spk, last=j.finalize,
-                                         state=s.flow))
-                    prompt_frames.append(0)
-            res = self._forward_items(items, offline)
-            if marks is not None:
-                stamps.append(marks.mark(stream))
-            dev = self.hift_device
-            mels, hstates = [], []
-            for j, s, off, r, p in zip(jobs, states, offline, res, prompt_frames):
-                m = r.mel[:, :, p:] if p else r.mel
-                if m.device != dev or m.dtype != torch.float32:
-                    m = m.to(dev, torch.float32)
-                if j.finalize and j.speed != 1.0 and s.hift.empty:
-                    m = F.interpolate(m, size=max(1, int(m.shape[2] / j.speed)), mode="linear")
-                mels.append(m)
-                hstates.append(s.hift)
-            out = hift_stream_step_batch(self.hift, hstates, mels, [j.finalize for j in jobs],
-                                         [j.generator for j in jobs], self.t2w.mel_cache_len,
-                                         self.t2w.source_cache_len)
-            speech, new_states = [], []
-            for j, s, off, r, (sp, hs) in zip(jobs, states, offline, res, out):
-                if not j.finalize and not s.started:
-                    sp = torch.cat([sp.new_zeros(1, self.t2w.source_cache_len), sp], dim=1)
-                sp = sp[0]
-                speech.append(sp if sp.dtype == torch.float32 else sp.float())
-                if j.finalize:
-                    new_states.append(DitT2WStreamState())  # stream over: drop the caches
-                else:
-                    # r.state is trimmed already (forward_items with trim_keep=TRIM_KEEP)
-                    new_states.append(DitT2WStreamState(flow=r.state, hift=hs, started=True))
-                    self._state_bytes = max(self._state_bytes, r.state.nbytes())
-            if marks is not None:
-                stamps.append(marks.mark(stream))
-            event = None
-            if stream is not None:
-                keep = (speech, mels)
-                speech, event = copy_to_pinned_host(speech, stream)
+        write_back = CacheWriteBack()
+        try:
+            with ctx:
+                return self._launch(jobs, stream, marks, stamps, write_back)
+        finally:
+            write_back.discard()  # (a no-op after the commit) a failed batch leaves every old state valid
+
+    def _launch(self, jobs, stream, marks, stamps, write_back: CacheWriteBack) -> _Done:
+        """:meth:`launch`'s body, inside the stream context; commits ``write_back`` as its last step."""
+        if marks is not None:
+            stamps.append(marks.mark(stream))
+        states = [_stream_state(j.hift_state) for j in jobs]
+        flow = self.flow
+        offline = [j.finalize and not j.streaming and s.flow is None for j, s in zip(jobs, states)]
+        # 1. set-ups of streams starting now, as one pass
+        new = [i for i, j in enumerate(jobs) if not offline[i] and states[i].flow is None]
+        todo: dict[str, list[int]] = {}
+        prompts = {}
+        for i in new:
+            p = self._prompt(jobs[i])
+            key = self._prompt_key(*p) if self.setup_cache_size > 0 else str(i)
+            cached = self._setups.get(key)
+            if cached is not None:
+                self._setups.move_to_end(key)
+                self.setup_hits += 1
+                states[i] = DitT2WStreamState(flow=cached)
             else:
-                keep = ()
+                todo.setdefault(key, []).append(i)
+                prompts[key] = p
+        if todo:
+            keys = list(todo)
+            set_up = flow.forward_items([flow.setup_item(*prompts[k]) for k in keys])
+            for k, r in zip(keys, set_up):
+                for i in todo[k]:
+                    states[i] = DitT2WStreamState(flow=r.state)
+                if self.setup_cache_size > 0:
+                    self._setups[k] = r.state
+                    while len(self._setups) > self.setup_cache_size:
+                        self._setups.popitem(last=False)
+        # 2. every chunk and offline utterance, as one pass
+        items, prompt_frames = [], []
+        for j, s, off in zip(jobs, states, offline):
+            if off:
+                pt, pm, emb = self._prompt(j)
+                items.append(flow.prompt_item(pt, pm, emb, j.tokens, last=True))
+                prompt_frames.append(pm.shape[0])
+            else:
+                # in place: the stream's caches live in one store, overwritten chunk after chunk
+                items.append(DitItem(tokens=j.tokens[j.token_offset:], spk=s.flow.spk, last=j.finalize,
+                                     state=s.flow, in_place=True))
+                prompt_frames.append(0)
+        res = self._forward_items(items, offline, write_back)
+        if marks is not None:
+            stamps.append(marks.mark(stream))
+        dev = self.hift_device
+        mels, hstates = [], []
+        for j, s, off, r, p in zip(jobs, states, offline, res, prompt_frames):
+            m = r.mel[:, :, p:] if p else r.mel
+            if m.device != dev or m.dtype != torch.float32:
+                m = m.to(dev, torch.float32)
+            if j.finalize and j.speed != 1.0 and s.hift.empty:
+                m = F.interpolate(m, size=max(1, int(m.shape[2] / j.speed)), mode="linear")
+            mels.append(m)
+            hstates.append(s.hift)
+        out = hift_stream_step_batch(self.hift, hstates, mels, [j.finalize for j in jobs],
+                                     [j.generator for j in jobs], self.t2w.mel_cache_len,
+                                     self.t2w.source_cache_len)
+        speech, new_states = [], []
+        for j, s, off, r, (sp, hs) in zip(jobs, states, offline, res, out):
+            if not j.finalize and not s.started:
+                sp = torch.cat([sp.new_zeros(1, self.t2w.source_cache_len), sp], dim=1)
+            sp = sp[0]
+            speech.append(sp if sp.dtype == torch.float32 else sp.float())
+            if j.finalize:
+                new_states.append(DitT2WStreamState())  # stream over: drop the caches
+            else:
+                # r.state is trimmed already (forward_items with trim_keep=TRIM_KEEP)
+                new_states.append(DitT2WStreamState(flow=r.state, hift=hs, started=True))
+                self._state_bytes = max(self._state_bytes, r.state.nbytes())
+        if marks is not None:
+            stamps.append(marks.mark(stream))
+        event = None
+        if stream is not None:
+            keep = (speech, mels)
+            speech, event = copy_to_pinned_host(speech, stream)
+        else:
+            keep = ()
+        # last, once nothing can fail any more: the chunks' new caches into their streams' stores
+        # (before this, a failed batch is re-run job by job from the old states)
+        write_back.commit()
         return _Done(jobs, speech, new_states, event, stamps, keep)
 
     def finish(self, pending: _Done) -> list[Token2WavResult]:

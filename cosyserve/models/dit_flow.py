@@ -37,7 +37,10 @@ Streaming protocol (as ``Token2wav`` drives it)
 -----------------------------------------------
 :meth:`DitFlowModel.setup` runs the prompt tokens followed by ``silence_tokens`` (three 4218 tokens,
 the look-ahead of the prompt's last token) with the prompt mel as ``cond`` and keeps only the caches
-(:class:`DitStreamState`, immutable, one per stream; nothing is stored on the module).
+(:class:`DitStreamState`, one per stream; nothing is stored on the module). States are immutable,
+except that a caller may let a stream's chunks write its estimator caches in place
+(:attr:`DitItem.in_place`, :class:`EstimatorStore`: one allocation per stream instead of new caches per
+chunk; a replaced state is stale and refused).
 :meth:`DitFlowModel.chunk` takes new tokens (a non-final chunk ends with ``pre_lookahead_len``
 look-ahead tokens, which the next chunk must send again), returns the chunk's mel
 (``2 * (n - lookahead)`` frames, ``2 * n`` on the last chunk) and the next state. After each chunk
@@ -92,7 +95,7 @@ from .views import merge_adjacent as _merge_adjacent
 log = logging.getLogger(__name__)
 
 __all__ = ["DiT", "DitFlowModel", "DitStreamState", "DitItem", "DitItemResult", "GraphedDiTSolve", "trim_state",
-           "stream_solve_shapes",
+           "stream_solve_shapes", "EstimatorStore", "CacheWriteBack",
            "SILENCE_TOKEN", "TRIM_KEEP"]
 
 #: the silence token Step-Audio2's ``Token2wav.set_stream_cache`` appends (three times) to the prompt
@@ -380,7 +383,8 @@ class DiT(nn.Module):
 
 @dataclass(frozen=True)
 class DitStreamState:
-    """Per-stream caches of :class:`DitFlowModel` (immutable; every step returns a new one).
+    """Per-stream caches of :class:`DitFlowModel` (every step returns a new one; immutable unless the
+    step was :attr:`DitItem.in_place`, see ``est_store``).
 
     Shapes (``H``/``dk`` encoder heads/head size, ``h``/``hd`` DiT heads/head size, ``S`` Euler steps):
 
@@ -397,7 +401,9 @@ class DitStreamState:
     States made by :meth:`DitFlowModel.forward_items` hold tensors of their own (contiguous, one
     storage per state tensor: never views of a batch tensor, whose storage would live as long as
     any state of the batch); nothing writes them afterwards, so states stay immutable and may be
-    shared (the engine's set-up cache does).
+    shared (the engine's set-up cache does). The exception: a state made by an in-place item has
+    ``est_att`` as a view of frames ``[0, C)`` of the stream's ``est_store`` (its own storage too),
+    which the stream's next in-place chunk overwrites; from then on this state is :attr:`stale`.
     """
 
     spk: Tensor
@@ -408,6 +414,10 @@ class DitStreamState:
     enc_up: Tensor
     est_att: Tensor
     est_cnn: Tensor
+    #: in-place streams (:attr:`DitItem.in_place`): the store ``est_att`` is a view of, and the store
+    #: generation this state's caches belong to (stale once a later chunk wrote the store)
+    est_store: EstimatorStore | None = None
+    est_generation: int = 0
 
     @property
     def noise_offset(self) -> int:
@@ -417,9 +427,82 @@ class DitStreamState:
     def cache_frames(self) -> int:
         return int(self.est_att.shape[4])
 
+    @property
+    def stale(self) -> bool:
+        """True once a later chunk of the stream wrote this state's estimator store in place."""
+        return self.est_store is not None and self.est_store.generation != self.est_generation
+
     def nbytes(self) -> int:
+        """Device bytes the state holds (an in-place stream's whole estimator store, not the view)."""
+        est = self.est_att if self.est_store is None else self.est_store.tensor
         return sum(t.numel() * t.element_size() for t in (
-            self.spk, self.enc_att1, self.enc_att2, self.enc_lookahead, self.enc_up, self.est_att, self.est_cnn))
+            self.spk, self.enc_att1, self.enc_att2, self.enc_lookahead, self.enc_up, est, self.est_cnn))
+
+
+class EstimatorStore:
+    """One stream's DiT key/value caches, written in place chunk after chunk (:attr:`DitItem.in_place`).
+
+    ``tensor`` ``[S, depth, 2, h, capacity, 2*hd]`` (the layout of :attr:`DitStreamState.est_att`, whose
+    frames ``[0, C)`` are the state's cache, newest first); ``capacity`` is ``P + trim_keep`` frames, the
+    most a trimmed cache holds, so a stream allocates its store once, at its first chunk, and every
+    later chunk overwrites it instead of allocating new caches while the old ones are alive (what
+    made a batch hold two copies of its streams' caches, and fragmented the allocator with caches of
+    growing sizes). ``generation`` counts the writes: a state whose
+    :attr:`DitStreamState.est_generation` differs is stale and rejected.
+    """
+
+    __slots__ = ("tensor", "generation")
+
+    def __init__(self, tensor: Tensor):
+        self.tensor = tensor
+        self.generation = 0
+
+    @property
+    def capacity(self) -> int:
+        return int(self.tensor.shape[4])
+
+
+class CacheWriteBack:
+    """The copies of a batch's new estimator caches into their streams' stores, deferred to
+    :meth:`commit` (see :meth:`DitFlowModel.forward_items`, ``write_back``).
+
+    Until the commit, the stores hold the old caches, so the states the batch was given stay valid
+    and the batch can be re-run (the engine re-runs each job of a failed batch alone); the new
+    states are valid only after it. The copies read the solve's key/value buffer, which the next
+    solve of the same model rewrites: the model refuses another batch while a write-back is pending.
+    """
+
+    def __init__(self):
+        self._copies: list[tuple[Tensor, Tensor]] = []
+        self._generations: list[tuple[EstimatorStore, int]] = []
+        self.pending = False
+
+    def _add(self, store: EstimatorStore, generation: int, copies: list[tuple[Tensor, Tensor]]) -> None:
+        self._copies += copies
+        self._generations.append((store, generation))
+        self.pending = True
+
+    def commit(self) -> None:
+        """Write the new caches (device copies, enqueued on the current stream) and make the new
+        states current (their predecessors stale). If a copy raises, the stores it was writing hold
+        neither whole: their old and new states are all stale (refused with a clear error)."""
+        try:
+            with torch.inference_mode():  # the stores are inference tensors
+                for dst, src in self._copies:
+                    dst.copy_(src)
+        except BaseException:
+            for store, _ in self._generations:
+                store.generation = -1
+            raise
+        else:
+            for store, gen in self._generations:
+                store.generation = gen
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Drop the copies: the stores keep the old caches, the batch's new states are stale."""
+        self._copies, self._generations, self.pending = [], [], False
 
 
 def _trim_index(length: int, prompt: int, keep: int, device) -> Tensor | None:
@@ -503,6 +586,10 @@ class DitItem:
     ``last``: no look-ahead context at the end (pad with zeros); ``state``: caches or None (start);
     ``cond`` ``[F, 80]`` mel for the first F frames of the conditional rows (prompt) or None;
     ``prompt_frames``: stored in the new state (P).
+    ``in_place``: the new estimator caches go into the stream's :class:`EstimatorStore` (allocated at
+    ``P + trim_keep`` frames when ``state`` has none, e.g. a set-up state, which is never written),
+    overwriting ``state``'s caches: ``state`` must be the stream's newest state and is stale
+    afterwards. Off: the new caches are copied into a storage of their own (states stay immutable).
     """
 
     tokens: Tensor
@@ -511,6 +598,7 @@ class DitItem:
     state: DitStreamState | None = None
     cond: Tensor | None = None
     prompt_frames: int = 0
+    in_place: bool = False
 
 
 @dataclass
@@ -557,6 +645,7 @@ class DitFlowModel(nn.Module):
         self.graph = None
         self._tc_cache = None  # (key, time grid + estimator time conditioning), see _time_conditioning
         self._noise_pad = None  # (rand_noise, its frames followed by a zero frame), see _padded_noise
+        self._write_back: CacheWriteBack | None = None  # the last batch's (forward_items refuses while pending)
 
     # ------------------------------------------------------------------ basics
 
@@ -1161,6 +1250,9 @@ class DitFlowModel(nn.Module):
         streams longer than the noise buffer."""
         ce = [0 if it.state is None else it.state.cache_frames for it in items]
         for i, it in enumerate(items):
+            if it.state is not None and it.state.stale:
+                raise ValueError("stream state is stale: a later chunk of this stream wrote its caches in place "
+                                 "(pass the stream's newest state)")
             if it.state is not None and it.state.est_att.shape[0] < n_timesteps:
                 raise ValueError(f"stream state holds caches for {it.state.est_att.shape[0]} steps, {n_timesteps} asked")
             if ce[i] + mlen[i] > self.rand_noise.size(-1):
@@ -1177,8 +1269,9 @@ class DitFlowModel(nn.Module):
 
     def _solve(self, items: Sequence[DitItem], mu: Tensor | None, mlen: list[int], n_timesteps: int,
                trim_keep: int | None = None, keep_state: Sequence[bool] | None = None,
-               bucket: tuple[int, int, int, tuple | None] | None = None):
-        """Euler/CFG solve over the batch; returns (mel [B, 80, Mmax], per-item (est_att, est_cnn) or None).
+               bucket: tuple[int, int, int, tuple | None] | None = None, write_back: CacheWriteBack | None = None):
+        """Euler/CFG solve over the batch; returns (mel [B, 80, Mmax], per-item (est_att, est_cnn, store,
+        generation) or None; store None and generation 0 for items not :attr:`DitItem.in_place`).
 
         ``bucket``: :meth:`_solve_bucket` of the batch when the caller has it already. ``mu`` None:
         the bucket's graph entry holds an encoder graph whose inputs the caller has written
@@ -1190,8 +1283,9 @@ class DitFlowModel(nn.Module):
         (:meth:`GraphedDiTSolve.solve_entry`); otherwise the padded solve runs eagerly. Each item's new
         estimator cache is gathered from the batch's key/value buffer in one copy, already trimmed to
         ``[:P] ++ [-trim_keep:]`` when ``trim_keep`` is given (the driver's rule, see :func:`trim_state`);
-        items with ``keep_state[i]`` False get None. Every solve's padded bucket is counted in
-        :attr:`GraphedDiTSolve.used`.
+        items with ``keep_state[i]`` False get None. In-place items' caches go into their stores through
+        ``write_back`` instead (the copies are recorded, not made: see :class:`CacheWriteBack`). Every
+        solve's padded bucket is counted in :attr:`GraphedDiTSolve.used`.
         """
         b, n_mels = len(items), self.n_mels
         if mu is not None:
@@ -1299,21 +1393,41 @@ class DitFlowModel(nn.Module):
         # batch tensor: such a storage lives until the last of its items is replaced, so states of
         # streams batched in changing groups pinned up to ~2x their size (docs/perf.md "Session 26")
         cnn_out = bufs["cnn_out"]  # (``att``, so ``pairs``, was updated in place)
-        per_item: list[tuple[Tensor, Tensor] | None] = [None] * b
+        per_item: list[tuple | None] = [None] * b
+        written: set[int] = set()  # stores this batch writes (a store shared by two items is written once)
         for i in range(b):
             if keep_state is not None and not keep_state[i]:
                 continue
             it = items[i]
             p = it.prompt_frames if it.state is None else it.state.prompt_frames
             rows = pairs.select(2, i)
-            est = torch.cat([rows.narrow(4, a, e - a) for a, e in _cache_runs(mlen[i], mmax, ce[i], p, trim_keep)],
-                            dim=4)  # [S, depth, 2, h, n, 2hd]
-            per_item[i] = (est, _own(cnn_out.narrow(2, 2 * i, 2)))
+            runs = _cache_runs(mlen[i], mmax, ce[i], p, trim_keep)
+            cnn_i = _own(cnn_out.narrow(2, 2 * i, 2))
+            if not it.in_place or write_back is None:
+                est = torch.cat([rows.narrow(4, a, e - a) for a, e in runs], dim=4)  # [S, depth, 2, h, n, 2hd]
+                per_item[i] = (est, cnn_i, None, 0)
+                continue
+            n = sum(e - a for a, e in runs)
+            store = None if it.state is None else it.state.est_store
+            if (store is None or id(store) in written or store.capacity < n or store.tensor.dtype != att.dtype
+                    or store.tensor.shape[0] != n_timesteps or store.tensor.device != att.device):
+                cap = n if trim_keep is None else max(n, p + trim_keep)
+                store = EstimatorStore(att.new_empty((*rows.shape[:4], cap, rows.shape[5])))
+                gen = 1
+            else:
+                gen = store.generation + 1
+            written.add(id(store))
+            at, copies = 0, []
+            for a, e in runs:
+                copies.append((store.tensor.narrow(4, at, e - a), rows.narrow(4, a, e - a)))
+                at += e - a
+            write_back._add(store, gen, copies)
+            per_item[i] = (store.tensor.narrow(4, 0, n), cnn_i, store, gen)
         x_out = bufs["x_out"][:b]
         return x_out.clone() if use_graph else x_out, per_item
 
     def _encode_solve(self, items: Sequence[DitItem], n_timesteps: int, trim_keep: int | None,
-                      keep_state: Sequence[bool] | None):
+                      keep_state: Sequence[bool] | None, write_back: CacheWriteBack | None = None):
         """Encoder and solve of a batch: ``(mel [B, 80, Mmax], mel frames per item, new encoder caches,
         new estimator caches)`` (see :meth:`_encode`, :meth:`_solve`).
 
@@ -1328,7 +1442,7 @@ class DitFlowModel(nn.Module):
         graph = self.graph
         if graph is None or not graph.encoder:
             mu, mlen, enc_caches = self._encode(items, trim_keep, keep_state, check_device_tokens=True)
-            mel, est_caches = self._solve(items, mu, mlen, n_timesteps, trim_keep, keep_state)
+            mel, est_caches = self._solve(items, mu, mlen, n_timesteps, trim_keep, keep_state, None, write_back)
             return mel, mlen, enc_caches, est_caches
         lists = self._token_lists(items, True)
         host, other, lens = lists
@@ -1342,7 +1456,7 @@ class DitFlowModel(nn.Module):
         if entry is not None and len(entry) > 2 and entry[2] is not None and self._encoder_fits(entry[1], lens, c1):
             bufs = entry[1]
             self._encoder_inputs(items, bufs, host, other, lens, tlen, c1)
-            mel, est_caches = self._solve(items, None, mlen, n_timesteps, trim_keep, keep_state, bucket)
+            mel, est_caches = self._solve(items, None, mlen, n_timesteps, trim_keep, keep_state, bucket, write_back)
             c1b = self._encoder_dims(bufs)[3]
             # (each item's caches are copied out of the static tensors: the next replay rewrites them)
             enc_caches = self._enc_caches(items, bufs["enc_kv1"], bufs["enc_kv2"], bufs["enc_new_la"],
@@ -1355,14 +1469,14 @@ class DitFlowModel(nn.Module):
             mu = mu[: len(items), :mmax]
         else:  # a state whose caches do not follow the rule (not made by this model): as without graphs
             mu, mlen, enc_caches = self._encode(items, trim_keep, keep_state, token_lists=lists)
-        mel, est_caches = self._solve(items, mu, mlen, n_timesteps, trim_keep, keep_state, bucket)
+        mel, est_caches = self._solve(items, mu, mlen, n_timesteps, trim_keep, keep_state, bucket, write_back)
         return mel, mlen, enc_caches, est_caches
 
     # ------------------------------------------------------------------ public API
 
     @torch.inference_mode()
     def forward_items(self, items: Sequence[DitItem], n_timesteps: int | None = None, trim_keep: int | None = None,
-                      final_states: bool = True) -> list[DitItemResult]:
+                      final_states: bool = True, write_back: CacheWriteBack | None = None) -> list[DitItemResult]:
         """Run offline items, set-ups and chunks of several streams in one padded pass.
 
         Each item's result holds its mel ``[1, 80, M]`` (float32; ``M = 2 * T`` with ``T`` the
@@ -1371,6 +1485,12 @@ class DitFlowModel(nn.Module):
         ``trim_state(state, trim_keep)`` returns it unchanged). ``final_states=False``: items with
         ``last`` set get ``state=None`` (a finished stream's caches are not gathered at all).
         Items are independent; results equal one-item calls.
+
+        In-place items (:attr:`DitItem.in_place`) write their new estimator caches into their streams'
+        :class:`EstimatorStore` s: at the end of this call, or, with ``write_back`` given, when the caller
+        commits it (:class:`CacheWriteBack`: the caller's last steps may still fail and the batch be
+        re-run from the old states). Raises RuntimeError when a previous batch's ``write_back`` is
+        still pending (its copies read the buffers this batch would rewrite), ValueError for stale states.
 
         Host work: the per-item inputs and outputs are moved with batched operations (one
         concatenation + one index operation per cache kind, index lists built on the host as
@@ -1382,9 +1502,21 @@ class DitFlowModel(nn.Module):
         """
         if not items:
             return []
+        pending = self._write_back
+        if pending is not None and pending.pending:
+            raise RuntimeError("DiT flow: the previous batch's cache write-back was neither committed nor "
+                               "discarded (CacheWriteBack.commit / discard)")
         n_timesteps = n_timesteps or self.cfg.n_timesteps
         keep = None if final_states else [not it.last for it in items]
-        mel, mlen, enc_caches, est_caches = self._encode_solve(items, n_timesteps, trim_keep, keep)
+        wb = write_back if write_back is not None else CacheWriteBack()
+        self._write_back = wb
+        try:
+            mel, mlen, enc_caches, est_caches = self._encode_solve(items, n_timesteps, trim_keep, keep, wb)
+        except BaseException:
+            wb.discard()
+            raise
+        if write_back is None:
+            wb.commit()
         if mel.dtype != torch.float32:
             mel = mel.float()
         out = []
@@ -1392,10 +1524,10 @@ class DitFlowModel(nn.Module):
             st = None
             if est_caches[i] is not None:
                 a1, a2, la, up = enc_caches[i]
-                ea, ec = est_caches[i]
+                ea, ec, store, gen = est_caches[i]
                 p = it.prompt_frames if it.state is None else it.state.prompt_frames
                 st = DitStreamState(spk=it.spk, prompt_frames=p, enc_att1=a1, enc_att2=a2, enc_lookahead=la,
-                                    enc_up=up, est_att=ea, est_cnn=ec)
+                                    enc_up=up, est_att=ea, est_cnn=ec, est_store=store, est_generation=gen)
             out.append(DitItemResult(mel=m[:, :, : mlen[i]] if mlen[i] < m.shape[2] else m, state=st))
         return out
 
