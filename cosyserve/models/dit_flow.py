@@ -87,6 +87,7 @@ from torch import Tensor, nn
 from ..errors import ConfigError
 from .config import DiTConfig, DitFlowConfig
 from .flow_encoder import UpsampleConformerEncoder, relative_position_table
+from .flow_estimator import DerivedWeights
 from .fused import FusedOp, attention_bias, linear_gelu_tanh, norm_modulate
 from .graphs import _GraphStage
 from .views import cat_adjacent as _cat
@@ -130,6 +131,20 @@ def _to_device(t: Tensor, dev) -> Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
+def _qk_norm_kv(qkv: Tensor, qw: Tensor, qb: Tensor, kw: Tensor, kb: Tensor) -> tuple[Tensor, Tensor]:
+    """From one q/k/v GEMM's output ``qkv [N, T, 3, H, hd]``: ``q`` LayerNorm-ed over ``hd``
+    ``[N, T, H, hd]`` and the new keys ‖ values ``[N, T, H, 2*hd]`` (k LayerNorm-ed; eps 1e-5, the
+    ``nn.LayerNorm`` default upstream's qk_norm uses)."""
+    hd = qkv.shape[-1]
+    q = F.layer_norm(qkv[:, :, 0], (hd,), qw, qb, 1e-5)
+    k = F.layer_norm(qkv[:, :, 1], (hd,), kw, kb, 1e-5)
+    return q, torch.cat([k, qkv[:, :, 2]], dim=-1)
+
+
+#: one compiled kernel on CUDA for both norms and the k ‖ v layout (was two LayerNorms and two copies)
+_QK_NORM_KV = FusedOp(_qk_norm_kv, "dit_qk_norm_kv")
+
+
 class _DiTAttention(nn.Module):
     """Multi-head attention with per-head LayerNorm on q and k (``decoder_dit.Attention``, qk_norm)."""
 
@@ -144,10 +159,14 @@ class _DiTAttention(nn.Module):
         self.q_norm = nn.LayerNorm(head_dim)
         self.k_norm = nn.LayerNorm(head_dim)
         self.proj = nn.Linear(inner, dim)
+        self._derived = DerivedWeights()
 
-    def _heads(self, x: Tensor) -> Tensor:
-        b, t, _ = x.shape
-        return x.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+    def qkv_weights(self) -> tuple[Tensor, Tensor]:
+        """``(weight [3 * inner, dim], bias [3 * inner])``: ``to_q``, ``to_k``, ``to_v`` stacked (one GEMM)."""
+        lin = (self.to_q, self.to_k, self.to_v)
+        ws, bs = tuple(m.weight for m in lin), tuple(m.bias for m in lin)
+        return (self._derived.get("w", ws, lambda: torch.cat([w.detach() for w in ws])),
+                self._derived.get("b", bs, lambda: torch.cat([b.detach() for b in bs])))
 
     def forward(self, x: Tensor, kv: Tensor, mask: Tensor | None) -> Tensor:
         """``x [N, T, dim]``; ``kv [N, H, T + C, 2*head_dim]`` (k ‖ v, newest first) whose last ``C``
@@ -156,13 +175,19 @@ class _DiTAttention(nn.Module):
         ``[N, T, dim]``.
 
         The new keys/values are written **in place** into ``kv[:, :, :T]`` (so ``kv`` afterwards is
-        upstream's new cache ``cat([new, cache])``, with no copy of the cache)."""
+        upstream's new cache ``cat([new, cache])``, with no copy of the cache). q/k/v are one GEMM
+        over the stacked weights, the q/k LayerNorms and the k ‖ v layout one fused op."""
         b, t, _ = x.shape
         hd = self.head_dim
-        q = self.q_norm(self._heads(self.to_q(x)))
-        kv[:, :, :t, :hd].copy_(self.k_norm(self._heads(self.to_k(x))))
-        kv[:, :, :t, hd:].copy_(self._heads(self.to_v(x)))
-        out = F.scaled_dot_product_attention(q, kv[..., :hd], kv[..., hd:], attn_mask=mask)
+        w, bias = self.qkv_weights()
+        qkv = F.linear(x, w, bias).view(b, t, 3, self.num_heads, hd)
+        qn, kn = self.q_norm, self.k_norm
+        if qn.eps == kn.eps == 1e-5:
+            q, new = _QK_NORM_KV(qkv, qn.weight, qn.bias, kn.weight, kn.bias)
+        else:
+            q, new = qn(qkv[:, :, 0]), torch.cat([kn(qkv[:, :, 1]), qkv[:, :, 2]], dim=-1)
+        kv[:, :, :t].copy_(new.transpose(1, 2))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), kv[..., :hd], kv[..., hd:], attn_mask=mask)
         return self.proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
