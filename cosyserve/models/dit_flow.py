@@ -201,16 +201,30 @@ class _CausalConv(nn.Conv1d):
         the new cache (the last ``k-1`` valid ones), None: the last ``k-1``."""
         k = self.kernel_size[0]
         n, t, _ = x.shape
+        if k > 1 and last_idx is not None:  # (what solves pass): one fused op on CUDA
+            cols, new = _CAUSAL_COLS(x, cache, last_idx)
+            return F.linear(cols, self.weight.reshape(self.out_channels, -1), self.bias), new
         xx = torch.cat([cache.transpose(1, 2).to(x.dtype), x], dim=1)  # [N, k-1+T, C_in]
         cols = xx.unfold(1, k, 1).reshape(n, t, -1)  # [N, T, C_in*k], channel-major like the weight
         y = F.linear(cols, self.weight.reshape(self.out_channels, -1), self.bias)
-        if k == 1:
-            new = xx[:, :0]
-        elif last_idx is None:
-            new = xx[:, -(k - 1):]
-        else:
-            new = torch.gather(xx, 1, last_idx.unsqueeze(-1).expand(-1, -1, xx.size(2)))
+        new = xx[:, :0] if k == 1 else xx[:, -(k - 1):]
         return y, new.transpose(1, 2)
+
+
+def _causal_cols(x: Tensor, cache: Tensor, last_idx: Tensor) -> tuple[Tensor, Tensor]:
+    """The GEMM input of :meth:`_CausalConv.step_tc` and its new cache: ``x [N, T, C]`` after
+    ``cache [N, C, k-1]`` -> ``(cols [N, T, C*k]`` (channel-major, like the conv weight), the frames
+    ``last_idx [N, k-1]`` of ``cache ++ x`` as ``[N, C, k-1])``."""
+    k = cache.shape[2] + 1
+    n, t, c = x.shape
+    xx = torch.cat([cache.transpose(1, 2).to(x.dtype), x], dim=1)  # [N, k-1+T, C]
+    cols = xx.unfold(1, k, 1).reshape(n, t, c * k)
+    new = torch.gather(xx, 1, last_idx.unsqueeze(-1).expand(-1, -1, c))
+    return cols, new.transpose(1, 2)
+
+
+#: on CUDA one compiled kernel for the concatenation, the unfolding copy and the cache gather (three)
+_CAUSAL_COLS = FusedOp(_causal_cols, "dit_causal_cols")
 
 
 def _conv_tc(conv: nn.Conv1d, x: Tensor) -> Tensor:
