@@ -88,7 +88,7 @@ from ..errors import ConfigError
 from .config import DiTConfig, DitFlowConfig
 from .flow_encoder import UpsampleConformerEncoder, relative_position_table
 from .flow_estimator import DerivedWeights
-from .fused import FusedOp, attention_bias, linear_gelu_tanh, norm_modulate
+from .fused import FusedOp, add_norm_modulate, attention_bias, linear_gelu_tanh, norm_modulate
 from .graphs import _GraphStage
 from .views import cat_adjacent as _cat
 from .views import merge_adjacent as _merge_adjacent
@@ -312,18 +312,25 @@ class _DiTBlock(nn.Module):
         self.hidden = h
 
     def forward(self, x: Tensor, mod: Tensor, kv: Tensor, cnn_cache: Tensor, mask: Tensor | None,
-                last_idx: Tensor | None) -> tuple[Tensor, Tensor]:
+                last_idx: Tensor | None, res: tuple[Tensor, Tensor] | None = None
+                ) -> tuple[Tensor, tuple[Tensor, Tensor], Tensor]:
         """``x [N, T, hidden]``, ``mod`` = ``adaLN_modulation(c)`` ``[N or 1, 1, 9*hidden]`` (the time
         conditioning), ``kv`` as :meth:`_DiTAttention.forward` (updated in place), ``last_idx`` as
-        :meth:`_CausalConv.step_tc` -> ``(x, new cnn cache)``."""
+        :meth:`_CausalConv.step_tc`; ``res`` ``(gate, y)``: the previous block's last residual branch,
+        not yet added to ``x`` -> ``(x, this block's last branch (gate_mlp, mlp output), new cnn cache)``:
+        upstream's block output is ``x + gate_mlp * mlp``. Each residual join runs fused with the
+        adaLN norm that reads it (:data:`~cosyserve.models.fused.add_norm_modulate`)."""
         (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
          shift_conv, scale_conv, gate_conv) = mod.chunk(9, dim=-1)
-        x = torch.addcmul(x, gate_msa, self.attn(norm_modulate(x, shift_msa, scale_msa), kv, mask))
-        cv, new_cnn = self.conv(norm_modulate(x, shift_conv, scale_conv), cnn_cache, last_idx)
-        x = torch.addcmul(x, gate_conv, cv)
+        if res is None:
+            h = norm_modulate(x, shift_msa, scale_msa)
+        else:
+            x, h = add_norm_modulate(x, res[0], res[1], shift_msa, scale_msa)
+        x, h = add_norm_modulate(x, gate_msa, self.attn(h, kv, mask), shift_conv, scale_conv)
+        cv, new_cnn = self.conv(h, cnn_cache, last_idx)
+        x, h = add_norm_modulate(x, gate_conv, cv, shift_mlp, scale_mlp)
         fc1 = self.mlp.fc1
-        m = self.mlp.fc2(linear_gelu_tanh(norm_modulate(x, shift_mlp, scale_mlp), fc1.weight, fc1.bias))
-        return torch.addcmul(x, gate_mlp, m), new_cnn
+        return x, (gate_mlp, self.mlp.fc2(linear_gelu_tanh(h, fc1.weight, fc1.bias))), new_cnn
 
 
 class _FinalLayer(nn.Module):
@@ -333,10 +340,13 @@ class _FinalLayer(nn.Module):
         self.linear = nn.Linear(hidden, out_channels)
         self.hidden = hidden
 
-    def forward(self, x: Tensor, mod: Tensor) -> Tensor:
-        """``x [N, T, hidden]``, ``mod`` = ``adaLN_modulation(c)`` ``[N or 1, 1, 2*hidden]``."""
+    def forward(self, x: Tensor, mod: Tensor, res: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """``x [N, T, hidden]``, ``mod`` = ``adaLN_modulation(c)`` ``[N or 1, 1, 2*hidden]``, ``res`` the
+        last block's pending residual branch (see :meth:`_DiTBlock.forward`)."""
         shift, scale = mod.chunk(2, dim=-1)
-        return self.linear(norm_modulate(x, shift, scale))
+        if res is None:
+            return self.linear(norm_modulate(x, shift, scale))
+        return self.linear(add_norm_modulate(x, res[0], res[1], shift, scale)[1])
 
 
 class _TimestepEmbedder(nn.Module):
@@ -409,10 +419,11 @@ class DiT(nn.Module):
         if new_len is not None and self.cfg.conv_kernel_size > 1:
             last_idx = new_len.view(-1, 1) + torch.arange(self.cfg.conv_kernel_size - 1, device=x.device).view(1, -1)
         cnn_out = []
+        res = None  # each block's last residual branch is added fused with the next norm
         for i, blk in enumerate(self.blocks):
-            h, nc = blk(h, mods[0][i], kv[i], cnn_cache[i], mask, last_idx)
+            h, res, nc = blk(h, mods[0][i], kv[i], cnn_cache[i], mask, last_idx, res)
             cnn_out.append(nc)
-        return self.final_layer(h, mods[1]).transpose(1, 2), torch.stack(cnn_out)
+        return self.final_layer(h, mods[1], res).transpose(1, 2), torch.stack(cnn_out)
 
 
 # ----------------------------------------------------------------------------------------------

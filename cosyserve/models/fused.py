@@ -207,6 +207,17 @@ def _norm_modulate_eager(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tens
 norm_modulate = FusedOp(_norm_modulate_eager, "dit_norm_modulate")
 
 
+def _add_norm_modulate_eager(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, shift: torch.Tensor,
+                             scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.addcmul(x, gate, y)
+    return x, _norm_modulate_eager(x, shift, scale)
+
+
+#: a gated residual branch and the next adaLN modulation: ``x + gate * y`` ``[N, T, C]`` and
+#: :data:`norm_modulate` of it, as one kernel on CUDA (the Step-Audio2 DiT block's residual joins)
+add_norm_modulate = FusedOp(_add_norm_modulate_eager, "dit_add_norm_modulate")
+
+
 def attention_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Additive attention mask (0 where ``allowed`` ``[..., Q, K]`` bool is True, -inf elsewhere) in
     ``dtype``, its rows padded in memory to a multiple of 8 elements: the memory-efficient attention
