@@ -1,0 +1,116 @@
+"""Kernels per DiT (Step-Audio2) solve, counted on the CPU: the operators a CUDA graph of
+``DitFlowModel._euler`` replays, one per kernel launch on the GPU.
+
+The solve is bound by its number of small kernels, not by arithmetic (docs/perf.md, "Session 28"), so
+this count is the proxy for a change that fuses kernels, checkable without a GPU. It runs one padded
+streaming solve (the form the graphs capture: rows with lengths and a key mask) of the tiny
+random-weight model and counts every aten operator dispatched inside ``_euler`` that launches work:
+view and metadata operators are skipped, and a call of a fused op (:class:`cosyserve.models.fused.FusedOp`,
+one compiled kernel on CUDA, possibly two) counts once. Counts per layer and evaluation do not depend on
+the model's widths, so the full-size solve is ``depth x n_timesteps`` times the per-layer count plus the
+per-evaluation rest (printed for the released depth, 16).
+
+    python3 benchmarks/dit_solve_kernels.py [--streams 4] [--depth 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cosyserve.models import fused  # noqa: E402
+from cosyserve.models.dit_flow import DitFlowModel  # noqa: E402
+from cosyserve.models.dit_token2wav import TINY_SIZE, load_dit_token2wav, write_token2wav_dir  # noqa: E402
+
+#: operators that launch no kernel on CUDA (allocation without fill, metadata)
+_NO_KERNEL = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
+              "_to_copy_noop", "is_nonzero", "sym_size", "sym_stride", "sym_numel", "alias", "_unsafe_view")
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.fused_depth = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if self.fused_depth == 0 and not func.is_view and name not in _NO_KERNEL:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count(flow: DitFlowModel, streams: int) -> Counter:
+    """Operators of the solve of one padded chunk batch of ``streams`` streams (after a set-up and one chunk)."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [(torch.randint(0, 6561, (n,), generator=g), torch.randn(2 * n, 80, generator=g),
+                torch.randn(192, generator=g)) for n in (17, 11, 23, 6)[: max(1, streams)] * (1 + streams // 4)][:streams]
+    states = flow.setup_batch(prompts)
+    toks = [torch.randint(0, 6561, (28,), generator=g) for _ in states]
+    states = [s for _, s in flow.chunk_batch(states, toks, [False] * len(states))]
+    mode = _Count()
+    euler = DitFlowModel._euler
+    call = fused.FusedOp.__call__
+
+    def counted_fused(self, *args):
+        if mode.fused_depth == 0:
+            mode.ops[f"fused:{self.name}"] += 1
+        mode.fused_depth += 1
+        try:
+            return call(self, *args)
+        finally:
+            mode.fused_depth -= 1
+
+    def counted_euler(self, bufs, n):
+        with mode:
+            return euler(self, bufs, n)
+
+    fused.FusedOp.__call__, DitFlowModel._euler = counted_fused, counted_euler
+    try:
+        flow.chunk_batch(states, [torch.randint(0, 6561, (28,), generator=g) for _ in states], [False] * len(states))
+    finally:
+        fused.FusedOp.__call__, DitFlowModel._euler = call, euler
+    return mode.ops
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--depth", type=int, default=16, help="depth to extrapolate to (the released DiT: 16)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        t2w = load_dit_token2wav(write_token2wav_dir(Path(tmp) / "t2w", TINY_SIZE))
+    flow = t2w.flow
+    flow.enable_cuda_graphs(frames_bucket=25, cache_bucket=64)  # the padded form the graphs capture (eager here)
+    steps, depth = flow.cfg.n_timesteps, flow.decoder.estimator.cfg.depth
+    deeper = TINY_SIZE.__class__(**{**TINY_SIZE.__dict__, "dit_depth": depth + 1})
+    with tempfile.TemporaryDirectory() as tmp:
+        flow2 = load_dit_token2wav(write_token2wav_dir(Path(tmp) / "t2w", deeper)).flow
+    flow2.enable_cuda_graphs(frames_bucket=25, cache_bucket=64)
+    a, b = count(flow, args.streams), count(flow2, args.streams)
+    per_layer = {k: (b[k] - a[k]) / steps for k in set(a) | set(b) if b[k] != a[k]}
+    total_a = sum(a.values())
+    rest = total_a - sum(per_layer.values()) * steps * depth
+    print(f"DiT solve, {args.streams} streams, {steps} steps: {total_a} kernels at depth {depth}")
+    print("\nper layer and evaluation:")
+    print("| operator | kernels |\n|---|---:|")
+    for k, v in sorted(per_layer.items(), key=lambda kv: (-kv[1], kv[0])):
+        print(f"| {k} | {v:g} |")
+    layer = sum(per_layer.values())
+    print(f"| **total** | **{layer:g}** |")
+    print(f"\nper evaluation outside the layers: {rest / steps:g}")
+    print(f"at depth {args.depth}: {layer * steps * args.depth + rest:.0f} kernels per solve")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
