@@ -447,6 +447,34 @@ def test_auto_admission_is_bounded_by_device_memory(synth, caplog):
     assert core._memory_limit() is None
 
 
+def test_memory_bound_takes_what_active_streams_hold_off_what_the_device_holds(synth):
+    """What the active streams' caches hold now (the backend's ``state_bytes`` of their states) is taken off
+    what the device holds before the room is divided among streams at their largest size: streams are not
+    counted twice (once in what is held, once as streams), whatever their sizes."""
+    syn, voice = synth
+    core, _ = slow_engine(synth, max_active=16, max_queue=16, admission="auto")
+    core.capacity_model.capacity = lambda lm_pace=1.0: 8
+    per, total = 100, 100_000
+    core.t2w.stream_state_bytes = lambda: per
+    core._device_memory = lambda: (0, total)
+    for i in range(3):
+        core.add_request(syn.build_request(TEXT, voice, SynthesisParams(
+            seed=i, chunk_policy=ChunkPolicy.parse(POLICY), min_token_text_ratio=RATIO, max_token_text_ratio=RATIO),
+            f"m{i}"))
+    while len(core._active) < 3:
+        core.step()
+    sizes = {id(st.segments[0].hift_state): b for st, b in zip(core._active.values(), (100, 60, 10))}
+    core.t2w.state_bytes = lambda state: sizes.get(id(state), 0)
+    held = 50_000
+    core._device_memory = lambda: (held, total)
+    copies = core.t2w.stream_state_copies
+    assert core._memory_limit() == int((0.95 * total - (held - 170)) // (copies * per))
+    for rid in list(core._active):
+        core.abort(rid)
+    while core.has_work():
+        core.step()
+
+
 def test_offline_work_alone_is_not_held_to_the_real_time_capacity(synth):
     """With no stream active, offline requests (no playback deadline) are admitted up to max_active
     whatever the real-time estimate (before any measurement it admits 2); a stream queued behind them

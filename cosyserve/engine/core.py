@@ -270,11 +270,9 @@ T2W_ATTENTION_LEN = 1024  #: see ``EngineConfig.max_t2w_tokens``: the attention 
 DIT_OFFLINE_ROWS = 4
 DIT_OFFLINE_MAX_S = 30.0
 #: admission's memory bound (:meth:`EngineCore._memory_limit`): device memory kept free, as a share of
-#: the device's; chunks after which a stream's caches have their trimmed (largest) size (the copies of
-#: a stream's caches each further stream is budgeted for are the backend's
+#: the device's (the copies of a stream's caches each further stream is budgeted for are the backend's
 #: :attr:`~cosyserve.engine.token2wav.Token2WavBackend.stream_state_copies`)
 MEMORY_RESERVE_SHARE = 0.05
-MEMORY_GROWING_CHUNKS = 3
 #: ``EngineConfig.hift_f0``: the CosyVoice2 HiFT's F0 item by item in float32 (bit-identical to a stream's F0
 #: run alone) or in one masked float64 pass per batch (:attr:`~cosyserve.models.hift.HiFTGenerator.batched_f0`)
 HIFT_F0_MODES = ("per-item", "batched")
@@ -938,17 +936,18 @@ class EngineCore:
         :meth:`~cosyserve.engine.token2wav.Token2WavBackend.stream_state_bytes`, or on CPU): the
         device's memory less a reserve of ``MEMORY_RESERVE_SHARE`` and less what the rest holds
         (:meth:`_device_memory`: the recent peak of live tensors plus the graph pools' free blocks,
-        minus the caches of the active streams that have sent ``MEMORY_GROWING_CHUNKS`` chunks, i.e.
-        reached their trimmed size), divided by the backend's ``stream_state_copies`` x the largest
-        per-stream state seen. Without it the capacity estimate, which models time, not memory,
+        minus what the active streams' caches hold now, the backend's ``state_bytes``), divided by
+        the backend's ``stream_state_copies`` x the largest per-stream state seen (what each stream,
+        active or not, may grow to). Without it the capacity estimate, which models time, not memory,
         admitted 106-128 DiT streams on an H100 (CUDA out of memory, docs/perf.md "Session 25")."""
         per = self.t2w.stream_state_bytes()
         mem = self._device_memory() if per > 0 else None
         if mem is None:
             return None
         held, total = mem
-        full = sum(1 for st in self._active.values() if st.req.params.stream and st.chunks >= MEMORY_GROWING_CHUNKS)
-        room = (1.0 - MEMORY_RESERVE_SHARE) * total - (held - full * per)
+        streams = sum(self.t2w.state_bytes(seg.hift_state) for st in self._active.values() if st.req.params.stream
+                      for seg in st.segments)
+        room = (1.0 - MEMORY_RESERVE_SHARE) * total - (held - streams)
         limit = max(0, int(room // (self.t2w.stream_state_copies * per)))
         logged = self._memory_logged
         if logged is None or abs(limit - logged) >= max(4, 0.1 * logged):  # material changes only

@@ -99,6 +99,11 @@ class Token2WavBackend:
     #: (and fragments the allocator with caches of changing sizes): 1.5
     stream_state_copies = 1.5
 
+    def state_bytes(self, state) -> int:
+        """Device bytes the caches of one stream's state (a job's ``hift_state``) hold now; 0 where
+        :meth:`stream_state_bytes` is 0."""
+        return 0
+
     def stream_state_bytes(self) -> int:
         """Device bytes one streaming segment's per-stream caches hold at most (the largest seen so
         far), for the engine's memory bound on admission; 0 where they are small next to the

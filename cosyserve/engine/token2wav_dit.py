@@ -98,6 +98,11 @@ class DitToken2WavBackend(Token2WavBackend):
     #: its first chunk (DitItem.in_place); only the encoder and conv caches (~3 %) are made anew per chunk
     stream_state_copies = 1.05
 
+    def state_bytes(self, state) -> int:
+        """Bytes of a stream's DiT flow caches (its whole estimator store once it has one)."""
+        flow = state.flow if isinstance(state, DitT2WStreamState) else None
+        return 0 if flow is None else flow.nbytes()
+
     def stream_state_bytes(self) -> int:
         """The largest per-stream DiT flow state seen (encoder and per-step estimator caches, at
         full size ~180 MB in bf16 once trimmed to ``P + TRIM_KEEP`` frames); 0 before any chunk."""
