@@ -145,6 +145,26 @@ def _qk_norm_kv(qkv: Tensor, qw: Tensor, qb: Tensor, kw: Tensor, kb: Tensor) -> 
 _QK_NORM_KV = FusedOp(_qk_norm_kv, "dit_qk_norm_kv")
 
 
+def _estimator_input(x: Tensor, static_in: Tensor) -> Tensor:
+    """The estimator's input ``[2B, 80 + C, M]`` in ``static_in``'s dtype: the ODE state ``x [B, 80, M]``
+    (float32) for both CFG rows of each item, then ``static_in [2B, C, M]`` (``mu ‖ spk ‖ cond``)."""
+    return torch.cat([x.to(static_in.dtype).repeat_interleave(2, dim=0), static_in], dim=1)
+
+
+def _cfg_euler_step(x: Tensor, v: Tensor, dt: Tensor, static_in: Tensor, r: float) -> tuple[Tensor, Tensor]:
+    """One Euler step with classifier-free guidance (upstream ``CausalConditionalCFM.solve_euler``):
+    ``v [2B, 80, M]`` (rows conditional, unconditional per item) -> ``x + dt * ((1 + r) v_cond - r v_uncond)``
+    (float32) and the next step's :func:`_estimator_input`."""
+    b, n, m = x.shape
+    v = v.float().view(b, 2, n, m)
+    x = x + dt * ((1.0 + r) * v[:, 0] - r * v[:, 1])
+    return x, _estimator_input(x, static_in)
+
+
+#: on CUDA one compiled kernel (or two) for the CFG combination, the Euler update and the next input (~8)
+_CFG_EULER = FusedOp(_cfg_euler_step, "dit_cfg_euler")
+
+
 class _DiTAttention(nn.Module):
     """Multi-head attention with per-head LayerNorm on q and k (``decoder_dit.Attention``, qk_norm)."""
 
@@ -277,15 +297,19 @@ class _CausalConvBlock(nn.Module):
         })
         self.channels = channels
 
-    def forward(self, x: Tensor, cache: Tensor, last_idx: Tensor | None) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, cache: Tensor, last_idx: Tensor | None,
+                out: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``x [N, T, C]``, ``cache [N, 2C, k-1]`` -> ``([N, T, C], new cache [N, 2C, k-1])``;
-        ``last_idx`` as :meth:`_CausalConv.step_tc` (None: every row has ``T`` valid frames)."""
+        ``last_idx`` as :meth:`_CausalConv.step_tc` (None: every row has ``T`` valid frames); the new
+        cache is written into ``out`` (contiguous, that shape) when given."""
         c1, c2 = cache.split(self.channels, dim=1)
         h, n1 = self.block["1"].step_tc(x, c1, last_idx)
         ln = self.block["3"]
         h = _NORM_MISH(h, ln.weight, ln.bias) if ln.eps == 1e-5 else F.mish(ln(h))
         h, n2 = self.block["6"].step_tc(h, c2, last_idx)
-        return h, torch.cat([n1, n2], dim=1)
+        if out is None:
+            return h, torch.cat([n1, n2], dim=1)
+        return h, torch.cat([n1, n2], dim=1, out=out)
 
 
 def _norm_mish(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
@@ -312,14 +336,15 @@ class _DiTBlock(nn.Module):
         self.hidden = h
 
     def forward(self, x: Tensor, mod: Tensor, kv: Tensor, cnn_cache: Tensor, mask: Tensor | None,
-                last_idx: Tensor | None, res: tuple[Tensor, Tensor] | None = None
+                last_idx: Tensor | None, res: tuple[Tensor, Tensor] | None = None, cnn_out: Tensor | None = None
                 ) -> tuple[Tensor, tuple[Tensor, Tensor], Tensor]:
         """``x [N, T, hidden]``, ``mod`` = ``adaLN_modulation(c)`` ``[N or 1, 1, 9*hidden]`` (the time
         conditioning), ``kv`` as :meth:`_DiTAttention.forward` (updated in place), ``last_idx`` as
         :meth:`_CausalConv.step_tc`; ``res`` ``(gate, y)``: the previous block's last residual branch,
         not yet added to ``x`` -> ``(x, this block's last branch (gate_mlp, mlp output), new cnn cache)``:
         upstream's block output is ``x + gate_mlp * mlp``. Each residual join runs fused with the
-        adaLN norm that reads it (:data:`~cosyserve.models.fused.add_norm_modulate`)."""
+        adaLN norm that reads it (:data:`~cosyserve.models.fused.add_norm_modulate`). ``cnn_out``:
+        where to write the new cnn cache (see :meth:`_CausalConvBlock.forward`)."""
         (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
          shift_conv, scale_conv, gate_conv) = mod.chunk(9, dim=-1)
         if res is None:
@@ -327,7 +352,7 @@ class _DiTBlock(nn.Module):
         else:
             x, h = add_norm_modulate(x, res[0], res[1], shift_msa, scale_msa)
         x, h = add_norm_modulate(x, gate_msa, self.attn(h, kv, mask), shift_conv, scale_conv)
-        cv, new_cnn = self.conv(h, cnn_cache, last_idx)
+        cv, new_cnn = self.conv(h, cnn_cache, last_idx, cnn_out)
         x, h = add_norm_modulate(x, gate_conv, cv, shift_mlp, scale_mlp)
         fc1 = self.mlp.fc1
         return x, (gate_mlp, self.mlp.fc2(linear_gelu_tanh(h, fc1.weight, fc1.bias))), new_cnn
@@ -391,8 +416,17 @@ class DiT(nn.Module):
         blocks = torch.stack([blk.adaLN_modulation(c) for blk in self.blocks], dim=1)  # [S, depth, 1, 9h]
         return blocks.unsqueeze(2), self.final_layer.adaLN_modulation(c).unsqueeze(1)
 
+    def conv_last_idx(self, new_len: Tensor | None) -> Tensor | None:
+        """``[N, k-1]``: per row the frames of ``cache ++ x`` that become the conv caches (the last
+        ``k-1`` valid ones, for ``new_len [N]`` valid new frames); None when ``new_len`` is None or the
+        kernel is 1. Shared by every block and evaluation of a solve."""
+        if new_len is None or self.cfg.conv_kernel_size <= 1:
+            return None
+        return new_len.view(-1, 1) + torch.arange(self.cfg.conv_kernel_size - 1, device=new_len.device).view(1, -1)
+
     def forward(self, x: Tensor, t: Tensor | None, kv: Tensor, cnn_cache: Tensor, mask: Tensor | None,
-                new_len: Tensor | None, mods: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+                new_len: Tensor | None, mods: tuple[Tensor, Tensor] | None = None,
+                last_idx: Tensor | None = None, cnn_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """One velocity evaluation.
 
         Args:
@@ -408,6 +442,10 @@ class DiT(nn.Module):
             new_len: ``[N]`` valid frames per row or None (all ``T``).
             mods: this step's ``(blocks [depth, 1, 1, 9*hidden], final [1, 1, 2*hidden])`` from
                 :meth:`modulations`, or None (computed from ``t`` per row).
+            last_idx: :meth:`conv_last_idx` of ``new_len`` when the caller has it (a solve computes it
+                once), else computed here.
+            cnn_out: ``[depth, N, 2*hidden, k-1]`` contiguous: where the new cnn cache is written
+                (returned), else a new tensor.
 
         Returns ``(velocity [N, out_channels, T], new cnn cache [depth, N, 2*hidden, k-1])``.
         """
@@ -415,15 +453,16 @@ class DiT(nn.Module):
             c = self.t_embedder(t).unsqueeze(1)
             mods = ([blk.adaLN_modulation(c) for blk in self.blocks], self.final_layer.adaLN_modulation(c))
         h = self.in_proj(x.transpose(1, 2))
-        last_idx = None  # the conv caches' frames, shared by every block
-        if new_len is not None and self.cfg.conv_kernel_size > 1:
-            last_idx = new_len.view(-1, 1) + torch.arange(self.cfg.conv_kernel_size - 1, device=x.device).view(1, -1)
-        cnn_out = []
+        if last_idx is None:
+            last_idx = self.conv_last_idx(new_len)  # the conv caches' frames, shared by every block
+        caches = []
         res = None  # each block's last residual branch is added fused with the next norm
         for i, blk in enumerate(self.blocks):
-            h, res, nc = blk(h, mods[0][i], kv[i], cnn_cache[i], mask, last_idx, res)
-            cnn_out.append(nc)
-        return self.final_layer(h, mods[1], res).transpose(1, 2), torch.stack(cnn_out)
+            h, res, nc = blk(h, mods[0][i], kv[i], cnn_cache[i], mask, last_idx, res,
+                             None if cnn_out is None else cnn_out[i])
+            caches.append(nc)
+        v = self.final_layer(h, mods[1], res).transpose(1, 2)
+        return v, (torch.stack(caches) if cnn_out is None else cnn_out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1283,13 +1322,12 @@ class DitFlowModel(nn.Module):
         # the key mask as an additive bias once per solve (SDPA would convert a boolean mask in every
         # layer of every step)
         bias = None if mask is None else attention_bias(mask, dtype)
+        last_idx = est.conv_last_idx(new_len)
+        inp = _estimator_input(x, static_in)
         for step in range(n_timesteps):
-            inp = torch.cat([x.to(dtype).repeat_interleave(2, dim=0), static_in], dim=1)
-            v, nc = est(inp, None, att[step], cnn[step], bias, new_len, mods=(mod_blocks[step], mod_final[step]))
-            bufs["cnn_out"][step].copy_(nc)
-            v = v.float().view(b, 2, n_mels, mmax)
-            v = (1.0 + r) * v[:, 0] - r * v[:, 1]
-            x = x + dts[step] * v
+            v, _ = est(inp, None, att[step], cnn[step], bias, new_len, mods=(mod_blocks[step], mod_final[step]),
+                       last_idx=last_idx, cnn_out=bufs["cnn_out"][step])  # (new conv caches written there)
+            x, inp = _CFG_EULER(x, v, dts[step], static_in, r)  # (the last step's inp is not read)
         bufs["x_out"].copy_(x)
 
     def _solve_bucket(self, items: Sequence[DitItem], mlen: list[int], n_timesteps: int, dtype: torch.dtype,
