@@ -447,7 +447,7 @@ def test_graphed_decode_samples_as_eager(yaml_dir):
 def test_fused_kernels_match_float32_eager():
     """The compiled elementwise kernels (cosyserve.models.fused) compute the eager formula: in
     float32 to rounding, in half precision closer to the float32 result than eager half is."""
-    from cosyserve.models.dit_flow import _CAUSAL_COLS, _QK_NORM_KV
+    from cosyserve.models.dit_flow import _CAUSAL_COLS, _CFG_EULER, _QK_NORM_KV
     from cosyserve.models.fused import add_norm_modulate
     from cosyserve.models.flow_estimator import add_layer_norm, conv_layer_norm_mish
     from cosyserve.models.hift import _snake
@@ -467,6 +467,7 @@ def test_fused_kernels_match_float32_eager():
         (_silu_mul, (r(5, 1, 2 * 1024) * 3,)),
         (_QK_NORM_KV, (r(4, 50, 3, 8, 64) * 3, r(64), r(64), r(64), r(64))),
         (add_norm_modulate, (r(4, 50, 512), r(1, 1, 512), r(4, 50, 512), r(1, 1, 512), r(1, 1, 512))),
+        (_CFG_EULER, (r(4, 80, 50), r(8, 80, 50), torch.tensor(0.1, device="cuda"), r(8, 240, 50), 0.7)),
         (_CAUSAL_COLS, (r(4, 50, 512), r(4, 512, 2),
                         torch.tensor([50, 31, 7, 1], device="cuda").view(-1, 1) + torch.arange(2, device="cuda"))),
     ]
