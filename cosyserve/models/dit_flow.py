@@ -74,6 +74,7 @@ including the time grid runs in that dtype (upstream runs under autocast); mel i
 from __future__ import annotations
 
 import array
+import functools
 import logging
 import math
 from collections import Counter
@@ -522,7 +523,12 @@ class DitStreamState:
         return self.est_store is not None and self.est_store.generation != self.est_generation
 
     def nbytes(self) -> int:
-        """Device bytes the state holds (an in-place stream's whole estimator store, not the view)."""
+        """Device bytes the state holds (an in-place stream's whole estimator store, not the view);
+        computed once (the engine's memory bound sums it over the active streams)."""
+        return self._nbytes
+
+    @functools.cached_property
+    def _nbytes(self) -> int:
         est = self.est_att if self.est_store is None else self.est_store.tensor
         return sum(t.numel() * t.element_size() for t in (
             self.spk, self.enc_att1, self.enc_att2, self.enc_lookahead, self.enc_up, est, self.est_cnn))
