@@ -16,6 +16,7 @@ per-evaluation rest (printed for the released depth, 16).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 from collections import Counter
@@ -81,34 +82,39 @@ def count(flow: DitFlowModel, streams: int) -> Counter:
     return mode.ops
 
 
+def solve_kernels(size=TINY_SIZE, streams: int = 4) -> tuple[dict, float, int]:
+    """``(kernels per layer and evaluation by operator, kernels per evaluation outside the layers,
+    Euler steps)`` of a padded streaming solve of random-weight flows at ``size`` and one layer deeper."""
+    flows = []
+    for depth in (size.dit_depth, size.dit_depth + 1):
+        with tempfile.TemporaryDirectory() as tmp:
+            flow = load_dit_token2wav(write_token2wav_dir(Path(tmp) / "t2w", dataclasses.replace(size, dit_depth=depth))).flow
+        flow.enable_cuda_graphs(frames_bucket=25, cache_bucket=64)  # the padded form the graphs capture (eager here)
+        flows.append(flow)
+    steps = flows[0].cfg.n_timesteps
+    a, b = count(flows[0], streams), count(flows[1], streams)
+    per_layer = {k: (b[k] - a[k]) / steps for k in set(a) | set(b) if b[k] != a[k]}
+    rest = (sum(a.values()) - sum(per_layer.values()) * steps * size.dit_depth) / steps
+    return per_layer, rest, steps
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--depth", type=int, default=16, help="depth to extrapolate to (the released DiT: 16)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        t2w = load_dit_token2wav(write_token2wav_dir(Path(tmp) / "t2w", TINY_SIZE))
-    flow = t2w.flow
-    flow.enable_cuda_graphs(frames_bucket=25, cache_bucket=64)  # the padded form the graphs capture (eager here)
-    steps, depth = flow.cfg.n_timesteps, flow.decoder.estimator.cfg.depth
-    deeper = TINY_SIZE.__class__(**{**TINY_SIZE.__dict__, "dit_depth": depth + 1})
-    with tempfile.TemporaryDirectory() as tmp:
-        flow2 = load_dit_token2wav(write_token2wav_dir(Path(tmp) / "t2w", deeper)).flow
-    flow2.enable_cuda_graphs(frames_bucket=25, cache_bucket=64)
-    a, b = count(flow, args.streams), count(flow2, args.streams)
-    per_layer = {k: (b[k] - a[k]) / steps for k in set(a) | set(b) if b[k] != a[k]}
-    total_a = sum(a.values())
-    rest = total_a - sum(per_layer.values()) * steps * depth
-    print(f"DiT solve, {args.streams} streams, {steps} steps: {total_a} kernels at depth {depth}")
+    per_layer, rest, steps = solve_kernels(TINY_SIZE, args.streams)
+    layer = sum(per_layer.values())
+    print(f"DiT solve, {args.streams} streams, {steps} steps: "
+          f"{layer * steps * TINY_SIZE.dit_depth + rest * steps:.0f} kernels at depth {TINY_SIZE.dit_depth}")
     print("\nper layer and evaluation:")
     print("| operator | kernels |\n|---|---:|")
     for k, v in sorted(per_layer.items(), key=lambda kv: (-kv[1], kv[0])):
         print(f"| {k} | {v:g} |")
-    layer = sum(per_layer.values())
     print(f"| **total** | **{layer:g}** |")
-    print(f"\nper evaluation outside the layers: {rest / steps:g}")
-    print(f"at depth {args.depth}: {layer * steps * args.depth + rest:.0f} kernels per solve")
+    print(f"\nper evaluation outside the layers: {rest:g}")
+    print(f"at depth {args.depth}: {(layer * args.depth + rest) * steps:.0f} kernels per solve")
     return 0
 
 

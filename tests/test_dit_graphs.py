@@ -388,3 +388,25 @@ def test_default_chunk_policy_of_the_dit_path():
         EngineConfig(stream_chunk_policy="sometimes")
     with pytest.raises(ValueError):
         EngineConfig(stream_prompt_s=(3.0, 2.0))
+
+
+# ---------------------------------------------------------------------------------------------- kernel count
+
+
+def test_solve_kernel_count_stays_down():
+    """The solve is bound by its number of small kernels (docs/perf.md "Session 29"): the operators a graph of
+    ``DitFlowModel._euler`` replays, counted on the CPU by ``benchmarks/dit_solve_kernels.py`` (a fused op
+    counts once), stay at most 17 per layer and evaluation (26 before the fused ops) and 5 per evaluation
+    outside the layers (14.4 before), and every fused op of the solve is used."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "dit_solve_kernels.py"
+    spec = importlib.util.spec_from_file_location("dit_solve_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    per_layer, rest, _ = mod.solve_kernels(streams=3)
+    assert sum(per_layer.values()) <= 17, per_layer
+    assert rest <= 5, rest
+    for name in ("dit_qk_norm_kv", "dit_causal_cols", "dit_add_norm_modulate", "dit_norm_mish"):
+        assert per_layer.get(f"fused:{name}", 0) >= 1, (name, per_layer)
