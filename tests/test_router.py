@@ -143,19 +143,30 @@ def test_killed_worker_fails_its_stream_only_and_comes_back(router):
     import tritonclient.grpc as tg
 
     before = wait_ready(router.url, 2)
+    # both workers warm (each has synthesized once, directly): a worker's first request pays one-time set-up,
+    # during which the other worker's stream could finish before this one starts (seen on a loaded 2-core CI
+    # machine: only one worker was busy when the kill came)
+    for w in before:
+        r = httpx.post(f"http://127.0.0.1:{w['http_port']}/v1/audio/speech",
+                       json={"model": "tts-1", "voice": "default", "input": "你好。", "response_format": "pcm"},
+                       timeout=120)
+        assert r.status_code == 200, (w["index"], r.text)
     results: dict[str, list] = {}
     started = {k: threading.Event() for k in ("a", "b")}
+    text = "，".join([LONG_TEXT[:-1]] * 2) + "。"  # long enough to outlast the other stream's start
 
     def run(k):
-        results[k] = _stream(tg.InferenceServerClient(f"127.0.0.1:{router.grpc_port}"), LONG_TEXT, k, started[k])
+        results[k] = _stream(tg.InferenceServerClient(f"127.0.0.1:{router.grpc_port}"), text, k, started[k])
 
     threads = [threading.Thread(target=run, args=(k,)) for k in ("a", "b")]
     for t in threads:
         t.start()
         time.sleep(0.2)
     assert all(e.wait(120) for e in started.values()), results
-    busy = [w for w in workers(router.url) if w["inflight"] == 1]
-    assert len(busy) == 2, workers(router.url)  # least-loaded choice: one stream per worker
+    now = workers(router.url)
+    busy = [w for w in now if w["inflight"] == 1]
+    # least-loaded choice: one stream per worker
+    assert len(busy) == 2, ([(w["index"], w["inflight"]) for w in now], {k: len(v) for k, v in results.items()})
     victim = busy[0]
     os.kill(victim["pid"], signal.SIGKILL)
     for t in threads:
