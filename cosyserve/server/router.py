@@ -528,14 +528,30 @@ class _GrpcProxy(grpc.GenericRpcHandler):
     def _pick(self, speech: bool) -> Worker:
         return self.router.pick(speech)
 
-    async def _lost(self, context, w: Worker, gen: int, code: grpc.StatusCode, details: str):
-        """End the client's call after the worker's call failed: ``UNAVAILABLE`` naming the worker when
-        its process exited (the request was lost), else the worker's own status."""
-        if await died(w, gen):
+    @staticmethod
+    async def _fail(w: Worker, gen: int, channel, exc: BaseException) -> bool:
+        """After the worker's call ended with ``exc``: re-raises ``exc`` when it is this RPC's own
+        cancellation (client gone, server stopping); otherwise returns whether the request was lost
+        (its worker's process exited), for the caller's bookkeeping, after which the caller ends the
+        client's call with :meth:`_abort`. A call cancelled under the RPC raises CancelledError, not an
+        RPC error: the supervisor closed the exited worker's channel before the transport noticed the
+        broken connection (the channel is no longer ``w.channel``). One check of the exit serves the
+        bookkeeping and the client's status (two 1 s checks did; the message kept their 2 s)."""
+        if isinstance(exc, asyncio.CancelledError) and w.channel is channel:
+            raise exc
+        return await died(w, gen, grace_s=2.0)
+
+    @staticmethod
+    async def _abort(context, w: Worker, lost: bool, exc: BaseException) -> None:
+        """End the client's call: ``UNAVAILABLE`` naming the worker when the request was lost, else the
+        worker's own status (``UNAVAILABLE`` for a call cancelled under the RPC)."""
+        if lost:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"{w.name} stopped while serving this request; it was lost — retry "
                                 f"(other requests are unaffected)")
-        await context.abort(code, details)
+        if isinstance(exc, grpc.aio.AioRpcError):
+            await context.abort(exc.code(), exc.details() or "")
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"{w.name} went away")
 
     def _unary(self, method: str, speech: bool):
         async def handler(request: bytes, context) -> bytes:
@@ -548,14 +564,9 @@ class _GrpcProxy(grpc.GenericRpcHandler):
             lost = False
             try:
                 return await channel.unary_unary(method)(request, metadata=self._metadata(context))
-            except grpc.aio.AioRpcError as exc:
-                lost = await died(w, gen)
-                await self._lost(context, w, gen, exc.code(), exc.details() or "")
-            except asyncio.CancelledError:
-                if w.channel is channel:  # this RPC itself was cancelled (client gone, server stopping)
-                    raise
-                lost = await died(w, gen)  # the supervisor closed the exited worker's channel under the call
-                await self._lost(context, w, gen, grpc.StatusCode.UNAVAILABLE, f"{w.name} went away")
+            except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+                lost = await self._fail(w, gen, channel, exc)
+                await self._abort(context, w, lost, exc)
             finally:
                 self.router.end(w, gen, lost=lost)
         return handler
@@ -573,18 +584,9 @@ class _GrpcProxy(grpc.GenericRpcHandler):
             try:
                 async for response in call:
                     yield response
-            except grpc.aio.AioRpcError as exc:
-                lost = await died(w, gen)
-                await self._lost(context, w, gen, exc.code(), exc.details() or "")
-            except asyncio.CancelledError:
-                # A cancelled call raises CancelledError, not an RPC error. Re-raised when this RPC itself
-                # was cancelled; when the supervisor closed the exited worker's channel first (a race with
-                # the transport noticing the broken connection), swallowing it would leave the client's
-                # stream open with no status: it must end with UNAVAILABLE like any lost request.
-                if w.channel is channel:
-                    raise
-                lost = await died(w, gen)
-                await self._lost(context, w, gen, grpc.StatusCode.UNAVAILABLE, f"{w.name} went away")
+            except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+                lost = await self._fail(w, gen, channel, exc)
+                await self._abort(context, w, lost, exc)
             finally:
                 call.cancel()
                 self.router.end(w, gen, lost=lost)
