@@ -88,7 +88,7 @@ from torch import Tensor, nn
 from ..errors import ConfigError
 from .config import DiTConfig, DitFlowConfig
 from .flow_encoder import UpsampleConformerEncoder, relative_position_table
-from .flow_estimator import DerivedWeights
+from .derived import DerivedWeights
 from .fused import FusedOp, add_norm_modulate, attention_bias, linear_gelu_tanh, norm_modulate
 from .graphs import _GraphStage
 from .views import cat_adjacent as _cat

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from ..errors import ConfigError
 from .config import EstimatorConfig
+from .derived import DerivedWeights
 from .flow_encoder import chunk_attention_mask, segment_index_on
 from .fused import FusedOp, linear_gelu
 from .transfer import to_device
@@ -71,26 +72,6 @@ class TimestepEmbedding(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.linear_2(F.silu(self.linear_1(x)))
-
-
-class DerivedWeights:
-    """Tensors derived from parameters (fused or re-laid-out weights), built on first use and
-    rebuilt when a source parameter was replaced, moved or modified in place (its storage
-    pointer or version counter changed; parameters created in inference mode have no version
-    counter, so only replacing or moving those is noticed). Built outside inference mode, so
-    they are plain tensors."""
-
-    def __init__(self):
-        self._store: dict = {}
-
-    def get(self, name: str, sources: tuple, build):
-        key = tuple((p.data_ptr(), 0 if p.is_inference() else p._version, p.dtype, p.device) for p in sources)
-        hit = self._store.get(name)
-        if hit is None or hit[0] != key:
-            with torch.inference_mode(False), torch.no_grad():
-                hit = (key, build())
-            self._store[name] = hit
-        return hit[1]
 
 
 def causal_im2col(x: Tensor, kernel: int) -> Tensor:

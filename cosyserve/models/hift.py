@@ -116,6 +116,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 from .config import HiFTConfig
+from .derived import DerivedWeights
 from .fused import FusedOp
 from .transfer import to_device
 from .views import cat_adjacent, merge_adjacent
@@ -462,6 +463,7 @@ class HiFTGenerator(nn.Module):
         #: batch-mates. Off by default (``serve --hift-f0 batched`` sets it; docs/perf.md
         #: "Session 27", "Session 28")
         self.batched_f0 = False
+        self._derived = DerivedWeights()  # the F0 predictor's float64 weights (predict_f0_batched)
         #: experimental, off: :meth:`decode` lays its trunk inputs out frame-major (``[B, C, T]``
         #: views of ``[B, T, C]`` memory, the layout cuDNN's NHWC half-precision convolutions read);
         #: same values, but measured no faster: cuDNN still transposes (``benchmarks/hift_probe.py
@@ -597,14 +599,10 @@ class HiFTGenerator(nn.Module):
         return f0.masked_fill(~mask[:, 0], 0.0).to(mel.dtype)
 
     def _f0_weights64(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Float64 copies of the F0 predictor's weights (see :meth:`predict_f0_batched`)."""
-        key = tuple((p.device, p.data_ptr(), p._version) for p in self.f0_predictor.parameters())
-        cached = self.__dict__.get("_f0_64")
-        if cached is None or cached[0] != key:
-            with torch.no_grad():
-                # kept out of the module's registries: not in state_dict(), parameters() or .to()
-                self.__dict__["_f0_64"] = cached = (key, self.f0_predictor.weights_as(torch.float64))
-        return cached[1]
+        """Float64 copies of the F0 predictor's weights (see :meth:`predict_f0_batched`), rebuilt
+        when a parameter changes; not in the module's registries (``state_dict()``, ``.to()``)."""
+        return self._derived.get("f0_64", tuple(self.f0_predictor.parameters()),
+                                 lambda: self.f0_predictor.weights_as(torch.float64))
 
     # ------------------------------------------------------------------ excitation
 
