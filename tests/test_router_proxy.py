@@ -24,7 +24,8 @@ UNARY = f"/{GRPC_SERVICE}/ModelInfer"
 
 
 class _FakeWorker(grpc.GenericRpcHandler):
-    """Streams ``b"x"`` every 20 ms until cancelled; the unary method never answers."""
+    """Streams ``b"x"`` every 20 ms until cancelled; the unary method answers ``b"bad"`` with
+    INVALID_ARGUMENT and anything else never."""
 
     def __init__(self):
         self.open_streams = 0
@@ -41,7 +42,9 @@ class _FakeWorker(grpc.GenericRpcHandler):
                     self.open_streams -= 1
             return grpc.stream_stream_rpc_method_handler(stream)
         if details.method == UNARY:
-            async def unary(_request, _context):
+            async def unary(request, context):
+                if request == b"bad":
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "target_text is empty")
                 await asyncio.sleep(3600)
             return grpc.unary_unary_rpc_method_handler(unary)
         return None
@@ -151,3 +154,31 @@ def test_client_cancel_cancels_the_workers_stream_and_loses_nothing():
 async def _drain(call) -> None:
     async for _ in call:
         pass
+
+
+def test_worker_error_status_is_relayed_without_waiting_for_an_exit(monkeypatch):
+    """A worker that answers with a status of its own (bad input: INVALID_ARGUMENT) is alive: the client gets
+    that status, nothing is counted lost, and the proxy does not wait to see whether the worker exits (it waited
+    2 s for every such error)."""
+    import cosyserve.server.router as router_mod
+
+    checked = []
+
+    async def died(w, gen, grace_s=1.0):
+        checked.append(grace_s)
+        return False
+
+    monkeypatch.setattr(router_mod, "died", died)
+
+    async def go():
+        fake, worker_server, router, w, router_server, client = await _setup()
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await asyncio.wait_for(client.unary_unary(UNARY)(b"bad"), 10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details() == "target_text is empty"
+            assert checked == [] and w.inflight == 0
+            assert router._m_lost.labels("0")._value.get() == 0
+        finally:
+            await _teardown(worker_server, router, router_server, client)
+    asyncio.run(go())

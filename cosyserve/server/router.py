@@ -536,9 +536,13 @@ class _GrpcProxy(grpc.GenericRpcHandler):
         client's call with :meth:`_abort`. A call cancelled under the RPC raises CancelledError, not an
         RPC error: the supervisor closed the exited worker's channel before the transport noticed the
         broken connection (the channel is no longer ``w.channel``). One check of the exit serves the
-        bookkeeping and the client's status (two 1 s checks did; the message kept their 2 s)."""
+        bookkeeping and the client's status; a worker that answered with a status of its own (not
+        ``UNAVAILABLE``, e.g. ``INVALID_ARGUMENT`` for bad input) is alive, and its status is relayed
+        without waiting for an exit."""
         if isinstance(exc, asyncio.CancelledError) and w.channel is channel:
             raise exc
+        if isinstance(exc, grpc.aio.AioRpcError) and exc.code() != grpc.StatusCode.UNAVAILABLE:
+            return False
         return await died(w, gen, grace_s=2.0)
 
     @staticmethod
