@@ -465,7 +465,7 @@ def test_fused_kernels_match_float32_eager():
         (conv_layer_norm_mish, (r(4, 2, 768), r(256), r(256), r(256), 1e-5, None)),
         (_rope, (r(2, 3, 9, 64), r(2, 3, 1, 64), r(2, 3, 1, 64))),
         (_silu_mul, (r(5, 1, 2 * 1024) * 3,)),
-        (_QK_NORM_KV, (r(4, 50, 3, 8, 64) * 3, r(64), r(64), r(64), r(64))),
+        (_QK_NORM_KV, (r(4, 50, 3, 8, 64) * 3, r(64), r(64), r(64), r(64), 1e-5, 1e-5)),
         (add_norm_modulate, (r(4, 50, 512), r(1, 1, 512), r(4, 50, 512), r(1, 1, 512), r(1, 1, 512))),
         (_CAUSAL_COLS, (r(4, 50, 512), r(4, 512, 2),
                         torch.tensor([50, 31, 7, 1], device="cuda").view(-1, 1) + torch.arange(2, device="cuda"))),

@@ -132,13 +132,13 @@ def _to_device(t: Tensor, dev) -> Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-def _qk_norm_kv(qkv: Tensor, qw: Tensor, qb: Tensor, kw: Tensor, kb: Tensor) -> tuple[Tensor, Tensor]:
+def _qk_norm_kv(qkv: Tensor, qw: Tensor, qb: Tensor, kw: Tensor, kb: Tensor, q_eps: float,
+                k_eps: float) -> tuple[Tensor, Tensor]:
     """From one q/k/v GEMM's output ``qkv [N, T, 3, H, hd]``: ``q`` LayerNorm-ed over ``hd``
-    ``[N, T, H, hd]`` and the new keys ‖ values ``[N, T, H, 2*hd]`` (k LayerNorm-ed; eps 1e-5, the
-    ``nn.LayerNorm`` default upstream's qk_norm uses)."""
+    ``[N, T, H, hd]`` and the new keys ‖ values ``[N, T, H, 2*hd]`` (k LayerNorm-ed)."""
     hd = qkv.shape[-1]
-    q = F.layer_norm(qkv[:, :, 0], (hd,), qw, qb, 1e-5)
-    k = F.layer_norm(qkv[:, :, 1], (hd,), kw, kb, 1e-5)
+    q = F.layer_norm(qkv[:, :, 0], (hd,), qw, qb, q_eps)
+    k = F.layer_norm(qkv[:, :, 1], (hd,), kw, kb, k_eps)
     return q, torch.cat([k, qkv[:, :, 2]], dim=-1)
 
 
@@ -203,10 +203,7 @@ class _DiTAttention(nn.Module):
         w, bias = self.qkv_weights()
         qkv = F.linear(x, w, bias).view(b, t, 3, self.num_heads, hd)
         qn, kn = self.q_norm, self.k_norm
-        if qn.eps == kn.eps == 1e-5:
-            q, new = _QK_NORM_KV(qkv, qn.weight, qn.bias, kn.weight, kn.bias)
-        else:
-            q, new = qn(qkv[:, :, 0]), torch.cat([kn(qkv[:, :, 1]), qkv[:, :, 2]], dim=-1)
+        q, new = _QK_NORM_KV(qkv, qn.weight, qn.bias, kn.weight, kn.bias, qn.eps, kn.eps)
         kv[:, :, :t].copy_(new.transpose(1, 2))
         out = F.scaled_dot_product_attention(q.transpose(1, 2), kv[..., :hd], kv[..., hd:], attn_mask=mask)
         return self.proj(out.transpose(1, 2).reshape(b, t, -1))
@@ -220,27 +217,21 @@ class _CausalConv(nn.Conv1d):
         transposes): ``x [N, T, C_in]``, ``cache [N, C_in, k-1]`` -> ``([N, T, C_out], new cache
         [N, C_in, k-1])``; ``last_idx [N, k-1]``: per row, the frames of ``cache ++ x`` that become
         the new cache (the last ``k-1`` valid ones), None: the last ``k-1``."""
-        k = self.kernel_size[0]
-        n, t, _ = x.shape
-        if k > 1 and last_idx is not None:  # (what solves pass): one fused op on CUDA
-            cols, new = _CAUSAL_COLS(x, cache, last_idx)
-            return F.linear(cols, self.weight.reshape(self.out_channels, -1), self.bias), new
-        xx = torch.cat([cache.transpose(1, 2).to(x.dtype), x], dim=1)  # [N, k-1+T, C_in]
-        cols = xx.unfold(1, k, 1).reshape(n, t, -1)  # [N, T, C_in*k], channel-major like the weight
-        y = F.linear(cols, self.weight.reshape(self.out_channels, -1), self.bias)
-        new = xx[:, :0] if k == 1 else xx[:, -(k - 1):]
-        return y, new.transpose(1, 2)
+        # with row lengths (what solves pass) one fused op on CUDA; without, the same formula eagerly
+        op = _causal_cols if last_idx is None or self.kernel_size[0] == 1 else _CAUSAL_COLS
+        cols, new = op(x, cache, last_idx)
+        return F.linear(cols, self.weight.reshape(self.out_channels, -1), self.bias), new
 
 
-def _causal_cols(x: Tensor, cache: Tensor, last_idx: Tensor) -> tuple[Tensor, Tensor]:
+def _causal_cols(x: Tensor, cache: Tensor, last_idx: Tensor | None) -> tuple[Tensor, Tensor]:
     """The GEMM input of :meth:`_CausalConv.step_tc` and its new cache: ``x [N, T, C]`` after
     ``cache [N, C, k-1]`` -> ``(cols [N, T, C*k]`` (channel-major, like the conv weight), the frames
-    ``last_idx [N, k-1]`` of ``cache ++ x`` as ``[N, C, k-1])``."""
+    ``last_idx [N, k-1]`` of ``cache ++ x`` as ``[N, C, k-1])``, the last ``k-1`` when ``last_idx`` is None."""
     k = cache.shape[2] + 1
     n, t, c = x.shape
     xx = torch.cat([cache.transpose(1, 2).to(x.dtype), x], dim=1)  # [N, k-1+T, C]
     cols = xx.unfold(1, k, 1).reshape(n, t, c * k)
-    new = torch.gather(xx, 1, last_idx.unsqueeze(-1).expand(-1, -1, c))
+    new = xx[:, t:] if last_idx is None else torch.gather(xx, 1, last_idx.unsqueeze(-1).expand(-1, -1, c))
     return cols, new.transpose(1, 2)
 
 
