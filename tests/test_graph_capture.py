@@ -94,6 +94,41 @@ def test_background_capture_publishes_atomically_and_serving_stays_eager_meanwhi
     assert all(tid != me and bg for _, _, tid, bg in log)  # all on the capture thread, background mode
 
 
+def test_when_done_listeners_run_once_after_the_last_capture(caplog):
+    """Listeners registered before the end run once on the capture thread after every bucket is
+    published; one registered later runs at once on the caller's; a failing one is logged and the
+    others still run (the server re-freezes the heap this way: engine/gc_pauses.py)."""
+    gate = {(2,): threading.Event()}
+    st = FakeStage("s", [(1,), (2,)], gate=gate)
+    cap = G.BackgroundCapturer([[st]], prime=False)
+    seen = []
+
+    def listener(tag):
+        def fn():
+            seen.append((tag, threading.get_ident(), len(st._graphs)))
+            if tag == "bad":
+                raise RuntimeError("listener bug")
+        return fn
+
+    cap.when_done(listener("before-start"))
+    cap.start()
+    cap.when_done(listener("bad"))
+    cap.when_done(listener("during"))
+    assert seen == []  # (2,) still being captured
+    gate[(2,)].set()
+    with caplog.at_level("ERROR"):
+        assert cap.wait(10)
+        deadline = time.time() + 10
+        while len(seen) < 3 and time.time() < deadline:
+            time.sleep(0.01)
+    me = threading.get_ident()
+    assert [t for t, _, _ in seen] == ["before-start", "bad", "during"]
+    assert all(tid != me and n == 2 for _, tid, n in seen)
+    assert "a graph-capture listener failed" in caplog.text
+    cap.when_done(listener("after"))
+    assert seen[-1][:2] == ("after", me) and len(seen) == 4
+
+
 def test_a_failing_capture_disables_only_its_bucket(caplog):
     st = FakeStage("s", [(1,), (2,), (3,)], fail={(2,)})
     cap = G.BackgroundCapturer([[st]])

@@ -397,6 +397,10 @@ def test_metrics_scrape(server):
     assert n_first >= 1
     assert all(metric(m, "cosyserve_first_chunk_phase_seconds_count", phase=p) == n_first for p in phases)
     assert metric(m, "cosyserve_first_chunk_phase_seconds_sum", phase="token2wav") > 0
+    # the heap is frozen at ready and again once the graph capture has ended (on CPU: at once)
+    logs = server.logs()
+    assert "start-up objects out of garbage collection" in logs
+    assert "objects left by the background graph capture out of garbage collection" in logs
 
 
 def test_client_killed_mid_stream_frees_its_slot(server):

@@ -760,6 +760,15 @@ class EngineCore:
         if wait_primed:
             self.graph_capturer.wait_primed()
 
+    def when_graphs_captured(self, fn) -> None:
+        """Call ``fn()`` once the background capture has ended (on its thread), or now when there is
+        none or it has already ended. The server re-freezes the heap then (the capture leaves its
+        compiled graphs' objects behind: :mod:`~cosyserve.engine.gc_pauses`)."""
+        if self.graph_capturer is None:
+            fn()
+        else:
+            self.graph_capturer.when_done(fn)
+
     def graph_counts(self) -> dict[str, float]:
         """CUDA graph buckets ``captured``, ``pending`` (neither captured nor disabled, in the
         warmed grids and the decode grid), ``failed`` (disabled after a failed capture) and

@@ -525,6 +525,8 @@ class BackgroundCapturer:
         self._primed = threading.Event()
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
+        self._on_done: list = []
+        self._on_done_lock = threading.Lock()
         self.failed = 0
         self.demanded = 0  # captures taken out of plan order because serving ran the bucket eagerly
         self.capture_s = 0.0
@@ -589,6 +591,22 @@ class BackgroundCapturer:
         """Wait until the capture loop has ended; False on timeout."""
         return self._done.wait(timeout)
 
+    def when_done(self, fn) -> None:
+        """Call ``fn()`` once the capture loop has ended (on the capture thread), or now (on the
+        calling thread) if it already has. An exception ``fn`` raises is logged, not raised."""
+        with self._on_done_lock:
+            if not self._done.is_set():
+                self._on_done.append(fn)
+                return
+        _call_logged(fn)
+
+    def _finished(self) -> None:
+        with self._on_done_lock:
+            self._done.set()
+            todo, self._on_done = self._on_done, []
+        for fn in todo:
+            _call_logged(fn)
+
     def stop(self, timeout: float | None = None) -> bool:
         """Ask the thread to stop after the capture in progress and wait up to ``timeout``
         seconds; True if it has ended. Buckets not captured stay eager."""
@@ -620,7 +638,7 @@ class BackgroundCapturer:
             if fused._compile_thread in (threading.get_ident(), fused.NO_THREAD):
                 fused.compile_only_on(None)  # every thread compiles (and runs compiled) again
             self._primed.set()
-            self._done.set()
+            self._finished()
 
     def _prime(self) -> None:
         for stage in self.stages:
@@ -709,6 +727,13 @@ class BackgroundCapturer:
                  "cache)", n, self.wall_s, " in the background" if background else "", self.capture_s, per_stage,
                  self.failed, self.pending, self.demanded,
                  ": stopped" if self._stop.is_set() else "", (m1 - m0) / 2**30, (m2 - m0) / 2**30)
+
+
+def _call_logged(fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - a listener's bug must not stop the capture thread's clean-up
+        log.exception("a graph-capture listener failed")
 
 
 def shorten_switch_interval(seconds: float) -> tuple[float, float] | None:

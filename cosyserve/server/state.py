@@ -28,7 +28,7 @@ import torch
 from ..engine.async_engine import AsyncEngine
 from ..engine.chunking import ChunkPolicy
 from ..engine.core import EngineConfig
-from ..engine.gc_pauses import GCPauseMonitor, freeze_startup_heap
+from ..engine.gc_pauses import GCPauseMonitor, freeze_heap, freeze_startup_heap
 from ..engine.pipeline import DTYPES, Synthesizer
 from ..engine.request import AudioChunk, EngineRequest, Outcome, RequestFinished, SynthesisParams
 from ..errors import CosyServeError, InvalidInputError, VoiceNotFoundError
@@ -40,6 +40,19 @@ from .metrics import Metrics
 log = logging.getLogger("cosyserve.server")
 
 #: OpenAI model names accepted as aliases of the served model (so stock clients work).
+#: a full garbage collection longer than this (seconds) while serving freezes its survivors out of later
+#: ones (:class:`~cosyserve.engine.gc_pauses.GCPauseMonitor`; at most every 5 minutes): such a pause
+#: stalls every stream whose next chunk falls due within it
+GC_REFREEZE_S = 0.05
+
+
+def _freeze_after_capture() -> None:
+    """The background CUDA-graph capture has ended: freeze what it left behind (compiled graphs,
+    guards, capture bookkeeping), which full collections would otherwise walk while serving
+    (157-165 ms each on the H100 with 128 DiT streams: docs/perf.md "Session 30")."""
+    log.info("froze %d objects left by the background graph capture out of garbage collection", freeze_heap())
+
+
 OPENAI_MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 
 #: accepted request seeds: the int64 range (what torch generators and KServe INT64 parameters hold)
@@ -234,8 +247,10 @@ class ServerState:
             if c.warmup:
                 await self._warmup()
             frozen = freeze_startup_heap()
-            self._gc_monitor = GCPauseMonitor(self.metrics.gc_observed).install()
+            self._gc_monitor = GCPauseMonitor(self.metrics.gc_observed, refreeze_s=GC_REFREEZE_S).install()
             log.info("froze %d start-up objects out of garbage collection", frozen)
+            if hasattr(core, "when_graphs_captured"):  # and what the background graph capture leaves behind
+                core.when_graphs_captured(_freeze_after_capture)
             self.ready = True
             self.metrics.ready.set(1)
             # with background graph capture the server is ready before its CUDA graphs are: the
