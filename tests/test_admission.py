@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from _server import Server
 from cosyserve.client.bench import playback_stalls
-from cosyserve.engine.admission import (T2W_PERIOD_S, AdmissionPolicy, CapacityEstimator, chunk_speedup,
-                                        latency_pace)
+from cosyserve.engine.admission import (T2W_PERIOD_S, AdmissionPolicy, CapacityEstimator, SlackGuard,
+                                        chunk_speedup, latency_pace)
 from cosyserve.engine.chunking import ChunkPolicy
 from cosyserve.engine.core import EngineConfig, QueueFullError
 from cosyserve.engine.request import AudioChunk, RequestFinished, SynthesisParams
@@ -609,6 +609,61 @@ def test_metrics_expose_the_admission_gauges(tmp_path):
     finally:
         assert srv.stop() == 0
     assert "Traceback" not in srv.logs()
+
+
+def test_slack_guard_cuts_at_once_holds_and_grows_back():
+    """Close calls cap admission below the streams active then (late chunks by 10 %), once per hold
+    period; the cap grows back by one stream per ``recover_s`` and is dropped once other bounds bind."""
+    clock = Clock()
+    g = SlackGuard(margin_s=0.1, hold_s=1.0, recover_s=0.5, cut=0.9, clock=clock)
+    assert g.limit() is None and not g.observe(0.3, 100)  # comfortable slack: nothing
+    assert g.observe(0.05, 100) and g.limit() == 99 and g.cuts == 1 and g.close_calls == 1
+    clock.t += 0.5  # within the hold: the streams behind this one were admitted before the cut
+    assert not g.observe(-0.2, 99) and g.late == 1 and g.limit() == 100  # grew back by one meanwhile
+    clock.t += 0.6
+    assert g.observe(-0.2, 100) and g.limit() == 90 and g.cuts == 2  # late: 0.9 x the active streams
+    clock.t += 1.5
+    assert not g.observe(0.05, 95)  # the cap (93 now) is already below active - 1
+    assert g.limit() == 93
+    clock.t += 5.0
+    assert g.limit(ceiling=120) == 103
+    clock.t += 10.0
+    assert g.limit(ceiling=120) is None and g.limit() is None  # past the other bounds: dropped
+    assert g.observe(-1.0, 1) and g.limit() == 1  # never below one stream
+    with pytest.raises(ValueError):
+        SlackGuard(cut=1.0)
+
+
+def test_late_chunk_caps_auto_admission_below_the_active_streams(synth, caplog):
+    """On the engine (auto admission): a streaming chunk that comes within the margin of its deadline
+    caps the admission limit and the capacity gauge below the streams active then; queued requests
+    wait, every request still completes in arrival order."""
+    core, obs = slow_engine(synth, max_active=16, max_queue=16, admission=4)
+    core.admission = AdmissionPolicy("auto")
+    core.capacity_model.last = core.capacity_model.initial = 4  # start with four; measured, it may rise
+    syn, voice = synth
+    params = SynthesisParams(seed=0, chunk_policy=ChunkPolicy.parse(POLICY), min_token_text_ratio=RATIO,
+                             max_token_text_ratio=RATIO)
+    for i in range(8):
+        core.add_request(syn.build_request(TEXT, voice, params, f"r{i}"))
+    while core.active_count < 2 and core.has_work():
+        core.step()
+    active = core.active_count
+    assert active >= 2
+    core.slack_guard = SlackGuard(recover_s=60.0)  # grows back by one stream a minute: none within this test
+    with caplog.at_level("WARNING", logger="cosyserve.engine.core"):
+        core._observe_slack(0.02)  # a close call
+    assert core.slack_guard.cuts == 1 and "admission capped at" in caplog.text
+    assert core.capacity_streams <= active - 1
+    core.step()
+    assert core.admission_limit <= active - 1 and core.active_count <= active
+    done = {}
+    while core.has_work():
+        for ev in core.step():
+            if isinstance(ev, RequestFinished):
+                done[ev.request_id] = ev
+    assert sorted(done) == [f"r{i}" for i in range(8)] and all(e.outcome.value == "ok" for e in done.values())
+    assert obs.order == [f"r{i}" for i in range(8)]
 
 
 def test_estimator_keeps_its_model_over_an_idle_gap():

@@ -53,6 +53,15 @@ the smaller of the two. ``U(b)`` counts every admitted stream as still generatin
 case, e.g. after a burst) and the two resources as not overlapping their own parts (on CUDA
 the LM and token2wav streams run concurrently, so this errs on the safe side).
 
+Feedback (:class:`SlackGuard`): the model above prices what it measured, and it can be wrong — on an
+H100 with device memory no longer binding, it read 146-156 DiT streams where 88 stayed real time
+(docs/perf.md "Session 30"). So the engine also watches the outcome itself: every streaming chunk after
+the first is due when the audio before it has played (its *slack* is that deadline minus the moment it
+is emitted). A chunk with less than ``margin_s`` of slack caps admission at the streams active then,
+minus one (a late chunk: 0.9 x them), at most once per ``hold_s`` (the time a cut takes to show); the
+cap then rises by one stream per ``recover_s`` without a close call, and is dropped once it no longer
+binds. In auto mode admission takes the smaller of the estimate and this cap.
+
 Extrapolation is bounded ("slow start"): before any measurement the capacity is
 ``initial``; after, it is at most ``growth`` x the largest number of streams measured
 admitted at once, plus one, so the linear model is never trusted far beyond what was seen
@@ -427,5 +436,62 @@ class CapacityEstimator:
         return self.last
 
 
-__all__ = ["AdmissionPolicy", "CapacityEstimator", "chunk_speedup", "latency_pace", "SPEEDUP_HORIZON_TOKENS",
+class SlackGuard:
+    """Admission cap from the streams' own chunk deadlines (module doc, "Feedback"; AIMD as in TCP
+    congestion control: cut at once on a sign of overload, grow back slowly).
+
+    :meth:`observe` takes each streaming chunk's slack (seconds: its playback deadline minus the
+    time it was emitted, negative = the client's playback ran dry) and the number of streams active
+    then; :meth:`limit` is the cap on active streams now (None: no cap). ``margin_s``: slack below this
+    is a close call (cap = active - 1); below 0 a late chunk (cap = ``cut`` x active); ``hold_s``: after
+    a cut, further close calls within this many seconds do not cut again (their streams were admitted
+    before the cut took effect); ``recover_s``: seconds per stream the cap grows back; ``clock``: time
+    source (seconds). Counts: :attr:`close_calls`, :attr:`late`, :attr:`cuts`. Raises ValueError for
+    settings out of range. Not thread-safe (the engine thread feeds and reads it)."""
+
+    def __init__(self, margin_s: float = 0.1, hold_s: float = 1.0, recover_s: float = 0.5, cut: float = 0.9,
+                 clock=time.monotonic):
+        if not (margin_s >= 0 and hold_s >= 0 and recover_s > 0 and 0 < cut < 1):
+            raise ValueError("SlackGuard needs margin_s >= 0, hold_s >= 0, recover_s > 0 and 0 < cut < 1")
+        self.margin_s, self.hold_s, self.recover_s, self.cut, self.clock = margin_s, hold_s, recover_s, cut, clock
+        self._cap: float | None = None
+        self._t = 0.0  # when _cap was last updated (growth is counted from here)
+        self._last_cut: float | None = None
+        self.close_calls = self.late = self.cuts = 0
+
+    def observe(self, slack_s: float, active: int) -> bool:
+        """One streaming chunk (after a stream's first) was emitted ``slack_s`` seconds before its
+        deadline with ``active`` streams active; True if this lowered the cap."""
+        if slack_s >= self.margin_s:
+            return False
+        late = slack_s < 0
+        self.late += late
+        self.close_calls += not late
+        now = self.clock()
+        if self._last_cut is not None and now - self._last_cut < self.hold_s:
+            return False
+        new = max(1.0, math.floor(self.cut * active) if late else active - 1.0)
+        cap = self.limit()
+        if cap is not None and cap <= new:
+            return False
+        self._cap, self._t, self._last_cut = new, now, now
+        self.cuts += 1
+        return True
+
+    def limit(self, ceiling: int | None = None) -> int | None:
+        """The cap on active streams now (the last cut plus one stream per ``recover_s`` since), or
+        None when there is none; a cap that has grown past ``ceiling`` (the other bounds) is dropped."""
+        if self._cap is None:
+            return None
+        now = self.clock()
+        if now > self._t:
+            self._cap += (now - self._t) / self.recover_s
+            self._t = now
+        if ceiling is not None and self._cap > ceiling:
+            self._cap = None
+            return None
+        return int(self._cap)
+
+
+__all__ = ["AdmissionPolicy", "CapacityEstimator", "SlackGuard", "chunk_speedup", "latency_pace", "SPEEDUP_HORIZON_TOKENS",
            "START_CHUNKS", "T2W_PERIOD_S"]

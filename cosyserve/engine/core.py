@@ -61,7 +61,7 @@ from ..models.llm import DecodeState, KVCache, SilentTokenFilter
 from ..models.loader import CosyVoice2Models
 from ..models.sampling import UpstreamSampler, ras_sample_device
 from ..models.transfer import to_device
-from .admission import START_CHUNKS, AdmissionPolicy, CapacityEstimator, DeviceMemory, latency_pace
+from .admission import START_CHUNKS, AdmissionPolicy, CapacityEstimator, DeviceMemory, SlackGuard, latency_pace
 from .chunking import ChunkPolicy, default_chunk_policy
 from .request import (
     AudioChunk,
@@ -471,6 +471,7 @@ class EngineCore:
                                                 max_streams=config.max_active,
                                                 t2w_fixed_part=not getattr(self.t2w, "chunk_cost_grows", True))
         self._t2w_host_s = 0.0  # scheduler-thread token2wav seconds since the last batch was emitted
+        self.slack_guard = SlackGuard()  # the feedback cap from chunk deadlines (auto admission)
         self._last_admitted_arrival = float("-inf")
         self._logged_capacity: int | None = None
         self._memory_bound_logged = False
@@ -722,8 +723,10 @@ class EngineCore:
         if self.admission.mode == "fixed":
             return float(min(self.admission.streams, self.cfg.max_active))
         if self.admission.mode == "auto":
-            mem = self._memory_cap
-            return float(self.capacity_model.last if mem is None else max(1, min(self.capacity_model.last, mem)))
+            mem, cap = self._memory_cap, self.capacity_model.last
+            guard = self.slack_guard.limit(min(cap, self.cfg.max_active))
+            cap = cap if guard is None else min(cap, guard)
+            return float(cap if mem is None else max(1, min(cap, mem)))
         est = self.capacity_model.last_estimate
         return float("nan") if est is None else float(max(1, min(int(min(est, 1e9)), self.cfg.max_active)))
 
@@ -915,6 +918,9 @@ class EngineCore:
                 # (CosyVoice3 on an H100: held at ~27 rows by the estimate, docs/perf.md "Session 28").
                 # A stream that arrives meanwhile waits until the active requests fit its estimate.
                 return self.cfg.max_active
+            guard = self.slack_guard.limit(min(cap, self.cfg.max_active))  # late chunks seen lately
+            if guard is not None:
+                cap = guard
             if mem is not None and not offline_head:
                 limit = mem + sum(1 for st in self._active.values() if not st.req.params.stream)
                 if limit < min(cap, self.cfg.max_active):
@@ -1522,6 +1528,8 @@ class EngineCore:
             last = st.out_segment >= len(st.segments)
             chunk = AudioChunk(st.request_id, st.chunks, seg.index, res.speech.numpy(), self.sample_rate, n_tok,
                                final=last)
+            if st.first_chunk_at is not None and st.req.params.stream:  # due when the audio so far has played
+                self._observe_slack(st.first_chunk_at + st.audio_samples / self.sample_rate - now)
             st.chunks += 1
             st.audio_samples += chunk.samples.shape[0]
             latency = None
@@ -1532,6 +1540,20 @@ class EngineCore:
             self.observer.chunk(chunk, latency)
             if last:
                 self._finish(st, events, Outcome.OK)
+
+    def _observe_slack(self, slack_s: float) -> None:
+        """A streaming chunk left ``slack_s`` seconds before its deadline: feed the admission's
+        :class:`~cosyserve.engine.admission.SlackGuard` (auto mode); log when it cuts the cap."""
+        if self.admission.mode != "auto" or slack_s >= self.slack_guard.margin_s:
+            return
+        active = sum(1 for st in self._active.values() if st.req.params.stream)
+        if self.slack_guard.observe(slack_s, active):
+            cap = self.slack_guard.limit()
+            log.warning("a chunk left %.0f ms before its deadline with %d streams active: admission capped at %d "
+                        "streams until none comes that close (+1 per %.1f s)", slack_s * 1e3, active, cap,
+                        self.slack_guard.recover_s,
+                        extra={"event": "slack_cut", "slack_ms": round(slack_s * 1e3, 1), "streams": cap,
+                               "active": active})
 
     def _skip_silent_segments(self, st: RequestState) -> None:
         while st.out_segment < len(st.segments):
