@@ -427,11 +427,11 @@ def _engine_args(p, in_process: bool = False) -> None:
                         "one segment (default 4096); the cache holds --max-active-streams + 1 slots of N positions "
                         "(Qwen2-0.5B in bf16: 12 KiB per position, 6.4 GB at 128 streams x 4096), so a smaller N "
                         "leaves device memory to more streams' token2wav caches" + note)
-    p.add_argument("--hift-f0", choices=["per-item", "batched"], default="per-item",
-                   help="CosyVoice2 HiFT (also the DiT token2wav's vocoder): predict F0 item by item (default: a "
-                        "stream's F0 is bit-identical to its run alone) or in one masked float64 pass per token2wav "
-                        "batch (~120 fewer host operators per stream; a stream's F0 still does not depend on its "
-                        "batch-mates, its speech is ~1e-4 from the per-item mode's)" + note)
+    p.add_argument("--hift-f0", choices=["per-item", "batched"], default="batched",
+                   help="CosyVoice2 HiFT (also the DiT token2wav's vocoder): predict F0 in one masked float64 pass per "
+                        "token2wav batch (default: ~120 fewer host operators per stream; a stream's F0 does not "
+                        "depend on its batch-mates) or item by item in float32 as upstream does (its speech is ~1e-4 "
+                        "from the batched mode's)" + note)
     p.add_argument("--dit-graph-memory", type=_fraction, default=0.25, metavar="FRACTION",
                    help="Step-Audio2 DiT token2wav: the share of the device's memory its solve graphs' shared buffers "
                         "may take (default 0.25); they hold a batch's copy of its streams' caches, so a smaller share "

@@ -212,11 +212,11 @@ def test_engine_options_reach_the_server_config(capsys, monkeypatch):
                          "--max-active-streams", "5", "--max-queue", "7", "--t2w-queue-steps", "0",
                          "--sampling", "host", "--t2w-slack", "auto", "--lm-stream-priority", "normal",
                          "--token2wav-thread", "--decode-lookahead", "2", "--t2w-length-window", "0.5",
-                         "--kv-max-len", "1536", "--dit-graph-memory", "0.12", "--hift-f0", "batched")
+                         "--kv-max-len", "1536", "--dit-graph-memory", "0.12", "--hift-f0", "per-item")
     assert code == 0, err
     e = seen["cfg"].engine
     assert e.max_t2w_tokens == 4096 and e.graph_warmup is False and e.t2w_graph_warmup is False
-    assert e.kv_max_len == 1536 and e.dit_graph_memory == 0.12 and e.hift_f0 == "batched"
+    assert e.kv_max_len == 1536 and e.dit_graph_memory == 0.12 and e.hift_f0 == "per-item"
     assert e.t2w_batch_target == 8 and e.t2w_gather_s == 0.25
     assert (e.max_active, e.max_queue, e.t2w_queue_steps, e.device_sampling) == (5, 7, None, False)
     assert e.t2w_slack_s is None and e.lm_stream_priority is False and e.t2w_thread is True

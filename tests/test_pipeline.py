@@ -662,8 +662,8 @@ def test_async_engine_shortens_the_gil_switch_interval_while_it_runs(syn):
 
 def test_hift_f0_option_sets_the_vocoders_f0_pass(syn, voice):
     """``EngineConfig.hift_f0``: ``batched`` makes the engine's HiFT predict F0 in one masked pass per
-    token2wav batch (a request still completes), ``per-item`` (default) item by item; other values are
-    refused naming the field."""
+    token2wav batch (the default; a request still completes), ``per-item`` item by item; other values
+    are refused naming the field."""
     hift = syn.models.hift
     batches = []
     inference_batch = hift.inference_batch
@@ -683,8 +683,10 @@ def test_hift_f0_option_sets_the_vocoders_f0_pass(syn, voice):
         while engine.has_work():
             fin += [ev for ev in engine.step() if isinstance(ev, RequestFinished)]
         assert [ev.outcome for ev in fin] == [Outcome.OK] * 2 and max(batches) == 2
-        syn.new_engine(EngineConfig(max_active=2))
+        syn.new_engine(EngineConfig(max_active=2, hift_f0="per-item"))
         assert hift.batched_f0 is False
+        syn.new_engine(EngineConfig(max_active=2))
+        assert hift.batched_f0 is True  # the default
     finally:
         hift.batched_f0 = False
         hift.__dict__.pop("inference_batch", None)  # the bound method again

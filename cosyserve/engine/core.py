@@ -189,12 +189,13 @@ class EngineConfig:
     ``dit_graph_memory``: the share of the device's memory the DiT solve graphs' shared buffers may
     take (they hold a batch's copy of its streams' caches, so the share bounds the rows of a chunk
     batch, ``GraphedDiTSolve.max_rows``; what they do not take is left to the streams' own caches);
-    ``hift_f0``: ``per-item`` (default: each stream's F0 in float32 item by item, bit-identical to
-    its run alone, its speech within ~1e-7) or ``batched`` (one masked float64 F0 pass per token2wav
-    batch: ~120 fewer host operators per stream; a stream's F0 is still the same whatever its
-    batch-mates, but it is the float64 F0, ~1e-7 from the float32 one, so the two modes' speech
-    differ by ~1e-4 over seconds; :data:`HIFT_F0_MODES`). ValueError for values out of range,
-    naming them.
+    ``hift_f0``: ``batched`` (default: one masked float64 F0 pass per token2wav batch, ~120 fewer
+    host operators per stream; a stream's F0 is the same whatever its batch-mates, and it is the
+    float64 F0, ~1e-7 from the float32 one, so the two modes' speech differ by ~1e-4 over seconds;
+    on the H100 it took the DiT path's scheduler thread from 42 % to 24 % issuing token2wav batches
+    and, with the heap frozen after the graph capture, its capacity from 72 to 120 streams,
+    docs/perf.md "Session 30") or ``per-item`` (each stream's F0 in float32 item by item, as
+    upstream computes it; :data:`HIFT_F0_MODES`). ValueError for values out of range, naming them.
     """
 
     max_active: int = 16
@@ -226,7 +227,7 @@ class EngineConfig:
     stream_chunk_policy: str | None = None
     stream_prompt_s: tuple[float, float] = (2.0, 10.0)
     dit_graph_memory: float = 0.25
-    hift_f0: str = "per-item"
+    hift_f0: str = "batched"
 
     def __post_init__(self):
         if self.max_t2w_batch is None:

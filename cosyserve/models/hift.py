@@ -460,8 +460,8 @@ class HiFTGenerator(nn.Module):
         #: :meth:`inference_batch` predicts F0 in one padded float64 pass over the batch
         #: (:meth:`predict_f0_batched`, also for a batch of one) instead of item by item in float32:
         #: ~120 fewer host operators per item, and an item's F0 still does not depend on its
-        #: batch-mates. Off by default (``serve --hift-f0 batched`` sets it; docs/perf.md
-        #: "Session 27", "Session 28")
+        #: batch-mates. Off on the model; the engine turns it on by default (``EngineConfig.hift_f0``,
+        #: ``serve --hift-f0 per-item`` leaves it off; docs/perf.md "Session 28", "Session 30")
         self.batched_f0 = False
         self._derived = DerivedWeights()  # the F0 predictor's float64 weights (predict_f0_batched)
         #: experimental, off: :meth:`decode` lays its trunk inputs out frame-major (``[B, C, T]``
