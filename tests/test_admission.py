@@ -541,6 +541,25 @@ def test_device_memory_counts_recent_peaks_and_graph_pools_not_cached_blocks():
         DeviceMemory()
 
 
+def test_device_memory_counts_what_other_processes_hold_on_the_device():
+    """Two workers on one GPU: what the driver reports as used beyond this process's reservation (the
+    other worker's memory, the CUDA context) counts as held, re-read at each window."""
+    from cosyserve.engine.admission import DeviceMemory
+
+    now, free, reserved = [0.0], [6_000], [1_000]
+    mem = DeviceMemory(window_s=2.0, clock=lambda: now[0], allocated_peak=lambda: 500, reset_peak=lambda: None,
+                       pool_free=lambda: 0, reserved=lambda: reserved[0], total=10_000, device_free=lambda: free[0])
+    assert mem.held() == (500 + 3_000, 10_000) and mem.outside == 3_000  # 10000 - 6000 free - 1000 ours
+    free[0] = 4_000  # the other worker admitted streams
+    now[0] = 1.0
+    assert mem.held()[0] == 3_500  # within the window: not re-read
+    now[0] = 2.0
+    assert mem.held()[0] == 500 + 5_000
+    reserved[0], free[0] = 2_000, 3_000  # our own reservation grew: not counted twice
+    now[0] = 4.0
+    assert mem.held()[0] == 500 + 5_000
+
+
 def test_dit_chunk_batches_stay_within_the_rows_whose_buffers_fit():
     """A DiT solve graph's ``max_rows`` (the most rows whose bucket buffers fit the planned memory
     share) bounds the scheduler's batches: a larger one would run eagerly on fresh buffers of tens of

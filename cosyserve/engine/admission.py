@@ -113,13 +113,21 @@ class DeviceMemory:
     running out of memory. (Counting the whole reservation, the first bound, tightened as the
     allocator cached blocks: it held an H100 at 33 streams, docs/perf.md "Session 25".)
 
+    Plus what the device holds outside this process's allocator — other processes on the same GPU
+    (``serve --workers M`` or ``--llm-workers N`` on one device: an LLM worker's KV cache, another
+    token2wav worker's streams) and this process's CUDA context: ``total - device_free() - reserved()``,
+    re-read once per window (without it each worker would budget the whole device for its own streams).
+
     ``allocated_peak()`` (bytes allocated at most since the last ``reset_peak()``), ``reset_peak()``,
-    ``pool_free()`` (bytes), ``reserved()`` (bytes) and ``total`` (bytes) default to ``device``'s
-    (``torch.cuda``); tests pass their own. Raises ValueError with neither a device nor all five.
+    ``pool_free()`` (bytes), ``reserved()`` (bytes), ``device_free()`` (bytes free per the driver) and
+    ``total`` (bytes) default to ``device``'s (``torch.cuda``); tests pass their own (without
+    ``device_free``, nothing outside the allocator is counted). Raises ValueError with neither a
+    device nor the first five.
     """
 
     def __init__(self, device=None, window_s: float = 2.0, pool_refresh_s: float = 10.0, clock=time.monotonic,
-                 allocated_peak=None, reset_peak=None, pool_free=None, reserved=None, total: int | None = None):
+                 allocated_peak=None, reset_peak=None, pool_free=None, reserved=None, total: int | None = None,
+                 device_free=None):
         fns = (allocated_peak, reset_peak, pool_free, reserved, total)
         if device is not None and any(f is None for f in fns):
             import torch
@@ -131,12 +139,14 @@ class DeviceMemory:
             pool_free = pool_free or (lambda: graph_pool_free_bytes(device))
             reserved = reserved or (lambda: int(torch.cuda.memory_reserved(device)))
             total = total if total is not None else int(torch.cuda.get_device_properties(device).total_memory)
+            device_free = device_free or (lambda: int(torch.cuda.mem_get_info(device)[0]))
         if any(f is None for f in (allocated_peak, reset_peak, pool_free, reserved, total)):
             raise ValueError("DeviceMemory needs a CUDA device or all of allocated_peak, reset_peak, pool_free, "
                              "reserved, total")
         self.window_s, self.pool_refresh_s, self.clock = window_s, pool_refresh_s, clock
         self._peak, self._reset, self._pool_free, self.total = allocated_peak, reset_peak, pool_free, int(total)
-        self._reserved = reserved
+        self._reserved, self._device_free = reserved, device_free
+        self.outside = 0  #: bytes held outside this process's allocator (other processes, the CUDA context)
         self._window_t0: float | None = None
         self._prev_peak = 0
         self._pool: tuple[float, int, int] | None = None  # (when read, reservation then, pools' free bytes)
@@ -151,6 +161,8 @@ class DeviceMemory:
             self._prev_peak = peak
             self._reset()
             self._window_t0 = now
+            if self._device_free is not None:
+                self.outside = max(0, self.total - int(self._device_free()) - int(self._reserved()))
         else:
             held = max(peak, self._prev_peak)
         if self._pool is None or now - self._pool[0] >= self.pool_refresh_s:
@@ -160,7 +172,7 @@ class DeviceMemory:
                 self.pool_reads += 1
             else:
                 self._pool = (now, res, self._pool[2])
-        return held + self._pool[2], self.total
+        return held + self._pool[2] + self.outside, self.total
 
 
 def latency_pace(first_hop_s: float, batch_latency_s: float) -> float:

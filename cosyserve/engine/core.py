@@ -951,7 +951,8 @@ class EngineCore:
         ones on top) (``auto`` admission on CUDA; None where the backend's streams hold little,
         :meth:`~cosyserve.engine.token2wav.Token2WavBackend.stream_state_bytes`, or on CPU): the
         device's memory less a reserve of ``MEMORY_RESERVE_SHARE`` and less what the rest holds
-        (:meth:`_device_memory`: the recent peak of live tensors plus the graph pools' free blocks,
+        (:meth:`_device_memory`: the recent peak of live tensors plus the graph pools' free blocks plus
+        what the device holds outside this process's allocator — other workers on the same GPU —,
         minus what the active streams' caches hold now, the backend's ``state_bytes``), divided by
         the backend's ``stream_state_copies`` x the largest per-stream state seen (what each stream,
         active or not, may grow to). Without it the capacity estimate, which models time, not memory,
@@ -967,9 +968,12 @@ class EngineCore:
         limit = max(0, int(room // (self.t2w.stream_state_copies * per)))
         logged = self._memory_logged
         if logged is None or abs(limit - logged) >= max(4, 0.1 * logged):  # material changes only
+            outside = self._memory.outside if self._memory is not None else 0
             log.info("memory bound: %d streams (%d active; held %.1f GB: recent peak of live tensors + graph "
-                     "pools' free blocks; per-stream caches %.0f MB)", limit, len(self._active), held / 1e9,
-                     per / 1e6, extra={"event": "memory_limit", "streams": limit, "held_gb": round(held / 1e9, 2)})
+                     "pools' free blocks + %.1f GB outside this process's allocator; per-stream caches %.0f MB)",
+                     limit, len(self._active), held / 1e9, outside / 1e9, per / 1e6,
+                     extra={"event": "memory_limit", "streams": limit, "held_gb": round(held / 1e9, 2),
+                            "outside_gb": round(outside / 1e9, 2)})
             self._memory_logged = limit
         return limit
 
