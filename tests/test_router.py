@@ -96,6 +96,12 @@ def test_every_protocol_from_one_port(router):
     m = httpx.get(router.url + "/metrics").text
     assert 'cosyserve_router_worker_ready{worker="0"} 1.0' in m and 'cosyserve_router_worker_ready{worker="1"} 1.0' in m
     assert "cosyserve_capacity_streams" in m and "cosyserve_load_ratio" in m
+    # CUDA graphs summed over the workers: 0 pending once both have reported (on CPU they have none)
+    deadline = time.time() + 30
+    while "cosyserve_graphs_pending 0.0" not in m and time.time() < deadline:
+        time.sleep(0.5)
+        m = httpx.get(router.url + "/metrics").text
+    assert "cosyserve_graphs_pending 0.0" in m and "cosyserve_graphs_captured 0.0" in m
 
 
 def _stream(client, text: str, rid: str, started: threading.Event | None = None) -> list:
@@ -209,3 +215,31 @@ def test_router_option_errors(args, needle, capsys, tmp_path, monkeypatch):
     assert main(["serve", "--demo", "--voices-dir", str(tmp_path / "v"), *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("cosyserve: error: ") and needle in err, err
+
+
+def test_router_graph_gauges_count_every_worker_until_it_has_reported():
+    """``cosyserve_graphs_pending`` on the router sums its workers' (LLM workers too) and counts a
+    worker that is not ready, or has not reported yet, as one pending bucket: 0 only when every
+    worker is fully warmed (what a start-up probe waits for)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cosyserve.server.router import Router, RouterConfig, WorkerSpec
+
+    specs = [WorkerSpec(0, [], role="llm", port=1), WorkerSpec(1, []), WorkerSpec(2, [])]
+    r = Router(RouterConfig("127.0.0.1", 0, 0, specs))
+
+    def gauges():
+        fams = text_string_to_metric_families(r.render_metrics().decode())
+        return {f.name: f.samples[0].value for f in fams if f.name in ("cosyserve_graphs_pending",
+                                                                       "cosyserve_graphs_captured")}
+
+    assert gauges() == {"cosyserve_graphs_pending": 3.0, "cosyserve_graphs_captured": 0.0}  # nobody ready
+    for w, (pending, captured) in zip(r.workers, [(5.0, 40.0), (0.0, 300.0), (None, 0.0)]):
+        w.state = "ready"
+        w.graphs_pending, w.graphs_captured = pending, captured
+    assert gauges() == {"cosyserve_graphs_pending": 6.0, "cosyserve_graphs_captured": 340.0}  # 5 + 0 + 1
+    r.workers[0].graphs_pending = 0.0
+    r.workers[2].graphs_pending, r.workers[2].graphs_captured = 0.0, 280.0
+    assert gauges() == {"cosyserve_graphs_pending": 0.0, "cosyserve_graphs_captured": 620.0}
+    r.workers[1].state = "down"
+    assert gauges()["cosyserve_graphs_pending"] == 1.0

@@ -137,6 +137,9 @@ class Worker:
         self.inflight = 0
         self.capacity = float(spec.capacity)
         self.admitted = 0.0
+        #: CUDA graph buckets the worker reports pending / captured (None until it has reported)
+        self.graphs_pending: float | None = None
+        self.graphs_captured = 0.0
         self.restarts = 0
         self.generation = 0
         self.started_at = 0.0
@@ -189,6 +192,12 @@ class Router:
                                  registry=self.registry)
         self._m_load = Gauge("cosyserve_load_ratio", "admitted / capacity over ready workers",
                              registry=self.registry)
+        self._m_graphs_pending = Gauge(
+            "cosyserve_graphs_pending", "CUDA graph buckets not captured yet, summed over the workers (LLM workers "
+            "too); a worker that is not ready or has not reported counts 1: 0 once every worker is fully warmed",
+            registry=self.registry)
+        self._m_graphs_captured = Gauge("cosyserve_graphs_captured", "CUDA graph buckets captured, summed over "
+                                        "the ready workers", registry=self.registry)
         for w in self.workers:
             for m in (self._m_state, self._m_inflight, self._m_restarts, self._m_lost):
                 m.labels(str(w.spec.index))
@@ -309,6 +318,7 @@ class Router:
             up_for = time.monotonic() - w.started_at
             w.last_exit = w.proc.returncode
             w.state = "down"
+            w.graphs_pending = None  # its graphs are gone with it: unknown until the new process reports
             w.admitted = 0.0
             self._m_state.labels(str(w.spec.index)).set(0)
             lost = w.inflight
@@ -323,15 +333,22 @@ class Router:
             await asyncio.sleep(backoff)
 
     async def _poll_metrics(self, period_s: float = 2.0) -> None:
-        """Read each ready worker's capacity / admitted-streams gauges (when it exports them)."""
+        """Read each ready worker's capacity / admitted-streams gauges (speech workers) and CUDA-graph
+        counts (every worker) when it exports them."""
+        names = ("cosyserve_capacity_streams", "cosyserve_admitted_streams", "cosyserve_graphs_pending",
+                 "cosyserve_graphs_captured")
         while True:
-            for w in self.speech_workers:
+            for w in self.workers:
                 if not w.ready or w.http is None:
                     continue
                 try:
                     r = await w.http.get("/metrics", timeout=2.0)
-                    values = _gauges(r.text, ("cosyserve_capacity_streams", "cosyserve_admitted_streams"))
+                    values = _gauges(r.text, names)
                 except (httpx.HTTPError, ValueError):
+                    continue
+                w.graphs_pending = values.get("cosyserve_graphs_pending", 0.0)
+                w.graphs_captured = values.get("cosyserve_graphs_captured", 0.0)
+                if w.spec.role != "speech":
                     continue
                 if values.get("cosyserve_capacity_streams", 0) > 0:
                     w.capacity = values["cosyserve_capacity_streams"]
@@ -346,6 +363,9 @@ class Router:
         self._m_capacity.set(cap)
         self._m_admitted.set(adm)
         self._m_load.set(adm / cap if cap > 0 else 0.0)
+        self._m_graphs_pending.set(sum(w.graphs_pending if w.ready and w.graphs_pending is not None else 1.0
+                                       for w in self.workers))
+        self._m_graphs_captured.set(sum(w.graphs_captured for w in self.workers if w.ready))
 
     def render_metrics(self) -> bytes:
         self.refresh_gauges()
