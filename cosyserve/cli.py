@@ -641,6 +641,7 @@ def cmd_serve(args) -> int:
         normalizer=args.normalizer, chunk_policy=args.chunk_policy,
         min_token_text_ratio=args.min_token_text_ratio, max_token_text_ratio=args.max_token_text_ratio,
         warmup=not args.no_warmup, llm_only=args.llm_only, token2wav_dir=args.token2wav_dir,
+        llm_stream_interval_s=args.llm_stream_interval,
         tokenizer_backend=args.speech_tokenizer,
         prompt_cache_size=args.prompt_cache, prompt_batch_window_s=args.prompt_batch_window,
         llm_url=args.llm_url, llm_model=args.llm_model, llm_api_key=llm_api_key, llm_timeout_s=args.llm_timeout,
@@ -966,6 +967,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve only the speech LM as an OpenAI-compatible POST /v1/completions endpoint "
                          "(the exported vocabulary of convert-llm; for 'cosyserve batch --llm-url'); no speech "
                          "routes, no gRPC port; POST /v1/completions streams with stream=true)")
+    sv.add_argument("--llm-stream-interval", type=_nonnegative_float, default=0.0, metavar="SECONDS",
+                    help="--llm-only: send a streamed completion's tokens at most every SECONDS, several per event "
+                         "(default 0: one event per engine step; a token2wav server receiving thousands of events per "
+                         "second spends ~0.1 ms of Python on each)")
     sv.add_argument("--llm-url", metavar="URL",
                     help="disaggregated token2wav server: stream the speech tokens from this OpenAI-compatible "
                          "completions server (cosyserve serve --llm-only, or vLLM / SGLang / trtllm-serve serving the "

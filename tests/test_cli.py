@@ -212,7 +212,8 @@ def test_engine_options_reach_the_server_config(capsys, monkeypatch):
                          "--max-active-streams", "5", "--max-queue", "7", "--t2w-queue-steps", "0",
                          "--sampling", "host", "--t2w-slack", "auto", "--lm-stream-priority", "normal",
                          "--token2wav-thread", "--decode-lookahead", "2", "--t2w-length-window", "0.5",
-                         "--kv-max-len", "1536", "--dit-graph-memory", "0.12", "--hift-f0", "per-item")
+                         "--kv-max-len", "1536", "--dit-graph-memory", "0.12", "--hift-f0", "per-item",
+                         "--llm-stream-interval", "0.03")
     assert code == 0, err
     e = seen["cfg"].engine
     assert e.max_t2w_tokens == 4096 and e.graph_warmup is False and e.t2w_graph_warmup is False
@@ -221,7 +222,7 @@ def test_engine_options_reach_the_server_config(capsys, monkeypatch):
     assert (e.max_active, e.max_queue, e.t2w_queue_steps, e.device_sampling) == (5, 7, None, False)
     assert e.t2w_slack_s is None and e.lm_stream_priority is False and e.t2w_thread is True
     assert e.decode_lookahead == 2 and e.t2w_length_window == 0.5
-    assert seen["cfg"].hift_dtype == "float16"
+    assert seen["cfg"].hift_dtype == "float16" and seen["cfg"].llm_stream_interval_s == 0.03
     code, out, err = run(capsys, "serve", "--model-dir", model_dir())
     assert code == 0 and seen["cfg"].hift_dtype == "auto"
     # CLI defaults = the engine's defaults, except that serve captures its CUDA graphs in the background

@@ -422,3 +422,63 @@ def test_llm_checkpoint_sends_the_decoder_bias(llm, tmp_path):
         src.close()
     assert main(["serve", "--model-dir", str(model_dir), "--llm-url", llm.url, "--llm-checkpoint",
                  str(tmp_path)]) == 2
+
+
+def _stream_with(interval_s: float, feed) -> list[dict]:
+    """The events ``completions._stream_events`` writes for one prompt whose engine queue gets what
+    ``feed(queue)`` (a coroutine) puts into it, with ``--llm-stream-interval interval_s``."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from cosyserve.client.remote_lm import speech_vocab
+    from cosyserve.server.completions import _stream_events
+
+    aborted = []
+    state = SimpleNamespace(config=SimpleNamespace(llm_stream_interval_s=interval_s),
+                            metrics=SimpleNamespace(record=lambda *a: None),
+                            engine=SimpleNamespace(abort=aborted.append))
+    body = SimpleNamespace(model="cosyvoice2", return_token_ids=True, stream_options=None)
+
+    async def go():
+        q: asyncio.Queue = asyncio.Queue()
+        task = asyncio.create_task(feed(q))
+        out = [json.loads(e[6:]) async for e in _stream_events(
+            state, body, [(SimpleNamespace(request_id="r"), 3)], [q], speech_vocab(151663, 6561))
+            if e.strip() != b"data: [DONE]"]
+        await task
+        return out
+    events = asyncio.run(go())
+    assert aborted == []
+    return events
+
+
+def test_streamed_completion_gathers_queued_tokens_and_spaces_events():
+    """Tokens of several engine steps already queued go out in one event; with an interval a prompt's
+    events are at least that far apart (its tokens gathered meanwhile); tokens, their order and the
+    finish reason are unchanged."""
+    import asyncio
+
+    from cosyserve.engine.request import Outcome, RequestFinished, TokensGenerated
+
+    async def burst(q):  # three steps' tokens queued before the writer runs
+        for k in range(3):
+            q.put_nowait(TokensGenerated("r", 0, [k]))
+        q.put_nowait(RequestFinished("r", Outcome.OK, stop_reasons=["stop"]))
+
+    ev = _stream_with(0.0, burst)
+    assert [e["choices"][0]["text"] for e in ev] == ["<|s_0|><|s_1|><|s_2|>", ""]
+    assert ev[-1]["choices"][0]["finish_reason"] == "stop" and len(ev[0]["choices"][0]["token_ids"]) == 3
+
+    async def paced(q):  # one token every 10 ms
+        for k in range(12):
+            q.put_nowait(TokensGenerated("r", 0, [k]))
+            await asyncio.sleep(0.01)
+        q.put_nowait(RequestFinished("r", Outcome.OK, stop_reasons=["length"]))
+
+    one_each = _stream_with(0.0, paced)
+    spaced = _stream_with(0.05, paced)
+    tokens = [t for e in spaced for t in (e["choices"][0]["token_ids"] or [])]
+    assert tokens == [t for e in one_each for t in (e["choices"][0]["token_ids"] or [])] and len(tokens) == 12
+    # ~120 ms of tokens: an event each when the writer keeps up; in events >= 50 ms apart with the interval
+    assert len(spaced) < len(one_each) and 1 <= len(spaced) - 1 <= 4
+    assert spaced[-1]["choices"][0]["finish_reason"] == "length"

@@ -165,6 +165,9 @@ class ServerConfig:
     max_token_text_ratio: float = 20.0
     warmup: bool = True
     llm_only: bool = False
+    #: ``--llm-only``: the least time between two token events of one streamed completion (seconds; 0:
+    #: an event per engine step, tokens already queued gathered; ``--llm-stream-interval``)
+    llm_stream_interval_s: float = 0.0
     token2wav_dir: str | None = None  # Step-Audio2 DiT token2wav directory (replaces flow + HiFT)
     #: speech tokenizer backend (``--speech-tokenizer``: auto / torch / onnxruntime)
     tokenizer_backend: str = "auto"
