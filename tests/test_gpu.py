@@ -359,6 +359,28 @@ def test_batched_f0_float64_pass_on_cuda_is_independent_of_batch_mates(yaml_dir)
 
 
 @torch.inference_mode()
+def test_prefill_inputs_reach_the_device_without_waiting_for_it(yaml_dir):
+    """A newcomer's prefix embedding and the prefill's last-position gather copy host ids to the
+    device through pinned memory: a pageable copy synchronises the LM stream (the scheduler thread
+    then waits for the decode steps and the prefill queued before it; on the H100 issuing prefills
+    took 17-19 % of the scheduler thread at 96-128 DiT clients, docs/perf.md "Session 30")."""
+    from cosyserve.engine.core import EngineCore
+
+    m = build(yaml_dir, torch.float32)
+    text, ptext, pspeech = torch.randint(0, 1000, (12,)), torch.randint(0, 1000, (5,)), torch.randint(0, 6561, (30,))
+    ref = m.llm.embed_prefix(text, ptext, pspeech)
+    h = torch.randn(2, 40, m.llm.qwen_config.hidden_size, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = m.llm.embed_prefix(text, ptext, pspeech)
+        idx = EngineCore._last_positions(h, [40, 17])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, ref) and torch.equal(idx, torch.stack([h[0, 39], h[1, 16]]))
+
+
+@torch.inference_mode()
 def test_token2wav_launch_does_not_wait_for_the_gpu(yaml_dir):
     """Issuing a token2wav batch on the side stream never blocks the host on that stream's
     earlier work (no pageable copies, no reads of device values, excitation noise drawn on

@@ -1304,8 +1304,14 @@ class EngineCore:
             h = self.prefill_graphs(emb, slots)
         if h is None:
             h = lm.forward_cached(emb, self.cache, torch.tensor(slots), torch.zeros(len(slots), dtype=torch.long))
-        idx = torch.tensor(lengths, device=h.device) - 1
-        return h[torch.arange(len(slots), device=h.device), idx]
+        return self._last_positions(h, lengths)
+
+    @staticmethod
+    def _last_positions(h: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """``h[b, lengths[b] - 1]`` for every row of ``h [B, T, H]`` -> ``[B, H]``; the index goes to the
+        device through pinned memory (a pageable copy would wait for the prefill just queued)."""
+        idx = to_device(torch.tensor(lengths) - 1, h.device)
+        return h[torch.arange(len(lengths), device=h.device), idx]
 
     # ------------------------------------------------------------------ token2wav
     def _next_chunk(self, st: RequestState) -> tuple[SegmentState, int, bool] | None:

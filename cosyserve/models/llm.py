@@ -347,23 +347,25 @@ class SpeechLM(nn.Module):
         (prompt transcript or instruction, may be empty), ``prompt_speech_tokens [Ps]``
         (speech tokens of the prompt audio, may be empty).
         Returns ``[1 + Lp + Lt + 1 + Ps, H]`` in the LM dtype. (CosyVoice3's requirement that
-        the text hold ``<|endofprompt|>`` is checked by the frontend, which knows its id.)
+        the text hold ``<|endofprompt|>`` is checked by the frontend, which knows its id.) Host ids
+        go to the device through pinned memory (:func:`~cosyserve.models.transfer.to_device`): a
+        plain copy from pageable memory would make the scheduler wait for the LM stream's queued work.
         """
         table = self.prefix_table.weight
         dev = table.device
-        text = torch.cat([prompt_text_ids.reshape(-1), text_ids.reshape(-1)]).to(dev, torch.long)
+        text = to_device(torch.cat([prompt_text_ids.reshape(-1), text_ids.reshape(-1)]).long(), dev)
         parts = [
             table[self.sos_id : self.sos_id + 1],
             self.backbone.embed_tokens(text),
             table[self.task_id : self.task_id + 1],
         ]
         if prompt_speech_tokens.numel():
-            parts.append(self.speech_embedding(prompt_speech_tokens.reshape(-1).to(dev, torch.long)))
+            parts.append(self.speech_embedding(to_device(prompt_speech_tokens.reshape(-1).long(), dev)))
         return torch.cat(parts, dim=0)
 
     def embed_speech(self, tokens: torch.Tensor) -> torch.Tensor:
         """``speech_embedding`` rows for integer ``tokens`` of any shape -> ``[..., H]``."""
-        return self.speech_embedding(tokens.to(self.speech_embedding.weight.device, torch.long))
+        return self.speech_embedding(to_device(tokens.long(), self.speech_embedding.weight.device))
 
     # ------------------------------------------------------------------ backbone
     def forward_cached(
