@@ -724,9 +724,7 @@ class EngineCore:
         if self.admission.mode == "fixed":
             return float(min(self.admission.streams, self.cfg.max_active))
         if self.admission.mode == "auto":
-            mem, cap = self._memory_cap, self.capacity_model.last
-            guard = self.slack_guard.limit(min(cap, self.cfg.max_active))
-            cap = cap if guard is None else min(cap, guard)
+            mem, cap = self._memory_cap, self._slack_capped(self.capacity_model.last)
             return float(cap if mem is None else max(1, min(cap, mem)))
         est = self.capacity_model.last_estimate
         return float("nan") if est is None else float(max(1, min(int(min(est, 1e9)), self.cfg.max_active)))
@@ -919,9 +917,7 @@ class EngineCore:
                 # (CosyVoice3 on an H100: held at ~27 rows by the estimate, docs/perf.md "Session 28").
                 # A stream that arrives meanwhile waits until the active requests fit its estimate.
                 return self.cfg.max_active
-            guard = self.slack_guard.limit(min(cap, self.cfg.max_active))  # late chunks seen lately
-            if guard is not None:
-                cap = guard
+            cap = self._slack_capped(cap)  # late chunks seen lately
             if mem is not None and not offline_head:
                 limit = mem + sum(1 for st in self._active.values() if not st.req.params.stream)
                 if limit < min(cap, self.cfg.max_active):
@@ -1551,6 +1547,12 @@ class EngineCore:
             self.observer.chunk(chunk, latency)
             if last:
                 self._finish(st, events, Outcome.OK)
+
+    def _slack_capped(self, cap: int) -> int:
+        """``cap`` (streams), or the :class:`~cosyserve.engine.admission.SlackGuard`'s cap where that is
+        lower (it is dropped once it has grown past ``cap`` and ``max_active``)."""
+        guard = self.slack_guard.limit(min(cap, self.cfg.max_active))
+        return cap if guard is None else guard
 
     def _observe_slack(self, slack_s: float) -> None:
         """A streaming chunk left ``slack_s`` seconds before its deadline: feed the admission's

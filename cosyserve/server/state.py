@@ -39,7 +39,6 @@ from .metrics import Metrics
 
 log = logging.getLogger("cosyserve.server")
 
-#: OpenAI model names accepted as aliases of the served model (so stock clients work).
 #: a full garbage collection longer than this (seconds) while serving freezes its survivors out of later
 #: ones (:class:`~cosyserve.engine.gc_pauses.GCPauseMonitor`; at most every 5 minutes): such a pause
 #: stalls every stream whose next chunk falls due within it
@@ -53,6 +52,7 @@ def _freeze_after_capture() -> None:
     log.info("froze %d objects left by the background graph capture out of garbage collection", freeze_heap())
 
 
+#: OpenAI model names accepted as aliases of the served model (so stock clients work).
 OPENAI_MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 
 #: accepted request seeds: the int64 range (what torch generators and KServe INT64 parameters hold)
