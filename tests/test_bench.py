@@ -458,6 +458,39 @@ def test_engine_lm_only_mode(demo_synth):
     assert np.isfinite(full.audio.numpy()).all()
 
 
+def test_lm_only_process_loads_no_token2wav_and_refuses_audio(demo_synth, tmp_path):
+    """``serve --llm-only`` (Synthesizer(load_token2wav=False)): neither flow nor HiFT (nor a
+    --token2wav-dir DiT) is loaded, so no token2wav weights or CUDA graphs take the LM worker's
+    device; its engine samples the same speech tokens as the full engine and refuses an audio
+    request with a clear error. (Session 31: the LM worker of the disaggregated layout captured
+    the DiT and HiFT graphs too, 2 x ~20 GB on one GPU, and its capture failed.)"""
+    from cosyserve.engine.core import EngineConfig
+    from cosyserve.engine.pipeline import Synthesizer
+    from cosyserve.engine.request import EngineRequest, RequestFinished, SynthesisParams
+    from cosyserve.errors import InvalidInputError
+
+    item = load_manifest(limit=1)[0]
+    lm_syn = Synthesizer(demo_synth.frontend.model_dir.root, normalizer="rules", load_token2wav=False,
+                         token2wav_dir=tmp_path / "not-read")  # ignored: nothing of it is loaded
+    assert lm_syn.models.flow is None and lm_syn.models.hift is None and lm_syn.models.llm is not None
+    v = demo_synth.make_voice("v", item.prompt_wav, item.prompt_text)
+    segs = demo_synth.frontend.token_ids(item.target_text)
+    params = SynthesisParams(seed=5, lm_only=True, min_token_text_ratio=3, max_token_text_ratio=3)
+    tokens = {}
+    for name, syn in (("full", demo_synth), ("lm", lm_syn)):
+        core = syn.new_engine(EngineConfig(max_active=2))
+        core.add_request(EngineRequest("r", segs, v, params))
+        events = []
+        while core.has_work():
+            events += core.step()
+        tokens[name] = next(e for e in events if isinstance(e, RequestFinished)).tokens
+    assert core.t2w is None and tokens["lm"] == tokens["full"] and sum(map(len, tokens["lm"])) > 0
+    with pytest.raises(InvalidInputError, match="LM only"):
+        core.add_request(EngineRequest("audio", segs, v, SynthesisParams(seed=2)))
+    with pytest.raises(ValueError):
+        Synthesizer(demo_synth.frontend.model_dir.root, load_llm=False, load_token2wav=False)
+
+
 # ---------------------------------------------------------------------------- capacity mode (issue 17)
 
 

@@ -635,3 +635,122 @@ def test_voice_store_ignores_and_cleans_temporaries(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".bob.x2.tmp"]
     assert store.ids() == [] and store.list() == []
     assert "alice" not in store and "bob" not in store
+
+
+# ---------------------------------------------------------------------------- a lost device context
+
+
+ILLEGAL = "CUDA error: an illegal memory access was encountered"
+
+
+def test_device_lost_tells_sticky_cuda_errors_from_recoverable_ones():
+    from cosyserve.errors import InvalidInputError, device_lost
+
+    assert device_lost(RuntimeError(ILLEGAL)) and device_lost(RuntimeError("CUDA error: unspecified launch failure"))
+    try:  # raised from one: a wrapper still names the lost device
+        try:
+            raise RuntimeError(ILLEGAL)
+        except RuntimeError as inner:
+            raise ValueError("token2wav batch failed") from inner
+    except ValueError as exc:
+        assert device_lost(exc)
+    for ok in (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), RuntimeError("cuFFT error: CUFFT_INTERNAL_ERROR"),
+               InvalidInputError("the text is empty", field="input"), None, ValueError("illegal memory access")):
+        assert not device_lost(ok)
+
+
+def test_async_engine_reports_a_lost_device_once():
+    """The first request finished by a sticky CUDA error calls ``on_device_lost`` (once); the
+    request's own error still reaches its caller."""
+    import asyncio
+
+    from cosyserve.engine.async_engine import AsyncEngine
+    from cosyserve.engine.request import Outcome, RequestFinished
+
+    class BrokenDevice:  # an EngineCore whose every step fails its requests as a corrupt context does
+        def __init__(self):
+            self.ids = []
+
+        def start_graph_capture(self):
+            pass
+
+        def add_request(self, req):
+            self.ids.append(req.request_id)
+
+        def has_work(self):
+            return bool(self.ids)
+
+        def step(self):
+            ids, self.ids = self.ids, []
+            return [RequestFinished(i, Outcome.ERROR, RuntimeError(ILLEGAL)) for i in ids]
+
+        def abort(self, rid, outcome):
+            pass
+
+        def close(self):
+            pass
+
+    class Req:
+        def __init__(self, rid):
+            self.request_id = rid
+
+    async def main():
+        eng = AsyncEngine(BrokenDevice())
+        seen = []
+        eng.on_device_lost = seen.append
+        eng.start()
+        outs = []
+        for rid in ("a", "b"):
+            q = eng.submit(Req(rid))
+            outs.append(await asyncio.wait_for(q.get(), 10))
+        await eng.stop()
+        return seen, outs, eng.device_error
+
+    seen, outs, err = asyncio.run(main())
+    assert len(seen) == 1 and str(seen[0]) == ILLEGAL and err is seen[0]
+    assert [o.outcome for o in outs] == [Outcome.ERROR, Outcome.ERROR]
+
+
+def test_server_with_a_lost_device_stops_unready_and_exits_for_a_restart(monkeypatch):
+    """``serve``: once the engine reports a lost device context the server is not ready (503), stops
+    without draining, and exits with EXIT_DEVICE_LOST so that the router (or systemd) restarts it."""
+    import asyncio
+
+    from _server import free_ports
+    from cosyserve.server import app as app_mod
+    from cosyserve.server.state import ServerConfig, ServerState
+
+    states = []
+
+    async def fake_start(self):  # no model: ready at once, then the device context is lost
+        states.append(self)
+        self.ready = True
+        await asyncio.sleep(1.0)
+        self._device_lost(RuntimeError(ILLEGAL))
+
+    monkeypatch.setattr(ServerState, "start", fake_start)
+    http, grpc_port = free_ports(2)
+    health = []
+
+    async def poll():
+        async with httpx.AsyncClient() as c:
+            while True:
+                await asyncio.sleep(0.05)
+                try:
+                    health.append((await c.get(f"http://127.0.0.1:{http}/v2/health/ready")).status_code)
+                except httpx.HTTPError:
+                    pass
+
+    async def main():  # serve's SystemExit leaves the event loop: asyncio.run re-raises it
+        poller = asyncio.create_task(poll())
+        try:
+            await asyncio.wait_for(app_mod.serve(ServerConfig(port=http, grpc_port=grpc_port), drain_seconds=30), 20)
+        finally:
+            poller.cancel()
+            await asyncio.gather(poller, return_exceptions=True)
+
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as exit_info:
+        asyncio.run(main())
+    assert exit_info.value.code == app_mod.EXIT_DEVICE_LOST and time.monotonic() - t0 < 15  # no 30 s drain
+    assert 200 in health and not states[0].ready and "illegal memory access" in str(states[0].load_error)

@@ -24,6 +24,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 
+from ..errors import device_lost
 from ..models.graphs import restore_switch_interval, shorten_switch_interval
 from .core import EngineCore
 from .request import AudioChunk, EngineRequest, Outcome, RequestFinished
@@ -45,6 +46,12 @@ class AsyncEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        #: the first sticky CUDA error a request or step failed with (:func:`cosyserve.errors.device_lost`):
+        #: the device context is unusable, so every later request would fail the same way
+        self.device_error: BaseException | None = None
+        #: called once (on the event loop) with that error; the server stops and exits non-zero so that
+        #: its supervisor (the router, systemd, Kubernetes) starts a fresh process
+        self.on_device_lost = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -113,6 +120,12 @@ class AsyncEngine:
 
     def _dispatch(self, events: list) -> None:
         for ev in events:
+            if isinstance(ev, RequestFinished) and self.device_error is None and device_lost(ev.error):
+                self.device_error = ev.error
+                log.critical("the device context is lost (%s): every later request would fail; this process "
+                             "stops so that it can be restarted", ev.error, extra={"event": "device_lost"})
+                if self.on_device_lost is not None:
+                    self.on_device_lost(ev.error)
             q = self._queues.get(ev.request_id)
             if q is not None:
                 q.put_nowait(ev)

@@ -376,8 +376,8 @@ class EngineCore:
 
     def __init__(self, models: CosyVoice2Models, config: EngineConfig = EngineConfig(),
                  observer: EngineObserver | None = None):
-        if models.llm is None or models.flow is None or models.hift is None:
-            raise ValueError("the engine needs the LM, flow and HiFT")
+        if models.llm is None or (models.flow is None) != (models.hift is None):
+            raise ValueError("the engine needs the LM, and the flow and HiFT together (or neither: LM only)")
         self.models = models
         self.cfg = config
         self.observer = observer or EngineObserver()
@@ -385,7 +385,9 @@ class EngineCore:
         self.sample_rate = models.cfg.sample_rate
         from .token2wav import make_token2wav  # CosyVoice2 / CosyVoice3 / DiT (--token2wav-dir)
 
-        self.t2w = make_token2wav(models)
+        #: the token2wav backend; None for an LM-only engine (``serve --llm-only``: no flow or HiFT
+        #: loaded, only ``SynthesisParams.lm_only`` requests accepted)
+        self.t2w = make_token2wav(models) if models.flow is not None else None
         self._marks = _Marks(self.lm.llm_decoder.weight.is_cuda)
         if self.lm.max_positions < config.kv_max_len:
             self.lm.setup_rope(config.kv_max_len)
@@ -417,7 +419,7 @@ class EngineCore:
                 self.decoder.warmup()  # capture every (batch, KV length) bucket now, not mid-request
             self.prefill_graphs = GraphedPrefill(self.lm, self.cache, pool=self.decoder.pool,
                                                  max_batch=config.max_active, max_tokens=config.max_prefill_tokens)
-            self._t2w_stages = self._t2w_graphs(models, config)
+            self._t2w_stages = self._t2w_graphs(models, config) if self.t2w is not None else []
             t2w = self._t2w_stages if config.t2w_graph_warmup else []
             if background:  # decode first (every token), then prefill, HiFT and flow taking turns
                 from ..models.graphs import BackgroundCapturer
@@ -443,7 +445,7 @@ class EngineCore:
             self._lm_stream.wait_stream(torch.cuda.current_stream(self.cache.k.device))  # set-up work above
         self._batch_s = None  # moving average of a token2wav batch's duration (adaptive slack)
         self._worker = None
-        if config.t2w_thread:
+        if config.t2w_thread and self.t2w is not None:
             self._worker = Token2WavWorker(self.t2w, self._t2w_stream, self._marks)
             weakref.finalize(self, self._worker.stop)  # an engine dropped without close() frees its thread
         if self.graph_capturer is not None:  # likewise the capture thread
@@ -654,6 +656,9 @@ class EngineCore:
         """Queue a request (thread-safe). Raises :class:`QueueFullError` when the engine is
         full and :class:`InvalidInputError` when a segment cannot fit the KV cache or a request
         with the same id is still in progress (it would take over that request's state)."""
+        if self.t2w is None and not req.params.lm_only:
+            raise InvalidInputError("this engine runs the speech LM only (no token2wav loaded, serve --llm-only): "
+                                    "it serves speech-token requests, not audio", field="model")
         for i, ids in enumerate(req.segments):
             room = self.cfg.kv_max_len - self.prefix_len(req, ids)
             if room < max(1, req.params.token_bounds(int(ids.numel()))[0]) + 1:
@@ -953,7 +958,7 @@ class EngineCore:
         the backend's ``stream_state_copies`` x the largest per-stream state seen (what each stream,
         active or not, may grow to). Without it the capacity estimate, which models time, not memory,
         admitted 106-128 DiT streams on an H100 (CUDA out of memory, docs/perf.md "Session 25")."""
-        per = self.t2w.stream_state_bytes()
+        per = self.t2w.stream_state_bytes() if self.t2w is not None else 0
         mem = self._device_memory() if per > 0 else None
         if mem is None:
             return None

@@ -103,6 +103,9 @@ class Synthesizer:
         ``torch``; ``onnxruntime``).
       load_llm: load the speech LM (False: its tokens come from a remote completions server,
         :mod:`cosyserve.engine.token_source`; the LM weights need not be in the directory).
+      load_token2wav: load the flow and HiFT (or ``token2wav_dir``'s DiT token2wav); False for an
+        LM-only process (``serve --llm-only``: its engine serves speech tokens, not audio, and
+        neither holds the token2wav weights nor captures their CUDA graphs).
     Raises :class:`~cosyserve.errors.ModelDirError` for an unusable model directory.
     """
 
@@ -120,16 +123,22 @@ class Synthesizer:
         token2wav_dir: str | Path | None = None,
         tokenizer_backend: str = "auto",
         load_llm: bool = True,
+        load_token2wav: bool = True,
     ):
+        if not (load_llm or load_token2wav):
+            raise ValueError("load_llm and load_token2wav cannot both be False")
+        if not load_token2wav:
+            token2wav_dir = None  # not loaded: its DiT replaces nothing
         random_dir = models is None and is_random_weights_dir(model_dir)
-        need = ("llm", "onnx", "qwen") if token2wav_dir is not None else ("llm", "flow", "hift", "onnx", "qwen")
+        need = ("llm", "onnx", "qwen") if token2wav_dir is not None or not load_token2wav \
+            else ("llm", "flow", "hift", "onnx", "qwen")
         if not load_llm:  # the LM runs elsewhere (serve --llm-url): its weights need not be there
             need = tuple(n for n in need if n != "llm")
         md = open_model_dir(model_dir, need=("onnx", "qwen") if models is not None else need)
         self.is_demo = is_demo_model(md.root)
         if self.is_demo:
             log.warning("%s is a DEMO model with random weights: its audio is noise", md.root)
-        parts = ("llm",) if token2wav_dir is not None else ("llm", "flow", "hift")
+        parts = ("llm",) if token2wav_dir is not None or not load_token2wav else ("llm", "flow", "hift")
         if not load_llm:
             parts = tuple(p for p in parts if p != "llm")
         if random_dir:  # a --random-weights directory: full-size networks from the yaml alone

@@ -269,11 +269,18 @@ class _UvicornServer:
         return Server(config)
 
 
+#: exit status of a server whose device context was lost (a sticky CUDA error): restart it
+EXIT_DEVICE_LOST = 75
+
+
 async def serve(config: ServerConfig, log_format: str = "text", drain_seconds: float = 5.0) -> None:
     """Run the HTTP and gRPC servers until SIGINT/SIGTERM.
 
     Shutdown: readiness drops, running streams get ``drain_seconds`` to finish, the rest are
-    ended cleanly (their responses terminate normally), then both servers stop.
+    ended cleanly (their responses terminate normally), then both servers stop. A lost device
+    context (a sticky CUDA error such as an illegal memory access, after which every request of
+    this process would fail) stops the servers at once and raises ``SystemExit(EXIT_DEVICE_LOST)``,
+    so that a supervisor (``serve --workers``' router, systemd, Kubernetes) starts a fresh process.
     """
     import signal
 
@@ -292,10 +299,11 @@ async def serve(config: ServerConfig, log_format: str = "text", drain_seconds: f
                                           config.metrics_port)
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task] = []
+    exit_status: list[int] = []
 
-    async def _shutdown() -> None:
-        log.info("shutting down", extra={"event": "shutdown", "drain_s": drain_seconds})
-        await state.stop(drain_timeout=drain_seconds)  # not ready; drain; abort the rest cleanly
+    async def _shutdown(drain_s: float = drain_seconds) -> None:
+        log.info("shutting down", extra={"event": "shutdown", "drain_s": drain_s})
+        await state.stop(drain_timeout=drain_s)  # not ready; drain; abort the rest cleanly
         if grpc_server is not None:
             await grpc_server.stop(grace=2)
         uv.should_exit = True
@@ -307,6 +315,12 @@ async def serve(config: ServerConfig, log_format: str = "text", drain_seconds: f
             uv.force_exit = True
             uv.should_exit = True
 
+    def _on_device_lost(exc: BaseException) -> None:  # nothing on this device can run again: exit, be restarted
+        if not stopping:
+            exit_status.append(EXIT_DEVICE_LOST)
+            stopping.append(asyncio.create_task(_shutdown(0.0)))
+
+    state.on_device_lost = _on_device_lost
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, _on_signal)
     loader = asyncio.create_task(state.start())
@@ -332,3 +346,6 @@ async def serve(config: ServerConfig, log_format: str = "text", drain_seconds: f
         await stop_metrics(metrics_srv)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+    if exit_status:
+        log.critical("exiting with status %d: the device context was lost", exit_status[0])
+        raise SystemExit(exit_status[0])

@@ -210,6 +210,9 @@ class ServerState:
         self.stats = {"inference_count": 0, "success": 0, "fail": 0, "success_ns": 0}
         self._gc_monitor: GCPauseMonitor | None = None
         self.prompt_batcher: PromptBatcher | None = None
+        #: called with the error once the engine's device context is lost (a sticky CUDA error,
+        #: :func:`cosyserve.errors.device_lost`): :func:`cosyserve.server.app.serve` stops and exits non-zero
+        self.on_device_lost = None
 
     # ------------------------------------------------------------------ lifecycle
     def _load_sync(self) -> None:
@@ -217,7 +220,8 @@ class ServerState:
         synth = Synthesizer(c.model_dir, device=c.device, dtype=DTYPES[c.dtype], voices_dir=None,
                             normalizer=c.normalizer, max_text_chars=c.max_text_chars, hift_dtype=c.hift_dtype,
                             token2wav_dir=c.token2wav_dir,
-                            tokenizer_backend=c.tokenizer_backend, load_llm=c.llm_url is None)
+                            tokenizer_backend=c.tokenizer_backend, load_llm=c.llm_url is None,
+                            load_token2wav=not c.llm_only)
         synth.frontend.warmup()
         self.synth = synth
         md = synth.frontend.model_dir
@@ -241,9 +245,10 @@ class ServerState:
             core = await asyncio.to_thread(self._remote_engine) if c.llm_url else \
                 self.synth.new_engine(c.engine, observer=self.metrics)
             self.metrics.attach(core)
-            if c.token2wav_dir and hasattr(core, "plan_stream_prompts"):  # DiT solve graphs for these voices
+            if c.token2wav_dir and not c.llm_only and hasattr(core, "plan_stream_prompts"):  # DiT solve graphs for these voices
                 core.plan_stream_prompts(await asyncio.to_thread(self._voice_prompt_tokens))
             self.engine = AsyncEngine(core)
+            self.engine.on_device_lost = self._device_lost
             self.engine.start()
             if c.default_voice:
                 self.get_voice(c.default_voice)  # fail early on a misconfigured default voice
@@ -338,6 +343,15 @@ class ServerState:
             async for ev in self.engine.generate(req):
                 if self.config.llm_url and isinstance(ev, RequestFinished) and ev.error is not None:
                     raise ev.error  # the LM server is not reachable (yet): _warmup_remote retries
+
+    def _device_lost(self, exc: BaseException) -> None:
+        """The engine's device context is unusable: not ready from now on (health checks and new
+        requests see 503), then ``on_device_lost`` (the server process stops and exits non-zero)."""
+        self.ready = False
+        self.metrics.ready.set(0)
+        self.load_error = exc
+        if self.on_device_lost is not None:
+            self.on_device_lost(exc)
 
     async def stop(self, drain_timeout: float = 5.0) -> None:
         """Stop accepting requests, let running ones finish for ``drain_timeout`` seconds,
