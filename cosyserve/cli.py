@@ -476,6 +476,10 @@ def _engine_args(p, in_process: bool = False) -> None:
     p.add_argument("--admission-target", type=float, default=0.8, metavar="FRACTION",
                    help="auto admission: the share of the scheduler thread / GPU the admitted streams may need "
                         "(default 0.8; headroom for jitter and prefills)" + note)
+    p.add_argument("--admission-start-share", type=float, default=0.45, metavar="FRACTION",
+                   help="auto admission: streams still before their second chunk are at most this share of the "
+                        "admitted ones (default 0.45; a burst of arrivals then starts in waves, not all in phase; "
+                        "1 = no such bound)" + note)
     p.add_argument("--flow-stream-cache", choices=("auto", "on", "off"), default="auto",
                    help="streaming chunks compute only the flow frames after the stream's complete static chunks, "
                         "reusing their cached per-step keys/values (CosyVoice2 U-Net: 2.2 MiB, CosyVoice3 DiT: "
@@ -563,13 +567,15 @@ def _engine_config(args, background_default: bool = False, **overrides):
                   graph_capture=_graph_capture(args, background_default),
                   graph_priming=getattr(args, "graph_priming", False),
                   decode_lookahead=args.decode_lookahead, admission=args.admission,
-                  admission_target=args.admission_target,
+                  admission_target=args.admission_target, admission_start_share=args.admission_start_share,
                   flow_stream_cache={"auto": None, "on": True, "off": False}[args.flow_stream_cache],
                   flow_stream_cache_frames=args.flow_stream_cache_frames, strict_min_len=args.strict_min_len,
                   stream_chunk_policy=args.chunk_policy if getattr(args, "chunk_policy_given", False) else None)
     fields.update(overrides)
     if not 0 < fields["admission_target"] <= 1:
         raise CLIError(f"--admission-target must be in (0, 1], got {fields['admission_target']}")
+    if not 0 < fields["admission_start_share"] <= 1:
+        raise CLIError(f"--admission-start-share must be in (0, 1], got {fields['admission_start_share']}")
     try:
         return EngineConfig(**fields)
     except ValueError as exc:

@@ -772,3 +772,35 @@ def test_device_memory_on_cuda_counts_graph_pools_free_blocks():
     gc.collect()
     torch.cuda.empty_cache()
     assert with_graph - graph_pool_free_bytes(dev) >= 4 << 20  # (other tests' graphs may go too)
+
+
+def test_auto_admission_starts_a_burst_of_streams_in_waves(synth):
+    """Auto admission keeps the streams before their second chunk to ``admission_start_share`` of the
+    limit (a burst of arrivals would otherwise start all in phase and their second chunks fall due
+    together: docs/perf.md "Session 31"); the rest wait in arrival order and start as the first
+    wave's second chunks go out; offline requests are not held by it; share 1.0 admits the burst at once."""
+    syn, voice = synth
+    params = dict(chunk_policy=ChunkPolicy.parse(POLICY), min_token_text_ratio=RATIO, max_token_text_ratio=RATIO)
+
+    def run(share: float, n: int = 12):
+        core, obs = slow_engine(synth, max_active=16, max_queue=32, admission_start_share=share)
+        core.admission = AdmissionPolicy("auto")
+        core._admission_limit = lambda: 16  # the time model's limit, fixed for the test
+        core.add_request(syn.build_request(TEXT, voice, SynthesisParams(seed=99, stream=False), "offline"))
+        for i in range(n):
+            core.add_request(syn.build_request(TEXT, voice, SynthesisParams(seed=i, **params), f"r{i}"))
+        most, first, done = 0, None, {}
+        while core.has_work():
+            for ev in core.step():
+                if isinstance(ev, RequestFinished):
+                    done[ev.request_id] = ev
+            starting = sum(1 for st in core._active.values() if st.req.params.stream and st.chunks < 2)
+            most = max(most, starting)
+            first = len(core._active) if first is None else first
+        assert len(done) == n + 1 and all(e.outcome.value == "ok" for e in done.values())
+        assert obs.order == ["offline"] + [f"r{i}" for i in range(n)]
+        return most, first
+
+    most, first = run(0.45)
+    assert 0 < most <= 8 and first == 1 + 8  # the offline request + ceil(0.45 x 16) streams
+    assert run(1.0) == (12, 13)

@@ -45,6 +45,7 @@ request that fails is finished with an error.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -166,7 +167,14 @@ class EngineConfig:
     serving is for development and tests, whose batching should not depend on how busy the
     machine is; the estimate is still measured and reported); ``admission_target``: the share
     of the scheduler thread / device the admitted streams may need (headroom for jitter and
-    prefills; the capacity is the most streams whose modelled need stays below it).
+    prefills; the capacity is the most streams whose modelled need stays below it);
+    ``admission_start_share``: ``auto`` admission also keeps the streams still in their first
+    ``START_CHUNKS`` chunks (whose second chunk is due within the first chunk's playback, ~0.6 s)
+    to at most this share of the admission limit (at least ``MIN_STARTING_STREAMS``), so that a
+    burst of arrivals starts in waves instead of all in phase (1.0: no such bound). On an H100
+    (docs/perf.md "Session 31") ~100 DiT streams started within 0.6 s at the 2x overload and the
+    last third missed their second chunk by up to 40 ms, while ~57 starting at once (the capacity
+    levels) never did.
     ``strict_min_len``: before a segment's ``min_len`` mask every stop id, not only upstream's
     one id (``LLMConfig.min_len_mask_id``; CosyVoice3 masks its sos there, so with random weights
     a stop id ends most utterances after a few tokens): for random-weight benchmarks that pin the
@@ -221,6 +229,7 @@ class EngineConfig:
     decode_lookahead: int = 1
     admission: AdmissionPolicy | str | int | None = None
     admission_target: float = 0.8
+    admission_start_share: float = 0.45
     strict_min_len: bool = False
     flow_stream_cache: bool | None = None
     flow_stream_cache_frames: int | None = None
@@ -236,6 +245,8 @@ class EngineConfig:
             object.__setattr__(self, "admission", AdmissionPolicy.parse(self.admission))
         if not 0 < self.admission_target <= 1:
             raise ValueError("admission_target must be in (0, 1]")
+        if not 0 < self.admission_start_share <= 1:
+            raise ValueError("admission_start_share must be in (0, 1]")
         bad = [name for name, ok in (
             ("max_active >= 1", self.max_active >= 1), ("max_queue >= 0", self.max_queue >= 0),
             ("kv_max_len >= 64", self.kv_max_len >= 64), ("max_t2w_batch >= 1", self.max_t2w_batch >= 1),
@@ -274,6 +285,9 @@ DIT_OFFLINE_MAX_S = 30.0
 #: the device's (the copies of a stream's caches each further stream is budgeted for are the backend's
 #: :attr:`~cosyserve.engine.token2wav.Token2WavBackend.stream_state_copies`)
 MEMORY_RESERVE_SHARE = 0.05
+#: ``auto`` admission lets at least this many streams be in their first chunks at once
+#: (``EngineConfig.admission_start_share``)
+MIN_STARTING_STREAMS = 4
 #: ``EngineConfig.hift_f0``: the CosyVoice2 HiFT's F0 item by item in float32 (bit-identical to a stream's F0
 #: run alone) or in one masked float64 pass per batch (:attr:`~cosyserve.models.hift.HiFTGenerator.batched_f0`)
 HIFT_F0_MODES = ("per-item", "batched")
@@ -985,6 +999,7 @@ class EngineCore:
         self._limit = self._admission_limit()
         now = time.monotonic()
         kind = None
+        starting = None  # streams in their first START_CHUNKS chunks (auto admission)
         while self._waiting:
             head = next(iter(self._waiting.values()))
             if kind is not None and head.req.params.stream != kind:
@@ -992,6 +1007,13 @@ class EngineCore:
             kind = head.req.params.stream
             if len(self._active) >= self._limit:
                 break
+            if kind and self.admission.mode == "auto":
+                if starting is None:
+                    starting = sum(1 for st in self._active.values() if st.req.params.stream
+                                   and not st.req.params.lm_only and st.chunks < START_CHUNKS)
+                if starting >= self._starting_limit():
+                    break  # a wave is starting: the next one once its second chunks are out
+                starting += 1
             rid, st = self._waiting.popitem(last=False)
             self._active[rid] = st
             in_order = st.req.arrival >= self._last_admitted_arrival
@@ -1001,6 +1023,12 @@ class EngineCore:
             hook = getattr(self.observer, "admitted", None)
             if hook is not None:
                 hook(rid, now - st.req.arrival, in_order)
+
+    def _starting_limit(self) -> int:
+        """Streams that may be in their first ``START_CHUNKS`` chunks at once under ``auto``
+        admission: ``admission_start_share`` of the admission limit, at least
+        ``MIN_STARTING_STREAMS`` (:class:`EngineConfig`)."""
+        return max(MIN_STARTING_STREAMS, math.ceil(self.cfg.admission_start_share * self._limit))
 
     def _release_slot(self, seg: SegmentState) -> None:
         if seg.slot is not None:
