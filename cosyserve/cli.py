@@ -793,6 +793,14 @@ def _router_gpus(args) -> list[str]:
     return t2w_gpus or gpus
 
 
+#: printed by `serve --llm-workers N` on a GPU (docs/perf.md "Session 31")
+SHARED_GPU_NOTE = (
+    "note: --llm-workers runs the LLM and token2wav workers as separate processes on ONE GPU: without NVIDIA MPS "
+    "their CUDA contexts take turns on the device instead of running side by side (measured on an H100 with the "
+    "DiT token2wav: 11 real-time streams and 28x offline, against 120 and 300x in one process). Use it to test the "
+    "layout; to serve, run one process per GPU (--gpus) or put the LLM on GPUs of its own (--llm-gpus/--t2w-gpus).")
+
+
 def _serve_router(args) -> int:
     """`serve --workers N` / `--gpus LIST`: the router on the public ports over N worker processes;
     with `--llm-gpus/--t2w-gpus` or `--llm-workers` the disaggregated layout (LLM workers +
@@ -809,6 +817,8 @@ def _serve_router(args) -> int:
     if gpus or llm_gpus:
         base = [a for i, a in enumerate(base) if not (a == "--device" or (i and base[i - 1] == "--device")
                                                       or a.startswith("--device="))] + ["--device", "cuda"]
+    if args.llm_workers and not llm_gpus and _device(args.device).startswith("cuda"):
+        print(SHARED_GPU_NOTE, file=sys.stderr)
     # the disaggregated layout: --llm-only workers on fixed loopback ports, token2wav workers streaming from them
     llm_places = [({"CUDA_VISIBLE_DEVICES": g}, f"llm, gpu {g}") for g in llm_gpus] or \
         [({}, "llm, shared device")] * (args.llm_workers or 0)
@@ -996,8 +1006,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="disaggregated layout: one token2wav worker per listed GPU, streaming its tokens from "
                          "the --llm-gpus workers (spread round-robin); requests go to these by load")
     sv.add_argument("--llm-workers", type=_positive_int, metavar="N",
-                    help="disaggregated layout on one shared device (CPU tests, one GPU): N LLM workers, and "
-                         "--workers token2wav workers streaming from them")
+                    help="disaggregated layout on one shared device: N LLM workers, and --workers token2wav workers "
+                         "streaming from them (for tests: on one GPU the processes take turns on it, ~10x slower "
+                         "than one process; serve with --llm-gpus/--t2w-gpus)")
     sv.add_argument("--metrics-port", type=int, metavar="PORT",
                     help="also serve GET /metrics on this port, WITHOUT the API key and nothing else there (for "
                          "Prometheus scrapers; keep it off public networks)")

@@ -259,6 +259,27 @@ def test_worker_argv_drops_disaggregation_options():
     assert _worker_argv(argv) == ["--demo", "--max-active-streams", "8"]
 
 
+def test_llm_workers_on_one_gpu_print_why_they_are_slow(monkeypatch, capsys, tmp_path):
+    """`serve --llm-workers N` on a GPU says that the processes take turns on one device (measured ~10x
+    slower than one process, docs/perf.md "Session 31") and what to run instead; on CPU it says nothing."""
+    import cosyserve.cli as cli
+    from cosyserve.server import router
+
+    configs = []
+
+    async def fake_router(cfg):
+        configs.append(cfg)
+
+    monkeypatch.setattr(router, "serve_router", fake_router)
+    argv = ["serve", "--demo", "--llm-workers", "1", "--port", str(free_port()), "--grpc-port", str(free_port())]
+    for device, noted in (("cpu", False), ("cuda", True)):
+        monkeypatch.setattr(cli, "_device", lambda name, d=device: d)
+        assert cli.main(argv) == 0
+        err = capsys.readouterr().err
+        assert (cli.SHARED_GPU_NOTE in err) == noted, err
+    assert [[w.role for w in c.workers] for c in configs] == [["llm", "speech"]] * 2
+
+
 def test_disaggregated_router_answers_every_protocol(cache):
     import tritonclient.grpc as tg
     import tritonclient.http as th
