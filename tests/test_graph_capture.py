@@ -148,6 +148,14 @@ def test_captures_stop_after_too_many_failures_in_a_row(caplog):
     assert cap.wait(10)
     assert set(st._graphs) == {(1,), (2,)} and cap.failed == G.BackgroundCapturer.max_failures_in_a_row
     assert cap.pending == 20 - 2 - cap.failed and "in a row failed" in caplog.text
+    assert cap.error is not None  # the last failure: a listener tells a lost device from it
+
+
+def test_one_failed_bucket_leaves_no_capture_error():
+    st = FakeStage("s", [(1,), (2,), (3,)], fail={(2,)})
+    cap = G.BackgroundCapturer([[st]])
+    cap.start()
+    assert cap.wait(10) and cap.failed == 1 and cap.error is None
 
 
 def test_stop_while_capturing_ends_after_the_capture_in_progress():

@@ -61,6 +61,8 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._stop = False
         self._switch = shorten_switch_interval(ENGINE_SWITCH_INTERVAL_S)  # restored in stop()
+        if getattr(self.core, "graph_capturer", None) is not None:
+            self.core.when_graphs_captured(self._capture_ended)
         self._thread = threading.Thread(target=self._run, name="cosyserve-engine", daemon=True)
         self._thread.start()
 
@@ -118,14 +120,27 @@ class AsyncEngine:
             if events and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._dispatch, events)
 
+    def _device_lost(self, exc: BaseException) -> None:
+        """(On the event loop.) ``exc`` is a sticky CUDA error: record it, call ``on_device_lost`` once."""
+        if self.device_error is not None:
+            return
+        self.device_error = exc
+        log.critical("the device context is lost (%s): every later request would fail; this process stops so "
+                     "that it can be restarted", exc, extra={"event": "device_lost"})
+        if self.on_device_lost is not None:
+            self.on_device_lost(exc)
+
+    def _capture_ended(self) -> None:
+        """(On the capture thread.) A background graph capture ended by a sticky CUDA error loses
+        the device as a failed request does, before any request has to fail for it."""
+        err = getattr(self.core.graph_capturer, "error", None)
+        if device_lost(err) and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._device_lost, err)
+
     def _dispatch(self, events: list) -> None:
         for ev in events:
-            if isinstance(ev, RequestFinished) and self.device_error is None and device_lost(ev.error):
-                self.device_error = ev.error
-                log.critical("the device context is lost (%s): every later request would fail; this process "
-                             "stops so that it can be restarted", ev.error, extra={"event": "device_lost"})
-                if self.on_device_lost is not None:
-                    self.on_device_lost(ev.error)
+            if isinstance(ev, RequestFinished) and device_lost(ev.error):
+                self._device_lost(ev.error)
             q = self._queues.get(ev.request_id)
             if q is not None:
                 q.put_nowait(ev)

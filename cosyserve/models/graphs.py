@@ -528,6 +528,9 @@ class BackgroundCapturer:
         self._on_done: list = []
         self._on_done_lock = threading.Lock()
         self.failed = 0
+        #: the error that ended the capture early (it raised, or ``max_failures_in_a_row`` captures
+        #: failed: the last one's), else None; read it in a :meth:`when_done` callback
+        self.error: BaseException | None = None
         self.demanded = 0  # captures taken out of plan order because serving ran the bucket eagerly
         self.capture_s = 0.0
         self.wall_s: float | None = None
@@ -631,7 +634,8 @@ class BackgroundCapturer:
                 # this thread's own work (buffers, settling) never touches the legacy default stream
                 torch.cuda.set_stream(capture_stream(self.device, non_blocking=True))
             self._loop(background=True)
-        except BaseException:  # noqa: BLE001 - a bug here must not take the server down: stay eager
+        except BaseException as exc:  # noqa: BLE001 - a bug here must not take the server down: stay eager
+            self.error = exc
             log.exception("background CUDA graph capture stopped")
         finally:
             restore_switch_interval(switch)
@@ -682,6 +686,7 @@ class BackgroundCapturer:
         m0 = torch.cuda.memory_reserved(self.device) if cuda else 0
         t0 = self.started_at = time.perf_counter()
         n = streak = 0
+        last_error = None
         while True:
             got = self._demanded() if background else None
             if got is None:
@@ -695,6 +700,7 @@ class BackgroundCapturer:
                 break
             if streak >= self.max_failures_in_a_row:  # something is broken for good (a CUDA error)
                 log.error("%d graph captures in a row failed: capturing nothing more (the rest runs eagerly)", streak)
+                self.error = last_error
                 break
             if key in stage._graphs or key in stage._failed:
                 continue
@@ -705,6 +711,7 @@ class BackgroundCapturer:
                 streak = 0
             except Exception as exc:  # noqa: BLE001 - that bucket runs eagerly; the others go on
                 stage.disable(key, f"{type(exc).__name__}: {exc}")
+                last_error = exc
                 self.failed += 1
                 streak += 1
                 log.warning("capturing the %s graph %s failed (%s: %s); that bucket runs eagerly", stage.name,
