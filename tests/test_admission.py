@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -804,3 +806,52 @@ def test_auto_admission_starts_a_burst_of_streams_in_waves(synth):
     most, first = run(0.45)
     assert 0 < most <= 8 and first == 1 + 8  # the offline request + ceil(0.45 x 16) streams
     assert run(1.0) == (12, 13)
+
+
+def test_chunks_delivered_late_cap_auto_admission_too(synth, caplog):
+    """Chunks carry their emission time and slack; a server that hands a chunk to its response later
+    than the stream's first by more than that slack's margin reports it
+    (``observe_delivered_slack``), which caps auto admission as a late emission does (the H100's 2x
+    overload: chunks emitted >= 100 ms early reached clients late, docs/perf.md "Session 31")."""
+    import asyncio
+
+    from cosyserve.server.state import ServerConfig, ServerState
+
+    core, _ = slow_engine(synth, max_active=8, max_queue=8, admission=4)
+    core.admission = AdmissionPolicy("auto")
+    syn, voice = synth
+    params = SynthesisParams(seed=0, chunk_policy=ChunkPolicy.parse(POLICY), min_token_text_ratio=RATIO,
+                             max_token_text_ratio=RATIO)
+    core.add_request(syn.build_request(TEXT, voice, params, "r0"))
+    chunks = []
+    while core.has_work():
+        chunks += [ev for ev in core.step() if isinstance(ev, AudioChunk)]
+    assert len(chunks) >= 3 and chunks[0].slack_s is None and all(c.slack_s is not None for c in chunks[1:])
+    assert all(c.emitted_at is not None for c in chunks)
+
+    class Engine:  # hands the chunks over as a busy event loop would: the third 0.3 s after emission
+        core = SimpleNamespace(observe_delivered_slack=lambda s: reported.append(s))
+
+        async def generate(self, req):
+            for i, c in enumerate(chunks[:3]):
+                yield dataclasses.replace(c, emitted_at=time.monotonic() - (0.3 if i == 2 else 0.0),
+                                          slack_s=None if i == 0 else 0.25)
+
+    reported = []
+    st = ServerState(ServerConfig())
+    st.ready, st.engine = True, Engine()
+
+    async def drain():
+        return [c async for c in st.stream("grpc", syn.build_request(TEXT, voice, params, "r1"))]
+
+    assert len(asyncio.run(drain())) == 3
+    assert len(reported) == 2 and reported[0] == pytest.approx(0.25, abs=0.02)
+    assert reported[1] == pytest.approx(-0.05, abs=0.02)  # 0.25 s of slack less 0.3 s more lag than the first
+    assert "cosyserve_chunk_delivery_lag_seconds_count 3.0" in st.metrics.render().decode()
+    core.slack_guard = SlackGuard(recover_s=60.0)
+    core.observe_delivered_slack(reported[1])
+    core.observe_delivered_slack(0.5)  # early enough: not even queued
+    with caplog.at_level("WARNING", logger="cosyserve.engine.core"):
+        core.add_request(syn.build_request(TEXT, voice, params, "r2"))
+        core.step()
+    assert core.slack_guard.cuts == 1 and "was sent to its client" in caplog.text

@@ -863,6 +863,8 @@ class EngineCore:
                 self._waiting[st.request_id] = st
                 if late:  # added after a request that arrived later (threads): keep arrival order
                     self._waiting = OrderedDict(sorted(self._waiting.items(), key=lambda kv: kv[1].req.arrival))
+            elif cmd[0] == "slack":
+                self._observe_slack(cmd[1], delivered=True)
             else:
                 _, rid, outcome = cmd
                 st = self._active.get(rid) or self._waiting.get(rid)
@@ -1567,9 +1569,10 @@ class EngineCore:
                 seg.schedule.advance()
             last = st.out_segment >= len(st.segments)
             chunk = AudioChunk(st.request_id, st.chunks, seg.index, res.speech.numpy(), self.sample_rate, n_tok,
-                               final=last)
+                               final=last, emitted_at=now)
             if st.first_chunk_at is not None and st.req.params.stream:  # due when the audio so far has played
-                self._observe_slack(st.first_chunk_at + st.audio_samples / self.sample_rate - now)
+                chunk.slack_s = st.first_chunk_at + st.audio_samples / self.sample_rate - now
+                self._observe_slack(chunk.slack_s)
             st.chunks += 1
             st.audio_samples += chunk.samples.shape[0]
             latency = None
@@ -1587,19 +1590,33 @@ class EngineCore:
         guard = self.slack_guard.limit(min(cap, self.cfg.max_active))
         return cap if guard is None else guard
 
-    def _observe_slack(self, slack_s: float) -> None:
-        """A streaming chunk left ``slack_s`` seconds before its deadline: feed the admission's
+    def observe_delivered_slack(self, slack_s: float) -> None:
+        """(Thread-safe; a server calls it.) A streaming chunk was sent to its client ``slack_s``
+        seconds before the deadline the client sees: the engine's own slack at emission
+        (:attr:`~cosyserve.engine.request.AudioChunk.slack_s`) less how much longer this chunk than
+        the stream's first took from emission to the response (event loop, encoding). Feeds the
+        same :class:`~cosyserve.engine.admission.SlackGuard` as the engine's own slack, so that
+        delivery delays in bursts also hold admission back (docs/perf.md "Session 31": chunks
+        emitted >= 100 ms early reached clients up to 41 ms late). Cheap: only values below the
+        guard's margin are queued."""
+        if slack_s < self.slack_guard.margin_s:
+            self._inbox.put(("slack", float(slack_s)))
+
+    def _observe_slack(self, slack_s: float, delivered: bool = False) -> None:
+        """A streaming chunk left ``slack_s`` seconds before its deadline (when emitted, or with
+        ``delivered`` when its server sent it: :meth:`observe_delivered_slack`): feed the admission's
         :class:`~cosyserve.engine.admission.SlackGuard` (auto mode); log when it cuts the cap."""
         if self.admission.mode != "auto" or slack_s >= self.slack_guard.margin_s:
             return
         active = sum(1 for st in self._active.values() if st.req.params.stream)
         if self.slack_guard.observe(slack_s, active):
             cap = self.slack_guard.limit()
-            log.warning("a chunk left %.0f ms before its deadline with %d streams active: admission capped at %d "
-                        "streams until none comes that close (+1 per %.1f s)", slack_s * 1e3, active, cap,
+            log.warning("a chunk %s %.0f ms before its deadline with %d streams active: admission capped at %d "
+                        "streams until none comes that close (+1 per %.1f s)",
+                        "was sent to its client" if delivered else "left", slack_s * 1e3, active, cap,
                         self.slack_guard.recover_s,
                         extra={"event": "slack_cut", "slack_ms": round(slack_s * 1e3, 1), "streams": cap,
-                               "active": active})
+                               "active": active, "delivered": delivered})
 
     def _skip_silent_segments(self, st: RequestState) -> None:
         while st.out_segment < len(st.segments):

@@ -110,7 +110,11 @@ class AudioChunk:
     """A piece of the output waveform (mono float32 at ``sample_rate``).
 
     ``index``: chunk number within the request; ``segment``: text segment it belongs to;
-    ``n_tokens``: speech tokens it covers (25/s); ``final``: last chunk of the request.
+    ``n_tokens``: speech tokens it covers (25/s); ``final``: last chunk of the request;
+    ``emitted_at``: ``time.monotonic()`` when the engine handed it out; ``slack_s``: seconds left
+    then before its playback deadline (the audio before it played from the first chunk's emission
+    on; None for a first chunk and for offline requests). A server compares them with when it sends
+    the chunk (:meth:`cosyserve.engine.core.EngineCore.observe_delivered_slack`).
     """
 
     request_id: str
@@ -120,6 +124,8 @@ class AudioChunk:
     sample_rate: int
     n_tokens: int
     final: bool = False
+    emitted_at: float | None = None
+    slack_s: float | None = None
 
     @property
     def duration_s(self) -> float:

@@ -90,6 +90,9 @@ class Metrics(EngineObserver):
         for g in (self.capacity, self.load_ratio, self.capacity_estimate):
             g.set(float("nan"))
         self.ready = Gauge("cosyserve_ready", "1 when models are loaded and warmed up", registry=r)
+        self.delivery_lag = Histogram(
+            "cosyserve_chunk_delivery_lag_seconds", "Streaming chunks: engine emission to the response handler",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
         self.gc_pause = Histogram(
             "cosyserve_gc_pause_seconds", "Python garbage-collection pauses (all threads stop)", ["generation"],
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)

@@ -470,6 +470,7 @@ class ServerState:
         self.require_ready()
         t0 = time.monotonic()
         outcome, first, audio_s, finished = "error", None, 0.0, None
+        lag0 = None  # the first chunk's delivery lag: later chunks' deadlines count from its hand-over
         self.stats["inference_count"] += 1
         log.info("request", extra={"event": "start", "request_id": req.request_id, "protocol": protocol,
                                    "segments": len(req.segments), "stream": req.params.stream})
@@ -485,8 +486,16 @@ class ServerState:
                     if ev.outcome is not Outcome.OK:
                         raise CosyServeError(f"request {ev.outcome.value}")
                     continue
+                now = time.monotonic()
                 if first is None:
-                    first = time.monotonic() - req.arrival
+                    first = now - req.arrival
+                if ev.emitted_at is not None and req.params.stream:
+                    lag = now - ev.emitted_at
+                    self.metrics.delivery_lag.observe(lag)
+                    if lag0 is None:
+                        lag0 = lag
+                    elif ev.slack_s is not None:  # as the client sees it: later by what this chunk lost more
+                        self.engine.core.observe_delivered_slack(ev.slack_s - (lag - lag0))
                 audio_s += ev.duration_s
                 yield ev
         except (asyncio.CancelledError, GeneratorExit):
