@@ -1009,7 +1009,7 @@ class EngineCore:
             kind = head.req.params.stream
             if len(self._active) >= self._limit:
                 break
-            if kind and self.admission.mode == "auto":
+            if kind and not head.req.params.lm_only and self.admission.mode == "auto":
                 if starting is None:
                     starting = sum(1 for st in self._active.values() if st.req.params.stream
                                    and not st.req.params.lm_only and st.chunks < START_CHUNKS)
