@@ -654,8 +654,9 @@ def test_device_lost_tells_sticky_cuda_errors_from_recoverable_ones():
             raise ValueError("token2wav batch failed") from inner
     except ValueError as exc:
         assert device_lost(exc)
-    for ok in (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), RuntimeError("cuFFT error: CUFFT_INTERNAL_ERROR"),
-               InvalidInputError("the text is empty", field="input"), None, ValueError("illegal memory access")):
+    for ok in (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+               RuntimeError("cuFFT error: CUFFT_INTERNAL_ERROR"), InvalidInputError("the text is empty", field="input"),
+               None, ValueError("illegal memory access")):
         assert not device_lost(ok)
 
 

@@ -245,7 +245,8 @@ class ServerState:
             core = await asyncio.to_thread(self._remote_engine) if c.llm_url else \
                 self.synth.new_engine(c.engine, observer=self.metrics)
             self.metrics.attach(core)
-            if c.token2wav_dir and not c.llm_only and hasattr(core, "plan_stream_prompts"):  # DiT solve graphs for these voices
+            # DiT solve graphs for these voices
+            if c.token2wav_dir and not c.llm_only and hasattr(core, "plan_stream_prompts"):
                 core.plan_stream_prompts(await asyncio.to_thread(self._voice_prompt_tokens))
             self.engine = AsyncEngine(core)
             self.engine.on_device_lost = self._device_lost
