@@ -505,5 +505,5 @@ class SlackGuard:
         return int(self._cap)
 
 
-__all__ = ["AdmissionPolicy", "CapacityEstimator", "SlackGuard", "chunk_speedup", "latency_pace", "SPEEDUP_HORIZON_TOKENS",
-           "START_CHUNKS", "T2W_PERIOD_S"]
+__all__ = ["AdmissionPolicy", "CapacityEstimator", "SlackGuard", "chunk_speedup", "latency_pace",
+           "SPEEDUP_HORIZON_TOKENS", "START_CHUNKS", "T2W_PERIOD_S"]

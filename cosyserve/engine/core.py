@@ -1009,10 +1009,10 @@ class EngineCore:
             kind = head.req.params.stream
             if len(self._active) >= self._limit:
                 break
-            if kind and not head.req.params.lm_only and self.admission.mode == "auto":
+            if head.req.params.streams_audio and self.admission.mode == "auto":
                 if starting is None:
-                    starting = sum(1 for st in self._active.values() if st.req.params.stream
-                                   and not st.req.params.lm_only and st.chunks < START_CHUNKS)
+                    starting = sum(1 for st in self._active.values()
+                                   if st.req.params.streams_audio and st.chunks < START_CHUNKS)
                 if starting >= self._starting_limit():
                     break  # a wave is starting: the next one once its second chunks are out
                 starting += 1

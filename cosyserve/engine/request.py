@@ -77,6 +77,11 @@ class SynthesisParams:
         if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidInputError("min_tokens must not exceed max_tokens", field="min_tokens")
 
+    @property
+    def streams_audio(self) -> bool:
+        """Audio goes out chunk by chunk with playback deadlines (``stream`` and not ``lm_only``)."""
+        return self.stream and not self.lm_only
+
     def token_bounds(self, n_text_tokens: int) -> tuple[int, int]:
         """``(min_len, max_len)`` speech tokens for a segment of ``n_text_tokens`` text tokens
         (explicit ``min_tokens``/``max_tokens`` win over the ratios, as upstream's ``int(n * ratio)``)."""
@@ -258,7 +263,7 @@ class RequestState:
         make_sampler = p.sampler_factory or sampler_factory
         for i, ids in enumerate(req.segments):
             lo, hi = p.token_bounds(int(ids.numel()))
-            stream = p.stream and not p.lm_only
+            stream = p.streams_audio
             st.segments.append(SegmentState(
                 index=i, text_ids=ids.reshape(-1).to(torch.long), min_len=lo, max_len=hi,
                 lm_gen=lm_gen, sampler=make_sampler(), stream=stream,
@@ -266,7 +271,7 @@ class RequestState:
             ))
         if p.timeout_s is not None:
             st.deadline = req.arrival + p.timeout_s
-        if p.stream and not p.lm_only:
+        if p.streams_audio:
             st.speedup = chunk_speedup(p.chunk_policy)
             if st.segments and st.segments[0].schedule is not None:  # (the first segment's schedule)
                 st.first_hop_tokens = int(st.segments[0].schedule.hop)
