@@ -281,6 +281,12 @@ def synth(tmp_path_factory):
         torch.set_num_threads(threads)
 
 
+def stream_params(seed: int) -> SynthesisParams:
+    """A streaming request with the tests' chunk policy and token/text ratio."""
+    return SynthesisParams(seed=seed, chunk_policy=ChunkPolicy.parse(POLICY), min_token_text_ratio=RATIO,
+                           max_token_text_ratio=RATIO)
+
+
 def slow_engine(synth, **cfg):
     syn, _ = synth
     obs = Admissions()
@@ -305,8 +311,7 @@ def run_load(synth, core, n: int) -> dict:
     """``n`` streams arriving at once; steps until done. Per request: chunk arrivals (monotonic
     time, samples) and its RequestFinished."""
     syn, voice = synth
-    params = [SynthesisParams(seed=i, chunk_policy=ChunkPolicy.parse(POLICY), min_token_text_ratio=RATIO,
-                              max_token_text_ratio=RATIO) for i in range(n)]
+    params = [stream_params(i) for i in range(n)]
     for i in range(n):
         core.add_request(syn.build_request(TEXT, voice, params[i], f"r{i}"))
     out = {f"r{i}": {"arrivals": [], "done": None} for i in range(n)}
@@ -334,8 +339,7 @@ def test_fixed_admission_under_3x_load_never_stalls_an_admitted_stream(synth):
     core, obs = slow_engine(synth, max_active=16, max_queue=4, admission=n_cap)
     assert core.admission_limit == n_cap and core.capacity_streams == n_cap
     syn, voice = synth
-    params = SynthesisParams(seed=0, chunk_policy=ChunkPolicy.parse(POLICY), min_token_text_ratio=RATIO,
-                             max_token_text_ratio=RATIO)
+    params = stream_params(0)
     reqs = [syn.build_request(TEXT, voice, params, f"r{i}") for i in range(3 * n_cap + 1)]
     for r in reqs[:-1]:
         core.add_request(r)
@@ -425,9 +429,7 @@ def test_auto_admission_is_bounded_by_device_memory(synth, caplog):
     syn, voice = synth
 
     def stream(i):
-        return syn.build_request(TEXT, voice, SynthesisParams(seed=i, chunk_policy=ChunkPolicy.parse(POLICY),
-                                                              min_token_text_ratio=RATIO, max_token_text_ratio=RATIO),
-                                 f"s{i}")
+        return syn.build_request(TEXT, voice, stream_params(i), f"s{i}")
 
     def offline(i):
         return syn.build_request(TEXT, voice, SynthesisParams(seed=i, stream=False, min_token_text_ratio=RATIO,
@@ -460,9 +462,7 @@ def test_memory_bound_takes_what_active_streams_hold_off_what_the_device_holds(s
     core.t2w.stream_state_bytes = lambda: per
     core._device_memory = lambda: (0, total)
     for i in range(3):
-        core.add_request(syn.build_request(TEXT, voice, SynthesisParams(
-            seed=i, chunk_policy=ChunkPolicy.parse(POLICY), min_token_text_ratio=RATIO, max_token_text_ratio=RATIO),
-            f"m{i}"))
+        core.add_request(syn.build_request(TEXT, voice, stream_params(i), f"m{i}"))
     while len(core._active) < 3:
         core.step()
     sizes = {id(st.segments[0].hift_state): b for st, b in zip(core._active.values(), (100, 60, 10))}
@@ -663,8 +663,7 @@ def test_late_chunk_caps_auto_admission_below_the_active_streams(synth, caplog):
     core.admission = AdmissionPolicy("auto")
     core.capacity_model.last = core.capacity_model.initial = 4  # start with four; measured, it may rise
     syn, voice = synth
-    params = SynthesisParams(seed=0, chunk_policy=ChunkPolicy.parse(POLICY), min_token_text_ratio=RATIO,
-                             max_token_text_ratio=RATIO)
+    params = stream_params(0)
     for i in range(8):
         core.add_request(syn.build_request(TEXT, voice, params, f"r{i}"))
     while core.active_count < 2 and core.has_work():
@@ -782,7 +781,6 @@ def test_auto_admission_starts_a_burst_of_streams_in_waves(synth):
     together: docs/perf.md "Session 31"); the rest wait in arrival order and start as the first
     wave's second chunks go out; offline requests are not held by it; share 1.0 admits the burst at once."""
     syn, voice = synth
-    params = dict(chunk_policy=ChunkPolicy.parse(POLICY), min_token_text_ratio=RATIO, max_token_text_ratio=RATIO)
 
     def run(share: float, n: int = 12):
         core, obs = slow_engine(synth, max_active=16, max_queue=32, admission_start_share=share)
@@ -790,7 +788,7 @@ def test_auto_admission_starts_a_burst_of_streams_in_waves(synth):
         core._admission_limit = lambda: 16  # the time model's limit, fixed for the test
         core.add_request(syn.build_request(TEXT, voice, SynthesisParams(seed=99, stream=False), "offline"))
         for i in range(n):
-            core.add_request(syn.build_request(TEXT, voice, SynthesisParams(seed=i, **params), f"r{i}"))
+            core.add_request(syn.build_request(TEXT, voice, stream_params(i), f"r{i}"))
         most, first, done = 0, None, {}
         while core.has_work():
             for ev in core.step():
@@ -820,8 +818,7 @@ def test_chunks_delivered_late_cap_auto_admission_too(synth, caplog):
     core, _ = slow_engine(synth, max_active=8, max_queue=8, admission=4)
     core.admission = AdmissionPolicy("auto")
     syn, voice = synth
-    params = SynthesisParams(seed=0, chunk_policy=ChunkPolicy.parse(POLICY), min_token_text_ratio=RATIO,
-                             max_token_text_ratio=RATIO)
+    params = stream_params(0)
     core.add_request(syn.build_request(TEXT, voice, params, "r0"))
     chunks = []
     while core.has_work():
