@@ -10,7 +10,9 @@
 # default exponential for unet, the DiT path's own default (15 tokens, then 25-token hops) for dit; ONE_STREAM=N: first
 # N requests from one client after the warm-up, the first-chunk table at 1 stream; CAPACITY_LEVELS= (empty) skips the
 # capacity search; STREAM_CLIENTS=N: one plain streaming level of N clients x 3 requests; SAMPLE_STACKS=1: the
-# scheduler thread's stacks per level, benchmarks/stack_sampler.py). Needs .whl.
+# scheduler thread's stacks per level, benchmarks/stack_sampler.py; PLAYBACK=1: the capacity and streaming levels
+# clients listen, `bench --playback`: each plays its streams in real time and sends the next request when the audio has
+# played, so N clients are N concurrent real-time streams). Needs .whl.
 set -u
 cd "$(dirname "$0")/.."
 OUTDIR=${1:-capacity_startup_out}; KIND=${PATH_KIND:-unet}; RATIO=${RATIO:-6}
@@ -20,6 +22,7 @@ mkdir -p "$OUTDIR"
 full_size_setup "$KIND" || exit 1
 CS="python3 -m cosyserve.cli"
 POLICY=${CHUNK_POLICY-exponential}
+LISTEN=; [ "${PLAYBACK:-0}" = 1 ] && LISTEN=--playback
 [ "$KIND" = dit ] && POLICY=${CHUNK_POLICY-}
 T0=$(date +%s.%N)
 # SAMPLE_STACKS=1: the server runs under benchmarks/stack_sampler.py; each level below then prints where the
@@ -53,15 +56,16 @@ if [ -n "${STREAM_CLIENTS:-}" ]; then
   echo "== streaming: $STREAM_CLIENTS clients x 3 requests (ramp ${RAMP_S:-0} s)"
   S0=$(since)
   $CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default \
-    --concurrency "$STREAM_CLIENTS" --min-requests-per-client 3 --ramp-s "${RAMP_S:-0}" --warmup 0 \
+    --concurrency "$STREAM_CLIENTS" --min-requests-per-client 3 --ramp-s "${RAMP_S:-0}" --warmup 0 $LISTEN \
     --out "$OUTDIR/stream" 2>&1 | grep -A3 "^| clients"
   stacks "streaming at $STREAM_CLIENTS clients" "$S0"
 fi
 if [ -n "$CAPACITY_LEVELS" ]; then
-  echo "== capacity (voice default, 0 stalls, p99 <= 500 ms), then 2x overload"
+  echo "== capacity (voice default, 0 stalls, p99 <= 500 ms), then 2x overload${LISTEN:+; clients listen (--playback)}"
   $CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default \
     --capacity --concurrency "$CAPACITY_LEVELS" --max-streams "$MAX_ACTIVE" --p99-bound-ms 500 \
-    --min-requests-per-client 3 --overload 2 --ramp-s "${RAMP_S:-0}" --warmup 0 --out "$OUTDIR/capacity" 2>&1 | tail -30
+    --min-requests-per-client 3 --overload 2 --ramp-s "${RAMP_S:-0}" --warmup 0 $LISTEN --out "$OUTDIR/capacity" \
+    2>&1 | tail -30
 fi
 if [ -n "${OFFLINE_CLIENTS:-}" ]; then
   echo "== offline throughput: $OFFLINE_CLIENTS clients x 3 requests"

@@ -8,6 +8,11 @@ largest batch. Full-size architectures with random weights, bf16 (``--dtype``).
     python3 benchmarks/t2w_profile.py --mode dit --batches 1,8,32
     python3 benchmarks/t2w_profile.py --mode dit --batches 1,4,8 --offline-tokens 250   # offline utterances
     python3 benchmarks/t2w_profile.py --mode cv3 --batches 1,4 --yaml benchmarks/configs/cosyvoice3-0.5b.yaml
+    python3 benchmarks/t2w_profile.py --mode dit --batches 1,8,16 --solve-kernels 12   # the solve's kernels by kind
+
+``--solve-kernels N``: the DiT solve of N streams' chunks (steady-state caches), eagerly and as its CUDA graph,
+under the torch profiler: its kernels grouped by kind (GEMM, attention, fused Triton, norms, copies, other) with
+count, total and mean time — where the solve's device time goes.
 """
 
 from __future__ import annotations
@@ -81,6 +86,8 @@ def dit(args) -> None:
     g = torch.Generator().manual_seed(0)
     if args.offline_tokens:
         return dit_offline(args, t2w, g)
+    if args.solve_kernels:
+        return solve_kernels(t2w, args.solve_kernels, args.prompt_tokens, g)
     last_fn = None
     for b in (int(x) for x in args.batches.split(",")):
         prompts = [(torch.randint(0, 6561, (args.prompt_tokens,), generator=g),
@@ -121,6 +128,76 @@ def dit(args) -> None:
         last_fn = step
     n = _profile(last_fn, "dit stream_step_batch")
     print(json.dumps({"mode": "dit", "kernels_per_call": n}))
+
+
+#: kernel name fragments -> kind (first match wins; lower-case)
+KINDS = (("attention", ("fmha", "flash", "attention", "sdpa", "efficient_attention")),
+         ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_")),
+         ("fused (triton)", ("triton",)),
+         ("norm", ("layer_norm", "layernorm", "norm")),
+         ("copy / cat / index", ("copy", "cat", "index", "gather", "scatter", "fill", "memcpy", "memset")),
+         ("elementwise", ("elementwise", "vectorized", "unrolled", "reduce")))
+
+
+def kernel_kinds(prof) -> list[tuple[str, int, float]]:
+    """``[(kind, kernels, total µs)]`` of a profile's CUDA kernels, by :data:`KINDS`."""
+    out: dict[str, list] = {}
+    for e in prof.key_averages():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.key.lower()
+        kind = next((k for k, frags in KINDS if any(f in name for f in frags)), "other")
+        row = out.setdefault(kind, [0, 0.0])
+        row[0] += e.count
+        t = getattr(e, "self_device_time_total", None)
+        row[1] += e.self_cuda_time_total if t is None else t
+    return sorted(((k, n, t) for k, (n, t) in out.items()), key=lambda r: -r[2])
+
+
+def solve_kernels(t2w, rows: int, prompt_tokens: int, g) -> None:
+    """Profile one DiT solve of ``rows`` streams (steady-state caches), eager and graphed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from cosyserve.models.dit_flow import DitItem
+
+    flow = t2w.flow
+    prompts = [(torch.randint(0, 6561, (prompt_tokens,), generator=g), torch.randn(2 * prompt_tokens, 80, generator=g).cuda(),
+                torch.randn(192, generator=g).cuda()) for _ in range(rows)]
+    states = t2w.stream_setup_batch(prompts)
+    for _ in range(4):
+        toks = [torch.randint(0, 6561, (28,), generator=g) for _ in range(rows)]
+        states = [s for _, s in t2w.stream_step_batch(states, toks, [False] * rows)]
+    toks = [torch.randint(0, 6561, (28,), generator=g) for _ in range(rows)]
+    with torch.inference_mode():
+        items = [DitItem(tokens=flow._check_tokens(t), spk=s.flow.spk, last=False, state=s.flow)
+                 for s, t in zip(states, toks)]
+        mu, mlen, _ = flow._encode(items)
+    graph = flow.graph
+    for label, use in (("eager", None), ("graph", graph)):
+        if label == "graph" and graph is None:
+            continue
+        flow.graph = use
+
+        @torch.inference_mode()
+        def solve():
+            return flow._solve(items, mu, mlen, flow.cfg.n_timesteps)
+
+        host, gpu = _time(solve, n=5, warm=2)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            solve()
+            torch.cuda.synchronize()
+        kinds = kernel_kinds(prof)
+        total_us = sum(t for _, _, t in kinds)
+        print(f"--- DiT solve, {rows} streams ({2 * rows} CFG rows x {max(mlen)} frames, cache "
+              f"{states[0].flow.cache_frames} frames), {label}: {gpu:.2f} ms GPU (events), {host:.2f} ms host; "
+              f"kernels seen by the profiler {sum(n for _, n, _ in kinds)}, {total_us / 1e3:.2f} ms")
+        print("| kind | kernels | total ms | share | mean µs |\n|---|---:|---:|---:|---:|")
+        for k, n, t in kinds:
+            print(f"| {k} | {n} | {t / 1e3:.2f} | {100 * t / max(total_us, 1e-9):.0f} % | {t / max(n, 1):.1f} |")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=70))
+        print(json.dumps({"mode": "dit-solve-kernels", "label": label, "streams": rows, "gpu_ms": round(gpu, 2),
+                          "kinds": {k: [n, round(t / 1e3, 3)] for k, n, t in kinds}}), flush=True)
+    flow.graph = graph
 
 
 def dit_offline(args, t2w, g) -> None:
@@ -206,6 +283,8 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="dit: no CUDA graphs")
     ap.add_argument("--offline-tokens", type=int, default=0,
                     help="dit: time offline utterances of this many target tokens (prompt + target in one pass)")
+    ap.add_argument("--solve-kernels", type=int, default=0, metavar="N",
+                    help="dit: profile the solve of N streams' chunks (kernels by kind, eager and graphed) only")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     dit(args) if args.mode == "dit" else cv3(args)

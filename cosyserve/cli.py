@@ -729,7 +729,7 @@ def cmd_bench(args) -> int:
         hift_dtype=args.hift_dtype, voices_dir=args.voices_dir or DEFAULT_VOICES_DIR,
         engine=_engine_config(args) if args.in_process else None, chunk_policy=args.chunk_policy,
         metrics_url=args.metrics_url, min_requests_per_client=args.min_requests_per_client, ramp_s=args.ramp_s,
-        capacity=args.capacity,
+        playback=args.playback, capacity=args.capacity,
         p99_bound_ms=args.p99_bound_ms, max_streams=args.max_streams, capacity_tolerance=args.capacity_tolerance,
         overload=args.overload, token2wav_dir=args.token2wav_dir)
     report = run_bench(opts)
@@ -1049,6 +1049,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "/ c after the level starts) instead of all at once: arrivals spread as in a steady state "
                         "rather than one synchronised burst (default 0; about one request's duration, e.g. 1-2, "
                         "for capacity runs; the tables show the mean number of requests in flight)")
+    b.add_argument("--playback", action="store_true",
+                   help="streaming: each client listens — plays every stream in real time and sends its next "
+                        "request when the audio has finished playing, not as soon as it has arrived; N clients are "
+                        "then N concurrent real-time streams")
     b.add_argument("--capacity", action="store_true",
                    help="find the most concurrent streams with 0 stalls, no failures and first-chunk p99 within "
                         "--p99-bound-ms: levels doubling up to --max-streams, then bisection")

@@ -22,7 +22,8 @@ import torch
 
 from _server import Server, free_port
 from cosyserve.cli import main
-from cosyserve.client.bench import in_flight_throughput, level_passes, playback_stalls, stats
+from cosyserve.client.bench import BenchOptions, in_flight_throughput, level_passes, playback_stalls, run_bench, stats
+from cosyserve.client.protocols import ClientError
 from cosyserve.client.manifest import DEFAULT_SET, ManifestError, load_manifest
 from cosyserve.client.remote_lm import parse_speech_tokens, speech_vocab
 
@@ -566,6 +567,65 @@ def test_ramp_spreads_first_sends_and_keeps_every_clients_share():
     _run_level(Setup(), work, 4, False, None)  # no ramp: every client starts at once
     first = [min(t for n, t in sends if n == name) for name in {n for n, _ in sends}]
     assert max(first) - min(first) < 0.05
+
+
+def test_playback_clients_send_next_request_when_the_audio_has_played():
+    """``--playback``: a client plays each stream in real time and sends its next request only when
+    the audio has finished playing (first chunk + audio seconds + stalls), not when the response
+    is complete; the records' ``cycle_s`` and the level's ``mean_playing`` say so, and Little's
+    law over the cycles gives the audio per second of c listening clients."""
+    import threading
+    import time
+
+    from cosyserve.client.bench import _run_level, analyze, summarize
+    from cosyserve.client.protocols import Trace
+
+    sends: list[tuple[str, float]] = []
+    lock = threading.Lock()
+
+    class Runner:
+        def __init__(self):
+            self.name = threading.current_thread().name
+
+        def run(self, spec):  # 0.3 s of audio in two chunks, all arrived after ~0.02 s
+            t = time.perf_counter()
+            with lock:
+                sends.append((self.name, t))
+            time.sleep(0.01)
+            a = time.perf_counter()
+            time.sleep(0.01)
+            return Trace(t_send=t, arrivals=[(a, 2400), (time.perf_counter(), 4800)], t_end=time.perf_counter())
+
+        def close(self):
+            pass
+
+    class Setup:
+        def runner(self, keep_audio):
+            return Runner()
+
+        def spec(self, item, seed):
+            return seed
+
+    work = [(i, None, i) for i in range(6)]
+    for listen in (False, True):
+        sends.clear()
+        done, wall, t0 = _run_level(Setup(), work, 2, False, None, listen=listen)
+        assert len(done) == 6 and len({n for n, _ in sends}) == 2
+        for name in {n for n, _ in sends}:
+            ts = sorted(t for n, t in sends if n == name)
+            gaps = [b - a for a, b in zip(ts, ts[1:])]
+            if listen:  # each wait covers the previous stream's 0.3 s of audio from its first chunk
+                assert all(g >= 0.3 + 0.01 - 0.005 for g in gaps), gaps
+            else:
+                assert all(g < 0.2 for g in gaps), gaps
+        recs = [analyze(tr, t0, listen) for *_, tr in done]
+        assert all(r["play_s"] == pytest.approx(0.31, abs=0.01) for r in recs)
+        assert all(r["cycle_s"] == (pytest.approx(r["play_s"]) if listen else r["total_s"]) for r in recs)
+        lv = summarize(2, recs, wall)
+        if listen:  # two listeners: about two streams playing at any time, 0.3 s of audio per ~0.31 s each
+            assert 1.6 < lv["mean_playing"] <= 2.05 and lv["mean_in_flight"] < 0.3
+    with pytest.raises(ClientError, match="--playback needs --mode streaming"):
+        run_bench(BenchOptions(url="grpc://127.0.0.1:1", mode="offline", playback=True))
 
 
 def test_bench_capacity_mode(tts, tmp_path, capsys):

@@ -24,6 +24,13 @@ must not stall (the others wait, or get 429 beyond the queue); the table shows s
 requests that ran, refusals, and whether the server admitted queued requests in arrival order
 (``cosyserve_admissions_out_of_order_total`` of ``/metrics``, or the in-process engine's count).
 
+**Listeners** (``--playback``): each client plays its streams in real time and sends its next
+request when the previous one's audio has finished playing (playback as for stalls below), as a
+person or a voice agent listening to it would; ``c`` clients are then ``c`` concurrent
+real-time streams. Without it a client sends its next request as soon as the previous response
+is complete: a server that streams faster than real time then gets more than ``c`` streams'
+worth of audio to make per second (run 2 of docs/perf.md "Session 31": 120 clients, 208x).
+
 Per request (times from just before the request is sent, client clock):
 
 * **first-chunk latency** — until the first audio arrives (offline: the whole waveform);
@@ -108,6 +115,13 @@ DEFINITIONS = {
                             "`concurrency` such requests",
     "mean_in_flight": "sum of total_s over the level's requests / wall_s: the mean number of requests in flight "
                       "(Little's law; below the clients while they ramp up (--ramp-s) and drain)",
+    "mean_playing": "sum over the level's streams of send -> end of playback (playback starting at the first "
+                    "chunk, waiting at each stall) / wall_s: the mean number of streams being sent or played",
+    "cycle_s": "how long a request kept its client busy: total_s, or with --playback until its audio had "
+               "finished playing (the client then sent its next request)",
+    "playback": "--playback: each client is a listener, it plays every stream in real time and sends its next "
+                "request when the audio has finished playing; without it a client sends its next request as soon "
+                "as the response is complete (it consumes audio as fast as the server sends it)",
     "ramp_s": "client k of c sent its first request k * ramp_s / c seconds after the level's start (0: all at once)",
     "percentiles": "numpy.percentile (linear interpolation) over successful requests",
 }
@@ -156,6 +170,9 @@ class BenchOptions:
     #: clients start over this many seconds (client k of c sends its first request k x ramp_s / c after the
     #: level's start) instead of all at once: steady-state arrivals rather than one synchronised burst
     ramp_s: float = 0.0
+    #: streaming: each client plays its streams in real time and sends its next request when the audio has
+    #: finished playing (a listener), not as soon as it has arrived; each client is then one real-time stream
+    playback: bool = False
     # capacity mode (module doc)
     capacity: bool = False
     p99_bound_ms: float = 500.0
@@ -170,11 +187,12 @@ STEADY_REQUESTS_PER_CLIENT = 3  #: fewer requests per client than this: the leve
 # ---------------------------------------------------------------------------- analysis
 
 
-def playback_stalls(arrivals: list[tuple[float, int]], sample_rate: int) -> tuple[int, float]:
-    """``(stalls, seconds waited)`` of a chunk arrival sequence ``[(time, samples), ...]``
-    (see module docstring)."""
+def playback(arrivals: list[tuple[float, int]], sample_rate: int) -> tuple[int, float, float | None]:
+    """Play a chunk arrival sequence ``[(time, samples), ...]`` in real time (see the module
+    docstring): ``(stalls, seconds waited, when playback ends)`` on the arrivals' clock (None
+    without arrivals). Playback starts at the first chunk's arrival and waits at each stall."""
     if not arrivals:
-        return 0, 0.0
+        return 0, 0.0, None
     t0, n0 = arrivals[0]
     clock = t0 + n0 / sample_rate
     count, waited = 0, 0.0
@@ -184,47 +202,62 @@ def playback_stalls(arrivals: list[tuple[float, int]], sample_rate: int) -> tupl
             waited += t - clock
             clock = t
         clock += n / sample_rate
-    return count, waited
+    return count, waited, clock
 
 
-def analyze(tr: Trace, t0: float | None = None) -> dict:
+def playback_stalls(arrivals: list[tuple[float, int]], sample_rate: int) -> tuple[int, float]:
+    """``(stalls, seconds waited)`` of a chunk arrival sequence (:func:`playback`)."""
+    return playback(arrivals, sample_rate)[:2]
+
+
+def analyze(tr: Trace, t0: float | None = None, listen: bool = False) -> dict:
     """Per-request numbers of a :class:`Trace` (seconds); with ``t0`` (the level's start on the
-    trace's clock) also when it was sent and finished, relative to ``t0``."""
+    trace's clock) also when it was sent and finished, relative to ``t0``. ``cycle_s``: how long
+    the request kept its client busy — until the response was complete, or with ``listen``
+    (``bench --playback``) until its audio had also finished playing."""
     ok = tr.error is None and tr.t_end is not None and tr.samples > 0
     if tr.error is None and tr.t_end is not None and tr.samples == 0:
         tr.error = "no audio returned"
     first = tr.arrivals[0][0] - tr.t_send if tr.arrivals else None
     second = tr.arrivals[1][0] - tr.arrivals[0][0] if len(tr.arrivals) > 1 else None
-    stalls, waited = playback_stalls(tr.arrivals, tr.sample_rate)
+    stalls, waited, end = playback(tr.arrivals, tr.sample_rate)
+    total = (tr.t_end - tr.t_send) if tr.t_end is not None else None
+    cycle = total if not listen or end is None or total is None else max(total, end - tr.t_send)
     return {
         "ok": ok, "error": tr.error,
         "first_chunk_s": first, "second_chunk_s": second,
-        "total_s": (tr.t_end - tr.t_send) if tr.t_end is not None else None,
+        "total_s": total, "cycle_s": cycle,
         "chunks": len(tr.arrivals), "samples": tr.samples, "sample_rate": tr.sample_rate,
         "audio_s": tr.samples / tr.sample_rate,
         "stalls": stalls, "stall_s": waited, "stalled": stalls > 0,
+        "play_s": None if end is None else end - tr.t_send,
         "chunk_arrivals": [[round(t - tr.t_send, 6), n] for t, n in tr.arrivals],
         "sent_at_s": None if t0 is None else tr.t_send - t0,
         "done_at_s": None if t0 is None or tr.t_end is None else tr.t_end - t0,
+        "free_at_s": None if t0 is None or cycle is None else tr.t_send + cycle - t0,
     }
 
 
 def in_flight_throughput(concurrency: int, records: list[dict]) -> tuple[float | None, int]:
     """Audio seconds per second with ``concurrency`` requests in flight, from a closed-loop level
-    (each client sends its next request when the previous one finishes) — Little's law: a closed
-    system of ``c`` always-busy clients completes ``c / R`` requests per second for mean latency
-    ``R``, so audio per second = ``c * sum(audio) / sum(latency)`` = ``c / RTF``, over the requests
-    that ran entirely while every client was busy: sent after the level's first completion (not
-    the synchronised first wave) and finished before its last send (before the drain). Returns
-    ``(throughput or None, requests used)``; None when fewer than ``concurrency`` qualify (too
-    few requests per client to leave a steady middle)."""
-    ok = [r for r in records if r["ok"] and r.get("sent_at_s") is not None and r.get("done_at_s") is not None]
+    (each client sends its next request when the previous one has kept it busy for its
+    ``cycle_s``: until it finished, or with ``--playback`` until its audio finished playing) —
+    Little's law: a closed system of ``c`` always-busy clients completes ``c / R`` requests per
+    second for mean cycle ``R``, so audio per second = ``c * sum(audio) / sum(cycle)``, over the
+    requests that ran entirely while every client was busy: sent after the level's first
+    completion (not the synchronised first wave) and done before its last send (before the
+    drain). Returns ``(throughput or None, requests used)``; None when fewer than ``concurrency``
+    qualify (too few requests per client to leave a steady middle)."""
+    def free(r):
+        return r.get("free_at_s", r.get("done_at_s"))
+
+    ok = [r for r in records if r["ok"] and r.get("sent_at_s") is not None and free(r) is not None]
     if not ok:
         return None, 0
-    first_done = min(r["done_at_s"] for r in ok)
+    first_done = min(free(r) for r in ok)
     last_send = max(r["sent_at_s"] for r in records if r.get("sent_at_s") is not None)
-    mid = [r for r in ok if r["sent_at_s"] >= first_done and r["done_at_s"] <= last_send]
-    audio, latency = sum(r["audio_s"] for r in mid), sum(r["total_s"] for r in mid)
+    mid = [r for r in ok if r["sent_at_s"] >= first_done and free(r) <= last_send]
+    audio, latency = sum(r["audio_s"] for r in mid), sum(r.get("cycle_s") or r["total_s"] for r in mid)
     if len(mid) < concurrency or audio <= 0 or latency <= 0:
         return None, len(mid)
     return concurrency * audio / latency, len(mid)
@@ -255,6 +288,8 @@ def summarize(concurrency: int, records: list[dict], wall_s: float) -> dict:
         "wall_s": wall_s, "audio_s": audio, "compute_s": compute,
         "rtf": compute / audio if audio else None,
         "mean_in_flight": sum(r["total_s"] for r in records if r["total_s"] is not None) / wall_s if wall_s > 0 else None,
+        "mean_playing": sum(r["play_s"] for r in ok if r.get("play_s") is not None) / wall_s
+        if wall_s > 0 and any(r.get("play_s") is not None for r in ok) else None,
         "rtf_wall": wall_s / audio if audio else None,
         "throughput": audio / wall_s if wall_s > 0 else None,
         "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
@@ -320,6 +355,8 @@ def markdown(report: dict) -> str:
              f"{c['requests_per_level']} requests per level (at least {c.get('min_requests_per_client', 1)} per "
              f"client), {c['warmup']} warm-up, seed {c['seed']}; "
              + (f"clients started over {c['ramp_s']:g} s (not all at once); " if c.get("ramp_s") else "")
+             + ("each client plays its streams in real time and sends the next request when the audio has "
+                "finished playing (--playback); " if c.get("playback") else "")
              + f"{ratio_text(report)}; client: {report['machine']['cpu']}, {report['machine']['cores']} cores", ""]
     if stream:
         lines += ["| clients | ok/sent | per client | first chunk avg | p50 | p90 | p95 | p99 | 1st→2nd chunk p50 | "
@@ -367,8 +404,11 @@ def capacity_markdown(report: dict) -> list[str]:
     """The capacity search's table (one row per level, in the order run) and its verdict."""
     cap = report["capacity"]
     stream = report["config"]["mode"] == "streaming"
+    playing = bool(report["config"].get("playback"))
     lines = ["", f"Capacity search — pass: 0 failed, 0 stalled, first-chunk p99 ≤ {cap['p99_bound_ms']:g} ms, "
-                 f"≥ {cap['min_requests_per_client']} requests per client:", "",
+                 f"≥ {cap['min_requests_per_client']} requests per client"
+                 + (" (clients listen: each plays its stream in real time; mean in flight: at the server "
+                    "(being sent or played))" if playing else "") + ":", "",
              "| level | clients | mean in flight | requests | first chunk p50 | p90 | p99 | stalled/sent | failed | "
              "throughput | queue wait | admitted out of order | capacity gauge | result |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -381,8 +421,9 @@ def capacity_markdown(report: dict) -> list[str]:
         gauge = adm.get("capacity_streams")
         gauge = "–" if gauge is None or gauge != gauge else f"{gauge:.0f}"
         thr = "–" if lv["throughput"] is None else f"{lv['throughput']:.2f}×"
-        mif = lv.get("mean_in_flight")
-        lines.append(f"| {lv.get('role', 'probe')} | {lv['concurrency']} | {'–' if mif is None else f'{mif:.1f}'} | "
+        mif, mp = lv.get("mean_in_flight"), lv.get("mean_playing")
+        mif = "–" if mif is None else f"{mif:.1f}" + (f" ({mp:.1f})" if playing and mp is not None else "")
+        lines.append(f"| {lv.get('role', 'probe')} | {lv['concurrency']} | {mif} | "
                      f"{lv['requests']} | {_ms(f.get('p50'))} | "
                      f"{_ms(f.get('p90'))} | {_ms(f.get('p99'))} | {lv['stalled'] if stream else '–'}/{lv['ok']} | "
                      f"{lv['failed']} | {thr} | {'–' if q is None else f'{q:.0f} ms'} | {ooo} | {gauge} | "
@@ -625,12 +666,15 @@ class _Setup:
 
 
 def _run_level(setup: _Setup, work: list[tuple[int, BenchItem, int]], concurrency: int, keep_audio: bool,
-               progress: Progress | None, ramp_s: float = 0.0) -> tuple[list[tuple[int, BenchItem, int, Trace]], float, float]:
+               progress: Progress | None, ramp_s: float = 0.0,
+               listen: bool = False) -> tuple[list[tuple[int, BenchItem, int, Trace]], float, float]:
     """Run ``work`` with ``concurrency`` client threads; returns the traces (in work order),
     the wall time from the level's start to the last completion (seconds) and the start time
     (``time.perf_counter``, the traces' clock). Each client sends at most its share,
     ``ceil(len(work) / concurrency)`` requests, back to back; client ``k`` sends its first one
-    ``k x ramp_s / concurrency`` seconds after the start (``ramp_s`` 0: all at once).
+    ``k x ramp_s / concurrency`` seconds after the start (``ramp_s`` 0: all at once). With
+    ``listen`` (``--playback``) a client plays each stream in real time (:func:`playback`) and
+    sends its next request when the audio has finished playing, not when it has arrived.
 
     Each thread opens its own connection (runner) before the clock starts and closes it
     after (tritonclient.http's gevent client must stay on the thread that made it).
@@ -666,6 +710,9 @@ def _run_level(setup: _Setup, work: list[tuple[int, BenchItem, int]], concurrenc
                     done.append((idx, item, seed, tr))
                 if progress is not None:
                     progress.advance(tr.error is None)
+                end = playback(tr.arrivals, tr.sample_rate)[2] if listen and tr.error is None else None
+                if end is not None and end > time.perf_counter():  # listen until the audio has played
+                    time.sleep(end - time.perf_counter())
         finally:
             runner.close()
 
@@ -699,13 +746,13 @@ def _level(setup: _Setup, opts: BenchOptions, items: list[BenchItem], c: int, n_
     work = [(i, items[i % len(items)], opts.seed + i % len(items)) for i in range(n)]
     prog = Progress(len(work), f"{c} client{'s' if c > 1 else ''}", opts.progress)
     before, adm0 = setup.engine_counters(), setup.admission_counters()
-    res, wall, t0 = _run_level(setup, work, c, opts.save_audio, prog, opts.ramp_s)
+    res, wall, t0 = _run_level(setup, work, c, opts.save_audio, prog, opts.ramp_s, opts.playback)
     after, adm1 = setup.engine_counters(), setup.admission_counters()
     prog.close()
     recs = []
     for idx, item, seed, tr in res:
         r = {"concurrency": c, "index": idx, "item": item.id, "language": item.language, "seed": seed,
-             **analyze(tr, t0)}
+             **analyze(tr, t0, opts.playback)}
         if opts.save_audio and tr.audio:
             import soundfile as sf
 
@@ -776,6 +823,8 @@ def run_bench(opts: BenchOptions, echo=print) -> dict:
         raise ClientError("--min-requests-per-client must be >= 1")
     if not opts.ramp_s >= 0:
         raise ClientError("--ramp-s must be >= 0 seconds")
+    if opts.playback and opts.mode != "streaming":
+        raise ClientError("--playback needs --mode streaming (an offline response is not played as it arrives)")
     if opts.capacity and (opts.max_streams < 1 or not opts.p99_bound_ms > 0 or not 0 <= opts.capacity_tolerance < 1
                           or opts.overload < 0):
         raise ClientError("--capacity needs --max-streams >= 1, --p99-bound-ms > 0, --capacity-tolerance in [0, 1) "
