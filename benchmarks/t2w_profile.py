@@ -87,7 +87,7 @@ def dit(args) -> None:
     if args.offline_tokens:
         return dit_offline(args, t2w, g)
     if args.solve_kernels:
-        return solve_kernels(t2w, args.solve_kernels, args.prompt_tokens, g)
+        return solve_kernels(t2w, args.solve_kernels, args.prompt_tokens, g, args.trace_kernels)
     last_fn = None
     for b in (int(x) for x in args.batches.split(",")):
         prompts = [(torch.randint(0, 6561, (args.prompt_tokens,), generator=g),
@@ -154,7 +154,7 @@ def kernel_kinds(prof) -> list[tuple[str, int, float]]:
     return sorted(((k, n, t) for k, (n, t) in out.items()), key=lambda r: -r[2])
 
 
-def solve_kernels(t2w, rows: int, prompt_tokens: int, g) -> None:
+def solve_kernels(t2w, rows: int, prompt_tokens: int, g, trace: int = 0) -> None:
     """Profile one DiT solve of ``rows`` streams (steady-state caches), eager and graphed."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -195,6 +195,12 @@ def solve_kernels(t2w, rows: int, prompt_tokens: int, g) -> None:
         for k, n, t in kinds:
             print(f"| {k} | {n} | {t / 1e3:.2f} | {100 * t / max(total_us, 1e-9):.0f} % | {t / max(n, 1):.1f} |")
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=70))
+        if trace:  # the kernels in the order they ran (one layer and Euler step is ~20 of them)
+            kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            kern.sort(key=lambda e: e.time_range.start)
+            print(f"first {trace} of {len(kern)} kernels in order (µs):")
+            for e in kern[:trace]:
+                print(f"  {e.time_range.elapsed_us():8.1f}  {e.name[:110]}")
         print(json.dumps({"mode": "dit-solve-kernels", "label": label, "streams": rows, "gpu_ms": round(gpu, 2),
                           "kinds": {k: [n, round(t / 1e3, 3)] for k, n, t in kinds}}), flush=True)
     flow.graph = graph
@@ -285,6 +291,8 @@ def main() -> None:
                     help="dit: time offline utterances of this many target tokens (prompt + target in one pass)")
     ap.add_argument("--solve-kernels", type=int, default=0, metavar="N",
                     help="dit: profile the solve of N streams' chunks (kernels by kind, eager and graphed) only")
+    ap.add_argument("--trace-kernels", type=int, default=0, metavar="K",
+                    help="with --solve-kernels: also print the first K kernels in the order they ran")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     dit(args) if args.mode == "dit" else cv3(args)

@@ -92,6 +92,7 @@ from .derived import DerivedWeights
 from .fused import FusedOp, add_norm_modulate, attention_bias, linear_gelu_tanh, norm_modulate
 from .graphs import _GraphStage
 from .views import cat_adjacent as _cat
+from .views import cat_wide, copy_wide_
 from .views import merge_adjacent as _merge_adjacent
 
 log = logging.getLogger(__name__)
@@ -135,14 +136,11 @@ def _to_device(t: Tensor, dev) -> Tensor:
 def _qk_norm_kv(qkv: Tensor, qw: Tensor, qb: Tensor, kw: Tensor, kb: Tensor, q_eps: float,
                 k_eps: float) -> tuple[Tensor, Tensor]:
     """From one q/k/v GEMM's output ``qkv [N, T, 3, H, hd]``: ``q`` LayerNorm-ed over ``hd``
-    ``[N, H, T, hd]`` and the new keys ‖ values ``[N, H, T, 2*hd]`` (k LayerNorm-ed), both
-    contiguous in the head-major layout of the attention and its key/value buffer (copying
-    ``[N, T, H, 2*hd]`` into that buffer through a transposed view was a strided copy: ~30 µs per
-    layer on an H100 at 24 rows x 50 frames, docs/perf.md "Session 32")."""
+    ``[N, T, H, hd]`` and the new keys ‖ values ``[N, T, H, 2*hd]`` (k LayerNorm-ed)."""
     hd = qkv.shape[-1]
     q = F.layer_norm(qkv[:, :, 0], (hd,), qw, qb, q_eps)
     k = F.layer_norm(qkv[:, :, 1], (hd,), kw, kb, k_eps)
-    return q.transpose(1, 2).contiguous(), torch.cat([k, qkv[:, :, 2]], dim=-1).transpose(1, 2).contiguous()
+    return q, torch.cat([k, qkv[:, :, 2]], dim=-1)
 
 
 #: one compiled kernel on CUDA for both norms and the k ‖ v layout (was two LayerNorms and two copies)
@@ -207,54 +205,37 @@ class _DiTAttention(nn.Module):
         qkv = F.linear(x, w, bias).view(b, t, 3, self.num_heads, hd)
         qn, kn = self.q_norm, self.k_norm
         q, new = _QK_NORM_KV(qkv, qn.weight, qn.bias, kn.weight, kn.bias, qn.eps, kn.eps)
-        kv[:, :, :t].copy_(new)
-        out = F.scaled_dot_product_attention(q, kv[..., :hd], kv[..., hd:], attn_mask=mask)
+        kv[:, :, :t].copy_(new.transpose(1, 2))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), kv[..., :hd], kv[..., hd:], attn_mask=mask)
         return self.proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class _CausalConv(nn.Conv1d):
     """Conv1d applied to ``cat([cache, x])`` (cache: the previous ``kernel - 1`` input frames)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._derived = DerivedWeights()
-
-    def tap_major_weight(self) -> Tensor:
-        """``[C_out, k * C_in]``: the weight ``[C_out, C_in, k]`` with its taps outermost, the
-        layout of :func:`_causal_cols`' columns (built once, see :class:`DerivedWeights`)."""
-        w = self.weight
-        return self._derived.get("w", (w,), lambda: w.detach().permute(0, 2, 1).reshape(self.out_channels, -1)
-                                 .contiguous())
-
     def step_tc(self, x: Tensor, cache: Tensor, last_idx: Tensor | None) -> tuple[Tensor, Tensor]:
         """Time-major :meth:`step` as one GEMM over the unfolded input (no layout changes, no cuDNN
         transposes): ``x [N, T, C_in]``, ``cache [N, C_in, k-1]`` -> ``([N, T, C_out], new cache
         [N, C_in, k-1])``; ``last_idx [N, k-1]``: per row, the frames of ``cache ++ x`` that become
         the new cache (the last ``k-1`` valid ones), None: the last ``k-1``."""
-        # with row lengths (what solves pass) one fused op on CUDA; without, the same formula eagerly
-        op = _causal_cols if last_idx is None or self.kernel_size[0] == 1 else _CAUSAL_COLS
-        cols, new = op(x, cache, last_idx)
-        return F.linear(cols, self.tap_major_weight(), self.bias), new
+        # eager ops, also in the solve's CUDA graphs: Inductor's kernel for this (dynamic shapes) took
+        # ~28 µs per call on an H100 at 24 rows x 50 frames, the eager concatenation, unfolding copy and
+        # gather ~15 µs together (docs/perf.md "Session 32", benchmarks/dit_copy_probe.py)
+        cols, new = _causal_cols(x, cache, last_idx)
+        return F.linear(cols, self.weight.reshape(self.out_channels, -1), self.bias), new
 
 
 def _causal_cols(x: Tensor, cache: Tensor, last_idx: Tensor | None) -> tuple[Tensor, Tensor]:
     """The GEMM input of :meth:`_CausalConv.step_tc` and its new cache: ``x [N, T, C]`` after
-    ``cache [N, C, k-1]`` -> ``(cols [N, T, k*C]`` (tap-major: frame ``t``'s row is frames ``t``,
-    ``t+1``, ... ``t+k-1`` of ``cache ++ x`` one after the other, as :meth:`_CausalConv.tap_major_weight`),
-    the frames ``last_idx [N, k-1]`` of ``cache ++ x`` as ``[N, C, k-1])``, the last ``k-1`` when
-    ``last_idx`` is None. Tap-major, each output row copies ``k`` runs of ``C`` contiguous channels;
-    channel-major (the conv weight's own layout) read every input frame ``k`` times ``C`` apart, which
-    made the compiled kernel ~25 µs per call on an H100 at 24 rows x 50 frames (docs/perf.md "Session 32")."""
+    ``cache [N, C, k-1]`` -> ``(cols [N, T, C*k]`` (channel-major, like the conv weight), the frames
+    ``last_idx [N, k-1]`` of ``cache ++ x`` as ``[N, C, k-1])``, the last ``k-1`` when ``last_idx`` is None."""
     k = cache.shape[2] + 1
     n, t, c = x.shape
     xx = torch.cat([cache.transpose(1, 2).to(x.dtype), x], dim=1)  # [N, k-1+T, C]
-    cols = torch.cat([xx[:, j: j + t] for j in range(k)], dim=2)
+    cols = xx.unfold(1, k, 1).reshape(n, t, c * k)
     new = xx[:, t:] if last_idx is None else torch.gather(xx, 1, last_idx.unsqueeze(-1).expand(-1, -1, c))
     return cols, new.transpose(1, 2)
 
-
-#: on CUDA one compiled kernel for the concatenation, the unfolding copy and the cache gather (three)
-_CAUSAL_COLS = FusedOp(_causal_cols, "dit_causal_cols")
 
 
 def _conv_tc(conv: nn.Conv1d, x: Tensor) -> Tensor:
@@ -593,7 +574,7 @@ class CacheWriteBack:
         try:
             with torch.inference_mode():  # the stores are inference tensors
                 for dst, src in self._copies:
-                    dst.copy_(src)
+                    copy_wide_(dst, src)
         except BaseException:
             for store, _ in self._generations:
                 store.generation = -1
@@ -1452,7 +1433,7 @@ class DitFlowModel(nn.Module):
         # contiguous elements (an indexed copy of all items at once moves the same bytes element by
         # element, ~6x slower on an H100: 17 ms of a 32-stream batch's 110 ms)
         for i in src:
-            pairs.select(2, i).narrow(4, mmax, ce[i]).copy_(steps(items[i].state.est_att))
+            copy_wide_(pairs.select(2, i).narrow(4, mmax, ce[i]), steps(items[i].state.est_att))
         if any(it.state is not None for it in items):
             zero = None
             parts = []
@@ -1507,7 +1488,7 @@ class DitFlowModel(nn.Module):
             runs = _cache_runs(mlen[i], mmax, ce[i], p, trim_keep)
             cnn_i = _own(cnn_out.narrow(2, 2 * i, 2))
             if not it.in_place or write_back is None:
-                est = torch.cat([rows.narrow(4, a, e - a) for a, e in runs], dim=4)  # [S, depth, 2, h, n, 2hd]
+                est = cat_wide([rows.narrow(4, a, e - a) for a, e in runs], 4)  # [S, depth, 2, h, n, 2hd]
                 per_item[i] = (est, cnn_i, None, 0)
                 continue
             n = sum(e - a for a, e in runs)
