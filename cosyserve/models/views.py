@@ -103,7 +103,7 @@ def cat_wide(tensors: Sequence[Tensor], dim: int) -> Tensor:
     """``torch.cat(tensors, dim)`` (one dtype and device, ``dim`` not the last) as 8-byte words where
     the layouts allow it (see :func:`copy_wide_`); otherwise ``torch.cat``."""
     ts = list(tensors)
-    if len(ts) > 1 and dim % ts[0].dim() != ts[0].dim() - 1 and len({t.dtype for t in ts}) == 1:
+    if ts and dim % ts[0].dim() != ts[0].dim() - 1 and len({t.dtype for t in ts}) == 1:
         w = _word(*ts)
         if w is not None:
             return torch.cat([t.view(w) for t in ts], dim).view(ts[0].dtype)
