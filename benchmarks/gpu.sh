@@ -28,7 +28,8 @@
 #        SKIP_IN_PROCESS=1, NO_WHEELS=1 (use the installed packages), COSYSERVE_COMMIT (default: git),
 #        SERVE_ARGS (extra `cosyserve serve` options, e.g. --token2wav-thread), MAX_ACTIVE (64), ADMISSION (auto),
 #        P99_BOUND_MS (500), CAPACITY_LEVELS (8,16,32,48,64), CAPACITY_MAX (MAX_ACTIVE), SKIP_CAPACITY=1,
-#        ONLY_CAPACITY=1 (skip steps 4 and 7), TOKEN2WAV_DIR, DIT=1
+#        ONLY_CAPACITY=1 (skip steps 4 and 7), TOKEN2WAV_DIR, DIT=1, PLAYBACK=1 (capacity clients listen: `bench
+#        --playback`, each plays its streams in real time, so N clients are N concurrent real-time streams)
 # Tables go to stdout (a copy in OUT_DIR/gpu-sh.log) and OUT_DIR/*/report.md; server log in
 # OUT_DIR/server.log. Logs worth keeping are committed as benchmarks/results/<gpu>-gpu-sh-<run>.log.
 set -u
@@ -124,9 +125,10 @@ warm_up() {
 
 # capacity DIR LABEL: the steady-state capacity search, then the overload level at 2x
 capacity() {
-  echo "== $2: capacity (0 stalls, first-chunk p99 <= $P99_BOUND_MS ms, 3 requests per client per level), then 2x overload"
+  echo "== $2: capacity (0 stalls, first-chunk p99 <= $P99_BOUND_MS ms, 3 requests per client per level), then 2x overload${PLAYBACK:+; clients listen (--playback)}"
   $CS bench "${URL[@]}" "${BENCH[@]}" --capacity --concurrency "$CAPACITY_LEVELS" --max-streams "$CAPACITY_MAX" \
-    --p99-bound-ms "$P99_BOUND_MS" --min-requests-per-client 3 --overload 2 --warmup 0 --out "$1" || exit 1
+    --p99-bound-ms "$P99_BOUND_MS" --min-requests-per-client 3 --overload 2 --warmup 0 \
+    ${PLAYBACK:+--playback} --out "$1" || exit 1
   python3 - "$1/report.json" "$2" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))

@@ -293,7 +293,15 @@ def main() -> None:
                     help="dit: profile the solve of N streams' chunks (kernels by kind, eager and graphed) only")
     ap.add_argument("--trace-kernels", type=int, default=0, metavar="K",
                     help="with --solve-kernels: also print the first K kernels in the order they ran")
+    ap.add_argument("--compiled-conv-cols", action="store_true",
+                    help="dit: build the causal convolutions' columns with one compiled (Inductor) op instead of "
+                         "the eager ops the solve uses (an A/B of docs/perf.md \"Session 32\")")
     args = ap.parse_args()
+    if args.compiled_conv_cols:
+        from cosyserve.models import dit_flow
+        from cosyserve.models.fused import FusedOp
+
+        dit_flow._causal_cols = FusedOp(dit_flow._causal_cols, "dit_causal_cols")
     torch.backends.cuda.matmul.allow_tf32 = True
     dit(args) if args.mode == "dit" else cv3(args)
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}))
