@@ -624,6 +624,13 @@ def test_playback_clients_send_next_request_when_the_audio_has_played():
         lv = summarize(2, recs, wall)
         if listen:  # two listeners: about two streams playing at any time, 0.3 s of audio per ~0.31 s each
             assert 1.6 < lv["mean_playing"] <= 2.05 and lv["mean_in_flight"] < 0.3
+            assert 0.6 < lv["full_concurrency_s"] <= wall  # both streams at once for most of the ~0.93 s
+    from cosyserve.client.bench import full_concurrency_s
+
+    spans = [{"ok": True, "sent_at_s": a, "play_s": b - a} for a, b in ((0, 4), (1, 5), (2, 3), (6, 7))]
+    assert full_concurrency_s(3, spans, share=1.0) == 1.0  # 3 at once only during [2, 3)
+    assert full_concurrency_s(2, spans, share=1.0) == 3.0  # [1, 4)
+    assert full_concurrency_s(1, spans, share=1.0) == 6.0 and full_concurrency_s(1, []) is None
     with pytest.raises(ClientError, match="--playback needs --mode streaming"):
         run_bench(BenchOptions(url="grpc://127.0.0.1:1", mode="offline", playback=True))
 

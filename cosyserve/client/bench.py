@@ -117,6 +117,9 @@ DEFINITIONS = {
                       "(Little's law; below the clients while they ramp up (--ramp-s) and drain)",
     "mean_playing": "sum over the level's streams of send -> end of playback (playback starting at the first "
                     "chunk, waiting at each stall) / wall_s: the mean number of streams being sent or played",
+    "full_concurrency_s": "seconds of the level during which at least 95 % of its clients had a stream being sent "
+                          "or played at once (send -> end of playback): how long the level held its clients' "
+                          "streams together",
     "cycle_s": "how long a request kept its client busy: total_s, or with --playback until its audio had "
                "finished playing (the client then sent its next request)",
     "playback": "--playback: each client is a listener, it plays every stream in real time and sends its next "
@@ -263,6 +266,27 @@ def in_flight_throughput(concurrency: int, records: list[dict]) -> tuple[float |
     return concurrency * audio / latency, len(mid)
 
 
+def full_concurrency_s(concurrency: int, records: list[dict], share: float = 0.95) -> float | None:
+    """Seconds of a level during which at least ``share`` x ``concurrency`` streams were being sent
+    or played at once (each request from its send until its playback ended, ``sent_at_s`` +
+    ``play_s``): how long a level really held its clients' streams together, which its ramp-up and
+    drain shorten. None without such timings."""
+    spans = [(r["sent_at_s"], r["sent_at_s"] + r["play_s"]) for r in records
+             if r.get("ok") and r.get("sent_at_s") is not None and r.get("play_s") is not None]
+    if not spans:
+        return None
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], e[1]))
+    need, level, since, total = share * concurrency, 0, None, 0.0
+    for t, d in events:
+        level += d
+        if level >= need and since is None:
+            since = t
+        elif level < need and since is not None:
+            total += t - since
+            since = None
+    return total
+
+
 def stats(values: list[float]) -> dict | None:
     """avg/min/max and percentiles of ``values`` (``None`` when empty)."""
     v = [x for x in values if x is not None]
@@ -290,6 +314,7 @@ def summarize(concurrency: int, records: list[dict], wall_s: float) -> dict:
         "mean_in_flight": sum(r["total_s"] for r in records if r["total_s"] is not None) / wall_s if wall_s > 0 else None,
         "mean_playing": sum(r["play_s"] for r in ok if r.get("play_s") is not None) / wall_s
         if wall_s > 0 and any(r.get("play_s") is not None for r in ok) else None,
+        "full_concurrency_s": full_concurrency_s(concurrency, records),
         "rtf_wall": wall_s / audio if audio else None,
         "throughput": audio / wall_s if wall_s > 0 else None,
         "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
@@ -408,7 +433,8 @@ def capacity_markdown(report: dict) -> list[str]:
     lines = ["", f"Capacity search — pass: 0 failed, 0 stalled, first-chunk p99 ≤ {cap['p99_bound_ms']:g} ms, "
                  f"≥ {cap['min_requests_per_client']} requests per client"
                  + (" (clients listen: each plays its stream in real time; mean in flight: at the server "
-                    "(being sent or played))" if playing else "") + ":", "",
+                    "(being sent or played; seconds with at least 95 % of the clients' streams at once))"
+                    if playing else "") + ":", "",
              "| level | clients | mean in flight | requests | first chunk p50 | p90 | p99 | stalled/sent | failed | "
              "throughput | queue wait | admitted out of order | capacity gauge | result |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -422,7 +448,9 @@ def capacity_markdown(report: dict) -> list[str]:
         gauge = "–" if gauge is None or gauge != gauge else f"{gauge:.0f}"
         thr = "–" if lv["throughput"] is None else f"{lv['throughput']:.2f}×"
         mif, mp = lv.get("mean_in_flight"), lv.get("mean_playing")
-        mif = "–" if mif is None else f"{mif:.1f}" + (f" ({mp:.1f})" if playing and mp is not None else "")
+        full = lv.get("full_concurrency_s")
+        mif = "–" if mif is None else f"{mif:.1f}" + (
+            f" ({mp:.1f}; {full:.0f} s all)" if playing and mp is not None and full is not None else "")
         lines.append(f"| {lv.get('role', 'probe')} | {lv['concurrency']} | {mif} | "
                      f"{lv['requests']} | {_ms(f.get('p50'))} | "
                      f"{_ms(f.get('p90'))} | {_ms(f.get('p99'))} | {lv['stalled'] if stream else '–'}/{lv['ok']} | "
