@@ -12,9 +12,9 @@ captured in one CUDA graph, replayed ``--n`` times, µs per call (median). Print
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+from _common import gpu_ms
 
 from cosyserve.models.fused import FusedOp
 
@@ -48,15 +48,7 @@ def graph_us(fn, calls: int, n: int) -> float:
     with torch.cuda.graph(g):
         for _ in range(calls):
             fn()
-    ts = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(ts)
+    return gpu_ms(g.replay, n=n, warm=1) * 1e3 / calls
 
 
 def main() -> None:
@@ -90,7 +82,8 @@ def main() -> None:
             ("conv columns, channel-major, eager ops", lambda: cols_channel_major(x, cache, last_idx)),
             ("conv columns, tap-major, eager ops", lambda: cols_tap_major(x, cache, last_idx)),
             ("the conv's GEMM (for scale)", lambda: torch.nn.functional.linear(x.new_empty(n, t, k * c), w)),
-            ("keys/values write, from [N, T, H, 2hd] (transposed view)", lambda: kv[:, :, :t].copy_(new_thd.transpose(1, 2))),
+            ("keys/values write, from [N, T, H, 2hd] (transposed view)",
+             lambda: kv[:, :, :t].copy_(new_thd.transpose(1, 2))),
             ("keys/values write, from [N, H, T, 2hd] contiguous", lambda: kv[:, :, :t].copy_(new_htd))):
         try:
             rows.append((label, f"{graph_us(fn, args.calls, args.n):.1f}"))

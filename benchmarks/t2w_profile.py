@@ -161,8 +161,9 @@ def solve_kernels(t2w, rows: int, prompt_tokens: int, g, trace: int = 0) -> None
     from cosyserve.models.dit_flow import DitItem
 
     flow = t2w.flow
-    prompts = [(torch.randint(0, 6561, (prompt_tokens,), generator=g), torch.randn(2 * prompt_tokens, 80, generator=g).cuda(),
-                torch.randn(192, generator=g).cuda()) for _ in range(rows)]
+    prompts = [(torch.randint(0, 6561, (prompt_tokens,), generator=g),
+                torch.randn(2 * prompt_tokens, 80, generator=g).cuda(), torch.randn(192, generator=g).cuda())
+               for _ in range(rows)]
     states = t2w.stream_setup_batch(prompts)
     for _ in range(4):
         toks = [torch.randint(0, 6561, (28,), generator=g) for _ in range(rows)]

@@ -517,17 +517,13 @@ def test_capacity_search_bisects_to_the_largest_passing_level():
     assert cap["streams"] == 4 and cap["first_failing"] is None
 
 
-def test_ramp_spreads_first_sends_and_keeps_every_clients_share():
-    """``--ramp-s R``: client k of c sends its first request k x R / c after the level's start (not
-    all at once); every client still sends its share back to back; the level's mean number of
-    requests in flight (Little's law) is reported."""
+def _stub_setup(answer):
+    """A bench ``_Setup`` stand-in for ``_run_level``: each client thread's runner records
+    ``(thread name, send time)`` in the returned list and answers with ``answer(send time)`` (a Trace)."""
     import threading
     import time
 
-    from cosyserve.client.bench import _run_level, summarize
-    from cosyserve.client.protocols import Trace
-
-    sends: list[tuple[int, float]] = []
+    sends: list[tuple[str, float]] = []
     lock = threading.Lock()
 
     class Runner:
@@ -538,8 +534,7 @@ def test_ramp_spreads_first_sends_and_keeps_every_clients_share():
             t = time.perf_counter()
             with lock:
                 sends.append((self.name, t))
-            time.sleep(0.02)
-            return Trace(t_send=t, arrivals=[(time.perf_counter(), 2400)], t_end=time.perf_counter())
+            return answer(t)
 
         def close(self):
             pass
@@ -551,8 +546,26 @@ def test_ramp_spreads_first_sends_and_keeps_every_clients_share():
         def spec(self, item, seed):
             return seed
 
+    return Setup(), sends
+
+
+def test_ramp_spreads_first_sends_and_keeps_every_clients_share():
+    """``--ramp-s R``: client k of c sends its first request k x R / c after the level's start (not
+    all at once); every client still sends its share back to back; the level's mean number of
+    requests in flight (Little's law) is reported."""
+    import threading
+    import time
+
+    from cosyserve.client.bench import _run_level, summarize
+    from cosyserve.client.protocols import Trace
+
+    def answer(t):
+        time.sleep(0.02)
+        return Trace(t_send=t, arrivals=[(time.perf_counter(), 2400)], t_end=time.perf_counter())
+
+    setup, sends = _stub_setup(answer)
     work = [(i, None, i) for i in range(12)]
-    done, wall, t0 = _run_level(Setup(), work, 4, False, None, ramp_s=0.4)
+    done, wall, t0 = _run_level(setup, work, 4, False, None, ramp_s=0.4)
     assert [d[0] for d in done] == list(range(12))
     first = sorted(min(t for n, t in sends if n == name) - t0 for name in {n for n, _ in sends})
     assert len({n for n, _ in sends}) == 4
@@ -564,7 +577,7 @@ def test_ramp_spreads_first_sends_and_keeps_every_clients_share():
     lv = summarize(4, recs, wall)
     assert 0 < lv["mean_in_flight"] < 4  # the ramp keeps it below the clients
     sends.clear()
-    _run_level(Setup(), work, 4, False, None)  # no ramp: every client starts at once
+    _run_level(setup, work, 4, False, None)  # no ramp: every client starts at once
     first = [min(t for n, t in sends if n == name) for name in {n for n, _ in sends}]
     assert max(first) - min(first) < 0.05
 
@@ -580,36 +593,17 @@ def test_playback_clients_send_next_request_when_the_audio_has_played():
     from cosyserve.client.bench import _run_level, analyze, summarize
     from cosyserve.client.protocols import Trace
 
-    sends: list[tuple[str, float]] = []
-    lock = threading.Lock()
+    def answer(t):  # 0.3 s of audio in two chunks, all arrived after ~0.02 s
+        time.sleep(0.01)
+        a = time.perf_counter()
+        time.sleep(0.01)
+        return Trace(t_send=t, arrivals=[(a, 2400), (time.perf_counter(), 4800)], t_end=time.perf_counter())
 
-    class Runner:
-        def __init__(self):
-            self.name = threading.current_thread().name
-
-        def run(self, spec):  # 0.3 s of audio in two chunks, all arrived after ~0.02 s
-            t = time.perf_counter()
-            with lock:
-                sends.append((self.name, t))
-            time.sleep(0.01)
-            a = time.perf_counter()
-            time.sleep(0.01)
-            return Trace(t_send=t, arrivals=[(a, 2400), (time.perf_counter(), 4800)], t_end=time.perf_counter())
-
-        def close(self):
-            pass
-
-    class Setup:
-        def runner(self, keep_audio):
-            return Runner()
-
-        def spec(self, item, seed):
-            return seed
-
+    setup, sends = _stub_setup(answer)
     work = [(i, None, i) for i in range(6)]
     for listen in (False, True):
         sends.clear()
-        done, wall, t0 = _run_level(Setup(), work, 2, False, None, listen=listen)
+        done, wall, t0 = _run_level(setup, work, 2, False, None, listen=listen)
         assert len(done) == 6 and len({n for n, _ in sends}) == 2
         for name in {n for n, _ in sends}:
             ts = sorted(t for n, t in sends if n == name)
