@@ -657,7 +657,9 @@ def test_bench_capacity_mode(tts, tmp_path, capsys):
     assert re.search(r"\| probe \| 1 \| [0-9.]+ \| 3 \|", out) and re.search(r"\| overload \| 2 \| [0-9.]+ \| 6 \|", out)
     assert "| 2 | 6/6 | 3 |" in out
 
-    code, out, err = run(capsys, *common, "--max-streams", 2, "--p99-bound-ms", 0.001, "--out", tmp_path / "b")
+    # streaming, clients listening (--playback): each request's client waits until its audio has played
+    code, out, err = run(capsys, *common, "--max-streams", 2, "--p99-bound-ms", 0.001, "--playback",
+                         "--out", tmp_path / "b")
     assert code == 0, err
     rep = json.loads((tmp_path / "b" / "report.json").read_text(encoding="utf-8"))
     assert rep["capacity"]["streams"] == 0 and rep["capacity"]["first_failing"] == 1
@@ -665,6 +667,11 @@ def test_bench_capacity_mode(tts, tmp_path, capsys):
     assert len(rep["levels"]) == 1 and lv["requests"] == 3 and not lv["pass"]
     assert lv["verdict"] == level_passes(lv, 0.001)[1] and ("stalled" in lv["verdict"] or "p99" in lv["verdict"])
     assert "**Capacity: 0 concurrent streams**" in out
+    assert rep["config"]["playback"] is True and "clients listen" in out and lv["full_concurrency_s"] > 0
+    reqs = sorted((r for r in rep["requests"] if r["ok"]), key=lambda r: r["sent_at_s"])
+    assert all(r["cycle_s"] >= r["play_s"] - 1e-6 and r["play_s"] >= r["audio_s"] for r in reqs)
+    for a, b in zip(reqs, reqs[1:]):  # one client: the next request went out after the audio had played
+        assert b["sent_at_s"] >= a["sent_at_s"] + a["play_s"] - 0.01
 
     code, _, err = run(capsys, "bench", "--url", tts.grpc_url, "--capacity", "--p99-bound-ms", -1, "--out", tmp_path)
     assert code == 2 and "--p99-bound-ms > 0" in err and "Traceback" not in err
