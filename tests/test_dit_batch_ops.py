@@ -242,14 +242,21 @@ def test_wide_copies_are_bitwise_copies():
     """``copy_wide_`` / ``cat_wide`` move the estimator caches' bytes as 8-byte words where the layouts
     allow it (last dim contiguous, every stride and offset a whole word) and equal ``copy_`` / ``torch.cat``
     bit for bit, NaN payloads and negative zeros included; other layouts fall back to the plain ops."""
-    from cosyserve.models.views import _word, cat_wide, copy_wide_
+    from cosyserve.models.views import cat_wide, copy_wide_
+
+    def wide(t):  # the layout can be moved as 8-byte words
+        try:
+            t.view(torch.int64)
+            return True
+        except RuntimeError:
+            return False
 
     g = torch.Generator().manual_seed(0)
     buf = torch.randn(3, 2, 4, 50 + 40, 128, generator=g).to(torch.bfloat16)  # [S, depth, rows, M + C, 2hd]
     src = torch.randn(3, 2, 4, 40, 128, generator=g).to(torch.bfloat16)
     src.view(torch.int16)[0, 0, 0, 0, :4] = torch.tensor([0x7FC1, -0x8000, 0x7F81, -1], dtype=torch.int16)  # NaNs, -0
     dst = buf.narrow(3, 50, 40)
-    assert _word(dst, src) is torch.int64
+    assert wide(dst) and wide(src)
     before = buf.clone()
     copy_wide_(dst, src)
     assert torch.equal(buf[..., 50:, :].view(torch.int16), src.view(torch.int16))
@@ -258,10 +265,12 @@ def test_wide_copies_are_bitwise_copies():
     assert torch.equal(cat_wide(runs, 3).view(torch.int16), torch.cat(runs, 3).view(torch.int16))
     # fall-backs: odd last dim, a transposed last dim, different dtypes, concatenation along the last dim
     odd = torch.randn(4, 3, generator=g).to(torch.bfloat16)
-    assert _word(odd) is None
+    assert not wide(odd) and torch.equal(copy_wide_(torch.empty_like(odd), odd), odd)
     t = torch.randn(8, 8, generator=g).to(torch.bfloat16).t()
     out = torch.empty(8, 8, dtype=torch.bfloat16)
-    assert torch.equal(copy_wide_(out, t), t) and _word(out, t) is None
+    assert torch.equal(copy_wide_(out, t), t) and not wide(t)
+    row = torch.randn(1, 8, generator=g).to(torch.bfloat16)  # broadcast: copied element-wise, not as words
+    assert torch.equal(copy_wide_(torch.empty(3, 8, dtype=torch.bfloat16), row), row.expand(3, 8))
     f32 = torch.randn(4, 8, generator=g)
     assert torch.equal(copy_wide_(torch.empty(4, 8, dtype=torch.bfloat16), f32), f32.to(torch.bfloat16))
     pieces = [torch.randn(2, 8, generator=g).to(torch.bfloat16) for _ in range(2)]

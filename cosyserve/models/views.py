@@ -57,54 +57,38 @@ def cat_adjacent(tensors: Sequence[Tensor], dim: int) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
-#: widest first: the integer dtypes :func:`copy_wide_` moves bytes as
-_WORDS = (torch.int64, torch.int32, torch.int16)
-
-
-def _word(*tensors: Tensor) -> torch.dtype | None:
-    """The widest integer dtype every tensor can be viewed as along its last dim (that dim
-    contiguous, its bytes, every other stride's bytes and the storage offset's multiples of the
-    word), None if none is wider than the tensors' own items."""
-    item = tensors[0].element_size()
-    for w in _WORDS:
-        size = torch.empty(0, dtype=w).element_size()
-        if size <= item:
-            return None
-        ok = True
-        for t in tensors:
-            if t.dim() == 0 or t.stride(-1) != 1 or (t.shape[-1] * item) % size:
-                ok = False
-                break
-            if any((st * item) % size for st in t.stride()[:-1]) or (t.storage_offset() * item) % size:
-                ok = False
-                break
-        if ok:
-            return w
-    return None
+def _words(t: Tensor) -> Tensor:
+    """``t`` viewed as 8-byte words along its last dim (``Tensor.view(torch.int64)``: raises
+    RuntimeError unless that dim is contiguous and its bytes, every other stride's bytes and the
+    storage offset's are whole words)."""
+    return t.view(torch.int64)
 
 
 def copy_wide_(dst: Tensor, src: Tensor) -> Tensor:
-    """``dst.copy_(src)`` for tensors of one dtype, device and shape, moved as 8-byte (or 4-, 2-byte)
-    words where both layouts allow it (:func:`_word`): bit for bit the same result. PyTorch copies a
-    non-contiguous destination with its generic element-wise kernel, one element per thread step;
-    for the DiT's estimator caches (bfloat16, runs of ``frames x 128`` elements in a larger buffer)
-    that ran at ~600 GB/s on an H100 (~173 µs per stream and solve at 400 cached frames, docs/perf.md
-    "Session 32"); as 8-byte words the same kernel moves 4x the bytes per element. Falls back to
-    ``dst.copy_(src)`` otherwise. Returns ``dst``."""
-    if dst.dtype == src.dtype and dst.device == src.device and dst.shape == src.shape and dst.numel():
-        w = _word(dst, src)
-        if w is not None:
-            dst.view(w).copy_(src.view(w))
+    """``dst.copy_(src)`` for tensors of one dtype (narrower than 8 bytes) and shape, moved as
+    8-byte words where both layouts allow it (:func:`_words`): bit for bit the same result. PyTorch
+    copies a non-contiguous destination with its generic element-wise kernel, one element per thread
+    step; for the DiT's estimator caches (bfloat16, runs of ``frames x 128`` elements in a larger
+    buffer) that took 173 µs per stream and solve on an H100 at 400 cached frames, as 8-byte words 90 µs
+    (docs/perf.md "Session 32"). Falls back to ``dst.copy_(src)`` otherwise (other layouts, dtype
+    conversions, broadcasting). Costs the host two tensor views more than ``copy_``. Returns ``dst``."""
+    if dst.dtype == src.dtype and dst.element_size() < 8 and dst.shape == src.shape:
+        try:
+            _words(dst).copy_(_words(src))
             return dst
+        except RuntimeError:  # a layout that cannot be viewed as words
+            pass
     return dst.copy_(src)
 
 
 def cat_wide(tensors: Sequence[Tensor], dim: int) -> Tensor:
-    """``torch.cat(tensors, dim)`` (one dtype and device, ``dim`` not the last) as 8-byte words where
-    the layouts allow it (see :func:`copy_wide_`); otherwise ``torch.cat``."""
+    """``torch.cat(tensors, dim)`` (one dtype narrower than 8 bytes, ``dim`` not the last) as 8-byte
+    words where the layouts allow it (see :func:`copy_wide_`); otherwise ``torch.cat``."""
     ts = list(tensors)
-    if ts and dim % ts[0].dim() != ts[0].dim() - 1 and len({t.dtype for t in ts}) == 1:
-        w = _word(*ts)
-        if w is not None:
-            return torch.cat([t.view(w) for t in ts], dim).view(ts[0].dtype)
+    if ts and ts[0].element_size() < 8 and dim % ts[0].dim() != ts[0].dim() - 1 \
+            and all(t.dtype == ts[0].dtype for t in ts):
+        try:
+            return torch.cat([_words(t) for t in ts], dim).view(ts[0].dtype)
+        except RuntimeError:  # a layout that cannot be viewed as words
+            pass
     return torch.cat(ts, dim)
