@@ -237,7 +237,6 @@ def _causal_cols(x: Tensor, cache: Tensor, last_idx: Tensor | None) -> tuple[Ten
     return cols, new.transpose(1, 2)
 
 
-
 def _conv_tc(conv: nn.Conv1d, x: Tensor) -> Tensor:
     """``conv`` (stride 1, no padding or dilation, one group) over time-major ``x [N, T, C_in]`` ->
     ``[N, T - k + 1, C_out]`` as one GEMM over the unfolded input (as :meth:`_CausalConv.step_tc`).

@@ -74,10 +74,11 @@ def copy_wide_(dst: Tensor, src: Tensor) -> Tensor:
     conversions, broadcasting). Costs the host two tensor views more than ``copy_``. Returns ``dst``."""
     if dst.dtype == src.dtype and dst.element_size() < 8 and dst.shape == src.shape:
         try:
-            _words(dst).copy_(_words(src))
-            return dst
+            d, s = _words(dst), _words(src)
         except RuntimeError:  # a layout that cannot be viewed as words
-            pass
+            return dst.copy_(src)
+        d.copy_(s)
+        return dst
     return dst.copy_(src)
 
 
@@ -88,7 +89,8 @@ def cat_wide(tensors: Sequence[Tensor], dim: int) -> Tensor:
     if ts and ts[0].element_size() < 8 and dim % ts[0].dim() != ts[0].dim() - 1 \
             and all(t.dtype == ts[0].dtype for t in ts):
         try:
-            return torch.cat([_words(t) for t in ts], dim).view(ts[0].dtype)
+            words = [_words(t) for t in ts]
         except RuntimeError:  # a layout that cannot be viewed as words
-            pass
+            return torch.cat(ts, dim)
+        return torch.cat(words, dim).view(ts[0].dtype)
     return torch.cat(ts, dim)
