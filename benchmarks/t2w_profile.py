@@ -72,6 +72,28 @@ def _time(fn, n: int = 5, warm: int = 2) -> tuple[float, float]:
     return statistics.median(host), statistics.median(gpu)
 
 
+def steady_streams(t2w, rows: int, prompt_tokens: int, g) -> tuple[list, list]:
+    """``rows`` streams set up on random prompts of ``prompt_tokens`` tokens and grown to the steady
+    state (4 chunks: caches trimmed to prompt + 100 frames), and each one's next chunk of 25 + 3
+    look-ahead tokens: ``(states, tokens)``."""
+    prompts = [(torch.randint(0, 6561, (prompt_tokens,), generator=g),
+                torch.randn(2 * prompt_tokens, 80, generator=g).cuda(), torch.randn(192, generator=g).cuda())
+               for _ in range(rows)]
+    states = t2w.stream_setup_batch(prompts)
+    for _ in range(4):
+        toks = [torch.randint(0, 6561, (28,), generator=g) for _ in range(rows)]
+        states = [s for _, s in t2w.stream_step_batch(states, toks, [False] * rows)]
+    return states, [torch.randint(0, 6561, (28,), generator=g) for _ in range(rows)]
+
+
+def chunk_items(flow, states, toks) -> list:
+    """The flow items of the streams' next (non-final) chunks."""
+    from cosyserve.models.dit_flow import DitItem
+
+    return [DitItem(tokens=flow._check_tokens(t), spk=s.flow.spk, last=False, state=s.flow)
+            for s, t in zip(states, toks)]
+
+
 def dit(args) -> None:
     tmp = Path("/tmp/t2w_profile")
     tmp.mkdir(exist_ok=True)
@@ -90,21 +112,11 @@ def dit(args) -> None:
         return solve_kernels(t2w, args.solve_kernels, args.prompt_tokens, g, args.trace_kernels)
     last_fn = None
     for b in (int(x) for x in args.batches.split(",")):
-        prompts = [(torch.randint(0, 6561, (args.prompt_tokens,), generator=g),
-                    torch.randn(2 * args.prompt_tokens, 80, generator=g).cuda(), torch.randn(192, generator=g).cuda())
-                   for _ in range(b)]
-        states = t2w.stream_setup_batch(prompts)
-        # grow the caches to the steady state (trimmed to prompt + 100 frames)
-        for _ in range(4):
-            toks = [torch.randint(0, 6561, (28,), generator=g) for _ in range(b)]
-            states = [s for _, s in t2w.stream_step_batch(states, toks, [False] * b)]
-        toks = [torch.randint(0, 6561, (28,), generator=g) for _ in range(b)]
-        from cosyserve.models.dit_flow import DitItem
+        states, toks = steady_streams(t2w, b, args.prompt_tokens, g)
 
         @torch.inference_mode()
         def encode():
-            items = [DitItem(tokens=flow._check_tokens(t), spk=s.flow.spk, last=False, state=s.flow)
-                     for s, t in zip(states, toks)]
+            items = chunk_items(flow, states, toks)
             return flow._encode(items), items
 
         @torch.inference_mode()
@@ -158,20 +170,10 @@ def solve_kernels(t2w, rows: int, prompt_tokens: int, g, trace: int = 0) -> None
     """Profile one DiT solve of ``rows`` streams (steady-state caches), eager and graphed."""
     from torch.profiler import ProfilerActivity, profile
 
-    from cosyserve.models.dit_flow import DitItem
-
     flow = t2w.flow
-    prompts = [(torch.randint(0, 6561, (prompt_tokens,), generator=g),
-                torch.randn(2 * prompt_tokens, 80, generator=g).cuda(), torch.randn(192, generator=g).cuda())
-               for _ in range(rows)]
-    states = t2w.stream_setup_batch(prompts)
-    for _ in range(4):
-        toks = [torch.randint(0, 6561, (28,), generator=g) for _ in range(rows)]
-        states = [s for _, s in t2w.stream_step_batch(states, toks, [False] * rows)]
-    toks = [torch.randint(0, 6561, (28,), generator=g) for _ in range(rows)]
+    states, toks = steady_streams(t2w, rows, prompt_tokens, g)
     with torch.inference_mode():
-        items = [DitItem(tokens=flow._check_tokens(t), spk=s.flow.spk, last=False, state=s.flow)
-                 for s, t in zip(states, toks)]
+        items = chunk_items(flow, states, toks)
         mu, mlen, _ = flow._encode(items)
     graph = flow.graph
     for label, use in (("eager", None), ("graph", graph)):
