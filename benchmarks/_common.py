@@ -39,6 +39,16 @@ def gpu_ms(fn, n=30, warm=3) -> float:
     return statistics.median(ts)
 
 
+def print_table(title: str, columns: list[str], rows: list[tuple]) -> None:
+    """Print ``title`` and a Markdown table: ``columns`` (the first left-aligned, the rest right),
+    one line per row of ``rows``."""
+    print(title)
+    print("| " + " | ".join(columns) + " |")
+    print("|---|" + "---:|" * (len(columns) - 1))
+    for r in rows:
+        print("| " + " | ".join(str(v) for v in r) + " |")
+
+
 def kernel_times(fn) -> dict[str, list]:
     """One call's GPU kernels (torch.profiler): ``{kernel name: [calls, total ms]}``."""
     from torch.profiler import ProfilerActivity, profile

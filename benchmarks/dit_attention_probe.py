@@ -17,7 +17,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from _common import gpu_ms
+from _common import gpu_ms, print_table
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cosyserve.models.fused import attention_bias
@@ -65,11 +65,8 @@ def main() -> None:
             rows.append((label, f"{ms * 1e3:.1f}", f"{err:.1e}"))
         except RuntimeError as exc:
             rows.append((label, "n/a", str(exc).split("\n")[0][:80]))
-    print(f"DiT attention: {n} rows x {h} heads x {hd}, {t} queries, {t + c} keys, bf16, "
-          f"{torch.cuda.get_device_name()}")
-    print("| backend | µs per call | rel. L2 vs float32 |\n|---|---:|---:|")
-    for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]} |")
+    print_table(f"DiT attention: {n} rows x {h} heads x {hd}, {t} queries, {t + c} keys, bf16, "
+                f"{torch.cuda.get_device_name()}", ["backend", "µs per call", "rel. L2 vs float32"], rows)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _common import gpu_ms
+from _common import gpu_ms, print_table
 
 from cosyserve.models.fused import FusedOp
 
@@ -89,11 +89,8 @@ def main() -> None:
             rows.append((label, f"{graph_us(fn, args.calls, args.n):.1f}"))
         except Exception as exc:  # noqa: BLE001 - report and go on
             rows.append((label, f"failed: {type(exc).__name__}: {str(exc)[:60]}"))
-    print(f"DiT solve data movement: {n} rows x {t} frames x {c} channels, k {k}, kv cache {args.cache}, bf16, "
-          f"{torch.cuda.get_device_name()}, {args.calls} calls per graph")
-    print("| op | µs per call |\n|---|---:|")
-    for r in rows:
-        print(f"| {r[0]} | {r[1]} |")
+    print_table(f"DiT solve data movement: {n} rows x {t} frames x {c} channels, k {k}, kv cache {args.cache}, "
+                f"bf16, {torch.cuda.get_device_name()}, {args.calls} calls per graph", ["op", "µs per call"], rows)
 
 
 if __name__ == "__main__":
