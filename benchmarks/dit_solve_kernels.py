@@ -6,7 +6,8 @@ this count is the proxy for a change that fuses kernels, checkable without a GPU
 streaming solve (the form the graphs capture: rows with lengths and a key mask) of the tiny
 random-weight model and counts every aten operator dispatched inside ``_euler`` that launches work:
 view and metadata operators are skipped, and a call of a fused op (:class:`cosyserve.models.fused.FusedOp`,
-one compiled kernel on CUDA, possibly two) counts once. Counts per layer and evaluation do not depend on
+one compiled kernel on CUDA, possibly two) or of the causal convolutions' columns
+(:func:`cosyserve.models.conv_cols.causal_cols`, one Triton kernel on CUDA) counts once. Counts per layer and evaluation do not depend on
 the model's widths, so the full-size solve is ``depth x n_timesteps`` times the per-layer count plus the
 per-evaluation rest (printed for the released depth, 16).
 
@@ -27,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cosyserve.models import fused  # noqa: E402
+from cosyserve.models import dit_flow, fused  # noqa: E402
 from cosyserve.models.dit_flow import DitFlowModel  # noqa: E402
 from cosyserve.models.dit_token2wav import TINY_SIZE, load_dit_token2wav, write_token2wav_dir  # noqa: E402
 
@@ -60,25 +61,32 @@ def count(flow: DitFlowModel, streams: int) -> Counter:
     mode = _Count()
     euler = DitFlowModel._euler
     call = fused.FusedOp.__call__
+    cols = dit_flow.causal_cols
 
-    def counted_fused(self, *args):
+    def once(name, fn, *args):  # one kernel on CUDA, whatever it dispatches on the CPU
         if mode.fused_depth == 0:
-            mode.ops[f"fused:{self.name}"] += 1
+            mode.ops[name] += 1
         mode.fused_depth += 1
         try:
-            return call(self, *args)
+            return fn(*args)
         finally:
             mode.fused_depth -= 1
+
+    def counted_fused(self, *args):
+        return once(f"fused:{self.name}", call, self, *args)
+
+    def counted_cols(*args):
+        return once("kernel:causal_cols", cols, *args)
 
     def counted_euler(self, bufs, n):
         with mode:
             return euler(self, bufs, n)
 
-    fused.FusedOp.__call__, DitFlowModel._euler = counted_fused, counted_euler
+    fused.FusedOp.__call__, DitFlowModel._euler, dit_flow.causal_cols = counted_fused, counted_euler, counted_cols
     try:
         flow.chunk_batch(states, [torch.randint(0, 6561, (28,), generator=g) for _ in states], [False] * len(states))
     finally:
-        fused.FusedOp.__call__, DitFlowModel._euler = call, euler
+        fused.FusedOp.__call__, DitFlowModel._euler, dit_flow.causal_cols = call, euler, cols
     return mode.ops
 
 

@@ -12,7 +12,8 @@ largest batch. Full-size architectures with random weights, bf16 (``--dtype``).
 
 ``--solve-kernels N``: the DiT solve of N streams' chunks (steady-state caches), eagerly and as its CUDA graph,
 under the torch profiler: its kernels grouped by kind (GEMM, attention, fused Triton, norms, copies, other) with
-count, total and mean time — where the solve's device time goes.
+count, total and mean time — where the solve's device time goes. With ``--offline-tokens T`` too: the solve of N
+offline utterances (prompt + T target tokens, no cache), padded to the server's coarse frame buckets.
 """
 
 from __future__ import annotations
@@ -106,10 +107,10 @@ def dit(args) -> None:
         t2w.flow.enable_cuda_graphs()
     flow = t2w.flow
     g = torch.Generator().manual_seed(0)
+    if args.solve_kernels:
+        return solve_kernels(t2w, args.solve_kernels, args.prompt_tokens, g, args.trace_kernels, args.offline_tokens)
     if args.offline_tokens:
         return dit_offline(args, t2w, g)
-    if args.solve_kernels:
-        return solve_kernels(t2w, args.solve_kernels, args.prompt_tokens, g, args.trace_kernels)
     last_fn = None
     for b in (int(x) for x in args.batches.split(",")):
         states, toks = steady_streams(t2w, b, args.prompt_tokens, g)
@@ -147,7 +148,8 @@ KINDS = (("attention", ("fmha", "flash", "attention", "sdpa", "efficient_attenti
          ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_")),
          ("fused (triton)", ("triton",)),
          ("norm", ("layer_norm", "layernorm", "norm")),
-         ("copy / cat / index", ("copy", "cat", "index", "gather", "scatter", "fill", "memcpy", "memset")),
+         ("copy / cat / index", ("copy", "cat", "index", "gather", "scatter", "fill", "memcpy", "memset",
+                                 "cols_kernel")),
          ("elementwise", ("elementwise", "vectorized", "unrolled", "reduce")))
 
 
@@ -166,14 +168,31 @@ def kernel_kinds(prof) -> list[tuple[str, int, float]]:
     return sorted(((k, n, t) for k, (n, t) in out.items()), key=lambda r: -r[2])
 
 
-def solve_kernels(t2w, rows: int, prompt_tokens: int, g, trace: int = 0) -> None:
-    """Profile one DiT solve of ``rows`` streams (steady-state caches), eager and graphed."""
+def offline_items(flow, rows: int, prompt_tokens: int, target_tokens: int, g) -> list:
+    """``rows`` offline utterances: random prompts of ``prompt_tokens`` tokens (mel ``2 x`` that), each
+    followed by ``target_tokens`` target tokens (one pass, no cache)."""
+    return [flow.prompt_item(torch.randint(0, 6561, (prompt_tokens,), generator=g),
+                             torch.randn(2 * prompt_tokens, 80, generator=g).cuda(),
+                             torch.randn(192, generator=g).cuda(),
+                             torch.randint(0, 6561, (target_tokens,), generator=g), last=True)
+            for _ in range(rows)]
+
+
+def solve_kernels(t2w, rows: int, prompt_tokens: int, g, trace: int = 0, offline_tokens: int = 0) -> None:
+    """Profile one DiT solve of ``rows`` streams (steady-state caches), eager and graphed; with
+    ``offline_tokens``, of ``rows`` offline utterances instead, padded as the server pads them (to the
+    coarse frame buckets of solves without cache)."""
     from torch.profiler import ProfilerActivity, profile
 
     flow = t2w.flow
-    states, toks = steady_streams(t2w, rows, prompt_tokens, g)
+    if offline_tokens:
+        items, cache = offline_items(flow, rows, prompt_tokens, offline_tokens, g), 0
+        if flow.graph is not None:
+            flow.graph.coarse_uncached = True
+    else:
+        states, toks = steady_streams(t2w, rows, prompt_tokens, g)
+        items, cache = chunk_items(flow, states, toks), states[0].flow.cache_frames
     with torch.inference_mode():
-        items = chunk_items(flow, states, toks)
         mu, mlen, _ = flow._encode(items)
     graph = flow.graph
     for label, use in (("eager", None), ("graph", graph)):
@@ -191,8 +210,9 @@ def solve_kernels(t2w, rows: int, prompt_tokens: int, g, trace: int = 0) -> None
             torch.cuda.synchronize()
         kinds = kernel_kinds(prof)
         total_us = sum(t for _, _, t in kinds)
-        print(f"--- DiT solve, {rows} streams ({2 * rows} CFG rows x {max(mlen)} frames, cache "
-              f"{states[0].flow.cache_frames} frames), {label}: {gpu:.2f} ms GPU (events), {host:.2f} ms host; "
+        what = "offline utterances" if offline_tokens else "streams"
+        print(f"--- DiT solve, {rows} {what} ({2 * rows} CFG rows x {max(mlen)} frames, cache "
+              f"{cache} frames), {label}: {gpu:.2f} ms GPU (events), {host:.2f} ms host; "
               f"kernels seen by the profiler {sum(n for _, n, _ in kinds)}, {total_us / 1e3:.2f} ms")
         print("| kind | kernels | total ms | share | mean µs |\n|---|---:|---:|---:|---:|")
         for k, n, t in kinds:
@@ -215,11 +235,11 @@ def dit_offline(args, t2w, g) -> None:
     with the bucket's graph captured on first use."""
     flow = t2w.flow
     p, n = args.prompt_tokens, args.offline_tokens
+    if flow.graph is not None:  # pad solves without cache as the server does once it planned offline utterances
+        flow.graph.coarse_uncached = True
     last_fn = None
     for b in (int(x) for x in args.batches.split(",")):
-        items = [flow.prompt_item(torch.randint(0, 6561, (p,), generator=g),
-                                  torch.randn(2 * p, 80, generator=g).cuda(), torch.randn(192, generator=g).cuda(),
-                                  torch.randint(0, 6561, (n,), generator=g), last=True) for _ in range(b)]
+        items = offline_items(flow, b, p, n, g)
 
         @torch.inference_mode()
         def run():
@@ -234,8 +254,10 @@ def dit_offline(args, t2w, g) -> None:
             host, gpu = _time(run, n=3, warm=1)
             rows[label] = (round(host, 1), round(gpu, 1))
         audio_s = b * 2 * n / 50  # mel frames at 50/s of the target tokens
+        frames = 2 * (p + n + 3)  # prompt + target + the final chunk's zero look-ahead, 2 mel frames per token
+        padded = flow.graph.solve_frames_bucket(frames, 0) if flow.graph is not None else frames
         print(json.dumps({"mode": "dit-offline", "dtype": args.dtype, "utterances": b, "prompt_tokens": p,
-                          "target_tokens": n, "audio_s": audio_s,
+                          "target_tokens": n, "audio_s": audio_s, "frames": frames, "graph_padded_frames": padded,
                           **{f"{k}_host_ms": v[0] for k, v in rows.items()},
                           **{f"{k}_gpu_ms": v[1] for k, v in rows.items()},
                           **{f"{k}_x_real_time": round(audio_s / (v[1] / 1e3), 1) for k, v in rows.items()}}),
@@ -296,15 +318,17 @@ def main() -> None:
                     help="dit: profile the solve of N streams' chunks (kernels by kind, eager and graphed) only")
     ap.add_argument("--trace-kernels", type=int, default=0, metavar="K",
                     help="with --solve-kernels: also print the first K kernels in the order they ran")
-    ap.add_argument("--compiled-conv-cols", action="store_true",
-                    help="dit: build the causal convolutions' columns with one compiled (Inductor) op instead of "
-                         "the eager ops the solve uses (an A/B of docs/perf.md \"Session 32\")")
+    ap.add_argument("--conv-cols", choices=("kernel", "eager", "compiled"), default="kernel",
+                    help="dit: build the causal convolutions' columns with the solve's Triton kernel (default), "
+                         "the eager ops (concatenation, unfolding copy, gather) or one compiled (Inductor) op of "
+                         "them: A/Bs of docs/perf.md \"Session 32\" and \"Session 33\"")
     args = ap.parse_args()
-    if args.compiled_conv_cols:
-        from cosyserve.models import dit_flow
+    if args.conv_cols != "kernel":
+        from cosyserve.models import conv_cols, dit_flow
         from cosyserve.models.fused import FusedOp
 
-        dit_flow._causal_cols = FusedOp(dit_flow._causal_cols, "dit_causal_cols")
+        eager = conv_cols.causal_cols_eager
+        dit_flow.causal_cols = eager if args.conv_cols == "eager" else FusedOp(eager, "dit_causal_cols")
     torch.backends.cuda.matmul.allow_tf32 = True
     dit(args) if args.mode == "dit" else cv3(args)
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}))

@@ -87,6 +87,7 @@ from torch import Tensor, nn
 
 from ..errors import ConfigError
 from .config import DiTConfig, DitFlowConfig
+from .conv_cols import causal_cols
 from .flow_encoder import UpsampleConformerEncoder, relative_position_table
 from .derived import DerivedWeights
 from .fused import FusedOp, add_norm_modulate, attention_bias, linear_gelu_tanh, norm_modulate
@@ -213,28 +214,17 @@ class _DiTAttention(nn.Module):
 class _CausalConv(nn.Conv1d):
     """Conv1d applied to ``cat([cache, x])`` (cache: the previous ``kernel - 1`` input frames)."""
 
-    def step_tc(self, x: Tensor, cache: Tensor, last_idx: Tensor | None) -> tuple[Tensor, Tensor]:
+    def step_tc(self, x: Tensor, cache: Tensor, last_idx: Tensor | None,
+                new_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Time-major :meth:`step` as one GEMM over the unfolded input (no layout changes, no cuDNN
         transposes): ``x [N, T, C_in]``, ``cache [N, C_in, k-1]`` -> ``([N, T, C_out], new cache
         [N, C_in, k-1])``; ``last_idx [N, k-1]``: per row, the frames of ``cache ++ x`` that become
-        the new cache (the last ``k-1`` valid ones), None: the last ``k-1``."""
-        # eager ops, also in the solve's CUDA graphs: Inductor's kernel for this (dynamic shapes) took
-        # ~28 µs per call on an H100 at 24 rows x 50 frames, the eager concatenation, unfolding copy and
-        # gather ~15 µs together (docs/perf.md "Session 32", benchmarks/dit_copy_probe.py)
-        cols, new = _causal_cols(x, cache, last_idx)
+        the new cache (the last ``k-1`` valid ones), None: the last ``k-1``; ``new_out``: where the new
+        cache is written. The GEMM's input and the new cache come from
+        :func:`~cosyserve.models.conv_cols.causal_cols` (one Triton kernel on CUDA, also inside the
+        solve's CUDA graphs; docs/perf.md "Session 33")."""
+        cols, new = causal_cols(x, cache, last_idx, new_out)
         return F.linear(cols, self.weight.reshape(self.out_channels, -1), self.bias), new
-
-
-def _causal_cols(x: Tensor, cache: Tensor, last_idx: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The GEMM input of :meth:`_CausalConv.step_tc` and its new cache: ``x [N, T, C]`` after
-    ``cache [N, C, k-1]`` -> ``(cols [N, T, C*k]`` (channel-major, like the conv weight), the frames
-    ``last_idx [N, k-1]`` of ``cache ++ x`` as ``[N, C, k-1])``, the last ``k-1`` when ``last_idx`` is None."""
-    k = cache.shape[2] + 1
-    n, t, c = x.shape
-    xx = torch.cat([cache.transpose(1, 2).to(x.dtype), x], dim=1)  # [N, k-1+T, C]
-    cols = xx.unfold(1, k, 1).reshape(n, t, c * k)
-    new = xx[:, t:] if last_idx is None else torch.gather(xx, 1, last_idx.unsqueeze(-1).expand(-1, -1, c))
-    return cols, new.transpose(1, 2)
 
 
 def _conv_tc(conv: nn.Conv1d, x: Tensor) -> Tensor:
@@ -293,13 +283,15 @@ class _CausalConvBlock(nn.Module):
         ``last_idx`` as :meth:`_CausalConv.step_tc` (None: every row has ``T`` valid frames); the new
         cache is written into ``out`` (contiguous, that shape) when given."""
         c1, c2 = cache.split(self.channels, dim=1)
-        h, n1 = self.block["1"].step_tc(x, c1, last_idx)
+        if out is None:
+            out = torch.empty(cache.shape, dtype=x.dtype, device=x.device)
+        c = self.channels  # each convolution writes its new cache into its half
+        n1, n2 = out.narrow(1, 0, c), out.narrow(1, c, c)
+        h, _ = self.block["1"].step_tc(x, c1, last_idx, n1)
         ln = self.block["3"]
         h = _NORM_MISH(h, ln.weight, ln.bias) if ln.eps == 1e-5 else F.mish(ln(h))
-        h, n2 = self.block["6"].step_tc(h, c2, last_idx)
-        if out is None:
-            return h, torch.cat([n1, n2], dim=1)
-        return h, torch.cat([n1, n2], dim=1, out=out)
+        h, _ = self.block["6"].step_tc(h, c2, last_idx, n2)
+        return h, out
 
 
 def _norm_mish(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
