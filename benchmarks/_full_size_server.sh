@@ -8,7 +8,8 @@
 #                               cosyserve.cli`) is the command that runs the CLI
 full_size_setup() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/cosyserve-site .whl/*.whl || return 1
-  export PYTHONPATH=/tmp/cosyserve-site:$PWD PYTHONUNBUFFERED=1 COSYSERVE_CACHE_DIR=/tmp/cosyserve-cache
+  # PYTHONFAULTHANDLER: a crash in native code (session 33: one segfault at start-up) leaves its Python stack in the log
+  export PYTHONPATH=/tmp/cosyserve-site:$PWD PYTHONUNBUFFERED=1 COSYSERVE_CACHE_DIR=/tmp/cosyserve-cache PYTHONFAULTHANDLER=1
   # The GPU machine's Python packages have no compiled bytecode and PYTHONDONTWRITEBYTECODE=1 is set, so every start
   # compiled torch/transformers/... from source (measured: `from transformers import Qwen2ForCausalLM` 18 s -> 9 s
   # with bytecode). pip installs bytecode (the deploy/ image has it): keep it in a cache of its own.

@@ -6,7 +6,8 @@
 # `default`. PATH_KIND=unet (CosyVoice2 flow) or dit (Step-Audio2 DiT token2wav, full size, built here).
 # Usage: benchmarks/capacity_startup.sh OUT  (env: PATH_KIND, CAPACITY_LEVELS, MAX_ACTIVE, SERVE_ARGS, RAMP_S: each
 # capacity level's clients start over RAMP_S seconds, `bench --ramp-s`, default 0 = all at once; OFFLINE_CLIENTS: then
-# one offline level (whole utterances, KServe gRPC ModelInfer) of that many clients x 3 requests; CHUNK_POLICY:
+# one offline level (whole utterances, KServe gRPC ModelInfer) of that many clients x 3 requests (OFFLINE_REQ="3 6":
+# one level per count, e.g. 6 requests each for a longer steady state); CHUNK_POLICY:
 # default exponential for unet, the DiT path's own default (15 tokens, then 25-token hops) for dit; ONE_STREAM=N: first
 # N requests from one client after the warm-up, the first-chunk table at 1 stream; CAPACITY_LEVELS= (empty) skips the
 # capacity search; STREAM_CLIENTS=N: one plain streaming level of N clients x 3 requests; SAMPLE_STACKS=1: the
@@ -43,7 +44,11 @@ full_size_serve "$OUTDIR/server.log" --min-token-text-ratio "$RATIO" --max-token
   --max-active-streams "$MAX_ACTIVE" --max-queue 512 ${POLICY:+--chunk-policy "$POLICY"} ${SERVE_ARGS:-}
 trap 'kill $SERVER 2>/dev/null' EXIT
 echo "== $KIND: $(nvidia-smi --query-gpu=name --format=csv,noheader), serve options: ${SERVE_ARGS:-(defaults)}"
-python3 benchmarks/startup_probe.py --since "$T0" --url http://127.0.0.1:8000 --json "$OUTDIR/startup.json" 2>&1 | tail -6
+python3 benchmarks/startup_probe.py --since "$T0" --url http://127.0.0.1:8000 --pid "$SERVER" \
+  --json "$OUTDIR/startup.json" 2>&1 | tail -6
+if ! kill -0 "$SERVER" 2>/dev/null; then  # (died at start: do not spend the device call waiting on it)
+  echo "== the server exited; its log ends:"; tail -40 "$OUTDIR/server.log"; exit 1
+fi
 echo "== warm-up (not counted): lazily captured graphs (the DiT solves) get captured here"
 $CS bench --url grpc://127.0.0.1:8001 --no-progress --voice default --concurrency 1,4,16,32 --requests-per-level 24 \
   --min-requests-per-client 1 --warmup 0 --out "$OUTDIR/warmup" >/dev/null 2>&1
@@ -67,14 +72,15 @@ if [ -n "$CAPACITY_LEVELS" ]; then
     --min-requests-per-client "${MIN_REQ:-3}" --overload 2 --ramp-s "${RAMP_S:-0}" --warmup 0 $LISTEN --out "$OUTDIR/capacity" \
     2>&1 | tail -30
 fi
-if [ -n "${OFFLINE_CLIENTS:-}" ]; then
-  echo "== offline throughput: $OFFLINE_CLIENTS clients x 3 requests"
+for OREQ in ${OFFLINE_REQ:-3}; do
+  [ -n "${OFFLINE_CLIENTS:-}" ] || break
+  echo "== offline throughput: $OFFLINE_CLIENTS clients x $OREQ requests"
   S0=$(since)
   $CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default \
-    --mode offline --concurrency "$OFFLINE_CLIENTS" --min-requests-per-client 3 --warmup 0 --out "$OUTDIR/offline" \
-    2>&1 | grep -A3 "^| clients"
+    --mode offline --concurrency "$OFFLINE_CLIENTS" --min-requests-per-client "$OREQ" --warmup 0 \
+    --out "$OUTDIR/offline$([ "$OREQ" = 3 ] || echo "-$OREQ")" 2>&1 | grep -A3 "^| clients"
   stacks "offline at $OFFLINE_CLIENTS clients" "$S0"
-fi
+done
 grep -i "capacity estimate" "$OUTDIR/server.log" | tail -3
 grep -i "graphs\b.*captured\|captured .* graph buckets" "$OUTDIR/server.log" | tail -3
 # the device tool brings back at most 8 files: the plots go, the reports and logs stay

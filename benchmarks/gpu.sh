@@ -105,7 +105,7 @@ EOF
 # startup JSON: start-up figures of the server just started (waits until every graph is captured)
 startup() {
   echo "== start-up: ready, all CUDA graphs captured, first chunks during the capture"
-  python3 benchmarks/startup_probe.py --since "$T0" --json "$1" || exit 1
+  python3 benchmarks/startup_probe.py --since "$T0" --pid "$SERVER" --json "$1" || exit 1
 }
 
 stop_server() {

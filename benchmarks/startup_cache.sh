@@ -22,7 +22,7 @@ for i in $(seq 1 "$STARTS"); do
   full_size_serve "$OUTDIR/server-$i.log" --min-token-text-ratio 6 --max-token-text-ratio 6 --max-active-streams 64 \
     --chunk-policy exponential --compile-cache "$CACHE" $SERVE_ARGS
   echo "== start $i ($( [ "$i" = 1 ] && echo 'empty compile cache' || echo 'restart: compile cache filled'))"
-  python3 benchmarks/startup_probe.py --since "$T0" --url http://127.0.0.1:8000 --json "$OUTDIR/startup-$i.json" 2>&1 | tail -5
+  python3 benchmarks/startup_probe.py --since "$T0" --url http://127.0.0.1:8000 --pid "$SERVER" --json "$OUTDIR/startup-$i.json" 2>&1 | tail -5
   grep -E "primed|captured [0-9]+ CUDA graph buckets|failed|ready event" "$OUTDIR/server-$i.log" | cut -c1-400 | tail -6
   kill $SERVER; wait $SERVER 2>/dev/null
   if [ -f "$OUTDIR/stacks-$i.txt" ]; then

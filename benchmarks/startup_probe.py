@@ -18,6 +18,7 @@ Exit status 1 if the server is not ready within ``--timeout`` seconds or a reque
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import statistics
 import threading
@@ -59,6 +60,21 @@ def summary(lat: list[float]) -> str:
             f"max {q[-1] * 1e3:.0f} ms")
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie of a child that has exited counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True  # no /proc: os.kill said it exists
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
@@ -69,6 +85,8 @@ def main() -> int:
     ap.add_argument("--after", type=int, default=5, help="requests per client once every graph is captured")
     ap.add_argument("--timeout", type=float, default=900, help="seconds to wait for ready and for the capture")
     ap.add_argument("--json", default=None, help="write the measurements here")
+    ap.add_argument("--pid", type=int, default=None,
+                    help="the server's process id: stop waiting (exit status 1) as soon as it has exited")
     args = ap.parse_args()
 
     t_start = args.since if args.since is not None else time.time()
@@ -81,6 +99,9 @@ def main() -> int:
             pass
         if time.time() - t_start > args.timeout:
             print(f"STARTUP: not ready after {args.timeout:.0f} s")
+            return 1
+        if args.pid is not None and not _alive(args.pid):
+            print(f"STARTUP: the server (pid {args.pid}) exited {time.time() - t_start:.0f} s after start, not ready")
             return 1
         time.sleep(0.1)
     t_ready = time.time()

@@ -675,3 +675,26 @@ def test_bench_capacity_mode(tts, tmp_path, capsys):
 
     code, _, err = run(capsys, "bench", "--url", tts.grpc_url, "--capacity", "--p99-bound-ms", -1, "--out", tmp_path)
     assert code == 2 and "--p99-bound-ms > 0" in err and "Traceback" not in err
+
+
+def test_startup_probe_stops_waiting_when_the_server_has_exited():
+    """benchmarks/startup_probe.py --pid: a server that died at start-up ends the wait at once (exit status 1,
+    a STARTUP line saying so) instead of after --timeout (session 33 lost a device call to such a wait)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    probe = Path(__file__).resolve().parent.parent / "benchmarks" / "startup_probe.py"
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(probe), "--url", f"http://127.0.0.1:{port}", "--pid", str(dead.pid),
+                        "--timeout", "120"], capture_output=True, text=True, timeout=100)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"pid {dead.pid}) exited" in r.stdout
+    assert time.monotonic() - t0 < 60
