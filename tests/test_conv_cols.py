@@ -95,6 +95,12 @@ def test_gpu_kernel_equals_eager_bitwise():
         assert torch.equal(new, ref_new), key
         if with_out:
             assert new.data_ptr() == out.data_ptr(), key
+    # a new_out of another dtype than x's: cast on the way, as the eager formula's copy casts
+    x, cache, idx = _case(3, 9, 130, 3, torch.bfloat16, torch.bfloat16, True, "cuda")
+    out = torch.empty(3, 130, 2, device="cuda")
+    cols, new = conv_cols._launch(conv_cols._get_kernel(), x, cache, idx, out)
+    ref_cols, ref_new = causal_cols_eager(x, cache, idx, torch.empty(3, 130, 2, device="cuda"))
+    assert new is out and torch.equal(cols, ref_cols) and torch.equal(out, ref_new)
 
 
 @pytest.mark.gpu

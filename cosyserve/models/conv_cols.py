@@ -1,16 +1,17 @@
 """The input columns of a causal convolution computed as one GEMM, and its new cache: one Triton kernel on CUDA.
 
 A causal convolution of kernel ``k`` over time-major ``x [N, T, C]`` whose previous ``k - 1`` input frames
-are ``cache [N, C, k-1]`` is one GEMM over the columns ``cols[n, t, c*k + j] = (cache ++ x)[n, t + j, c]`` (channel-major,
-like ``conv.weight.reshape(C_out, C*k)``), and the stream's next cache is ``k - 1`` frames of ``cache ++ x`` (per row the
-last valid ones). Eagerly that is a concatenation (a copy of ``x``), the unfolding copy (PyTorch's generic strided
-copy kernel) and a gather: on an H100 at the DiT estimator's offline shape (8 rows x 800 frames x 512 channels,
-bf16) 12.7 + 22.6 + 4.3 us per convolution, 320 convolutions per solve: 19 % of a 4-utterance offline solve
-(``benchmarks/t2w_profile.py --solve-kernels 4 --offline-tokens 250``, docs/perf.md "Session 33"). An Inductor
-kernel of the same formula was slower still (dynamic shapes: 25 us at 24 rows x 50 frames, "Session 32").
-:func:`causal_cols` writes both outputs with one kernel that reads every input element once per tap and
-writes each column element once; results are bitwise those of :func:`causal_cols_eager` (pure copies; a cache of
-another dtype is cast to ``x``'s with the same rounding as ``Tensor.to``).
+are ``cache [N, C, k-1]`` is one GEMM over the columns ``cols[n, t, c*k + j] = (cache ++ x)[n, t + j, c]``
+(channel-major, like ``conv.weight.reshape(C_out, C*k)``), and the stream's next cache is ``k - 1`` frames
+of ``cache ++ x`` (per row the last valid ones). Eagerly that is a concatenation (a copy of ``x``), the
+unfolding copy (PyTorch's generic strided copy kernel) and a gather: on an H100 at the DiT estimator's
+offline shape (8 rows x 800 frames x 512 channels, bf16) 12.7 + 22.6 + 4.3 us per convolution, 320
+convolutions per solve: 19 % of a 4-utterance offline solve (``benchmarks/t2w_profile.py --solve-kernels 4
+--offline-tokens 250``, docs/perf.md "Session 33"). An Inductor kernel of the same formula was slower still
+(dynamic shapes: 25 us at 24 rows x 50 frames, "Session 32"). :func:`causal_cols` writes both outputs with
+one kernel (18-19 us at that shape) that writes each column element once, in order; results are bitwise
+those of :func:`causal_cols_eager` (pure copies; a cache of another dtype is cast to ``x``'s with
+``Tensor.to``, as the eager formula casts it).
 
 When the kernel runs: CUDA tensors, Triton importable, fused kernels on (:func:`cosyserve.models.fused.enabled`,
 ``COSYSERVE_FUSED_KERNELS``), and no other thread capturing a CUDA graph (the first launch of a kernel variant
@@ -78,7 +79,8 @@ def _build_kernel():
             ok = (t[:, None] < T) & (o < C * K)[None, :]
             in_x = ok & (s >= 0)
             vx = tl.load(x_ptr + n * sx_n + s * sx_t + cc[None, :], mask=in_x, other=0.0)
-            vc = tl.load(cache_ptr + n * sc_n + cc[None, :] * sc_c + (s + K - 1) * sc_k, mask=ok & (s < 0), other=0.0)
+            vc = tl.load(cache_ptr + n * sc_n + cc[None, :] * sc_c + (s + K - 1) * sc_k, mask=ok & (s < 0),
+                         other=0.0)
             tl.store(cols_ptr + (n * T + t[:, None]) * (C * K) + o[None, :], tl.where(in_x, vx, vc), mask=ok)
         else:  # (names of their own: Triton types a name alike in both branches)
             row = pid - N * n_tb
@@ -107,7 +109,8 @@ def _get_kernel():
                 try:
                     _kernel = _build_kernel()
                 except Exception as exc:  # noqa: BLE001 - no (working) Triton: the eager ops
-                    log.info("causal conv columns: no Triton kernel (%s: %s), running eagerly", type(exc).__name__, exc)
+                    log.info("causal conv columns: no Triton kernel (%s: %s), running eagerly",
+                             type(exc).__name__, exc)
                     _kernel = False
     return _kernel or None
 
@@ -121,7 +124,8 @@ def _launch(kernel, x: Tensor, cache: Tensor, last_idx: Tensor | None, new_out: 
         cache = cache.to(x.dtype)
     cols = torch.empty(n, t, c * k, dtype=x.dtype, device=x.device)
     # the new cache as eager returns it: a [N, C, k-1] view of [N, k-1, C] storage, or the caller's tensor
-    new = new_out if new_out is not None else torch.empty(n, k - 1, c, dtype=x.dtype, device=x.device).transpose(1, 2)
+    direct = new_out is not None and new_out.dtype == x.dtype
+    new = new_out if direct else torch.empty(n, k - 1, c, dtype=x.dtype, device=x.device).transpose(1, 2)
     idx = last_idx if last_idx is not None else cols  # (any tensor: not read without HAS_IDX)
     block_t, block_c = 4, 512
     grid = (n * ((t + block_t - 1) // block_t) + n, (c * k + block_c - 1) // block_c)
@@ -130,6 +134,8 @@ def _launch(kernel, x: Tensor, cache: Tensor, last_idx: Tensor | None, new_out: 
                  new.stride(0), new.stride(1), new.stride(2), idx.stride(0) if last_idx is not None else 0,
                  K=k, KP=max(4, 1 << (k - 1).bit_length()), HAS_IDX=last_idx is not None,
                  BLOCK_T=block_t, BLOCK_C=block_c)
+    if new_out is not None and not direct:  # another dtype: cast on the copy, as the eager formula does
+        new = new_out.copy_(new)
     return cols, new
 
 
@@ -140,9 +146,10 @@ def causal_cols(x: Tensor, cache: Tensor, last_idx: Tensor | None,
     ``x [N, T, C]`` (time-major, any dtype), ``cache [N, C, k-1]`` (the ``k - 1`` input frames before
     ``x``'s first; any strides, cast to ``x``'s dtype), ``last_idx [N, k-1]`` int64 or None: per row, the
     frames of ``cache ++ x`` (0 .. k-2: the cache's, then ``x``'s) that become the new cache, None: the
-    last ``k - 1``. ``new_out``: a ``[N, C, k-1]`` tensor of ``x``'s dtype (any strides) the new cache is
-    written into. Returns ``(cols [N, T, C*k]`` contiguous, ``cols[n, t, c*k + j] = (cache ++ x)[n, t + j,
-    c]``; the new cache ``[N, C, k-1]``: ``new_out``, else a view of fresh ``[N, k-1, C]`` storage)``.
+    last ``k - 1``. ``new_out``: a ``[N, C, k-1]`` tensor (any strides; another dtype than ``x``'s costs one
+    more copy) the new cache is written into. Returns ``(cols [N, T, C*k]`` contiguous,
+    ``cols[n, t, c*k + j] = (cache ++ x)[n, t + j, c]``; the new cache ``[N, C, k-1]``: ``new_out``, else a
+    view of fresh ``[N, k-1, C]`` storage)``.
     Bitwise equal to :func:`causal_cols_eager`; see the module doc for when the Triton kernel runs."""
     global _kernel
     owner = fused._compile_thread
