@@ -3,8 +3,10 @@
 A streaming solve runs, per layer and step, two causal convolutions as GEMMs over "columns" (each frame
 with the ``k - 1`` frames before it, the stream's conv cache first) and one write of the new keys/values
 into the key/value buffer. The torch profiler showed these as the slow kernels of a graphed solve on the
-H100 (docs/perf.md "Session 32"). This times variants of each at the solve's shapes: ``--calls`` calls
-captured in one CUDA graph, replayed ``--n`` times, µs per call (median). Prints a Markdown table.
+H100 (docs/perf.md "Session 32"); since session 33 the columns and new cache are one Triton kernel
+(``cosyserve.models.conv_cols``, timed here at several tiles: ``--tiles``). This times variants of each at
+the solve's shapes: ``--calls`` calls captured in one CUDA graph, replayed ``--n`` times, µs per call
+(median). Prints a Markdown table.
 
     python3 benchmarks/dit_copy_probe.py --rows 24 --frames 50
 """
@@ -12,20 +14,14 @@ captured in one CUDA graph, replayed ``--n`` times, µs per call (median). Print
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 from _common import gpu_ms, print_table
 
+from cosyserve.models import conv_cols
+from cosyserve.models.conv_cols import causal_cols_eager as cols_channel_major
 from cosyserve.models.fused import FusedOp
-
-
-def cols_channel_major(x, cache, last_idx):
-    k = cache.shape[2] + 1
-    n, t, c = x.shape
-    xx = torch.cat([cache.transpose(1, 2).to(x.dtype), x], dim=1)
-    cols = xx.unfold(1, k, 1).reshape(n, t, c * k)
-    new = torch.gather(xx, 1, last_idx.unsqueeze(-1).expand(-1, -1, c))
-    return cols, new.transpose(1, 2)
 
 
 def cols_tap_major(x, cache, last_idx):
@@ -61,6 +57,8 @@ def main() -> None:
     ap.add_argument("--kernel", type=int, default=3)
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--n", type=int, default=20)
+    ap.add_argument("--tiles", default="4x512,1x1024,2x512,8x256,8x512,16x256",
+                    help="tiles (frames x column elements) of the conv-columns Triton kernel to time")
     args = ap.parse_args()
     n, t, c, k, h = args.rows, args.frames, args.channels, args.kernel, args.heads
     hd = c // h
@@ -75,12 +73,17 @@ def main() -> None:
     new_thd = torch.randn(n, t, h, 2 * hd, device=dev, dtype=dt)
     new_htd = new_thd.transpose(1, 2).contiguous()
     w = torch.randn(c, k * c, device=dev, dtype=dt)
+    kernel, new_out = conv_cols._get_kernel(), cnn.narrow(1, 0, c)
+    default = f"{conv_cols.BLOCK_T}x{conv_cols.BLOCK_C}"
     rows = []
     for label, fn in (
             ("conv columns, channel-major, compiled (Inductor, dynamic shapes)", lambda: fused_cm(x, cache, last_idx)),
             ("conv columns, tap-major, compiled", lambda: fused_tm(x, cache, last_idx)),
             ("conv columns, channel-major, eager ops", lambda: cols_channel_major(x, cache, last_idx)),
             ("conv columns, tap-major, eager ops", lambda: cols_tap_major(x, cache, last_idx)),
+            *((f"conv columns + new cache, Triton kernel, tile {tile}{' (default)' if tile == default else ''}",
+               functools.partial(conv_cols._launch, kernel, x, cache, last_idx, new_out, *map(int, tile.split("x"))))
+              for tile in args.tiles.split(",") if kernel is not None),
             ("the conv's GEMM (for scale)", lambda: torch.nn.functional.linear(x.new_empty(n, t, k * c), w)),
             ("keys/values write, from [N, T, H, 2hd] (transposed view)",
              lambda: kv[:, :, :t].copy_(new_thd.transpose(1, 2))),
