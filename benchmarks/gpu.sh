@@ -79,7 +79,7 @@ start_server() {
     --admission "$ADMISSION" --voices-dir /tmp/cosyserve-voices --port 8000 --grpc-port 8001 ${SERVE_ARGS:-} "$@" \
     >"$log" 2>&1 &
   SERVER=$!
-  trap 'kill $SERVER 2>/dev/null' EXIT
+  trap 'kill $SERVER 2>/dev/null; (sleep 20; kill -9 $SERVER 2>/dev/null) & W=$!; wait $SERVER 2>/dev/null; kill $W 2>/dev/null' EXIT
   t0=$(date +%s)
   T0=$(date +%s.%N)
   SERVER_PID=$SERVER python3 - <<'EOF' || { echo "server did not start:"; tail -30 "$log"; exit 1; }
