@@ -254,7 +254,7 @@ def dit_offline(args, t2w, g) -> None:
             host, gpu = _time(run, n=3, warm=1)
             rows[label] = (round(host, 1), round(gpu, 1))
         audio_s = b * 2 * n / 50  # mel frames at 50/s of the target tokens
-        frames = 2 * (p + n + 3)  # prompt + target + the final chunk's zero look-ahead, 2 mel frames per token
+        frames = 2 * (p + n)  # the solve's mel frames: prompt + target tokens, 2 per token
         padded = flow.graph.solve_frames_bucket(frames, 0) if flow.graph is not None else frames
         print(json.dumps({"mode": "dit-offline", "dtype": args.dtype, "utterances": b, "prompt_tokens": p,
                           "target_tokens": n, "audio_s": audio_s, "frames": frames, "graph_padded_frames": padded,
