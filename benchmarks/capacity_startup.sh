@@ -16,6 +16,7 @@
 # played, so N clients are N concurrent real-time streams; MIN_REQ: requests per client per capacity level, default 3). Needs .whl.
 set -u
 cd "$(dirname "$0")/.."
+. benchmarks/_stop_server.sh
 OUTDIR=${1:-capacity_startup_out}; KIND=${PATH_KIND:-unet}; RATIO=${RATIO:-6}
 CAPACITY_LEVELS=${CAPACITY_LEVELS-32,48,64,96}; MAX_ACTIVE=${MAX_ACTIVE:-128}
 mkdir -p "$OUTDIR"
@@ -42,9 +43,7 @@ stacks() {  # stacks LABEL SINCE: the scheduler thread's stacks from SINCE to no
 }
 full_size_serve "$OUTDIR/server.log" --min-token-text-ratio "$RATIO" --max-token-text-ratio "$RATIO" \
   --max-active-streams "$MAX_ACTIVE" --max-queue 512 ${POLICY:+--chunk-policy "$POLICY"} ${SERVE_ARGS:-}
-# on exit the server is stopped and waited for (killed after 20 s): the next device call's server gets a free GPU
-# (session 33: a server started right after another one's exit segfaulted at start-up)
-trap 'kill $SERVER 2>/dev/null; (sleep 20; kill -9 $SERVER 2>/dev/null) & W=$!; wait $SERVER 2>/dev/null; kill $W 2>/dev/null' EXIT
+trap 'stop_and_wait $SERVER' EXIT
 echo "== $KIND: $(nvidia-smi --query-gpu=name --format=csv,noheader), serve options: ${SERVE_ARGS:-(defaults)}"
 python3 benchmarks/startup_probe.py --since "$T0" --url http://127.0.0.1:8000 --pid "$SERVER" \
   --json "$OUTDIR/startup.json" 2>&1 | tail -6

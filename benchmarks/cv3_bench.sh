@@ -13,6 +13,7 @@
 # the 200 stop ids) ends most utterances after ~30 tokens whatever the ratio, which made requests ~1.2 s long.
 set -u
 cd "$(dirname "$0")/.."
+. benchmarks/_stop_server.sh
 OUTDIR=${1:-bench_cv3_out}; LEVELS=${LEVELS:-1,4,8}; OFFLINE=${OFFLINE:-32}; RATIO=${RATIO:-6}; DTYPE=${DTYPE:-bfloat16}
 CAPACITY_LEVELS=${CAPACITY_LEVELS-8,16,32,48,64}; MAX_ACTIVE=${MAX_ACTIVE:-64}
 mkdir -p "$OUTDIR"
@@ -34,7 +35,7 @@ stacks() {  # stacks LABEL SINCE: the scheduler thread's stacks from SINCE (seco
 "${PREFIX[@]}" serve --graphs-before-ready --random-weights benchmarks/configs/cosyvoice3-0.5b.yaml --qwen-config benchmarks/configs/CosyVoice-BlankEN-config.json \
   --device cuda --dtype "$DTYPE" --min-token-text-ratio "$RATIO" --max-token-text-ratio "$RATIO" --max-active-streams "$MAX_ACTIVE" \
   --max-queue 256 --strict-min-len --voices-dir /tmp/cosyserve-voices-cv3 --port 8000 --grpc-port 8001 ${SERVE_ARGS:-} >"$OUTDIR/server.log" 2>&1 &
-SERVER=$!; trap 'kill $SERVER 2>/dev/null; (sleep 20; kill -9 $SERVER 2>/dev/null) & W=$!; wait $SERVER 2>/dev/null; kill $W 2>/dev/null' EXIT
+SERVER=$!; trap 'stop_and_wait $SERVER' EXIT
 until python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/v2/health/ready', timeout=2).status_code != 200)" 2>/dev/null; do
   kill -0 $SERVER 2>/dev/null || { echo "server exited"; tail -30 "$OUTDIR/server.log"; exit 1; }; sleep 1; done
 echo "== CosyVoice3 server ready in $(( $(date +%s) - t0 )) s ($(nvidia-smi --query-gpu=name --format=csv,noheader))"

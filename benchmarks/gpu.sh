@@ -34,6 +34,7 @@
 # OUT_DIR/server.log. Logs worth keeping are committed as benchmarks/results/<gpu>-gpu-sh-<run>.log.
 set -u
 cd "$(dirname "$0")/.."
+. benchmarks/_stop_server.sh
 OUTDIR=${1:-${OUT:-benchmarks/results/gpu-sh-$(date -u +%Y%m%d-%H%M%S)}}
 RATIO=${RATIO:-6}
 LEVELS=${LEVELS:-1,2,4,8,16,32}
@@ -79,7 +80,7 @@ start_server() {
     --admission "$ADMISSION" --voices-dir /tmp/cosyserve-voices --port 8000 --grpc-port 8001 ${SERVE_ARGS:-} "$@" \
     >"$log" 2>&1 &
   SERVER=$!
-  trap 'kill $SERVER 2>/dev/null; (sleep 20; kill -9 $SERVER 2>/dev/null) & W=$!; wait $SERVER 2>/dev/null; kill $W 2>/dev/null' EXIT
+  trap 'stop_and_wait $SERVER' EXIT
   t0=$(date +%s)
   T0=$(date +%s.%N)
   SERVER_PID=$SERVER python3 - <<'EOF' || { echo "server did not start:"; tail -30 "$log"; exit 1; }

@@ -16,6 +16,7 @@
 # Needs the wheels of benchmarks/fetch_wheels.sh in .whl/ on the GPU machine (as benchmarks/gpu.sh).
 set -u
 cd "$(dirname "$0")/.."
+. benchmarks/_stop_server.sh
 OUTDIR=${1:-${OUT:-bench_prompt_out}}
 LEVELS=${LEVELS:-1,8,32}
 RATIO=${RATIO:-6}
@@ -44,7 +45,7 @@ $CS serve --graphs-before-ready --random-weights "$YAML" --qwen-config "$QWEN_CO
   --chunk-policy exponential --prompt-cache 0 --voices-dir /tmp/cosyserve-voices --port 8000 --grpc-port 8001 \
   ${SERVE_ARGS:-} >"$OUTDIR/server.log" 2>&1 &
 SERVER=$!
-trap 'kill $SERVER 2>/dev/null; (sleep 20; kill -9 $SERVER 2>/dev/null) & W=$!; wait $SERVER 2>/dev/null; kill $W 2>/dev/null' EXIT
+trap 'stop_and_wait $SERVER' EXIT
 for _ in $(seq 1200); do
   kill -0 $SERVER 2>/dev/null || { echo "server exited:"; tail -30 "$OUTDIR/server.log"; exit 1; }
   python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/v2/health/ready', timeout=2).status_code != 200)" \

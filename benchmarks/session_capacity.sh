@@ -5,6 +5,7 @@
 # CAPACITY_LEVELS, SERVE_ARGS, TOKEN2WAV_DIR for the DiT path). Needs .whl (benchmarks/fetch_wheels.sh).
 set -u
 cd "$(dirname "$0")/.."
+. benchmarks/_stop_server.sh
 OUTDIR=${1:-bench_cap_out}; LEVELS=${LEVELS:-1,8,32}; RATIO=${RATIO:-6}; CAPACITY_LEVELS=${CAPACITY_LEVELS:-16,32,48,64,96}
 mkdir -p "$OUTDIR"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/cosyserve-site .whl/*.whl || exit 1
@@ -16,7 +17,7 @@ $CS serve --graphs-before-ready --random-weights benchmarks/configs/cosyvoice2-0
   --full-size-frontend --prompt-cache 0 --device cuda --dtype bfloat16 --min-token-text-ratio "$RATIO" --max-token-text-ratio "$RATIO" \
   --max-active-streams ${MAX_ACTIVE:-128} --max-queue 512 --chunk-policy exponential --voices-dir /tmp/cosyserve-voices --port 8000 --grpc-port 8001 \
   "${EXTRA[@]}" ${SERVE_ARGS:-} >"$OUTDIR/server.log" 2>&1 &
-SERVER=$!; trap 'kill $SERVER 2>/dev/null; (sleep 20; kill -9 $SERVER 2>/dev/null) & W=$!; wait $SERVER 2>/dev/null; kill $W 2>/dev/null' EXIT
+SERVER=$!; trap 'stop_and_wait $SERVER' EXIT
 until python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/v2/health/ready', timeout=2).status_code != 200)" 2>/dev/null; do
   kill -0 $SERVER 2>/dev/null || { echo "server exited"; tail -30 "$OUTDIR/server.log"; exit 1; }; sleep 1; done
 echo "== ready in $(( $(date +%s) - t0 )) s ($(nvidia-smi --query-gpu=name --format=csv,noheader), commit $(git rev-parse --short HEAD 2>/dev/null))"
