@@ -172,6 +172,63 @@ def _fed_with_varying_batches(a, c, a_t, k, **kw) -> CapacityEstimator:
     return est
 
 
+def test_cost_price_fits_batches_by_their_flow_input_and_prices_streams_per_audio_second():
+    """``t2w_price="cost"`` (flows whose chunks re-run the prompt and every token so far): a batch
+    costs ``a_t + k_u * u`` for its jobs' cost units ``u``, which follow the streams' lengths, not the
+    audio the batch makes. The fit recovers ``a_t`` and ``k_u``; a stream is priced at ``k_u`` x the
+    cost units per audio second measured, the fixed part once per batch period. Fitting the same
+    batches against their audio finds no such line (the audio per batch hardly predicts its time)."""
+    a, c, a_t, k_u = 0.002, 0.0001, 0.025, 4e-5  # 25 ms per batch + 40 us per flow input token
+    g = torch.Generator().manual_seed(3)
+
+    def fed(price):
+        clock = Clock()
+        est = CapacityEstimator(25, target=0.8, clock=clock, t2w_price=price)
+        for i in range(600):
+            b = 1 + i % 12
+            est.observe_lm(b, a + c * b, admitted=b)
+            if i % 3 == 0:
+                jobs = 1 + i % 5
+                # each job: 1-3 s of audio; its flow input (prompt 150 + tokens so far) unrelated to it
+                audio = [1.0 + 2.0 * float(torch.rand(1, generator=g)) for _ in range(jobs)]
+                units = [150 + int(400 * float(torch.rand(1, generator=g))) for _ in range(jobs)]
+                est.observe_t2w(sum(audio), a_t + k_u * sum(units), cost=sum(units))
+            clock.t += 0.02
+        return est
+
+    est = fed("cost")
+    per_audio = est.cost_per_audio_s  # ~350 units / ~2 s
+    assert 120 < per_audio < 230
+    fit = est.device.t2w.solve() or est.host.t2w.solve()
+    assert fit[0] == pytest.approx(a_t, rel=0.05) and fit[1] == pytest.approx(k_u, rel=0.05)
+    exact = (0.8 - 25 * a - a_t / T2W_PERIOD_S) / (25 * c + k_u * per_audio)
+    assert est.estimate() == pytest.approx(exact, rel=0.02)
+    # without cost units (observe_t2w(cost=None)) a cost-priced estimator falls back to the audio
+    clock = Clock()
+    bare = CapacityEstimator(25, target=0.8, clock=clock, t2w_price="cost")
+    bare.observe_lm(4, a + c * 4)
+    bare.observe_t2w(2.0, 0.05)
+    assert bare.cost_per_audio_s == 1.0 and bare.estimate() == pytest.approx(0.8 / (25 * (a + c * 4) / 4 + 0.025))
+    with pytest.raises(ValueError, match="t2w_price"):
+        CapacityEstimator(25, t2w_price="ratio")
+
+
+def test_lm_rows_are_priced_for_the_streams_still_generating():
+    """``g`` (``lm_fraction``): the LM advances only the streams whose tokens are not all there; the
+    others wait for token2wav alone. The LM's per-stream part is charged for ``g`` of the streams,
+    token2wav's for all of them; ``g = 1`` (a burst) is the old model."""
+    a, c, a_t, k = 0.002, 0.0004, 0.06, 0.002
+    est = _fed_with_varying_batches(a, c, a_t, k)
+    all_generating = est.estimate()
+    assert all_generating == pytest.approx((0.8 - 25 * a - a_t / T2W_PERIOD_S) / (25 * c + k), rel=0.1)
+    est.lm_fraction = 0.25
+    quarter = est.estimate()
+    assert quarter == pytest.approx((0.8 - 25 * a - a_t / T2W_PERIOD_S) / (25 * c * 0.25 + k), rel=0.1)
+    assert quarter > 2.5 * all_generating
+    est.lm_fraction = 0.0  # no stream generating: only token2wav bounds
+    assert est.estimate() == pytest.approx((0.8 - 25 * a - a_t / T2W_PERIOD_S) / k, rel=0.1)
+
+
 def test_token2wav_fixed_part_is_budgeted_per_batch_period_not_per_stream():
     """Token2wav batches cost ``a_t + k * audio``: a batch grows with the streams, so the fixed part
     is charged once per ``T2W_PERIOD_S``, not per stream (the ratio of batch time to audio at small
@@ -184,9 +241,6 @@ def test_token2wav_fixed_part_is_budgeted_per_batch_period_not_per_stream():
     assert est.estimate() == pytest.approx(exact, rel=0.1)
     ratio_model = (0.8 - 25 * a) / (25 * c + (a_t + k * 2.0) / 2.0)  # at the mean batch's 2 s of audio
     assert est.estimate() > 3 * ratio_model
-    # the CosyVoice2/3 flows (chunk_cost_grows): priced at the ratio
-    assert _fed_with_varying_batches(a, c, a_t, k, t2w_fixed_part=False).estimate() == \
-        pytest.approx(ratio_model, rel=0.1)
     # every batch makes the same audio: no slope to fit, the ratio (pessimistic) stands
     clock2 = Clock()
     est2 = CapacityEstimator(25, target=0.8, clock=clock2)
@@ -376,8 +430,8 @@ def test_auto_admission_estimates_the_artificial_capacity(synth):
     """``auto`` on the slowed engine: the capacity it settles on is what the artificial costs
     allow (the demo's own compute only lowers it), and no admitted stream stalls."""
     core, obs = slow_engine(synth, max_active=16, max_queue=16, admission="auto")
-    # the CosyVoice2 flow re-runs each stream's prompt and tokens so far: token2wav priced by its ratio
-    assert core.t2w.chunk_cost_grows and not core.capacity_model.device.t2w_fixed_part
+    # the CosyVoice2 flow re-runs each stream's prompt and tokens so far: token2wav priced per cost unit
+    assert core.t2w.chunk_cost_grows and core.capacity_model.device.t2w_price == "cost"
     from cosyserve.engine.token2wav_dit import DitToken2WavBackend
     assert not DitToken2WavBackend.chunk_cost_grows  # the DiT's chunks: a fixed part + a part per audio second
     res = run_load(synth, core, 6)

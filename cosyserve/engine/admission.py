@@ -24,12 +24,20 @@ the model's ``token_frame_rate``, 25/s for CosyVoice2) and one second of audio f
   at the level being run — 32 streams where one H100 kept 45 stall-free, docs/perf.md "Session
   25". With batches of hardly varying audio the fit is that ratio again: ``a_t = 0``). Backends
   whose chunks cost more the longer a stream runs (the CosyVoice2/3 flows re-run the prompt and
-  every token so far: a batch's time follows its streams' lengths, not its audio) keep the ratio,
-  ``a_t = 0, k = Σ time / Σ audio`` (``t2w_fixed_part=False``): with the fit, the CosyVoice2
-  flow's admitted streams stalled at 2x overload on an H100 (docs/perf.md "Session 26");
+  every token so far: a batch's time follows its streams' lengths, not its audio) are fitted
+  against the flow input they ran instead (``t2w_price="cost"``: ``T(u) = a_t + k_u*u``, ``u`` =
+  the jobs' :meth:`~cosyserve.engine.token2wav.Token2WavBackend.cost_tokens`) and priced per audio
+  second at the cost units the streams' chunks have needed per audio second lately,
+  ``k = k_u * Σu / Σx`` (the fit against audio let the CosyVoice2 flow's admitted streams stall at
+  2x overload, docs/perf.md "Session 26"; their ratio ``Σ time / Σ audio``, the first model, then
+  charged the fixed part to every stream again and held an H100 at 27-42 of the 68 listening
+  streams it kept stall-free, "Session 34");
 * the share of a resource that ``b`` streams need is
-  ``U(b) = S*R*L(b) + P + b*k*(1 + (S-1)*f)``:
-  the LM advances every stream at once, so it must keep the pace ``S*R`` of the newest stream;
+  ``U(b) = S*R*L(g*b) + P + b*k*(1 + (S-1)*f)``:
+  the LM advances every stream at once, so it must keep the pace ``S*R`` of the newest stream,
+  over the rows of the streams still generating: ``g`` is the fraction of the admitted streams
+  (the newcomer included) whose LM has not finished (1 in a burst; a stream whose tokens are all
+  there waits only for token2wav, and with listening clients most admitted streams do);
   token2wav work is per stream and issued earliest-deadline-first as soon as a chunk's tokens
   exist (the LM runs ahead of playback), so the ``S``-fold pace binds only streams whose early,
   closely spaced deadlines are still ahead: ``f`` is the fraction of the admitted streams (the
@@ -49,9 +57,11 @@ the model's ``token_frame_rate``, 25/s for CosyVoice2) and one second of audio f
 The resources are the scheduler thread (host wall time of the LM step including its waits,
 and of the token2wav work issued from that thread: on CPU everything runs there) and, on
 CUDA, the device (device time of the prefill/decode and flow/HiFT stages): the capacity is
-the smaller of the two. ``U(b)`` counts every admitted stream as still generating (the worst
-case, e.g. after a burst) and the two resources as not overlapping their own parts (on CUDA
-the LM and token2wav streams run concurrently, so this errs on the safe side).
+the smaller of the two. ``U(b)`` counts every admitted stream as needing one audio second per
+second from token2wav and ``g`` of them as LM rows (``g`` as of now: the rows the admitted streams
+hold; newcomers raise it, and a burst is budgeted as all generating), and the two resources as not
+overlapping their own parts (on CUDA the LM and token2wav streams run concurrently, so this errs
+on the safe side).
 
 Feedback (:class:`SlackGuard`): the model above prices what it measured, and it can be wrong — on an
 H100 with device memory no longer binding, it read 146-156 DiT streams where 88 stayed real time
@@ -295,30 +305,42 @@ class _LinearFit:
         return a, c
 
 
+#: token2wav prices (:class:`CapacityEstimator` ``t2w_price``): a batch's time fitted against the
+#: audio seconds it made, or against its flow input (cost units) and priced per audio second at the
+#: cost units per audio second the streams' chunks needed lately (module doc)
+T2W_PRICES = ("audio", "cost")
+
+
 class _Resource:
     """One resource's cost model: LM step seconds vs rows, token2wav batch seconds vs the audio
-    seconds it made (both ``a + c*x``)."""
+    seconds it made, or vs its cost units (``t2w_price``; both ``a + c*x``)."""
 
-    def __init__(self, t2w_fixed_part: bool = True):
+    def __init__(self, t2w_price: str = "audio"):
+        if t2w_price not in T2W_PRICES:
+            raise ValueError(f"t2w_price must be one of {T2W_PRICES}, got {t2w_price!r}")
         self.lm = _LinearFit()
         self.t2w = _LinearFit()
-        self.t2w_fixed_part = t2w_fixed_part
+        self.t2w_price = t2w_price
 
     def decay(self, f: float) -> None:
         self.lm.decay(f)
         self.t2w.decay(f)
 
-    def capacity(self, rate: float, target: float, audio: bool, t2w_factor: float = 1.0) -> float | None:
+    def capacity(self, rate: float, target: float, audio: bool, t2w_factor: float = 1.0,
+                 lm_fraction: float = 1.0, cost_per_audio_s: float = 1.0) -> float | None:
         """Largest real number of streams ``b`` with
-        ``rate*(a + c*b) + a_t/T2W_PERIOD_S + b*k*t2w_factor <= target`` (``rate`` already scaled
-        by the speed-up; token2wav only with ``audio``); None without LM data, or without
-        token2wav data when ``audio``; ``inf`` if nothing grows with ``b``."""
+        ``rate*(a + c*g*b) + a_t/T2W_PERIOD_S + b*k*t2w_factor <= target`` (``rate`` already scaled
+        by the speed-up; ``g`` = ``lm_fraction``; token2wav only with ``audio``; ``k`` = the fitted
+        cost per unit x ``cost_per_audio_s`` with ``t2w_price="cost"``, else per audio second); None
+        without LM data, or without token2wav data when ``audio``; ``inf`` if nothing grows with ``b``."""
         fit = self.lm.solve()
-        t2w = (self.t2w.solve() if self.t2w_fixed_part else self.t2w.ratio()) if audio else (0.0, 0.0)
+        t2w = self.t2w.solve() if audio else (0.0, 0.0)
         if fit is None or t2w is None:
             return None
         (a, c), (a_t, k) = fit, t2w
-        per_stream = rate * c + k * t2w_factor
+        if audio and self.t2w_price == "cost":
+            k *= cost_per_audio_s
+        per_stream = rate * c * lm_fraction + k * t2w_factor
         room = target - rate * a - a_t / T2W_PERIOD_S
         if room <= 0:
             return 0.0
@@ -334,31 +356,33 @@ class CapacityEstimator:
     before any measurement; ``growth``: the estimate is at most ``growth`` x the most
     streams measured admitted at once, + 1; ``half_life_s``: the weight of a measurement
     halves every this many seconds (an idle gap counts as at most 5 half-lives); ``clock``:
-    the time source (seconds; tests pass their own); ``t2w_fixed_part``: fit token2wav batches
-    as a fixed part + a part per audio second (module doc), or, False, price them at their cost
-    per audio second at the batches of the moment (the first model; for flows whose chunks cost
-    more the longer a stream runs, where a batch's time follows its streams' lengths rather than
-    its audio: on the H100 the fixed-part model let the CosyVoice2 flow admit streams that
-    stalled at 2x overload, 7 of 240, where this one stalled none, docs/perf.md "Session 26").
+    the time source (seconds; tests pass their own); ``t2w_price``: ``"audio"`` fits token2wav
+    batches as a fixed part + a part per audio second, ``"cost"`` as a fixed part + a part per cost
+    unit (the jobs' flow input, ``observe_t2w(cost=...)``), priced per audio second at the cost units
+    per audio second measured lately (module doc; for flows whose chunks cost more the longer a
+    stream runs, where a batch's time follows its streams' lengths rather than its audio).
     Raises ValueError for settings out of range. Not thread-safe: fed and read by the engine thread (readers elsewhere read
     :attr:`last` / :attr:`last_estimate`, plain attributes).
     """
 
     def __init__(self, token_rate: float, target: float = 0.8, max_streams: int = 1 << 30, initial: int = 2,
-                 growth: float = 1.5, half_life_s: float = 10.0, clock=time.monotonic, t2w_fixed_part: bool = True):
+                 growth: float = 1.5, half_life_s: float = 10.0, clock=time.monotonic, t2w_price: str = "audio"):
         if not (token_rate > 0 and 0 < target <= 1 and max_streams >= 1 and initial >= 1 and growth >= 1
                 and half_life_s > 0):
             raise ValueError("invalid capacity estimator settings")
         self.rate, self.target, self.max_streams = float(token_rate), float(target), int(max_streams)
         self.initial, self.growth, self.half_life_s = int(initial), float(growth), float(half_life_s)
         self.clock = clock
-        self.host = _Resource(t2w_fixed_part)
-        self.device = _Resource(t2w_fixed_part)
+        self.host = _Resource(t2w_price)
+        self.device = _Resource(t2w_price)
+        self._cost = self._audio = 0.0  # decayed sums of token2wav cost units and audio seconds
         self.seen = 0  #: the most streams admitted at once while the LM was measured
         #: the chunk schedules' speed-up ``S`` (module doc) that the capacity is computed for
         self.speedup = 1.0
         #: ``f``: the share of admitted streams still starting (module doc; 1 = all, the safe default)
         self.starting_fraction = 1.0
+        #: ``g``: the share of admitted streams whose LM still runs (module doc; 1 = all, the safe default)
+        self.lm_fraction = 1.0
         #: whether the streams make audio (token2wav's cost counts; LM-only requests: no)
         self.audio = True
         self._t = None
@@ -376,6 +400,8 @@ class CapacityEstimator:
             f = 0.5 ** min(5.0, (now - self._t) / self.half_life_s)
             self.host.decay(f)
             self.device.decay(f)
+            self._cost *= f
+            self._audio *= f
         self._t = now
 
     def observe_lm(self, rows: int, host_s: float, admitted: int | None = None) -> None:
@@ -395,22 +421,36 @@ class CapacityEstimator:
         self._decay()
         self.device.lm.add(rows, device_s)
 
-    def observe_t2w(self, audio_s: float, host_s: float, device_s: float | None = None) -> None:
+    def observe_t2w(self, audio_s: float, host_s: float, device_s: float | None = None,
+                    cost: float | None = None) -> None:
         """A token2wav batch produced ``audio_s`` seconds of audio for ``host_s`` seconds of
-        the scheduler thread (``device_s`` of device time on CUDA)."""
+        the scheduler thread (``device_s`` of device time on CUDA); ``cost``: its jobs' cost units
+        (``t2w_price="cost"``; None: the audio seconds)."""
         if not audio_s > 0 or not host_s >= 0:
             return
         self._decay()
-        self.host.t2w.add(audio_s, host_s)
+        x = audio_s
+        if self.host.t2w_price == "cost":
+            x = audio_s if cost is None or not cost > 0 else float(cost)
+            self._cost += x
+            self._audio += audio_s
+        self.host.t2w.add(x, host_s)
         if device_s is not None and device_s >= 0:
-            self.device.t2w.add(audio_s, device_s)
+            self.device.t2w.add(x, device_s)
+
+    @property
+    def cost_per_audio_s(self) -> float:
+        """Token2wav cost units per audio second over the recent batches (``t2w_price="cost"``;
+        1.0 before any or with the audio price)."""
+        return self._cost / self._audio if self._audio > 1e-9 else 1.0
 
     def _estimate(self, lm_pace: float) -> float | None:
         s = max(1.0, self.speedup)
         f = min(1.0, max(0.0, self.starting_fraction))
+        g = min(1.0, max(0.0, self.lm_fraction))
         rate, t2w_factor = self.rate * s * lm_pace, 1.0 + (s - 1.0) * f
-        caps = [c for c in (self.host.capacity(rate, self.target, self.audio, t2w_factor),
-                            self.device.capacity(rate, self.target, self.audio, t2w_factor)) if c is not None]
+        caps = [c for c in (r.capacity(rate, self.target, self.audio, t2w_factor, g, self.cost_per_audio_s)
+                            for r in (self.host, self.device)) if c is not None]
         return min(caps) if caps else None
 
     def estimate(self) -> float | None:

@@ -481,12 +481,14 @@ class EngineCore:
         ``off``, unless ``config.admission`` says), the capacity model (always fed, so the
         estimate is reported in every mode), the memory bound (CUDA, auto mode) and the limit in
         effect. ``device``: where the token2wav stage's stream states live (the memory bound reads
-        it). Needs ``self.t2w`` (its ``chunk_cost_grows`` picks the token2wav price)."""
+        it). Needs ``self.t2w`` (its ``chunk_cost_grows`` picks the token2wav price: per cost unit,
+        ``cost_tokens``, where chunks cost more the longer a stream runs, else per audio second)."""
         self._state_device = device
         self.admission = config.admission or AdmissionPolicy("auto" if device.type == "cuda" else "off")
         self.capacity_model = CapacityEstimator(models.cfg.token_frame_rate, target=config.admission_target,
                                                 max_streams=config.max_active,
-                                                t2w_fixed_part=not getattr(self.t2w, "chunk_cost_grows", True))
+                                                t2w_price="cost" if getattr(self.t2w, "chunk_cost_grows", True)
+                                                else "audio")
         self._t2w_host_s = 0.0  # scheduler-thread token2wav seconds since the last batch was emitted
         self.slack_guard = SlackGuard()  # the feedback cap from chunk deadlines (auto admission)
         self._last_admitted_arrival = float("-inf")
@@ -905,6 +907,8 @@ class EngineCore:
         streaming = [st for st in states if st.speedup > 1.0]
         model.starting_fraction = (sum(st.chunks < START_CHUNKS for st in streaming) / len(streaming)
                                    if streaming else 1.0)
+        # streams whose LM still runs (the queue head counts as one): the LM's rows (admission module doc, g)
+        model.lm_fraction = (sum(st.lm_segment < len(st.segments) for st in states) / len(states)) if states else 1.0
         model.audio = not states or any(not st.req.params.lm_only for st in states)
         # the LM's pace if each second chunk also waits two token2wav batches, within the shortest
         # first chunk's playback (admission module doc: latency)
@@ -1545,9 +1549,12 @@ class EngineCore:
         # the capacity model: token2wav seconds per audio second (on CPU the batch ran on this
         # thread, launch to emit; on CUDA the host time issuing/handing it out, and device time)
         audio_s = sum(int(r.speech.shape[0]) for r in results if not isinstance(r, BaseException)) / self.sample_rate
+        cost = sum(self.t2w.cost_tokens(int(st.req.voice.flow_speech_token.numel()), int(job.tokens.shape[0]),
+                                        job.token_offset)
+                   for (st, _, job), r in zip(picked, results) if not isinstance(r, BaseException))
         host_s = dt if not self._marks.cuda and self._worker is None else self._t2w_host_s
         self._t2w_host_s = 0.0
-        self.capacity_model.observe_t2w(audio_s, host_s, device_s)
+        self.capacity_model.observe_t2w(audio_s, host_s, device_s, cost=cost)
         self.stats.last_t2w_batch = len(picked)
         self.stats.t2w_batches[len(picked)] = self.stats.t2w_batches.get(len(picked), 0) + 1
         self.observer.token2wav_step(len(picked), dt)
