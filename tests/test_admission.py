@@ -213,22 +213,6 @@ def test_cost_price_fits_batches_by_their_flow_input_and_prices_streams_per_audi
         CapacityEstimator(25, t2w_price="ratio")
 
 
-def test_lm_rows_are_priced_for_the_streams_still_generating():
-    """``g`` (``lm_fraction``): the LM advances only the streams whose tokens are not all there; the
-    others wait for token2wav alone. The LM's per-stream part is charged for ``g`` of the streams,
-    token2wav's for all of them; ``g = 1`` (a burst) is the old model."""
-    a, c, a_t, k = 0.002, 0.0004, 0.06, 0.002
-    est = _fed_with_varying_batches(a, c, a_t, k)
-    all_generating = est.estimate()
-    assert all_generating == pytest.approx((0.8 - 25 * a - a_t / T2W_PERIOD_S) / (25 * c + k), rel=0.1)
-    est.lm_fraction = 0.25
-    quarter = est.estimate()
-    assert quarter == pytest.approx((0.8 - 25 * a - a_t / T2W_PERIOD_S) / (25 * c * 0.25 + k), rel=0.1)
-    assert quarter > 2.5 * all_generating
-    est.lm_fraction = 0.0  # no stream generating: only token2wav bounds
-    assert est.estimate() == pytest.approx((0.8 - 25 * a - a_t / T2W_PERIOD_S) / k, rel=0.1)
-
-
 def test_token2wav_fixed_part_is_budgeted_per_batch_period_not_per_stream():
     """Token2wav batches cost ``a_t + k * audio``: a batch grows with the streams, so the fixed part
     is charged once per ``T2W_PERIOD_S``, not per stream (the ratio of batch time to audio at small

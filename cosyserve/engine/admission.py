@@ -33,11 +33,8 @@ the model's ``token_frame_rate``, 25/s for CosyVoice2) and one second of audio f
   charged the fixed part to every stream again and held an H100 at 27-42 of the 68 listening
   streams it kept stall-free, "Session 34");
 * the share of a resource that ``b`` streams need is
-  ``U(b) = S*R*L(g*b) + P + b*k*(1 + (S-1)*f)``:
-  the LM advances every stream at once, so it must keep the pace ``S*R`` of the newest stream,
-  over the rows of the streams still generating: ``g`` is the fraction of the admitted streams
-  (the newcomer included) whose LM has not finished (1 in a burst; a stream whose tokens are all
-  there waits only for token2wav, and with listening clients most admitted streams do);
+  ``U(b) = S*R*L(b) + P + b*k*(1 + (S-1)*f)``:
+  the LM advances every stream at once, so it must keep the pace ``S*R`` of the newest stream;
   token2wav work is per stream and issued earliest-deadline-first as soon as a chunk's tokens
   exist (the LM runs ahead of playback), so the ``S``-fold pace binds only streams whose early,
   closely spaced deadlines are still ahead: ``f`` is the fraction of the admitted streams (the
@@ -57,11 +54,11 @@ the model's ``token_frame_rate``, 25/s for CosyVoice2) and one second of audio f
 The resources are the scheduler thread (host wall time of the LM step including its waits,
 and of the token2wav work issued from that thread: on CPU everything runs there) and, on
 CUDA, the device (device time of the prefill/decode and flow/HiFT stages): the capacity is
-the smaller of the two. ``U(b)`` counts every admitted stream as needing one audio second per
-second from token2wav and ``g`` of them as LM rows (``g`` as of now: the rows the admitted streams
-hold; newcomers raise it, and a burst is budgeted as all generating), and the two resources as not
-overlapping their own parts (on CUDA the LM and token2wav streams run concurrently, so this errs
-on the safe side).
+the smaller of the two. ``U(b)`` counts every admitted stream as still generating (the worst
+case, e.g. after a burst: charging the LM only for the streams generating at the moment, tried in
+session 34, admitted ~170 DiT streams at 2x overload on an H100 and stalled 37 of 1,440, where this
+model stalled none, docs/perf.md "Session 34") and the two resources as not overlapping their own
+parts (on CUDA the LM and token2wav streams run concurrently, so this errs on the safe side).
 
 Feedback (:class:`SlackGuard`): the model above prices what it measured, and it can be wrong — on an
 H100 with device memory no longer binding, it read 146-156 DiT streams where 88 stayed real time
@@ -327,10 +324,10 @@ class _Resource:
         self.t2w.decay(f)
 
     def capacity(self, rate: float, target: float, audio: bool, t2w_factor: float = 1.0,
-                 lm_fraction: float = 1.0, cost_per_audio_s: float = 1.0) -> float | None:
+                 cost_per_audio_s: float = 1.0) -> float | None:
         """Largest real number of streams ``b`` with
-        ``rate*(a + c*g*b) + a_t/T2W_PERIOD_S + b*k*t2w_factor <= target`` (``rate`` already scaled
-        by the speed-up; ``g`` = ``lm_fraction``; token2wav only with ``audio``; ``k`` = the fitted
+        ``rate*(a + c*b) + a_t/T2W_PERIOD_S + b*k*t2w_factor <= target`` (``rate`` already scaled
+        by the speed-up; token2wav only with ``audio``; ``k`` = the fitted
         cost per unit x ``cost_per_audio_s`` with ``t2w_price="cost"``, else per audio second); None
         without LM data, or without token2wav data when ``audio``; ``inf`` if nothing grows with ``b``."""
         fit = self.lm.solve()
@@ -340,7 +337,7 @@ class _Resource:
         (a, c), (a_t, k) = fit, t2w
         if audio and self.t2w_price == "cost":
             k *= cost_per_audio_s
-        per_stream = rate * c * lm_fraction + k * t2w_factor
+        per_stream = rate * c + k * t2w_factor
         room = target - rate * a - a_t / T2W_PERIOD_S
         if room <= 0:
             return 0.0
@@ -381,8 +378,6 @@ class CapacityEstimator:
         self.speedup = 1.0
         #: ``f``: the share of admitted streams still starting (module doc; 1 = all, the safe default)
         self.starting_fraction = 1.0
-        #: ``g``: the share of admitted streams whose LM still runs (module doc; 1 = all, the safe default)
-        self.lm_fraction = 1.0
         #: whether the streams make audio (token2wav's cost counts; LM-only requests: no)
         self.audio = True
         self._t = None
@@ -447,9 +442,8 @@ class CapacityEstimator:
     def _estimate(self, lm_pace: float) -> float | None:
         s = max(1.0, self.speedup)
         f = min(1.0, max(0.0, self.starting_fraction))
-        g = min(1.0, max(0.0, self.lm_fraction))
         rate, t2w_factor = self.rate * s * lm_pace, 1.0 + (s - 1.0) * f
-        caps = [c for c in (r.capacity(rate, self.target, self.audio, t2w_factor, g, self.cost_per_audio_s)
+        caps = [c for c in (r.capacity(rate, self.target, self.audio, t2w_factor, self.cost_per_audio_s)
                             for r in (self.host, self.device)) if c is not None]
         return min(caps) if caps else None
 

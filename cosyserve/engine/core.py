@@ -907,8 +907,6 @@ class EngineCore:
         streaming = [st for st in states if st.speedup > 1.0]
         model.starting_fraction = (sum(st.chunks < START_CHUNKS for st in streaming) / len(streaming)
                                    if streaming else 1.0)
-        # streams whose LM still runs (the queue head counts as one): the LM's rows (admission module doc, g)
-        model.lm_fraction = (sum(st.lm_segment < len(st.segments) for st in states) / len(states)) if states else 1.0
         model.audio = not states or any(not st.req.params.lm_only for st in states)
         # the LM's pace if each second chunk also waits two token2wav batches, within the shortest
         # first chunk's playback (admission module doc: latency)
