@@ -418,7 +418,16 @@ def test_auto_admission_estimates_the_artificial_capacity(synth):
     assert core.t2w.chunk_cost_grows and core.capacity_model.device.t2w_price == "cost"
     from cosyserve.engine.token2wav_dit import DitToken2WavBackend
     assert not DitToken2WavBackend.chunk_cost_grows  # the DiT's chunks: a fixed part + a part per audio second
+    # each batch's cost units reach the model: Σ (flow prompt + tokens so far) over its jobs
+    launched, observed = [], []
+    launch, observe = core.t2w.launch, core.capacity_model.observe_t2w
+    core.t2w.launch = lambda jobs, *a, **kw: (launched.append(
+        sum(int(j.voice.flow_speech_token.numel()) + len(j.tokens) for j in jobs)), launch(jobs, *a, **kw))[1]
+    core.capacity_model.observe_t2w = lambda *a, cost=None: (observed.append(cost), observe(*a, cost=cost))[1]
     res = run_load(synth, core, 6)
+    assert observed == launched and len(observed) >= 6
+    assert core.capacity_model.cost_per_audio_s == pytest.approx(
+        sum(observed) / sum(r["done"].audio_s for r in res.values()), rel=0.35)
     est = core.capacity_model.last_estimate
     # sleep-only bound: S * (25 * (LM_FIXED + LM_ROW * b) + b * T2W_PER_AUDIO_S) <= 0.8 with S = 1
     bound = (0.8 - 25 * LM_FIXED) / (25 * LM_ROW + T2W_PER_AUDIO_S)  # 3.3 streams

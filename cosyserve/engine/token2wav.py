@@ -90,8 +90,9 @@ class Token2WavBackend:
 
     #: whether a stream's chunks cost more the longer it runs (the CosyVoice2/3 flows re-run the prompt
     #: and every token so far on each chunk; the DiT's chunks attend a bounded cache). The capacity model
-    #: then prices token2wav by its cost per audio second at the batches of the moment, fixed part
-    #: included (:class:`~cosyserve.engine.admission.CapacityEstimator`, ``t2w_fixed_part=False``)
+    #: then fits token2wav batches against their :meth:`cost_tokens` instead of their audio and prices a
+    #: stream at the cost units per audio second measured (:class:`~cosyserve.engine.admission.CapacityEstimator`,
+    #: ``t2w_price="cost"``)
     chunk_cost_grows = True
 
     #: how many times :meth:`stream_state_bytes` the engine's memory bound budgets per stream: a backend
