@@ -72,6 +72,8 @@ if [ -n "$CAPACITY_LEVELS" ]; then
     --capacity --concurrency "$CAPACITY_LEVELS" --max-streams "$MAX_ACTIVE" --p99-bound-ms 500 \
     --min-requests-per-client "${MIN_REQ:-3}" --overload 2 --ramp-s "${RAMP_S:-0}" --warmup 0 $LISTEN --out "$OUTDIR/capacity" \
     2>&1 | tail -30
+  # per level and 2-s arrival window: first chunk and its engine phases, and the slowest requests' phases
+  python3 benchmarks/first_chunk_tail.py "$OUTDIR/server.log" --min-requests 60 > "$OUTDIR/capacity/first_chunk_tail.md"
 fi
 for OREQ in ${OFFLINE_REQ:-3}; do
   [ -n "${OFFLINE_CLIENTS:-}" ] || break

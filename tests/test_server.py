@@ -113,6 +113,26 @@ def test_sse_events(server):
     assert audio == plain  # same seed, same bytes
 
 
+def test_finish_log_lines_carry_the_first_chunk_phases(server):
+    """Every finished request logs its first chunk's engine phases; benchmarks/first_chunk_tail.py reads
+    them back per request (the per-window tail attribution of a capacity run)."""
+    import importlib.util
+
+    body = {"model": "cosyvoice2", "input": "你好，世界。", "voice": "default", "response_format": "pcm", "seed": 5}
+    assert httpx.post(server.url + "/v1/audio/speech", json=body, timeout=120).status_code == 200
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "first_chunk_tail.py"
+    spec = importlib.util.spec_from_file_location("first_chunk_tail", path)
+    tail = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tail)
+    reqs = tail.parse(server.logs().splitlines())
+    assert reqs and all(set(r["phases"]) == set(tail.PHASES) for r in reqs)
+    for r in reqs:  # the phases end when the engine emits the chunk, the first chunk when the server hands it on
+        assert all(v >= 0 for v in r["phases"].values())
+        assert sum(r["phases"].values()) <= r["first_ms"] + 0.5
+    lines = tail.report(reqs, window=2.0, gap=1e9, tail=0.5, min_requests=1)
+    assert any(line.startswith("| 0-2 s |") for line in lines) and any("slowest" in line for line in lines)
+
+
 def test_models_list(oai):
     ids = [m.id for m in oai.models.list().data]
     assert "cosyvoice2" in ids and "tts-1" in ids

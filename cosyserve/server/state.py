@@ -510,9 +510,12 @@ class ServerState:
                 self.stats["success_ns"] += int(total * 1e9)
             else:
                 self.stats["fail"] += 1
+            phases = (finished.first_chunk_breakdown if finished else None) or {}
             log.info("request", extra={
                 "event": "finish", "request_id": req.request_id, "protocol": protocol, "outcome": outcome,
                 "first_chunk_ms": None if first is None else round(first * 1000, 1),
+                # where the first chunk's time went (engine phases, benchmarks/first_chunk_tail.py)
+                **{f"first_chunk_{k}_ms": round(v * 1000, 1) for k, v in phases.items()},
                 "total_ms": round(total * 1000, 1), "audio_s": round(audio_s, 3),
                 "rtf": round(total / audio_s, 4) if audio_s else None,
                 "seed": finished.seed if finished else req.params.seed,
