@@ -513,7 +513,7 @@ def test_memory_bound_takes_what_active_streams_hold_off_what_the_device_holds(s
     while len(core._active) < 3:
         core.step()
     sizes = {id(st.segments[0].hift_state): b for st, b in zip(core._active.values(), (100, 60, 10))}
-    core.t2w.state_bytes = lambda state: sizes.get(id(state), 0)
+    core.t2w.state_bytes = lambda state, flow_cache=None: sizes.get(id(state), 0)
     held = 50_000
     core._device_memory = lambda: (held, total)
     copies = core.t2w.stream_state_copies

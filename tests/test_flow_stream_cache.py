@@ -261,8 +261,14 @@ def test_engine_flow_stream_cache_on_off(monkeypatch):
             engine.add_request(r)
         chunks = {r.request_id: [] for r in reqs}
         states = {}
+        held = 0  # the largest flow cache a stream held: the memory bound's per-stream size
         while engine.has_work():
             states.update(engine._active)
+            for st in engine._active.values():
+                for seg in st.segments:
+                    if seg.flow_cache is not None:
+                        held = max(held, seg.flow_cache.nbytes())
+                        assert engine.t2w.state_bytes(seg.hift_state, seg.flow_cache) == seg.flow_cache.nbytes()
             for ev in engine.step():
                 if isinstance(ev, AudioChunk):
                     chunks[ev.request_id].append(ev.samples)
@@ -276,6 +282,9 @@ def test_engine_flow_stream_cache_on_off(monkeypatch):
         if on:
             assert max(seen) > 0, "the engine never reused a flow cache"
             seen.clear()
+            assert engine.t2w.stream_state_bytes() >= held > 0
+        else:
+            assert engine.t2w.stream_state_bytes() == 0 and held == 0
     assert not seen  # off: no cache passed
     for k in audio[True]:
         assert audio[True][k].shape == audio[False][k].shape

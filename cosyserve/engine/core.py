@@ -981,8 +981,8 @@ class EngineCore:
         if mem is None:
             return None
         held, total = mem
-        streams = sum(self.t2w.state_bytes(seg.hift_state) for st in self._active.values() if st.req.params.stream
-                      for seg in st.segments)
+        streams = sum(self.t2w.state_bytes(seg.hift_state, seg.flow_cache) for st in self._active.values()
+                      if st.req.params.stream for seg in st.segments)
         room = (1.0 - MEMORY_RESERVE_SHARE) * total - (held - streams)
         limit = max(0, int(room // (self.t2w.stream_state_copies * per)))
         logged = self._memory_logged

@@ -100,15 +100,16 @@ class Token2WavBackend:
     #: (and fragments the allocator with caches of changing sizes): 1.5
     stream_state_copies = 1.5
 
-    def state_bytes(self, state) -> int:
-        """Device bytes the caches of one stream's state (a job's ``hift_state``) hold now; 0 where
-        :meth:`stream_state_bytes` is 0."""
+    def state_bytes(self, state, flow_cache=None) -> int:
+        """Device bytes the caches of one stream's state (a job's ``hift_state`` and ``flow_cache``) hold
+        now; 0 where :meth:`stream_state_bytes` is 0."""
         return 0
 
     def stream_state_bytes(self) -> int:
         """Device bytes one streaming segment's per-stream caches hold at most (the largest seen so
         far), for the engine's memory bound on admission; 0 where they are small next to the
-        model (the CosyVoice2/3 flows recompute each chunk: their streams hold only the HiFT state)."""
+        model (the CosyVoice2/3 flows without their flow stream cache recompute each chunk: their
+        streams hold only the HiFT state)."""
         return 0
 
     @torch.inference_mode()
@@ -140,6 +141,7 @@ class Token2Wav(Token2WavBackend):
         self.flow = flow
         self.hift = hift
         self.ratio = token_mel_ratio
+        self._state_bytes = 0  # the largest flow stream cache seen (stream_state_bytes)
 
     @property
     def supports_flow_cache(self) -> bool:
@@ -156,6 +158,21 @@ class Token2Wav(Token2WavBackend):
         from ..models.flow import FlowStreamCache
 
         return FlowStreamCache(max_frames)
+
+    def flow_cache_bytes(self, flow_cache) -> int:
+        """Device bytes a stream's flow cache (a job's ``flow_cache``: a
+        :class:`~cosyserve.models.flow.FlowStreamCache`) holds now; 0 for None."""
+        return 0 if flow_cache is None else int(flow_cache.nbytes())
+
+    def state_bytes(self, state, flow_cache=None) -> int:
+        """Device bytes of a stream's flow stream cache (its HiFT state is small)."""
+        return self.flow_cache_bytes(flow_cache)
+
+    def stream_state_bytes(self) -> int:
+        """The largest flow stream cache seen after a batch (bytes; ~2.2 MiB per cached frame at full
+        size in bf16: a stream of 20 s after a 5 s prompt grows to ~2.6 GiB); 0 while the engine runs
+        without flow stream caches (``EngineConfig.flow_stream_cache``, off by default on CUDA)."""
+        return self._state_bytes
 
     def length_bucket(self, n_tokens: int) -> int:
         """Flow input length (tokens) a batch whose longest job takes ``n_tokens`` is padded
@@ -257,6 +274,9 @@ class Token2Wav(Token2WavBackend):
         pending.advance(None)
         if pending.event is not None:
             pending.event.synchronize()
+        for job in pending.jobs:  # the streams' flow caches have grown: the memory bound's per-stream size
+            if job.flow_cache is not None:
+                self._state_bytes = max(self._state_bytes, self.flow_cache_bytes(job.flow_cache))
         return [Token2WavResult(s.cpu() if s.device.type != "cpu" else s, st)
                 for s, st in zip(pending.speech, pending.states)]
 

@@ -353,6 +353,11 @@ class Cv3Token2WavBackend(Token2Wav):
         """An empty per-stream cache slot (``max_frames``: ``--flow-stream-cache-frames``)."""
         return Cv3FlowCacheSlot(max_frames)
 
+    def flow_cache_bytes(self, flow_cache) -> int:
+        """Device bytes a stream's :class:`Cv3FlowCacheSlot` holds now (0 without a cache)."""
+        cache = getattr(flow_cache, "cache", None)
+        return 0 if cache is None else int(cache.nbytes)
+
     def _unet_caches(self, jobs) -> list:
         """None for every job: the usual flow pass never uses a CosyVoice3 stream's cache (cached jobs
         go through :meth:`launch`'s cached batch)."""

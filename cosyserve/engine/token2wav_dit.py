@@ -98,7 +98,7 @@ class DitToken2WavBackend(Token2WavBackend):
     #: its first chunk (DitItem.in_place); only the encoder and conv caches (~3 %) are made anew per chunk
     stream_state_copies = 1.05
 
-    def state_bytes(self, state) -> int:
+    def state_bytes(self, state, flow_cache=None) -> int:
         """Bytes of a stream's DiT flow caches (its whole estimator store once it has one)."""
         flow = state.flow if isinstance(state, DitT2WStreamState) else None
         return 0 if flow is None else flow.nbytes()
