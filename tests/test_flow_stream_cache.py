@@ -129,6 +129,44 @@ def test_cached_stream_equals_uncached(flow, prompt, spec):
 
 
 # ---------------------------------------------------------------------------------------
+# a voice's prompt prefix: built by one stream, adopted by another with other tokens
+
+
+@pytest.mark.parametrize("spec", ["upstream", "exponential"])
+def test_prompt_prefix_of_one_stream_is_exact_for_another(flow, prompt, spec):
+    """The prompt's complete chunks (``prompt_prefix_frames``) depend on the prompt alone: stream A's
+    first call, its commit limited to them, yields a prefix that stream B (other tokens) adopts, and
+    every call of B then equals B's uncached calls; B's first call solves only the frames after it."""
+    la = flow.pre_lookahead_len
+    n_prompt = prompt[0].shape[1]
+    frames = flow.prompt_prefix_frames(n_prompt)
+    chunk = flow.decoder.estimator.cfg.static_chunk_size
+    assert frames == chunk * ((flow.token_mel_ratio * (n_prompt - la)) // chunk) > 0
+    policy = ChunkPolicy.parse(spec, lookahead=la)
+    a, b = _long_stream(flow, 200, seed=5), _long_stream(flow, 200, seed=6)
+    builder = FlowStreamCache()
+    builder.commit_limit = frames
+    end0 = _calls(policy, n_prompt, 200)[0][0]
+    _run(flow, [a[:, :end0]], prompt, [True], [False], caches=[builder])
+    assert builder.frames == frames and builder.commit_limit is None  # one call only
+    prefix = builder.prompt_prefix(n_prompt)
+    assert prefix.ids.numel() == n_prompt and prefix.frames == frames
+    cache = FlowStreamCache()
+    cache.adopt(prefix)
+    shared = prefix.estimator.keys.data_ptr()
+    for i, (end, final) in enumerate(_calls(policy, n_prompt, 200)):
+        full = _run(flow, [b[:, :end]], prompt, [not final], [final])[0]
+        got = _run(flow, [b[:, :end]], prompt, [not final], [final], caches=[cache])[0]
+        start = full.shape[-1] - got.shape[-1]
+        if i == 0:
+            assert start == max(0, frames - prompt[1].shape[1])  # the prefix's frames were not solved again
+        assert rel_l2(got, full[..., start:]) <= SELF_TOL, (spec, i)
+    assert prefix.estimator.keys.data_ptr() == shared and prefix.frames == frames  # never written into
+    with pytest.raises(ValueError, match="no prompt prefix"):
+        FlowStreamCache().prompt_prefix(n_prompt)
+
+
+# ---------------------------------------------------------------------------------------
 # a batch of streams at different stages (different cache lengths) == each alone
 
 
@@ -286,6 +324,52 @@ def test_engine_flow_stream_cache_on_off(monkeypatch):
         else:
             assert engine.t2w.stream_state_bytes() == 0 and held == 0
     assert not seen  # off: no cache passed
+    for k in audio[True]:
+        assert audio[True][k].shape == audio[False][k].shape
+        assert rel_l2(torch.from_numpy(audio[True][k]), torch.from_numpy(audio[False][k])) <= WAVE_TOL
+
+
+def test_engine_streams_of_a_voice_share_its_prompt_prefix(monkeypatch):
+    """The engine with stream caches: the voice's first stream builds its prompt prefix, the next one
+    starts its first cached chunk from it (the prefix's frames are not solved again), and both streams'
+    audio equals the uncached engine's."""
+    from cosyserve.engine.core import EngineConfig
+    from cosyserve.engine.pipeline import Synthesizer
+    from cosyserve.engine.request import AudioChunk, SynthesisParams
+
+    syn = Synthesizer(model_dir(), normalizer="rules")
+    ref = require_reference_dir()
+    voice = syn.make_voice("ref", ref / "audio" / "zero_shot_prompt.wav", "希望你以后能够做的比我还好呦。")
+    frames = syn.models.flow.prompt_prefix_frames(int(voice.flow_speech_token.numel()))
+    assert frames > 0
+    texts = ["今天天气很好，我们去公园玩吧。", "Hello there, my friend, how are you today?"]
+    starts: list[int] = []
+    real_start = syn.models.flow.start
+
+    def spy(inputs, n_timesteps=None, caches=None):
+        if caches is not None:
+            starts.extend(c.frames for c in caches if c is not None)
+        return real_start(inputs, n_timesteps, caches)
+
+    monkeypatch.setattr(syn.models.flow, "start", spy)
+    audio = {}
+    for on in (True, False):
+        engine = syn.new_engine(EngineConfig(max_active=1, max_queue=4, flow_stream_cache=on))
+        params = [SynthesisParams(seed=50 + i, stream=True, min_token_text_ratio=6, max_token_text_ratio=7,
+                                  chunk_policy=ChunkPolicy.parse("exponential")) for i in range(2)]
+        for i, (t, p) in enumerate(zip(texts, params)):
+            engine.add_request(syn.build_request(t, voice, p, request_id=f"v{i}"))
+        chunks = {"v0": [], "v1": []}
+        while engine.has_work():
+            for ev in engine.step():
+                if isinstance(ev, AudioChunk):
+                    chunks[ev.request_id].append(ev.samples)
+        audio[on] = {k: np.concatenate(v) for k, v in chunks.items()}
+        if on:
+            assert engine.t2w.prefixes.builds == 1 and engine.t2w.prefixes.hits == 1 and len(engine.t2w.prefixes) == 1
+            # the first stream's first call started empty, the second stream's from the prefix
+            assert starts[0] == 0 and frames in starts[1:]
+        engine.close()
     for k in audio[True]:
         assert audio[True][k].shape == audio[False][k].shape
         assert rel_l2(torch.from_numpy(audio[True][k]), torch.from_numpy(audio[False][k])) <= WAVE_TOL

@@ -16,13 +16,17 @@ refined when more tokens arrive). With a per-stream :class:`~cosyserve.models.fl
 in the job (``Token2WavJob.flow_cache``, the engine's ``--flow-stream-cache on``), a non-final
 chunk's flow solve covers only the frames from the first static chunk that was incomplete in
 the stream's previous call (the earlier frames' per-step keys/values and convolution contexts
-come from the cache): the same mel (docs/architecture.md, "Flow stream cache").
+come from the cache): the same mel (docs/architecture.md, "Flow stream cache"). A stream's first
+cached chunk starts from its voice's prompt prefix (:class:`PromptPrefixes`): the prompt's complete
+chunks, computed once per voice by the first stream that needs them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +64,57 @@ class Token2WavJob:
 class Token2WavResult:
     speech: torch.Tensor          # [N] float32 on CPU
     hift_state: HiFTStreamState   # state for the next chunk (empty after a final chunk)
+
+
+class PromptPrefixes:
+    """Per voice, the flow stream cache of its prompt's complete chunks
+    (:meth:`~cosyserve.models.flow.FlowModel.prompt_prefix_frames`), which every stream of the voice
+    computes identically: a stream's first cached chunk adopts it
+    (:meth:`~cosyserve.models.flow.FlowStreamCache.adopt`) and solves only the frames after it. The
+    first stream of a voice builds it in its own first call (its commit limited to the prefix:
+    ``FlowStreamCache.commit_limit``). Keyed by the voice's content (flow prompt tokens, prompt mel,
+    speaker embedding: CPU tensors, hashed), so two voice objects with the same prompt share one and a
+    per-request prompt never meets another's. Least recently used first out once the prefixes hold
+    more than ``max_bytes`` (device memory; a prefix alone larger than that is not kept). Counters:
+    :attr:`hits`, :attr:`builds`. Not thread-safe (the engine thread launches the batches)."""
+
+    def __init__(self, max_bytes: int = 1 << 31):
+        self.max_bytes = int(max_bytes)
+        self._d: OrderedDict[bytes, object] = OrderedDict()
+        self.hits = self.builds = 0
+
+    @staticmethod
+    def key(voice: Voice) -> bytes:
+        """The content key of ``voice``'s flow prompt (its tokens, mel and speaker embedding)."""
+        h = hashlib.blake2b(digest_size=16)
+        for t in (voice.flow_speech_token, voice.speech_feat, voice.flow_embedding):
+            h.update(str((tuple(t.shape), t.dtype)).encode())
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        return h.digest()
+
+    def get(self, key: bytes):
+        """The prefix cache of ``key`` (None if none), marked as recently used."""
+        prefix = self._d.get(key)
+        if prefix is not None:
+            self._d.move_to_end(key)
+            self.hits += 1
+        return prefix
+
+    def put(self, key: bytes, prefix) -> None:
+        """Keep ``prefix`` (a :class:`~cosyserve.models.flow.FlowStreamCache`) for ``key``; drop the
+        least recently used ones beyond :attr:`max_bytes`."""
+        self._d[key] = prefix
+        self._d.move_to_end(key)
+        self.builds += 1
+        while self._d and self.nbytes() > self.max_bytes:
+            self._d.popitem(last=False)
+
+    def nbytes(self) -> int:
+        """Device bytes the kept prefixes hold."""
+        return sum(p.nbytes() for p in self._d.values())
+
+    def __len__(self) -> int:
+        return len(self._d)
 
 
 def make_token2wav(models):
@@ -142,6 +197,8 @@ class Token2Wav(Token2WavBackend):
         self.hift = hift
         self.ratio = token_mel_ratio
         self._state_bytes = 0  # the largest flow stream cache seen (stream_state_bytes)
+        #: the voices' prompt prefixes for the streams' first cached chunks
+        self.prefixes = PromptPrefixes()
 
     @property
     def supports_flow_cache(self) -> bool:
@@ -229,11 +286,33 @@ class Token2Wav(Token2WavBackend):
             )
             caches = self._unet_caches(jobs)
             if any(c is not None for c in caches):  # stream-cached: eager (no CUDA graph)
+                pending.prefix_builds = self._seed_prefixes(jobs, caches)
                 pending.run = self.flow.start(inputs, caches=caches)
             else:
                 pending.run = self.flow.start(inputs)
         pending.advance(queue_steps)
         return pending
+
+    def _seed_prefixes(self, jobs, caches) -> list:
+        """Before a stream-cached flow pass: each stream's first cached chunk (an empty cache) adopts its
+        voice's prompt prefix, or, without one, builds it (its commit limited to the prefix's frames).
+        Returns the builds: ``(key, cache, prompt tokens, frames)`` for :meth:`finish`."""
+        builds = []
+        for job, cache in zip(jobs, caches):
+            if cache is None or not job.streaming or job.finalize or cache.frames > 0:
+                continue
+            n_prompt = int(job.voice.flow_speech_token.numel())
+            frames = self.flow.prompt_prefix_frames(n_prompt)
+            if frames <= 0:
+                continue
+            key = self.prefixes.key(job.voice)
+            prefix = self.prefixes.get(key)
+            if prefix is not None:
+                cache.adopt(prefix)
+            else:
+                cache.commit_limit = frames
+                builds.append((key, cache, n_prompt, frames))
+        return builds
 
     def _issue_hift(self, p: "PendingToken2Wav") -> None:
         """After the flow's last step: HiFT on the new frames, copies to pinned host buffers,
@@ -277,6 +356,9 @@ class Token2Wav(Token2WavBackend):
         for job in pending.jobs:  # the streams' flow caches have grown: the memory bound's per-stream size
             if job.flow_cache is not None:
                 self._state_bytes = max(self._state_bytes, self.flow_cache_bytes(job.flow_cache))
+        for key, cache, n_prompt, frames in pending.prefix_builds:  # committed exactly the prompt's chunks
+            if cache.frames == frames:
+                self.prefixes.put(key, cache.prompt_prefix(n_prompt))
         return [Token2WavResult(s.cpu() if s.device.type != "cpu" else s, st)
                 for s, st in zip(pending.speech, pending.states)]
 
@@ -320,6 +402,7 @@ class PendingToken2Wav:
         self.states: list = []
         self.event = None
         self.keep: tuple = ()
+        self.prefix_builds: list = []  # voices' prompt prefixes this batch builds (Token2Wav._seed_prefixes)
         self.stamps: list = []
         self._step_events: list = []
 

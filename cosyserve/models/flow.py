@@ -49,6 +49,7 @@ upstream does under autocast, and the returned mel is cast to float32.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -369,6 +370,31 @@ class FlowStreamCache:
         self.ids: Tensor | None = None
         self.prompt_frames = -1
         self.dtype: torch.dtype | None = None
+        #: the next call commits at most this many frames (then None again): how a stream's first call
+        #: builds a voice's prompt prefix (:meth:`prompt_prefix`) without a call of its own
+        self.commit_limit: int | None = None
+
+    def prompt_prefix(self, prompt_tokens: int) -> "FlowStreamCache":
+        """A cache holding what this one holds, for any stream of the same voice: the same tensors
+        (shared, never copied: a solve replaces a cache's tensors, it never writes into them) and the
+        first ``prompt_tokens`` ids only, so that every call whose ids start with the prompt can use it.
+        Only exact when this cache's frames depend on the prompt alone (at most
+        :meth:`FlowModel.prompt_prefix_frames`); the caller also keys it by the prompt mel and speaker
+        embedding, which :meth:`_usable` does not check. Raises ValueError on an empty cache or one
+        built over fewer ids."""
+        if self.frames == 0 or self.ids is None or self.ids.numel() < prompt_tokens:
+            raise ValueError(f"flow stream cache: no prompt prefix of {prompt_tokens} tokens in a cache of "
+                             f"{self.frames} frames")
+        out = FlowStreamCache()
+        out.estimator, out.encoder = copy.copy(self.estimator), copy.copy(self.encoder)
+        out.ids, out.prompt_frames, out.dtype = self.ids[:prompt_tokens].clone(), self.prompt_frames, self.dtype
+        return out
+
+    def adopt(self, prefix: "FlowStreamCache") -> None:
+        """Start from ``prefix`` (:meth:`prompt_prefix` of a stream of the same voice): its tensors are
+        shared until this cache's next commit replaces them with its own."""
+        self.estimator, self.encoder = copy.copy(prefix.estimator), copy.copy(prefix.encoder)
+        self.ids, self.prompt_frames, self.dtype = prefix.ids, prefix.prompt_frames, prefix.dtype
 
     @property
     def frames(self) -> int:
@@ -625,6 +651,19 @@ class FlowModel(nn.Module):
         """Whether :class:`FlowStreamCache` can be used (a one-level causal U-Net estimator)."""
         return bool(getattr(self.decoder.estimator, "supports_stream_cache", False))
 
+    def prompt_prefix_frames(self, prompt_tokens: int) -> int:
+        """Mel frames of a streaming call whose estimator and encoder work depends on the prompt alone
+        (the same for every stream of a voice, whatever its tokens): the complete static chunks of a
+        call over the prompt's tokens only, ``chunk * floor(ratio * (P - pre_lookahead_len) / chunk)``
+        (a frame in a complete chunk reads the tokens of its encoder chunk and their look-ahead, all in
+        the prompt; its noise, ``cond``, ``spks`` and ``t`` are the voice's; docs/architecture.md
+        "Flow stream cache"); 0 without chunk-causal streaming or stream caches."""
+        chunk = self.decoder.estimator.cfg.static_chunk_size
+        if chunk <= 0 or not self.supports_stream_cache:
+            return 0
+        frames = self.token_mel_ratio * (int(prompt_tokens) - self.pre_lookahead_len)
+        return max(0, frames // chunk * chunk)
+
     @torch.inference_mode()
     def start(self, inputs: FlowInputs, n_timesteps: int | None = None,
               caches: Sequence[FlowStreamCache | None] | None = None) -> "FlowRun":
@@ -685,6 +724,7 @@ class FlowModel(nn.Module):
             if cache is None or not streaming[b] or chunk <= 0:
                 if cache is not None:
                     cache.clear()
+                    cache.commit_limit = None
                 starts.append(0)
                 commit.append(0)
                 used.append(None)
@@ -697,6 +737,9 @@ class FlowModel(nn.Module):
             full = (frames // chunk) * chunk
             if cache.max_frames is not None:
                 full = min(full, (cache.max_frames // chunk) * chunk)
+            if cache.commit_limit is not None:
+                full = min(full, (cache.commit_limit // chunk) * chunk)
+                cache.commit_limit = None
             cache.ids, cache.prompt_frames, cache.dtype = ids, inputs.prompt_frames[b], dtype
             starts.append(s)
             commit.append(max(full, s))
