@@ -483,7 +483,9 @@ def _engine_args(p, in_process: bool = False) -> None:
     p.add_argument("--flow-stream-cache", choices=("auto", "on", "off"), default="auto",
                    help="streaming chunks compute only the flow frames after the stream's complete static chunks, "
                         "reusing their cached per-step keys/values (CosyVoice2 U-Net: 2.2 MiB, CosyVoice3 DiT: "
-                        "1.8 MB per cached frame at full size in bf16); cached chunks run without CUDA graphs; "
+                        "1.8 MB per cached frame at full size in bf16; CosyVoice2: a stream's first chunk starts "
+                        "from its voice's prompt prefix, computed once per voice); cached chunks run without CUDA "
+                        "graphs; "
                         "auto (default) = on unless the flow runs as CUDA graphs, 'off' = upstream's full "
                         "recomputation" + note)
     p.add_argument("--strict-min-len", action="store_true",
