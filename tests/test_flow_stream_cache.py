@@ -270,17 +270,14 @@ def test_deeper_unet_ignores_the_cache(tmp_path):
 # engine: the flag, same audio, caches used and freed
 
 
-def test_engine_flow_stream_cache_on_off(monkeypatch):
-    from cosyserve.engine.core import EngineConfig
+def _engine_setup(monkeypatch):
+    """The tiny model's synthesizer, the reference prompt's voice, two texts, and the list that collects the
+    cached frames of every stream cache passed to the flow (``FlowModel.start`` spied on)."""
     from cosyserve.engine.pipeline import Synthesizer
-    from cosyserve.engine.request import AudioChunk, RequestFinished, SynthesisParams
 
     syn = Synthesizer(model_dir(), normalizer="rules")
     ref = require_reference_dir()
     voice = syn.make_voice("ref", ref / "audio" / "zero_shot_prompt.wav", "希望你以后能够做的比我还好呦。")
-    params = [SynthesisParams(seed=40 + i, stream=True, min_token_text_ratio=6, max_token_text_ratio=7,
-                              chunk_policy=ChunkPolicy.parse(p))
-              for i, p in enumerate(["upstream", "exponential"])]
     texts = ["今天天气很好，我们去公园玩吧。", "Hello there, my friend, how are you today?"]
     seen: list[int] = []
     real_start = syn.models.flow.start
@@ -291,6 +288,17 @@ def test_engine_flow_stream_cache_on_off(monkeypatch):
         return real_start(inputs, n_timesteps, caches)
 
     monkeypatch.setattr(syn.models.flow, "start", spy)
+    return syn, voice, texts, seen
+
+
+def test_engine_flow_stream_cache_on_off(monkeypatch):
+    from cosyserve.engine.core import EngineConfig
+    from cosyserve.engine.request import AudioChunk, RequestFinished, SynthesisParams
+
+    syn, voice, texts, seen = _engine_setup(monkeypatch)
+    params = [SynthesisParams(seed=40 + i, stream=True, min_token_text_ratio=6, max_token_text_ratio=7,
+                              chunk_policy=ChunkPolicy.parse(p))
+              for i, p in enumerate(["upstream", "exponential"])]
     audio = {}
     for on in (True, False):
         engine = syn.new_engine(EngineConfig(max_active=2, max_queue=0, flow_stream_cache=on))
@@ -334,24 +342,11 @@ def test_engine_streams_of_a_voice_share_its_prompt_prefix(monkeypatch):
     starts its first cached chunk from it (the prefix's frames are not solved again), and both streams'
     audio equals the uncached engine's."""
     from cosyserve.engine.core import EngineConfig
-    from cosyserve.engine.pipeline import Synthesizer
     from cosyserve.engine.request import AudioChunk, SynthesisParams
 
-    syn = Synthesizer(model_dir(), normalizer="rules")
-    ref = require_reference_dir()
-    voice = syn.make_voice("ref", ref / "audio" / "zero_shot_prompt.wav", "希望你以后能够做的比我还好呦。")
+    syn, voice, texts, starts = _engine_setup(monkeypatch)
     frames = syn.models.flow.prompt_prefix_frames(int(voice.flow_speech_token.numel()))
     assert frames > 0
-    texts = ["今天天气很好，我们去公园玩吧。", "Hello there, my friend, how are you today?"]
-    starts: list[int] = []
-    real_start = syn.models.flow.start
-
-    def spy(inputs, n_timesteps=None, caches=None):
-        if caches is not None:
-            starts.extend(c.frames for c in caches if c is not None)
-        return real_start(inputs, n_timesteps, caches)
-
-    monkeypatch.setattr(syn.models.flow, "start", spy)
     audio = {}
     for on in (True, False):
         engine = syn.new_engine(EngineConfig(max_active=1, max_queue=4, flow_stream_cache=on))
