@@ -303,8 +303,8 @@ class Token2Wav(Token2WavBackend):
                 continue
             n_prompt = int(job.voice.flow_speech_token.numel())
             frames = self.flow.prompt_prefix_frames(n_prompt)
-            if frames <= 0:
-                continue
+            if frames <= 0 or (cache.max_frames is not None and frames > cache.max_frames):
+                continue  # (a stream capped below the prefix caches less than it)
             key = self.prefixes.key(job.voice)
             prefix = self.prefixes.get(key)
             if prefix is not None:
