@@ -408,10 +408,9 @@ def test_concurrent_streams_share_flow_and_hift_calls(case, stream_cache, monkey
         assert cached_batches == [2] * n_stream and flow_batches == [2] * (len(m["chunks"]) - n_stream)
         assert engine._flow_stream_cache
         assert engine.t2w.stream_state_bytes() > 0  # the caches' largest size: the memory bound's per-stream size
-    if not stream_cache:
-        assert engine.t2w.stream_state_bytes() == 0
     else:
         assert not cached_batches and flow_batches == [2] * len(m["chunks"])  # one flow call per chunk
+        assert engine.t2w.stream_state_bytes() == 0
     assert hift_batches == [2] * len(m["chunks"])
     for rid, chunks in out.items():
         assert len(chunks) == len(m["chunks"])
