@@ -370,6 +370,41 @@ def test_engine_streams_of_a_voice_share_its_prompt_prefix(monkeypatch):
         assert rel_l2(torch.from_numpy(audio[True][k]), torch.from_numpy(audio[False][k])) <= WAVE_TOL
 
 
+def test_prompt_prefixes_are_keyed_by_content_and_bounded_in_bytes():
+    """``PromptPrefixes``: the key follows the voice's flow prompt (tokens, mel, embedding), not the object;
+    least recently used prefixes go first beyond ``max_bytes``; one larger than the budget is not kept."""
+    from types import SimpleNamespace
+
+    from cosyserve.engine.token2wav import PromptPrefixes
+
+    def voice(seed, n=8):
+        g = torch.Generator().manual_seed(seed)
+        return SimpleNamespace(flow_speech_token=torch.randint(0, 100, (n,), generator=g, dtype=torch.int32),
+                               speech_feat=torch.randn(2 * n, 4, generator=g), flow_embedding=torch.randn(3, generator=g))
+
+    a, a2, b = voice(1), voice(1), voice(2)
+    assert PromptPrefixes.key(a) == PromptPrefixes.key(a2) != PromptPrefixes.key(b)
+    c = voice(1)
+    c.speech_feat = c.speech_feat + 1e-3  # same tokens, another prompt mel: another prefix
+    assert PromptPrefixes.key(c) != PromptPrefixes.key(a)
+
+    class Sized:
+        def __init__(self, n):
+            self.n = n
+
+        def nbytes(self):
+            return self.n
+
+    p = PromptPrefixes(max_bytes=100)
+    p.put(b"a", Sized(40))
+    p.put(b"b", Sized(40))
+    assert p.get(b"a").n == 40 and p.hits == 1  # a is now the most recently used
+    p.put(b"c", Sized(40))  # 120 > 100: b (least recently used) goes
+    assert p.get(b"b") is None and p.get(b"a") is not None and p.get(b"c") is not None and len(p) == 2
+    p.put(b"d", Sized(101))  # alone over the budget: not kept, and the others stay
+    assert p.get(b"d") is None and len(p) == 2 and p.nbytes() == 80 and p.builds == 3
+
+
 def test_cli_flag():
     import argparse
 

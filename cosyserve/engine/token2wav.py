@@ -102,7 +102,10 @@ class PromptPrefixes:
 
     def put(self, key: bytes, prefix) -> None:
         """Keep ``prefix`` (a :class:`~cosyserve.models.flow.FlowStreamCache`) for ``key``; drop the
-        least recently used ones beyond :attr:`max_bytes`."""
+        least recently used ones beyond :attr:`max_bytes` (one larger than that alone is not kept and
+        drops nothing)."""
+        if prefix.nbytes() > self.max_bytes:
+            return
         self._d[key] = prefix
         self._d.move_to_end(key)
         self.builds += 1
