@@ -436,6 +436,11 @@ def test_cuda_cached_equals_uncached(flow, prompt, dtype):
     tokens = _long_stream(model, 190, seed=9)
     caches = [FlowStreamCache(), FlowStreamCache()]
     tol = SELF_TOL if dtype == torch.float32 else 2e-2
+    # the second stream starts from the voice's prompt prefix, built by a third stream's first call
+    builder, n_prompt = FlowStreamCache(), prompt[0].shape[1]
+    builder.commit_limit = model.prompt_prefix_frames(n_prompt)
+    _run(model, [_long_stream(model, la + 20, seed=10)], prompt, [True], [False], caches=[builder])
+    caches[1].adopt(builder.prompt_prefix(n_prompt))
     for end, final in _calls(ChunkPolicy.parse("exponential", lookahead=la), prompt[0].shape[1], 190):
         toks = [tokens[:, :end], tokens[:, : max(la + 1, end - 20)]]
         full = _run(model, toks, prompt, [not final] * 2, [final] * 2)
