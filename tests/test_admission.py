@@ -213,6 +213,24 @@ def test_cost_price_fits_batches_by_their_flow_input_and_prices_streams_per_audi
         CapacityEstimator(25, t2w_price="ratio")
 
 
+def test_estimate_terms_add_up_to_the_estimate():
+    """``CapacityEstimator.terms``: the parts of ``U(b)`` per resource that the engine logs with every material
+    change of the capacity; each resource's ``streams`` is ``(target - fixed parts) / per-stream parts`` and the
+    estimate is the smaller of them."""
+    a, c, a_t, k = 0.002, 0.0001, 0.06, 0.002
+    est = _fed_with_varying_batches(a, c, a_t, k)
+    est.speedup, est.starting_fraction = 2.0, 0.5
+    t = est.terms(1.5)
+    assert t["speedup"] == 2.0 and t["starting_fraction"] == 0.5 and t["lm_pace"] == 1.5
+    host = t["host"]
+    assert host["lm_fixed"] == pytest.approx(25 * 2.0 * 1.5 * a, rel=0.1)
+    assert host["t2w_per_stream"] == pytest.approx(k * 1.5, rel=0.1)  # 1 + (S - 1) * f
+    streams = (0.8 - host["lm_fixed"] - host["t2w_fixed"]) / (host["lm_per_stream"] + host["t2w_per_stream"])
+    assert host["streams"] == pytest.approx(streams, abs=0.1)
+    assert "device" not in t  # no device time was fed
+    assert est.latency_estimate(1.5) == pytest.approx(host["streams"], abs=0.1)
+
+
 def test_token2wav_fixed_part_is_budgeted_per_batch_period_not_per_stream():
     """Token2wav batches cost ``a_t + k * audio``: a batch grows with the streams, so the fixed part
     is charged once per ``T2W_PERIOD_S``, not per stream (the ratio of batch time to audio at small

@@ -323,13 +323,13 @@ class _Resource:
         self.lm.decay(f)
         self.t2w.decay(f)
 
-    def capacity(self, rate: float, target: float, audio: bool, t2w_factor: float = 1.0,
-                 cost_per_audio_s: float = 1.0) -> float | None:
-        """Largest real number of streams ``b`` with
-        ``rate*(a + c*b) + a_t/T2W_PERIOD_S + b*k*t2w_factor <= target`` (``rate`` already scaled
-        by the speed-up; token2wav only with ``audio``; ``k`` = the fitted
-        cost per unit x ``cost_per_audio_s`` with ``t2w_price="cost"``, else per audio second); None
-        without LM data, or without token2wav data when ``audio``; ``inf`` if nothing grows with ``b``."""
+    def terms(self, rate: float, audio: bool, t2w_factor: float = 1.0,
+              cost_per_audio_s: float = 1.0) -> dict[str, float] | None:
+        """The parts of ``U(b)`` (module doc; shares of the resource): ``lm_fixed`` = ``rate*a``,
+        ``lm_per_stream`` = ``rate*c``, ``t2w_fixed`` = ``a_t/T2W_PERIOD_S``, ``t2w_per_stream`` =
+        ``k*t2w_factor`` (``rate`` already scaled by the speed-up; token2wav only with ``audio``; ``k``
+        = the fitted cost per unit x ``cost_per_audio_s`` with ``t2w_price="cost"``, else per audio
+        second); None without LM data, or without token2wav data when ``audio``."""
         fit = self.lm.solve()
         t2w = self.t2w.solve() if audio else (0.0, 0.0)
         if fit is None or t2w is None:
@@ -337,8 +337,18 @@ class _Resource:
         (a, c), (a_t, k) = fit, t2w
         if audio and self.t2w_price == "cost":
             k *= cost_per_audio_s
-        per_stream = rate * c + k * t2w_factor
-        room = target - rate * a - a_t / T2W_PERIOD_S
+        return {"lm_fixed": rate * a, "lm_per_stream": rate * c, "t2w_fixed": a_t / T2W_PERIOD_S,
+                "t2w_per_stream": k * t2w_factor}
+
+    def capacity(self, rate: float, target: float, audio: bool, t2w_factor: float = 1.0,
+                 cost_per_audio_s: float = 1.0) -> float | None:
+        """Largest real number of streams ``b`` with ``U(b) <= target`` (:meth:`terms`); None
+        without the data :meth:`terms` needs; ``inf`` if nothing grows with ``b``."""
+        t = self.terms(rate, audio, t2w_factor, cost_per_audio_s)
+        if t is None:
+            return None
+        per_stream = t["lm_per_stream"] + t["t2w_per_stream"]
+        room = target - t["lm_fixed"] - t["t2w_fixed"]
         if room <= 0:
             return 0.0
         return math.inf if per_stream <= 0 else room / per_stream
@@ -439,13 +449,33 @@ class CapacityEstimator:
         1.0 before any or with the audio price)."""
         return self._cost / self._audio if self._audio > 1e-9 else 1.0
 
-    def _estimate(self, lm_pace: float) -> float | None:
+    def _scaled(self, lm_pace: float) -> tuple[float, float]:
+        """``(rate, t2w_factor)``: the LM's steps per second at the speed-up and ``lm_pace``, and the
+        starting streams' token2wav factor ``1 + (S-1)*f`` (module doc)."""
         s = max(1.0, self.speedup)
         f = min(1.0, max(0.0, self.starting_fraction))
-        rate, t2w_factor = self.rate * s * lm_pace, 1.0 + (s - 1.0) * f
+        return self.rate * s * lm_pace, 1.0 + (s - 1.0) * f
+
+    def _estimate(self, lm_pace: float) -> float | None:
+        rate, t2w_factor = self._scaled(lm_pace)
         caps = [c for c in (r.capacity(rate, self.target, self.audio, t2w_factor, self.cost_per_audio_s)
                             for r in (self.host, self.device)) if c is not None]
         return min(caps) if caps else None
+
+    def terms(self, lm_pace: float = 1.0) -> dict:
+        """What the estimate is made of, for the logs (rounded): per measured resource (``host``,
+        ``device``) the parts of ``U(b)`` (:meth:`_Resource.terms`) and its capacity in streams, and the
+        inputs ``speedup`` (S), ``starting_fraction`` (f), ``lm_pace`` and ``cost_per_audio_s``."""
+        rate, t2w_factor = self._scaled(lm_pace)
+        out: dict = {"speedup": round(max(1.0, self.speedup), 3), "starting_fraction": round(self.starting_fraction, 3),
+                     "lm_pace": round(lm_pace, 3), "cost_per_audio_s": round(self.cost_per_audio_s, 2)}
+        for name, r in (("host", self.host), ("device", self.device)):
+            t = r.terms(rate, self.audio, t2w_factor, self.cost_per_audio_s)
+            if t is not None:
+                cap = r.capacity(rate, self.target, self.audio, t2w_factor, self.cost_per_audio_s)
+                out[name] = {**{k: round(v, 5) for k, v in t.items()},
+                             "streams": None if cap is None else round(min(cap, 1e9), 1)}
+        return out
 
     def estimate(self) -> float | None:
         """The model's capacity in streams (a real number, unbounded by slow start and

@@ -922,7 +922,9 @@ class EngineCore:
                          self.admission,
                          extra={"event": "capacity", "capacity_streams": cap,
                                 "estimate": None if est is None else round(min(est, 1e9), 2),
-                                "latency_estimate": None if lat is None else round(min(lat, 1e9), 2)})
+                                "latency_estimate": None if lat is None else round(min(lat, 1e9), 2),
+                                # the parts of the latency-aware estimate, per resource (admission module doc)
+                                "terms": model.terms(pace)})
                 hook = getattr(self.observer, "capacity_changed", None)  # observers may be duck-typed
                 if hook is not None:
                     hook(cap, est)
