@@ -342,16 +342,21 @@ class _Resource:
 
     def capacity(self, rate: float, target: float, audio: bool, t2w_factor: float = 1.0,
                  cost_per_audio_s: float = 1.0) -> float | None:
-        """Largest real number of streams ``b`` with ``U(b) <= target`` (:meth:`terms`); None
-        without the data :meth:`terms` needs; ``inf`` if nothing grows with ``b``."""
+        """Largest real number of streams ``b`` with ``U(b) <= target`` (:meth:`terms`,
+        :func:`_streams`); None without the data :meth:`terms` needs; ``inf`` if nothing grows with ``b``."""
         t = self.terms(rate, audio, t2w_factor, cost_per_audio_s)
-        if t is None:
-            return None
-        per_stream = t["lm_per_stream"] + t["t2w_per_stream"]
-        room = target - t["lm_fixed"] - t["t2w_fixed"]
-        if room <= 0:
-            return 0.0
-        return math.inf if per_stream <= 0 else room / per_stream
+        return None if t is None else _streams(t, target)
+
+
+def _streams(terms: dict[str, float], target: float) -> float:
+    """The largest real ``b`` with ``U(b) = fixed parts + b * per-stream parts <= target`` for the parts
+    ``terms`` (:meth:`_Resource.terms`); ``inf`` if nothing grows with ``b``, 0 if the fixed parts alone
+    exceed ``target``."""
+    per_stream = terms["lm_per_stream"] + terms["t2w_per_stream"]
+    room = target - terms["lm_fixed"] - terms["t2w_fixed"]
+    if room <= 0:
+        return 0.0
+    return math.inf if per_stream <= 0 else room / per_stream
 
 
 class CapacityEstimator:
@@ -397,6 +402,11 @@ class CapacityEstimator:
         #: the latest :meth:`latency_estimate` (None: not computed yet)
         self.last_latency_estimate: float | None = None
 
+    @property
+    def t2w_price(self) -> str:
+        """The token2wav price (``"audio"`` or ``"cost"``; class doc)."""
+        return self.host.t2w_price
+
     def _decay(self) -> None:
         """Age the sums before a new measurement; an idle gap counts as at most 5 half-lives
         (the old measurements then weigh 1/32 of a new one's, and never underflow to none)."""
@@ -435,7 +445,7 @@ class CapacityEstimator:
             return
         self._decay()
         x = audio_s
-        if self.host.t2w_price == "cost":
+        if self.t2w_price == "cost":
             x = audio_s if cost is None or not cost > 0 else float(cost)
             self._cost += x
             self._audio += audio_s
@@ -472,9 +482,8 @@ class CapacityEstimator:
         for name, r in (("host", self.host), ("device", self.device)):
             t = r.terms(rate, self.audio, t2w_factor, self.cost_per_audio_s)
             if t is not None:
-                cap = r.capacity(rate, self.target, self.audio, t2w_factor, self.cost_per_audio_s)
                 out[name] = {**{k: round(v, 5) for k, v in t.items()},
-                             "streams": None if cap is None else round(min(cap, 1e9), 1)}
+                             "streams": round(min(_streams(t, self.target), 1e9), 1)}
         return out
 
     def estimate(self) -> float | None:

@@ -1549,9 +1549,11 @@ class EngineCore:
         # the capacity model: token2wav seconds per audio second (on CPU the batch ran on this
         # thread, launch to emit; on CUDA the host time issuing/handing it out, and device time)
         audio_s = sum(int(r.speech.shape[0]) for r in results if not isinstance(r, BaseException)) / self.sample_rate
-        cost = sum(self.t2w.cost_tokens(int(st.req.voice.flow_speech_token.numel()), int(job.tokens.shape[0]),
-                                        job.token_offset)
-                   for (st, _, job), r in zip(picked, results) if not isinstance(r, BaseException))
+        cost = None  # the jobs' cost units, for a price per cost unit only (per batch: keep the DiT's path lean)
+        if self.capacity_model.t2w_price == "cost":
+            cost = sum(self.t2w.cost_tokens(int(st.req.voice.flow_speech_token.numel()), int(job.tokens.shape[0]),
+                                            job.token_offset)
+                       for (st, _, job), r in zip(picked, results) if not isinstance(r, BaseException))
         host_s = dt if not self._marks.cuda and self._worker is None else self._t2w_host_s
         self._t2w_host_s = 0.0
         self.capacity_model.observe_t2w(audio_s, host_s, device_s, cost=cost)
