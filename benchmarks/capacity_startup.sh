@@ -13,7 +13,8 @@
 # capacity search; STREAM_CLIENTS=N: one plain streaming level of N clients x 3 requests; SAMPLE_STACKS=1: the
 # scheduler thread's stacks per level, benchmarks/stack_sampler.py; PLAYBACK=1: the capacity and streaming levels
 # clients listen, `bench --playback`: each plays its streams in real time and sends the next request when the audio has
-# played, so N clients are N concurrent real-time streams; MIN_REQ: requests per client per capacity level, default 3). Needs .whl.
+# played, so N clients are N concurrent real-time streams; MIN_REQ: requests per client per capacity level, default 3; OVERLOAD: the overload factor after the
+# capacity search, default 2, 0 skips it). Needs .whl.
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/_stop_server.sh
@@ -70,7 +71,7 @@ if [ -n "$CAPACITY_LEVELS" ]; then
   echo "== capacity (voice default, 0 stalls, p99 <= 500 ms), then 2x overload${LISTEN:+; clients listen (--playback)}"
   $CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default \
     --capacity --concurrency "$CAPACITY_LEVELS" --max-streams "$MAX_ACTIVE" --p99-bound-ms 500 \
-    --min-requests-per-client "${MIN_REQ:-3}" --overload 2 --ramp-s "${RAMP_S:-0}" --warmup 0 $LISTEN --out "$OUTDIR/capacity" \
+    --min-requests-per-client "${MIN_REQ:-3}" --overload "${OVERLOAD:-2}" --ramp-s "${RAMP_S:-0}" --warmup 0 $LISTEN --out "$OUTDIR/capacity" \
     2>&1 | tail -30
   # per level and 2-s arrival window: first chunk and its engine phases, and the slowest requests' phases
   python3 benchmarks/first_chunk_tail.py "$OUTDIR/server.log" --min-requests 60 > "$OUTDIR/capacity/first_chunk_tail.md"
