@@ -10,8 +10,8 @@
 # one level per count, e.g. 6 requests each for a longer steady state); CHUNK_POLICY:
 # default exponential for unet, the DiT path's own default (15 tokens, then 25-token hops) for dit; ONE_STREAM=N: first
 # N requests from one client after the warm-up, the first-chunk table at 1 stream; CAPACITY_LEVELS= (empty) skips the
-# capacity search; STREAM_CLIENTS=N: one plain streaming level of N clients x 3 requests; SAMPLE_STACKS=1: the
-# scheduler thread's stacks per level, benchmarks/stack_sampler.py; PLAYBACK=1: the capacity and streaming levels
+# capacity search; STREAM_CLIENTS=N[,M..]: plain streaming levels of N (M, ..) clients x 3 requests;
+# SAMPLE_STACKS=1: the scheduler thread's stacks per level, benchmarks/stack_sampler.py; PLAYBACK=1: the capacity and streaming levels
 # clients listen, `bench --playback`: each plays its streams in real time and sends the next request when the audio has
 # played, so N clients are N concurrent real-time streams; MIN_REQ: requests per client per capacity level, default 3;
 # OVERLOAD: the overload factor after the capacity search, default 2, 0 skips it). Needs .whl.
@@ -64,8 +64,9 @@ if [ -n "${STREAM_CLIENTS:-}" ]; then
   S0=$(since)
   $CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default \
     --concurrency "$STREAM_CLIENTS" --min-requests-per-client 3 --ramp-s "${RAMP_S:-0}" --warmup 0 $LISTEN \
-    --out "$OUTDIR/stream" 2>&1 | grep -A3 "^| clients"
+    --out "$OUTDIR/stream" 2>&1 | grep -A8 "^| clients"
   stacks "streaming at $STREAM_CLIENTS clients" "$S0"
+  python3 benchmarks/first_chunk_tail.py "$OUTDIR/server.log" --min-requests 60 > "$OUTDIR/stream/first_chunk_tail.md"
 fi
 if [ -n "$CAPACITY_LEVELS" ]; then
   echo "== capacity (voice default, 0 stalls, p99 <= 500 ms), then 2x overload${LISTEN:+; clients listen (--playback)}"
