@@ -51,9 +51,11 @@ python3 benchmarks/startup_probe.py --since "$T0" --url http://127.0.0.1:8000 --
 if ! kill -0 "$SERVER" 2>/dev/null; then  # (died at start: do not spend the device call waiting on it)
   echo "== the server exited; its log ends:"; tail -40 "$OUTDIR/server.log"; exit 1
 fi
-echo "== warm-up (not counted): lazily captured graphs (the DiT solves) get captured here"
-$CS bench --url grpc://127.0.0.1:8001 --no-progress --voice default --concurrency 1,4,16,32 --requests-per-level 24 \
-  --min-requests-per-client 1 --warmup 0 --out "$OUTDIR/warmup" >/dev/null 2>&1
+if [ "${SKIP_WARMUP:-0}" != 1 ]; then  # SKIP_WARMUP=1: every graph was captured before ready (UNet, --graphs-before-ready)
+  echo "== warm-up (not counted): lazily captured graphs (the DiT solves) get captured here"
+  $CS bench --url grpc://127.0.0.1:8001 --no-progress --voice default --concurrency 1,4,16,32 --requests-per-level 24 \
+    --min-requests-per-client 1 --warmup 0 --out "$OUTDIR/warmup" >/dev/null 2>&1
+fi
 if [ -n "${ONE_STREAM:-}" ]; then
   echo "== one stream: $ONE_STREAM requests back to back (first-chunk latency at 1 stream, client side)"
   $CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default \
