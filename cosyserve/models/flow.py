@@ -62,6 +62,7 @@ from ..errors import ConfigError
 from .config import CFMConfig, EstimatorConfig, FlowConfig
 from .flow_encoder import EncoderStreamCache, UpsampleConformerEncoder, segment_index
 from .flow_estimator import EstimatorStreamCache, FlowEstimator
+from .flow_prefix import PrefixPlan, PrefixPool
 from .transfer import to_device
 
 __all__ = ["FlowModel", "FlowConditioning", "FlowInputs", "FlowRun", "CausalFlowMatching", "SolverState",
@@ -789,6 +790,63 @@ class FlowModel(nn.Module):
         streaming_d = to_device(torch.tensor(streaming, dtype=torch.bool), device)
         state = self.decoder.begin(mu, mask, spks, cond, streaming_d, n, x0=x0, plan=plan)
         return FlowRun(lambda: self.decoder.step(state), state, inputs, starts)
+
+    def begin_prefixed(self, ids: Tensor, lengths: Tensor, streaming: Tensor, embeddings: Tensor, feats: Tensor,
+                       max_encoder_len: int, pool: PrefixPool, slots: Tensor, starts: Tensor, t_new: int,
+                       n_timesteps: int | None = None) -> SolverState:
+        """Device part of a prefixed solve (:mod:`~cosyserve.models.flow_prefix`), free of host
+        synchronisation (CUDA-graph capturable): :meth:`encode` over every token (arguments as there), then
+        the solver's set-up on each row's frames ``[starts[b], mel_len[b])`` left-aligned in ``t_new`` frames
+        (``mu``, ``cond`` and the fixed noise gathered from frame ``starts[b]`` on) with a
+        :class:`~cosyserve.models.flow_prefix.PrefixPlan` reading pool slot ``slots[b]`` where ``starts[b] >
+        0``. ``slots``, ``starts``: int64 ``[B]`` on the device; ``t_new`` >= every row's ``mel_len - start``.
+        Returns the :class:`SolverState` (``state.x`` holds frames ``starts[b]`` on)."""
+        _, mu, spks, cond, _ = self.encode(ids, lengths, streaming, embeddings, feats, max_encoder_len)
+        dtype, device = mu.dtype, mu.device
+        frames = mu.size(-1)
+        new = lengths[2] - starts
+        i = torch.arange(t_new, device=device).view(1, -1)
+        at = (starts.view(-1, 1) + i).clamp(max=frames - 1)                        # [B, Tn] absolute frames
+        valid = (i < new.view(-1, 1)).to(dtype).unsqueeze(1)                        # [B, 1, Tn]
+        at_mels = at.unsqueeze(1).expand(-1, self.n_mels, -1)
+        mu_new = mu.gather(2, at_mels) * valid
+        cond_new = cond.gather(2, at_mels) * valid
+        x0 = self.decoder.noise(frames, device, dtype)[0].t()[at]                   # [B, Tn, n_mels]
+        plan = PrefixPlan(pool, slots, starts, new, streaming, t_new,
+                          self.decoder.estimator.cfg.static_chunk_size, dtype)
+        return self.decoder.begin(mu_new, valid, spks, cond_new, streaming, n_timesteps, x0=x0, plan=plan)
+
+    @torch.inference_mode()
+    def start_prefixed(self, inputs: FlowInputs, pool: PrefixPool, slots: Sequence[int], starts: Sequence[int],
+                       n_timesteps: int | None = None) -> "FlowRun":
+        """:meth:`start` for a batch whose non-final streaming items start from their voice's prompt prefix
+        in ``pool`` (eager; :meth:`begin_prefixed`). Item ``b`` with ``starts[b] > 0`` solves only the frames
+        after the prefix in slot ``slots[b]``: ``starts[b]`` must be that slot's frames, the item streaming
+        and at least that long, and the slot must hold the prefix of the item's voice (its prompt tokens,
+        prompt mel and speaker embedding: the caller's key; not checked here). Items with ``starts[b] = 0``
+        run whole (``slots[b]`` is then not read). Returns a :class:`FlowRun` whose :meth:`FlowRun.mels`
+        are those of :meth:`start`. Raises ValueError for inconsistent arguments."""
+        b_n = inputs.ids.shape[0]
+        if len(slots) != b_n or len(starts) != b_n:
+            raise ValueError(f"flow: {len(slots)} prefix slots and {len(starts)} starts for {b_n} items")
+        streaming = inputs.streaming.tolist()
+        for b, (slot, s) in enumerate(zip(slots, starts)):
+            if s == 0:
+                continue
+            if not 0 <= slot < pool.slots or pool.frames[slot] != s:
+                raise ValueError(f"flow: item {b} starts at frame {s}, but prefix slot {slot} holds "
+                                 f"{pool.frames[slot] if 0 <= slot < pool.slots else 'nothing'}")
+            if not streaming[b] or inputs.mel_lengths[b] < s:
+                raise ValueError(f"flow: item {b} cannot start from a prefix of {s} frames (streaming "
+                                 f"{streaming[b]}, {inputs.mel_lengths[b]} frames)")
+        device = self._model_device()
+        dev = [to_device(x, device) for x in (inputs.ids, inputs.lengths, inputs.streaming, inputs.embeddings,
+                                              inputs.feats)]
+        idx = to_device(torch.tensor([[max(0, int(x)) if s else 0 for x, s in zip(slots, starts)],
+                                      [int(s) for s in starts]]), device)
+        t_new = max(m - s for m, s in zip(inputs.mel_lengths, starts))
+        state = self.begin_prefixed(*dev, inputs.max_encoder_len, pool, idx[0], idx[1], t_new, n_timesteps)
+        return FlowRun(lambda: self.decoder.step(state), state, inputs, list(starts))
 
     @torch.inference_mode()
     def inference(self, token: Tensor, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor,

@@ -712,9 +712,10 @@ class FlowEstimator(nn.Module):
                                self.attention_sites(), self.cfg.num_heads, self.cfg.attention_head_dim,
                                device, dtype)
 
-    def _forward_stream_cached(self, h: Tensor, plan: StreamCachePlan, t: Tensor) -> Tensor:
-        """:meth:`forward_btc` of the new frames of a stream-cached batch (one-level U-Net):
-        ``h [2B, Tn, in_channels]`` -> ``[2B, Tn, out_channels]``, zero at padded frames."""
+    def _forward_stream_cached(self, h: Tensor, plan, t: Tensor) -> Tensor:
+        """:meth:`forward_btc` of the new frames of a stream-cached batch (one-level U-Net; ``plan`` a
+        :class:`StreamCachePlan` or a :class:`~cosyserve.models.flow_prefix.PrefixPlan`: ``bias``, ``mask``,
+        ``step_io()``): ``h [2B, Tn, in_channels]`` -> ``[2B, Tn, out_channels]``, zero at padded frames."""
         io = plan.step_io()
         terms = iter(self.time_terms(t))
         bias = plan.bias
@@ -780,7 +781,7 @@ class FlowEstimator(nn.Module):
         masked attention keys, per-frame norms), which is what upstream's extra masking
         guarantees too.
         """
-        if isinstance(plan, StreamCachePlan):
+        if not isinstance(plan, AttentionPlan):  # a StreamCachePlan or a flow_prefix.PrefixPlan: new frames only
             return self._forward_stream_cached(h, plan, t)
         terms = iter(self.time_terms(t))
         biases = plan.biases()

@@ -1,0 +1,146 @@
+"""Issue 17 (UNet path): prefixed flow solves in fixed shapes (:mod:`cosyserve.models.flow_prefix`).
+
+A non-final streaming call solves only the frames after its voice's prompt prefix, read from a
+fixed-capacity device pool through index tensors (the form a CUDA graph can capture). Checked here:
+every streaming call of the reference stream cases against upstream's mel (PARITY_TOL) from a prefix the
+call's own prompt built; prefixed calls against uncached ones over long streams under both schedules and
+in one batch that mixes two voices (prefixes of different lengths in different slots), a streaming row
+without prefix and a final (non-streaming) row (SELF_TOL); the pool's layout and its errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _reference import PARITY_TOL, SELF_TOL, meta, rel_l2, tensors
+from cosyserve.engine.chunking import ChunkPolicy
+from cosyserve.models.flow import FlowStreamCache
+from cosyserve.models.flow_prefix import PrefixPool, context_width
+from test_flow_stream_cache import STREAM_CASES, _calls, _long_stream, _run, _tokens, flow, prompt  # noqa: F401
+
+
+def _prefix(flow, prompt, seed: int = 99):
+    """The voice's prompt prefix (an EstimatorStreamCache), built as the engine builds it: a stream's first
+    streaming call (other tokens than the ones checked) with its commit limited to the prefix's frames."""
+    frames = flow.prompt_prefix_frames(prompt[0].shape[1])
+    assert frames > 0
+    builder = FlowStreamCache()
+    builder.commit_limit = frames
+    _run(flow, [_long_stream(flow, 20, seed)], prompt, [True], [False], caches=[builder])
+    assert builder.frames == frames
+    return builder.estimator
+
+
+def _prefixed(flow, pool, items):
+    """``items``: (tokens, prompt, finalize, slot, start) -> the mels of one prefixed batch."""
+    inputs = flow.prepare([t for t, *_ in items], [p[0] for _, p, *_ in items], [p[1] for _, p, *_ in items],
+                          torch.cat([p[2] for _, p, *_ in items]), [not f for _, _, f, _, _ in items],
+                          [f for _, _, f, _, _ in items])
+    run = flow.start_prefixed(inputs, pool, [s for *_, s, _ in items], [s for *_, s in items])
+    while run.steps_left:
+        run.step()
+    assert int(run.state.plan.step) == run.state.n  # the device step counter advanced once per step
+    return run.mels()
+
+
+def _pool(flow, slots: int = 3, extra_chunks: int = 2, frames: int | None = None):
+    chunk = flow.decoder.estimator.cfg.static_chunk_size
+    return PrefixPool.for_flow(flow, slots, (frames or 0) + extra_chunks * chunk)
+
+
+def test_pool_layout_matches_the_stream_cache(flow, prompt):
+    est = _prefix(flow, prompt)
+    assert est.contexts.size(-1) == context_width(flow.decoder.estimator)
+    pool = _pool(flow, frames=est.frames)
+    pool.put(1, est)
+    s = est.frames
+    assert pool.frames == [0, s, 0]
+    assert torch.equal(pool.keys[1, ..., :s, :], est.keys) and torch.equal(pool.values[1, ..., :s, :], est.values)
+    assert not pool.keys[1, ..., s:, :].any() and not pool.keys[0].any()  # zero past the prefix, other slots
+    per_frame = flow.cfg.cfm.n_timesteps * flow.decoder.estimator.stream_cache_values_per_frame()
+    assert pool.keys.numel() + pool.values.numel() == 3 * pool.max_frames * per_frame
+    pool.clear(1)
+    assert pool.frames[1] == 0 and not pool.keys[1].any()
+    with pytest.raises(ValueError, match="exceeds"):
+        PrefixPool.for_flow(flow, 1, s - 1).put(0, est)
+    with pytest.raises(ValueError, match="out of range"):
+        pool.put(3, est)
+    from cosyserve.models.flow_estimator import EstimatorStreamCache
+    with pytest.raises(ValueError, match="empty"):
+        pool.put(0, EstimatorStreamCache())
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("name", STREAM_CASES)
+def test_reference_stream_calls_from_a_prefix(flow, name):
+    t = tensors(name)
+    voice = (t["prompt_token"], t["prompt_feat"], t["embedding"])
+    est = _prefix(flow, voice)
+    pool = _pool(flow, slots=2, frames=est.frames)
+    pool.put(1, est)
+    tokens = _tokens(name)
+    used = 0
+    for i, c in enumerate(meta(name)["chunks"]):
+        final = bool(c["finalize"])
+        start = est.frames if c["streaming"] and not final else 0
+        got = _prefixed(flow, pool, [(tokens[:, : int(c["n_tokens"])], voice, final, 1, start)])[0]
+        ref = t[f"c{i}_flow_mel"]
+        assert got.shape == ref.shape  # the prefix lies in the prompt: every non-prompt frame is returned
+        err = rel_l2(got, ref)
+        print(f"{name} call {i}: prefix {start} frames, rel L2 {err:.2e}")
+        assert err <= PARITY_TOL
+        used += start > 0
+    assert used >= 1
+
+
+@pytest.mark.parametrize("spec", ["upstream", "exponential"])
+def test_prefixed_stream_equals_uncached(flow, prompt, spec):
+    est = _prefix(flow, prompt)
+    pool = _pool(flow, frames=est.frames)
+    pool.put(2, est)
+    tokens = _long_stream(flow, 300, seed=23)
+    calls = _calls(ChunkPolicy.parse(spec, lookahead=flow.pre_lookahead_len), prompt[0].shape[1], 300)
+    assert len(calls) >= 4
+    for end, final in calls:
+        full = _run(flow, [tokens[:, :end]], prompt, [not final], [final])[0]
+        got = _prefixed(flow, pool, [(tokens[:, :end], prompt, final, 2, 0 if final else est.frames)])[0]
+        assert got.shape == full.shape
+        assert rel_l2(got, full) <= SELF_TOL, (spec, end, final)
+
+
+def test_mixed_batch_two_voices(flow, prompt):
+    """One batch: voice A's streams from slot 0 (two lengths), voice B (a shorter prompt: a shorter prefix)
+    from slot 2, a streaming row of A without prefix, a final row of B; each equals its uncached call."""
+    chunk = flow.decoder.estimator.cfg.static_chunk_size
+    n_b = prompt[0].shape[1] - chunk // flow.token_mel_ratio
+    voice_b = (prompt[0][:, :n_b], prompt[1][:, : flow.token_mel_ratio * n_b], prompt[2] * 0.5)
+    est_a, est_b = _prefix(flow, prompt), _prefix(flow, voice_b)
+    assert est_b.frames < est_a.frames
+    pool = _pool(flow, frames=est_a.frames)
+    pool.put(0, est_a)
+    pool.put(2, est_b)
+    s1, s2, s3, s4 = (_long_stream(flow, n, seed) for n, seed in ((40, 1), (90, 2), (60, 3), (70, 4)))
+    items = [(s1, prompt, False, 0, est_a.frames), (s2, prompt, False, 0, est_a.frames),
+             (s3, voice_b, False, 2, est_b.frames), (s4, prompt, False, 1, 0), (s2[:, :50], voice_b, True, 2, 0)]
+    got = _prefixed(flow, pool, items)
+    for g, (tok, voice, final, _, _) in zip(got, items):
+        full = _run(flow, [tok], voice, [not final], [final])[0]
+        assert g.shape == full.shape
+        assert rel_l2(g, full) <= SELF_TOL
+
+
+def test_inconsistent_prefix_arguments_are_rejected(flow, prompt):
+    est = _prefix(flow, prompt)
+    pool = _pool(flow, frames=est.frames)
+    pool.put(0, est)
+    tok = _long_stream(flow, 40, 7)
+    with pytest.raises(ValueError, match="slot 1 holds 0"):
+        _prefixed(flow, pool, [(tok, prompt, False, 1, est.frames)])
+    with pytest.raises(ValueError, match="holds"):
+        _prefixed(flow, pool, [(tok, prompt, False, 0, est.frames - 1)])
+    with pytest.raises(ValueError, match="cannot start from a prefix"):
+        _prefixed(flow, pool, [(tok, prompt, True, 0, est.frames)])  # a final (non-streaming) call
+    inputs = flow.prepare([tok], [prompt[0]], [prompt[1]], prompt[2], [True], [False])
+    with pytest.raises(ValueError, match="prefix slots"):
+        flow.start_prefixed(inputs, pool, [0, 0], [0])
