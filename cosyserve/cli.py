@@ -480,14 +480,20 @@ def _engine_args(p, in_process: bool = False) -> None:
                    help="auto admission: streams still before their second chunk are at most this share of the "
                         "admitted ones (default 0.45; a burst of arrivals then starts in waves, not all in phase; "
                         "1 = no such bound)" + note)
-    p.add_argument("--flow-stream-cache", choices=("auto", "on", "off"), default="auto",
+    p.add_argument("--flow-stream-cache", choices=("auto", "on", "off", "prefix"), default="auto",
                    help="streaming chunks compute only the flow frames after the stream's complete static chunks, "
                         "reusing their cached per-step keys/values (CosyVoice2 U-Net: 2.2 MiB, CosyVoice3 DiT: "
                         "1.8 MB per cached frame at full size in bf16; CosyVoice2: a stream's first chunk starts "
                         "from its voice's prompt prefix, computed once per voice); cached chunks run without CUDA "
                         "graphs; "
                         "auto (default) = on unless the flow runs as CUDA graphs, 'off' = upstream's full "
-                        "recomputation" + note)
+                        "recomputation; 'prefix' = CosyVoice2: no per-stream caches, every non-final streaming "
+                        "chunk starts from its voice's prompt prefix, kept for --flow-prefix-slots voices in a "
+                        "device pool allocated at start (--flow-stream-cache-frames frames each, default 300; "
+                        "eager for now)" + note)
+    p.add_argument("--flow-prefix-slots", type=_positive_int, default=4, metavar="N",
+                   help="with --flow-stream-cache prefix: voices whose prompt prefix is kept (default 4; "
+                        "least recently used out)" + note)
     p.add_argument("--strict-min-len", action="store_true",
                    help="mask every stop token (not only upstream's one id) until a segment has its minimum "
                         "length: for benchmarks with random weights, where CosyVoice3's upstream min-length mask "
@@ -570,7 +576,9 @@ def _engine_config(args, background_default: bool = False, **overrides):
                   graph_priming=getattr(args, "graph_priming", False),
                   decode_lookahead=args.decode_lookahead, admission=args.admission,
                   admission_target=args.admission_target, admission_start_share=args.admission_start_share,
-                  flow_stream_cache={"auto": None, "on": True, "off": False}[args.flow_stream_cache],
+                  flow_stream_cache={"auto": None, "on": True, "off": False,
+                                     "prefix": "prefix"}[args.flow_stream_cache],
+                  flow_prefix_slots=args.flow_prefix_slots,
                   flow_stream_cache_frames=args.flow_stream_cache_frames, strict_min_len=args.strict_min_len,
                   stream_chunk_policy=args.chunk_policy if getattr(args, "chunk_policy_given", False) else None)
     fields.update(overrides)

@@ -10,10 +10,11 @@ without prefix and a final (non-streaming) row (SELF_TOL); the pool's layout and
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from _reference import PARITY_TOL, SELF_TOL, meta, rel_l2, tensors
+from _reference import PARITY_TOL, SELF_TOL, WAVE_TOL, meta, rel_l2, tensors
 from cosyserve.engine.chunking import ChunkPolicy
 from cosyserve.models.flow import FlowStreamCache
 from cosyserve.models.flow_prefix import PrefixPool, context_width
@@ -144,3 +145,103 @@ def test_inconsistent_prefix_arguments_are_rejected(flow, prompt):
     inputs = flow.prepare([tok], [prompt[0]], [prompt[1]], prompt[2], [True], [False])
     with pytest.raises(ValueError, match="prefix slots"):
         flow.start_prefixed(inputs, pool, [0, 0], [0])
+
+
+# ---------------------------------------------------------------------------------------
+# engine: --flow-stream-cache prefix
+
+
+def _engine_audio(syn, voices, texts, config, seed0: int):
+    from cosyserve.engine.chunking import ChunkPolicy as Policy
+    from cosyserve.engine.request import AudioChunk, SynthesisParams
+
+    engine = syn.new_engine(config)
+    for i, (t, v) in enumerate(zip(texts, voices)):
+        p = SynthesisParams(seed=seed0 + i, stream=True, min_token_text_ratio=6, max_token_text_ratio=7,
+                            chunk_policy=Policy.parse("exponential"))
+        engine.add_request(syn.build_request(t, v, p, request_id=f"r{i}"))
+    chunks = {f"r{i}": [] for i in range(len(texts))}
+    while engine.has_work():
+        for ev in engine.step():
+            if isinstance(ev, AudioChunk):
+                chunks[ev.request_id].append(ev.samples)
+    engine.close()
+    return engine, {k: np.concatenate(v) for k, v in chunks.items()}
+
+
+def test_engine_prompt_prefixes_equal_full_recomputation(monkeypatch):
+    """``flow_stream_cache="prefix"``: the non-final chunks of three streams of a voice start from its prefix
+    (built once), no stream keeps a cache, and the audio equals the engine without caches."""
+    from cosyserve.engine.core import EngineConfig
+    from test_flow_stream_cache import _engine_setup
+
+    syn, voice, texts, _ = _engine_setup(monkeypatch)
+    voices = [voice, voice, voice]
+    texts3 = texts + ["One more sentence for the third stream."]
+    calls = []
+    real = syn.models.flow.start_prefixed
+
+    def spy(inputs, pool, slots, starts, n_timesteps=None):
+        calls.append(list(starts))
+        return real(inputs, pool, slots, starts, n_timesteps)
+
+    monkeypatch.setattr(syn.models.flow, "start_prefixed", spy)
+    engine, got = _engine_audio(syn, voices, texts3, EngineConfig(max_active=3, max_queue=4,
+                                                                  flow_stream_cache="prefix"), 60)
+    frames = syn.models.flow.prompt_prefix_frames(int(voice.flow_speech_token.numel()))
+    pp = engine.t2w.prefix_pool
+    assert pp is not None and pp.builds == 1 and pp.hits >= 2 and not engine._flow_stream_cache
+    assert calls and all(s in (0, frames) for c in calls for s in c) and sum(s > 0 for c in calls for s in c) >= 3
+    _, ref = _engine_audio(syn, voices, texts3, EngineConfig(max_active=3, max_queue=4, flow_stream_cache=False), 60)
+    for k in ref:
+        assert got[k].shape == ref[k].shape
+        assert rel_l2(torch.from_numpy(got[k]), torch.from_numpy(ref[k])) <= WAVE_TOL
+
+
+def test_voice_prefix_pool_slots_are_shared_and_recycled(flow, prompt):
+    """One slot, two voices: a batch's second voice runs without prefix (its slot is read by the first);
+    the next batch of the second voice evicts the first; a voice whose prompt has no complete chunk never
+    gets one; non-streaming, final and stream-cached jobs get none."""
+    from types import SimpleNamespace
+
+    from cosyserve.engine.token2wav import VoicePrefixPool
+
+    chunk = flow.decoder.estimator.cfg.static_chunk_size
+    n_b = prompt[0].shape[1] - chunk // flow.token_mel_ratio
+
+    def voice(tok, feat, emb):
+        return SimpleNamespace(flow_speech_token=tok[0], speech_feat=feat, flow_embedding=emb[0])
+
+    va = voice(*prompt)
+    vb = voice(prompt[0][:, :n_b], prompt[1][:, : flow.token_mel_ratio * n_b], prompt[2] * 0.5)
+    vs = voice(prompt[0][:, :4], prompt[1][:, :8], prompt[2])  # no complete chunk in the prompt
+
+    def job(v, streaming=True, finalize=False, cache=None):
+        return SimpleNamespace(voice=v, streaming=streaming, finalize=finalize, flow_cache=cache)
+
+    pp = VoicePrefixPool(flow, 1, 6 * chunk)
+    fa, fb = flow.prompt_prefix_frames(int(va.flow_speech_token.numel())), \
+        flow.prompt_prefix_frames(int(vb.flow_speech_token.numel()))
+    assert pp.assign([job(va), job(vb), job(va)]) == ([0, 0, 0], [fa, 0, fa])
+    assert pp.builds == 1 and pp.hits == 1
+    assert pp.assign([job(vb)]) == ([0], [fb]) and pp.builds == 2
+    assert pp.assign([job(va)]) == ([0], [fa]) and pp.builds == 3
+    assert pp.assign([job(vs), job(va, False), job(va, True, True), job(va, cache=object())]) == \
+        ([0, 0, 0, 0], [0, 0, 0, 0])
+    assert pp.nbytes() == pp.pool.nbytes() > 0
+    with pytest.raises(ValueError, match="at least one chunk"):
+        VoicePrefixPool(flow, 1, chunk - 1)
+
+
+def test_cli_prefix_flag():
+    import argparse
+
+    from cosyserve import cli
+
+    p = argparse.ArgumentParser()
+    cli._engine_args(p)
+    cfg = cli._engine_config(p.parse_args(["--flow-stream-cache", "prefix", "--flow-prefix-slots", "2"]))
+    assert cfg.flow_stream_cache == "prefix" and cfg.flow_prefix_slots == 2
+    assert cli._engine_config(p.parse_args([])).flow_prefix_slots == 4
+    with pytest.raises(SystemExit):
+        p.parse_args(["--flow-prefix-slots", "0"])

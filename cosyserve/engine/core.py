@@ -82,6 +82,12 @@ class QueueFullError(CosyServeError):
     """The engine already holds ``max_active + max_queue`` requests (HTTP 429)."""
 
 
+#: mel frames (50/s) of a voice's prompt prefix kept with ``--flow-stream-cache prefix`` unless
+#: ``--flow-stream-cache-frames`` says otherwise: the complete chunks of prompts up to ~6 s
+#: (2.19 MiB per frame at full size in bf16: 0.64 GiB per voice)
+FLOW_PREFIX_FRAMES = 300
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Scheduler limits.
@@ -184,10 +190,15 @@ class EngineConfig:
     CosyVoice2 U-Net: :class:`~cosyserve.models.flow.FlowStreamCache`; CosyVoice3's DiT:
     :class:`~cosyserve.engine.token2wav_cv3.Cv3FlowCacheSlot`; both kept per segment and passed in
     its jobs); ``None`` (default): on while the flow is not CUDA-graphed (cached chunks run eagerly),
-    ``True``/``False``: on/off (``--flow-stream-cache``); ``flow_stream_cache_frames``: at most this
+    ``True``/``False``: on/off (``--flow-stream-cache``); ``"prefix"``: no per-stream caches, but every
+    non-final streaming chunk of the CosyVoice2 U-Net starts from its voice's prompt prefix, kept for
+    ``flow_prefix_slots`` voices in a device pool allocated at start
+    (:class:`~cosyserve.engine.token2wav.VoicePrefixPool`; fixed shapes, for CUDA graphs);
+    ``flow_stream_cache_frames``: at most this
     many mel frames cached per stream (None: the segment's length bounds it; 2.2 MiB per frame at
     full size in bf16 for CosyVoice2, whose later frames are then recomputed every chunk; 1.8 MB
-    for CosyVoice3, whose stream then drops its cache and recomputes its chunks).
+    for CosyVoice3, whose stream then drops its cache and recomputes its chunks); with ``"prefix"`` the
+    frames per voice prefix (default :data:`FLOW_PREFIX_FRAMES`).
     ``stream_chunk_policy``: the chunk policy spec streams use by default (the server's
     ``--chunk-policy``; None: :func:`~cosyserve.engine.chunking.default_chunk_policy` of the
     token2wav path); with a Step-Audio2 DiT token2wav directory the solve graphs captured before
@@ -231,8 +242,9 @@ class EngineConfig:
     admission_target: float = 0.8
     admission_start_share: float = 0.45
     strict_min_len: bool = False
-    flow_stream_cache: bool | None = None
+    flow_stream_cache: bool | str | None = None
     flow_stream_cache_frames: int | None = None
+    flow_prefix_slots: int = 4
     stream_chunk_policy: str | None = None
     stream_prompt_s: tuple[float, float] = (2.0, 10.0)
     dit_graph_memory: float = 0.25
@@ -256,6 +268,9 @@ class EngineConfig:
             ("t2w_queue_steps >= 1", self.t2w_queue_steps is None or self.t2w_queue_steps >= 1),
             ("decode_lookahead >= 1", self.decode_lookahead >= 1),
             ("flow_stream_cache_frames >= 0", self.flow_stream_cache_frames is None or self.flow_stream_cache_frames >= 0),
+            ("flow_stream_cache in (None, True, False, 'prefix')",
+             self.flow_stream_cache in (None, True, False, "prefix")),
+            ("flow_prefix_slots >= 1", self.flow_prefix_slots >= 1),
             ("0 < dit_graph_memory < 1", 0 < self.dit_graph_memory < 1))
             if not ok]
         if bad:
@@ -631,9 +646,20 @@ class EngineCore:
         (CosyVoice2's U-Net, CosyVoice3's DiT) each streaming segment gets one from
         ``t2w.new_flow_cache`` at its first chunk (``SegmentState.flow_cache``, passed in its jobs,
         freed at its final chunk): :attr:`_flow_stream_cache`."""
+        supported = bool(getattr(self.t2w, "supports_flow_cache", False))
+        if config.flow_stream_cache == "prefix":
+            self._flow_stream_cache = False
+            if supported and hasattr(self.t2w, "enable_prompt_prefixes"):
+                frames = config.flow_stream_cache_frames or FLOW_PREFIX_FRAMES
+                self.t2w.enable_prompt_prefixes(config.flow_prefix_slots, frames)
+                log.info("CosyVoice2 flow: voice prompt prefixes for %d voices (%d frames each, %.2f GB)",
+                         config.flow_prefix_slots, self.t2w.prefix_pool.pool.max_frames,
+                         self.t2w.prefix_pool.nbytes() / 1e9)
+            else:
+                log.info("flow prompt prefixes: not supported by this token2wav path (off)")
+            return
         on = getattr(models.flow, "graph", None) is None if config.flow_stream_cache is None \
             else config.flow_stream_cache
-        supported = bool(getattr(self.t2w, "supports_flow_cache", False))
         #: streaming segments carry per-stream flow caches
         self._flow_stream_cache = supported and on
         if supported:

@@ -120,6 +120,99 @@ class PromptPrefixes:
         return len(self._d)
 
 
+class VoicePrefixPool:
+    """The voices' prompt prefixes in a fixed device pool (``--flow-stream-cache prefix``): a non-final
+    streaming job of a voice whose prefix the pool holds solves only the frames after it
+    (:meth:`~cosyserve.models.flow.FlowModel.start_prefixed`, :mod:`~cosyserve.models.flow_prefix`); no
+    stream keeps a cache of its own. ``slots`` voices, ``max_frames`` prefix frames each (a longer
+    prompt's prefix is cut to whole chunks within it: still exact). A voice's prefix is built the first
+    time a batch needs it (one eager streaming call of its prompt with a few placeholder tokens, its
+    commit limited to the prefix: :meth:`~cosyserve.models.flow.FlowModel.prompt_prefix_frames`), in the
+    least recently used slot that the batch does not read; a batch with more voices than that leaves the
+    rest without prefix (full solves). Keyed by the voice's content (:meth:`PromptPrefixes.key`).
+    Counters: :attr:`hits`, :attr:`builds`. Not thread-safe (the engine thread launches the batches)."""
+
+    def __init__(self, flow, slots: int, max_frames: int):
+        from ..models.flow_prefix import PrefixPool
+
+        chunk = flow.decoder.estimator.cfg.static_chunk_size
+        if chunk <= 0 or max_frames < chunk:
+            raise ValueError(f"prompt prefixes need chunk-causal streaming and at least one chunk ({chunk} "
+                             f"frames) per voice, got {max_frames} frames")
+        self.flow, self.chunk = flow, chunk
+        self.pool = PrefixPool.for_flow(flow, slots, max_frames // chunk * chunk)
+        self._slots: OrderedDict[bytes, int] = OrderedDict()  # voice key -> slot, least recently used first
+        self._none: set[bytes] = set()  # voices whose prompt has no complete chunk: no prefix
+        self.hits = self.builds = 0
+
+    def nbytes(self) -> int:
+        """Device bytes of the pool (allocated up front)."""
+        return self.pool.nbytes()
+
+    def assign(self, jobs: list) -> tuple[list[int], list[int]]:
+        """Per job ``(slot, start)``: the prefix slot and its frames for a non-final streaming job without
+        a stream cache whose voice has (or now gets) a prefix, else ``(0, 0)``. Builds missing prefixes
+        (eagerly, on the current CUDA stream)."""
+        slots, starts, used = [], [], set()
+        for job in jobs:
+            slot = None
+            if job.streaming and not job.finalize and job.flow_cache is None:
+                slot = self._slot(job.voice, used)
+            if slot is None:
+                slots.append(0)
+                starts.append(0)
+            else:
+                used.add(slot)
+                slots.append(slot)
+                starts.append(self.pool.frames[slot])
+        return slots, starts
+
+    def _slot(self, voice: Voice, used: set) -> int | None:
+        key = PromptPrefixes.key(voice)
+        if key in self._none:
+            return None
+        slot = self._slots.get(key)
+        if slot is not None:
+            self._slots.move_to_end(key)
+            self.hits += 1
+            return slot
+        taken = set(self._slots.values())
+        free = [s for s in range(self.pool.slots) if s not in taken]
+        if free:
+            slot = free[0]
+        else:  # the least recently used voice whose slot this batch does not read
+            victim = next((k for k, s in self._slots.items() if s not in used), None)
+            if victim is None:
+                return None
+            slot = self._slots.pop(victim)
+        if not self._build(slot, voice):
+            self._none.add(key)
+            return None
+        self._slots[key] = slot
+        self.builds += 1
+        return slot
+
+    @torch.inference_mode()
+    def _build(self, slot: int, voice: Voice) -> bool:
+        from ..models.flow import FlowStreamCache
+
+        flow = self.flow
+        n_prompt = int(voice.flow_speech_token.numel())
+        frames = min(flow.prompt_prefix_frames(n_prompt), self.pool.max_frames)
+        if frames <= 0:
+            self.pool.clear(slot)
+            return False
+        builder = FlowStreamCache()
+        builder.commit_limit = frames
+        # the prefix's frames read the prompt alone: any tokens after it give the same prefix
+        filler = torch.zeros(flow.pre_lookahead_len + 1, dtype=torch.long)
+        flow.inference_batch([filler], [voice.flow_speech_token], [voice.speech_feat],
+                             voice.flow_embedding.reshape(1, -1), [True], [False], caches=[builder])
+        self.pool.put(slot, builder.estimator)
+        builder.clear()
+        return True
+
+
 def make_token2wav(models):
     """The token2wav backend for ``models`` (:class:`~cosyserve.models.loader.CosyVoice2Models`):
     the DiT backend when a Step-Audio2 token2wav directory was attached (``models.dit``), the
@@ -202,6 +295,17 @@ class Token2Wav(Token2WavBackend):
         self._state_bytes = 0  # the largest flow stream cache seen (stream_state_bytes)
         #: the voices' prompt prefixes for the streams' first cached chunks
         self.prefixes = PromptPrefixes()
+        #: the voices' prompt prefixes in a fixed device pool (:meth:`enable_prompt_prefixes`; None: off)
+        self.prefix_pool: VoicePrefixPool | None = None
+
+    def enable_prompt_prefixes(self, slots: int, max_frames: int) -> None:
+        """Non-final streaming jobs start from their voice's prompt prefix, kept for ``slots`` voices of at
+        most ``max_frames`` frames each in a device pool allocated now (:class:`VoicePrefixPool`; the
+        engine's ``--flow-stream-cache prefix``). Raises ValueError where the flow cannot (a deeper U-Net,
+        no chunk-causal streaming) or for sizes below one chunk."""
+        if not self.supports_flow_cache:
+            raise ValueError("prompt prefixes need a one-level U-Net flow estimator (CosyVoice2)")
+        self.prefix_pool = VoicePrefixPool(self.flow, slots, max_frames)
 
     @property
     def supports_flow_cache(self) -> bool:
@@ -288,9 +392,12 @@ class Token2Wav(Token2WavBackend):
                 finalize=[j.finalize for j in jobs],
             )
             caches = self._unet_caches(jobs)
+            slots, starts = self.prefix_pool.assign(jobs) if self.prefix_pool is not None else ([], [])
             if any(c is not None for c in caches):  # stream-cached: eager (no CUDA graph)
                 pending.prefix_builds = self._seed_prefixes(jobs, caches)
                 pending.run = self.flow.start(inputs, caches=caches)
+            elif any(starts):  # from the voices' prompt prefixes
+                pending.run = self.flow.start_prefixed(inputs, self.prefix_pool.pool, slots, starts)
             else:
                 pending.run = self.flow.start(inputs)
         pending.advance(queue_steps)
