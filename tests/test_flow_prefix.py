@@ -245,3 +245,43 @@ def test_cli_prefix_flag():
     assert cli._engine_config(p.parse_args([])).flow_prefix_slots == 4
     with pytest.raises(SystemExit):
         p.parse_args(["--flow-prefix-slots", "0"])
+
+
+# ---------------------------------------------------------------------------------------
+# the CUDA-graph form, run eagerly: encoder bucket -> fixed buffers -> solver bucket
+
+
+def test_fixed_buffer_halves_equal_uncached(flow, prompt):
+    """:func:`prefix_encode_into` over a padded encoder bucket (more rows and tokens than the batch) and
+    :func:`prefix_begin_from_fixed` over a padded solver bucket, with the fixed buffers holding another
+    batch's leftovers: each item's mel equals its uncached call (what the captured graphs will replay)."""
+    from cosyserve.models.graphs import (fill_flow_buffers, fill_prefix_rows, flow_buffers, prefix_begin_from_fixed,
+                                         prefix_encode_into, prefix_fixed_buffers)
+
+    est = _prefix(flow, prompt)
+    pool = _pool(flow, frames=est.frames)
+    pool.put(1, est)
+    ratio = flow.token_mel_ratio
+    items = [(_long_stream(flow, 40, 11), False, 1, est.frames), (_long_stream(flow, 75, 12), False, 1, est.frames),
+             (_long_stream(flow, 30, 13), False, 0, 0), (_long_stream(flow, 55, 14), True, 0, 0)]
+    inputs = flow.prepare([t for t, *_ in items], [prompt[0]] * 4, [prompt[1]] * 4, torch.cat([prompt[2]] * 4),
+                          [not f for _, f, _, _ in items], [f for _, f, _, _ in items])
+    bb, lb = 6, inputs.ids.shape[1] + 20  # bucket padding: two idle rows, 20 more tokens
+    bufs = flow_buffers(flow, bb, lb, "cpu")
+    fill_flow_buffers(bufs, inputs, ratio)
+    fixed = prefix_fixed_buffers(flow, 8, ratio * lb + 64, "cpu")
+    fixed["mu"].fill_(7.0)  # another batch's leftovers: read only where masked
+    fixed["cond"].fill_(-3.0)
+    prefix_encode_into(flow, bufs, fixed)
+    fill_prefix_rows(fixed, [s for *_, s, _ in items], [s for *_, s in items])
+    new = [m - s for m, (*_, s) in zip(inputs.mel_lengths, items)]
+    state = prefix_begin_from_fixed(flow, fixed, pool, bb, max(new) + 16)
+    for _ in range(state.n):
+        flow.decoder.step(state)
+    mel = state.mels()
+    for b, (tok, final, _, s) in enumerate(items):
+        full = _run(flow, [tok], prompt, [not final], [final])[0]
+        p, n = inputs.prompt_frames[b], inputs.mel_lengths[b]
+        got = mel[b:b + 1, :, max(p, s) - s:n - s]
+        assert got.shape == full.shape
+        assert rel_l2(got, full) <= SELF_TOL, b

@@ -802,9 +802,18 @@ class FlowModel(nn.Module):
         0``. ``slots``, ``starts``: int64 ``[B]`` on the device; ``t_new`` >= every row's ``mel_len - start``.
         Returns the :class:`SolverState` (``state.x`` holds frames ``starts[b]`` on)."""
         _, mu, spks, cond, _ = self.encode(ids, lengths, streaming, embeddings, feats, max_encoder_len)
+        return self.begin_after_prefix(mu, spks, cond, lengths[2], streaming, pool, slots, starts, t_new, n_timesteps)
+
+    def begin_after_prefix(self, mu: Tensor, spks: Tensor, cond: Tensor, mel_len: Tensor, streaming: Tensor,
+                           pool: PrefixPool, slots: Tensor, starts: Tensor, t_new: int,
+                           n_timesteps: int | None = None) -> SolverState:
+        """The solver part of :meth:`begin_prefixed` (free of host synchronisation): from the conditioning of
+        whole items — ``mu``, ``cond`` ``[B, n_mels, T]`` (frames past an item's ``mel_len`` may hold
+        anything finite: they are only read where masked), ``spks [B, n_mels]``, ``mel_len`` int64 ``[B]``,
+        ``streaming`` bool ``[B]`` — the set-up on frames ``[starts[b], mel_len[b])`` (arguments as there)."""
         dtype, device = mu.dtype, mu.device
         frames = mu.size(-1)
-        new = lengths[2] - starts
+        new = mel_len - starts
         i = torch.arange(t_new, device=device).view(1, -1)
         at = (starts.view(-1, 1) + i).clamp(max=frames - 1)                        # [B, Tn] absolute frames
         valid = (i < new.view(-1, 1)).to(dtype).unsqueeze(1)                        # [B, 1, Tn]

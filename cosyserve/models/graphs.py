@@ -1387,6 +1387,59 @@ def flow_begin_from_buffers(flow, bufs: dict[str, torch.Tensor]):
     return flow.decoder.begin(mu, mask, spks, cond, bufs["streaming"])
 
 
+def prefix_fixed_buffers(flow, max_batch: int, max_frames: int, device) -> dict[str, torch.Tensor]:
+    """The fixed-layout tensors between the two halves of a prefixed flow solve in CUDA graphs (issue 17:
+    :mod:`~cosyserve.models.flow_prefix`): the encoder graphs of buckets ``(rows, tokens)`` write each row's
+    conditioning here (:func:`prefix_encode_into`), the solver graphs of buckets ``(rows, new frames)`` read
+    it (:func:`prefix_begin_from_fixed`), so the two bucket grids are independent. ``mu``, ``cond`` ``[R,
+    n_mels, F]`` and ``spks [R, n_mels]`` (model dtype), ``mel_len`` / ``slots`` / ``starts`` int64 ``[R]``,
+    ``streaming`` bool ``[R]`` (``R = max_batch``, ``F = max_frames``); zero-initialised (a frame no encoder
+    wrote is zero: finite, as :meth:`~cosyserve.models.flow.FlowModel.begin_after_prefix` needs)."""
+    dtype, n_mels = flow._model_dtype(), flow.n_mels
+    return {"mu": torch.zeros(max_batch, n_mels, max_frames, device=device, dtype=dtype),
+            "cond": torch.zeros(max_batch, n_mels, max_frames, device=device, dtype=dtype),
+            "spks": torch.zeros(max_batch, n_mels, device=device, dtype=dtype),
+            "mel_len": torch.ones(max_batch, dtype=torch.long, device=device),
+            "slots": torch.zeros(max_batch, dtype=torch.long, device=device),
+            "starts": torch.zeros(max_batch, dtype=torch.long, device=device),
+            "streaming": torch.zeros(max_batch, dtype=torch.bool, device=device)}
+
+
+def prefix_encode_into(flow, bufs: dict[str, torch.Tensor], fixed: dict[str, torch.Tensor]) -> None:
+    """The encoder half of a prefixed solve (capturable): :meth:`~cosyserve.models.flow.FlowModel.encode`
+    over a :func:`flow_buffers` bucket of ``bb`` rows and ``lb`` tokens, its conditioning copied into rows
+    ``[0, bb)`` and frames ``[0, ratio * lb)`` of :func:`prefix_fixed_buffers` (the rows' frame counts and
+    streaming flags too)."""
+    bb, lb = bufs["ids"].shape
+    _, mu, spks, cond, _ = flow.encode(bufs["ids"], bufs["lengths"], bufs["streaming"], bufs["embeddings"],
+                                       bufs["feats"], lb)
+    t = mu.size(-1)
+    fixed["mu"][:bb, :, :t].copy_(mu)
+    fixed["cond"][:bb, :, :t].copy_(cond)
+    fixed["spks"][:bb].copy_(spks)
+    fixed["mel_len"][:bb].copy_(bufs["lengths"][2])
+    fixed["streaming"][:bb].copy_(bufs["streaming"])
+
+
+def fill_prefix_rows(fixed: dict[str, torch.Tensor], slots, starts) -> None:
+    """The rows' prefix slots and starts (host ints, one per item) into :func:`prefix_fixed_buffers`
+    (asynchronous copies); later rows (bucket padding) get none."""
+    d = fixed["slots"].device
+    fixed["slots"].zero_()
+    fixed["starts"].zero_()
+    idx = to_device(torch.tensor([list(slots), list(starts)], dtype=torch.long), d)
+    fixed["slots"][: idx.shape[1]].copy_(idx[0])
+    fixed["starts"][: idx.shape[1]].copy_(idx[1])
+
+
+def prefix_begin_from_fixed(flow, fixed: dict[str, torch.Tensor], pool, bb: int, t_new: int):
+    """The solver half of a prefixed solve (capturable) for a bucket of ``bb`` rows and ``t_new`` new
+    frames: :meth:`~cosyserve.models.flow.FlowModel.begin_after_prefix` over rows ``[0, bb)`` of
+    :func:`prefix_fixed_buffers` -> its :class:`~cosyserve.models.flow.SolverState`."""
+    return flow.begin_after_prefix(fixed["mu"][:bb], fixed["spks"][:bb], fixed["cond"][:bb], fixed["mel_len"][:bb],
+                                   fixed["streaming"][:bb], pool, fixed["slots"][:bb], fixed["starts"][:bb], t_new)
+
+
 def flow_from_buffers(flow, bufs: dict[str, torch.Tensor]) -> torch.Tensor:
     """Begin + all Euler steps over bucket buffers (eagerly) -> ``[bb, n_mels, T]`` float32: what
     the graphs of a :class:`GraphedFlow` bucket compute together."""
