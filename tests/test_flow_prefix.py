@@ -285,3 +285,54 @@ def test_fixed_buffer_halves_equal_uncached(flow, prompt):
         got = mel[b:b + 1, :, max(p, s) - s:n - s]
         assert got.shape == full.shape
         assert rel_l2(got, full) <= SELF_TOL, b
+
+
+def test_graphed_prefix_flow_grids(flow, prompt):
+    """The two stages' grids (built on CPU, nothing captured): the solver's frame buckets are the encoder's
+    token buckets x ``token_mel_ratio`` with the same rows, every encoder bucket has its solver bucket, and a
+    batch past the grids is left to the eager path (None)."""
+    from cosyserve.models.graphs import GraphedPrefixFlow
+
+    est = _prefix(flow, prompt)
+    pool = _pool(flow, frames=est.frames)
+    g = GraphedPrefixFlow(flow, pool, max_batch=8, max_tokens=256, max_area=1024, max_quad=1024 * 512)
+    ratio = flow.token_mel_ratio
+    assert g.solver.grid.batches == g.encoder.grid.batches
+    assert g.solver.grid.lengths == [ratio * n for n in g.encoder.grid.lengths]
+    assert {(b, ratio * n) for b, n in g.encoder.keys()} == set(g.solver.keys())
+    assert g.fixed["mu"].shape == (8, flow.n_mels, ratio * g.encoder.grid.lengths[-1])
+    assert g.stages == [g.encoder, g.solver]
+    long = _long_stream(flow, 300, 3)  # 300 tokens + the prompt: past max_tokens
+    inputs = flow.prepare([long], [prompt[0]], [prompt[1]], prompt[2], [True], [False])
+    assert g.start(inputs, [1], [est.frames]) is None
+
+
+# ---------------------------------------------------------------------------------------
+# CUDA (run on the GPU machine): the captured halves equal the eager prefixed solve and the uncached one
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graphed_prefix_flow(flow, prompt, dtype):
+    import copy
+
+    from cosyserve.models.graphs import GraphedPrefixFlow
+
+    model = copy.deepcopy(flow).to("cuda", dtype)
+    est = _prefix(model, prompt)
+    pool = _pool(model, frames=est.frames)
+    pool.put(1, est)
+    items = [(_long_stream(model, 40, 21), prompt, False, 1, est.frames),
+             (_long_stream(model, 80, 22), prompt, False, 1, est.frames),
+             (_long_stream(model, 35, 23), prompt, False, 0, 0), (_long_stream(model, 60, 24), prompt, True, 0, 0)]
+    eager = _prefixed(model, pool, items)
+    model.prefix_graph = GraphedPrefixFlow(model, pool, max_batch=8, max_tokens=512)
+    graphed = _prefixed(model, pool, items)  # buckets captured on first use
+    assert len(model.prefix_graph.encoder._graphs) == 1 and len(model.prefix_graph.solver._graphs) == 1
+    again = _prefixed(model, pool, items)  # replayed
+    tol = SELF_TOL if dtype == torch.float32 else 2e-2
+    for e, g, a, (tok, voice, final, _, _) in zip(eager, graphed, again, items):
+        assert rel_l2(g.cpu(), e.cpu()) <= SELF_TOL and torch.equal(g.cpu(), a.cpu())
+        full = _run(model, [tok], voice, [not final], [final])[0]
+        assert rel_l2(g.cpu(), full.cpu()) <= tol

@@ -542,6 +542,13 @@ class EngineCore:
             models.flow.graph = GraphedFlow(models.flow, config.max_t2w_batch, max_tokens=config.kv_max_len,
                                             max_area=config.max_t2w_tokens,
                                             max_quad=config.max_t2w_tokens * T2W_ATTENTION_LEN)
+            if config.flow_stream_cache == "prefix" and getattr(self.t2w, "supports_flow_cache", False):
+                from ..models.graphs import GraphedPrefixFlow  # prefixed streaming solves: their own graphs
+
+                self._enable_prompt_prefixes(config)
+                models.flow.prefix_graph = GraphedPrefixFlow(
+                    models.flow, self.t2w.prefix_pool.pool, config.max_t2w_batch, max_tokens=config.kv_max_len,
+                    max_area=config.max_t2w_tokens, max_quad=config.max_t2w_tokens * T2W_ATTENTION_LEN)
         on_cuda = next(models.hift.parameters()).is_cuda
         if cv3 and getattr(models.hift, "graph_trunk", 1) is None and on_cuda:
             from ..models.graphs import GraphedCausalHiFTTrunk  # HiFT input per job: window + new frames
@@ -556,8 +563,9 @@ class EngineCore:
             models.hift.graph_decode = GraphedHiFTDecoder(
                 models.hift, config.max_t2w_batch, max_frames=ratio * config.kv_max_len + extra,
                 max_area=ratio * config.max_t2w_tokens + extra * config.max_t2w_batch)
+        prefix = getattr(getattr(models.flow, "prefix_graph", None), "stages", [])
         return [g for g in (getattr(models.hift, "graph_decode", None), getattr(models.hift, "graph_trunk", None),
-                            getattr(models.flow, "graph", None)) if g is not None and hasattr(g, "pending")]
+                            getattr(models.flow, "graph", None), *prefix) if g is not None and hasattr(g, "pending")]
 
     @staticmethod
     def _plan_dit_graphs(graph, prompt_tokens, models, config: EngineConfig) -> int:
@@ -650,11 +658,7 @@ class EngineCore:
         if config.flow_stream_cache == "prefix":
             self._flow_stream_cache = False
             if supported and hasattr(self.t2w, "enable_prompt_prefixes"):
-                frames = config.flow_stream_cache_frames or FLOW_PREFIX_FRAMES
-                self.t2w.enable_prompt_prefixes(config.flow_prefix_slots, frames)
-                log.info("CosyVoice2 flow: voice prompt prefixes for %d voices (%d frames each, %.2f GB)",
-                         config.flow_prefix_slots, self.t2w.prefix_pool.pool.max_frames,
-                         self.t2w.prefix_pool.nbytes() / 1e9)
+                self._enable_prompt_prefixes(config)
             else:
                 log.info("flow prompt prefixes: not supported by this token2wav path (off)")
             return
@@ -665,6 +669,14 @@ class EngineCore:
         if supported:
             family = "CosyVoice3" if getattr(models.cfg, "is_cosyvoice3", False) else "CosyVoice2"
             log.info("%s flow stream cache: %s", family, "on" if on else "off")
+
+    def _enable_prompt_prefixes(self, config: EngineConfig) -> None:
+        """``--flow-stream-cache prefix``: the voices' prompt prefix pool on the token2wav backend (once)."""
+        if getattr(self.t2w, "prefix_pool", None) is not None:
+            return
+        self.t2w.enable_prompt_prefixes(config.flow_prefix_slots, config.flow_stream_cache_frames or FLOW_PREFIX_FRAMES)
+        log.info("CosyVoice2 flow: voice prompt prefixes for %d voices (%d frames each, %.2f GB)",
+                 config.flow_prefix_slots, self.t2w.prefix_pool.pool.max_frames, self.t2w.prefix_pool.nbytes() / 1e9)
 
     def _set_hift_f0(self, models, config: EngineConfig) -> None:
         """``EngineConfig.hift_f0`` onto the vocoder: ``batched`` sets

@@ -461,6 +461,9 @@ class FlowModel(nn.Module):
         #: optional :class:`~cosyserve.models.graphs.GraphedFlow` (encoder + solve as CUDA graphs),
         #: used by :meth:`inference_batch` on CUDA with the default number of steps
         self.graph = None
+        #: optional :class:`~cosyserve.models.graphs.GraphedPrefixFlow` (prefixed solves as CUDA graphs),
+        #: used by :meth:`start_prefixed` on CUDA with the default number of steps
+        self.prefix_graph = None
 
     @property
     def rand_noise(self) -> Tensor:
@@ -853,6 +856,11 @@ class FlowModel(nn.Module):
                                               inputs.feats)]
         idx = to_device(torch.tensor([[max(0, int(x)) if s else 0 for x, s in zip(slots, starts)],
                                       [int(s) for s in starts]]), device)
+        default_steps = n_timesteps in (None, self.cfg.cfm.n_timesteps)
+        if self.prefix_graph is not None and device.type == "cuda" and default_steps:
+            run = self.prefix_graph.start(inputs, list(slots), list(starts))
+            if run is not None:
+                return run
         t_new = max(m - s for m, s in zip(inputs.mel_lengths, starts))
         state = self.begin_prefixed(*dev, inputs.max_encoder_len, pool, idx[0], idx[1], t_new, n_timesteps)
         return FlowRun(lambda: self.decoder.step(state), state, inputs, list(starts))

@@ -1317,6 +1317,109 @@ class GraphedFlow(_BucketGraphs):
         return run.state.mels(inputs.ids.shape[0])
 
 
+class GraphedPrefixEncoder(_BucketGraphs):
+    """The encoder half of prefixed flow solves (:mod:`~cosyserve.models.flow_prefix`) as CUDA graphs, one
+    per ``(rows, tokens)`` bucket of :class:`GraphedFlow`'s grid: :func:`prefix_encode_into` from the bucket's
+    :func:`flow_buffers` into the shared fixed buffers (:func:`prefix_fixed_buffers`) that
+    :class:`GraphedPrefixSolver` reads. Not measured on a GPU yet (``--flow-stream-cache prefix``)."""
+
+    name = "flow prefix encoder"
+    quadratic_len = 512
+
+    def __init__(self, flow, fixed: dict, grid: BucketGrid, pool=None):
+        super().__init__(grid, flow._model_device(), pool)
+        self.flow, self.fixed = flow, fixed
+
+    @torch.inference_mode()
+    def _warm_up(self, bb: int, lb: int) -> None:  # private inputs; never writes the fixed buffers
+        bufs = flow_buffers(self.flow, bb, lb, self.device)
+        self.flow.encode(bufs["ids"], bufs["lengths"], bufs["streaming"], bufs["embeddings"], bufs["feats"], lb)
+
+    @torch.inference_mode()
+    def _record_entry(self, key, background: bool):
+        bb, lb = key
+        bufs = flow_buffers(self.flow, bb, lb, self.device, self.shared)
+        g, _ = _record(lambda: prefix_encode_into(self.flow, bufs, self.fixed), self.pool, self.stream,
+                       settle_first=not background)
+        return g, bufs
+
+
+class GraphedPrefixSolver(_BucketGraphs):
+    """The solver half of prefixed flow solves as CUDA graphs, per ``(rows, new frames)`` bucket: a *begin*
+    graph (:func:`prefix_begin_from_fixed`: the rows' frames after their prefixes gathered from the fixed
+    buffers, the :class:`~cosyserve.models.flow_prefix.PrefixPlan`, the solver's set-up) and a *step* graph
+    (one Euler step reading the prefix pool at the plan's device step counter), replayed ``n`` times. The
+    solver state of each bucket lives in the stage's pool (not shared between buckets as
+    :class:`GraphedFlow`'s is). Not measured on a GPU yet."""
+
+    name = "flow prefix solver"
+    quadratic_len = 512
+
+    def __init__(self, flow, fixed: dict, prefix_pool, grid: BucketGrid, pool=None):
+        super().__init__(grid, flow._model_device(), pool)
+        self.flow, self.fixed, self.prefix_pool = flow, fixed, prefix_pool
+
+    @torch.inference_mode()
+    def _warm_up(self, bb: int, nb: int) -> None:  # private fixed buffers and plan; reads the prefix pool
+        fixed = prefix_fixed_buffers(self.flow, bb, nb, self.device)
+        self.flow.decoder.step(prefix_begin_from_fixed(self.flow, fixed, self.prefix_pool, bb, nb))
+
+    @torch.inference_mode()
+    def _record_entry(self, key, background: bool):
+        bb, nb = key
+        flow, settle = self.flow, not background
+        g_begin, state = _record(lambda: prefix_begin_from_fixed(flow, self.fixed, self.prefix_pool, bb, nb),
+                                 self.pool, self.stream, settle_first=settle)
+        g_step, _ = _record(lambda: flow.decoder.step(state), self.pool, self.stream, settle_first=settle)
+        return g_begin, g_step, state
+
+
+class GraphedPrefixFlow:
+    """Prefixed flow solves (``--flow-stream-cache prefix``) as CUDA graphs: a :class:`GraphedPrefixEncoder`
+    over ``(rows, tokens)`` buckets and a :class:`GraphedPrefixSolver` over ``(rows, new frames)`` buckets (the
+    frame buckets: ``token_mel_ratio`` x the token buckets), joined by fixed-layout buffers, so a chunk whose
+    voice's prefix covers most of its frames replays a short solve. :meth:`start` returns a
+    :class:`~cosyserve.models.flow.FlowRun`, or None where a bucket is missing (the caller runs eagerly).
+    :attr:`stages` are what the engine captures. Not measured on a GPU yet."""
+
+    def __init__(self, flow, prefix_pool, max_batch: int, max_tokens: int = 1024, max_area: int | None = None,
+                 token_bucket: int = 32, pool=None, max_quad: int | None = None):
+        ratio = flow.token_mel_ratio
+        noise_tokens = flow.rand_noise.size(-1) // ratio // token_bucket * token_bucket
+        top = max(token_bucket, min(max_tokens, noise_tokens))
+        rows, lengths = half_octave_buckets(max_batch), length_buckets(token_bucket, top)
+        self.flow, self.ratio = flow, ratio
+        self.fixed = prefix_fixed_buffers(flow, rows[-1], ratio * lengths[-1], flow._model_device())
+        self.encoder = GraphedPrefixEncoder(flow, self.fixed, BucketGrid(rows, lengths, max_area, max_quad), pool)
+        frame_grid = BucketGrid(rows, [ratio * n for n in lengths], None if max_area is None else ratio * max_area,
+                                None if max_quad is None else ratio * ratio * max_quad)
+        self.solver = GraphedPrefixSolver(flow, self.fixed, prefix_pool, frame_grid, self.encoder.pool)
+        self.stages = [self.encoder, self.solver]
+
+    @torch.inference_mode()
+    def start(self, inputs, slots, starts):
+        """Fill the buffers and replay the encoder graph and the solver's begin graph of ``inputs`` (a
+        :class:`~cosyserve.models.flow.FlowInputs`) with per item prefix ``slots`` / ``starts`` (host ints, as
+        :meth:`~cosyserve.models.flow.FlowModel.start_prefixed` checked them); None if a bucket is missing."""
+        from .flow import FlowRun
+
+        b, n_tok = inputs.ids.shape
+        t_new = max(m - s for m, s in zip(inputs.mel_lengths, starts))
+        if not (self.encoder.grid.fits(b, n_tok) and self.solver.grid.fits(b, t_new)):
+            return None
+        key_e, key_s = self.encoder.grid.pick(b, n_tok), self.solver.grid.pick(b, t_new)
+        enc, sol = self.encoder.lookup(key_e), self.solver.lookup(key_s)
+        if enc is None or sol is None:
+            return None
+        g_enc, bufs = enc
+        g_begin, g_step, state = sol
+        fill_flow_buffers(bufs, inputs, self.ratio)
+        fill_prefix_rows(self.fixed, slots, starts)
+        g_enc.replay()
+        g_begin.replay()
+        return FlowRun(g_step.replay, state, inputs, list(starts))
+
+
 def _share_plan(plan, share):
     """The estimator's attention plan (a dataclass: CosyVoice2's
     :class:`~cosyserve.models.flow_estimator.AttentionPlan`, CosyVoice3's
