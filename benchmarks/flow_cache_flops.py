@@ -8,11 +8,13 @@ rows) times, dense attention as the kernels compute it (a masked key still costs
 first static chunk that was incomplete in the previous call; attention over the cached keys).
 The encoder column of "after" assumes the encoder also starts from the first incomplete chunk
 (``--encoder-cached yes``) or re-runs over everything (``no``). The final call is non-streaming
-(full attention, upstream semantics) and is a full re-run in both.
+(full attention, upstream semantics) and is a full re-run in both. ``--prefix FRAMES``: "after" is
+``--flow-stream-cache prefix`` instead (every streaming call solves the frames after the voice's prompt
+prefix, attending the pool's FRAMES padded prefix keys; the encoder re-runs over everything).
 
     python benchmarks/flow_cache_flops.py [--yaml cosyvoice2.yaml] [--seconds 20] [--prompt-seconds 5]
                                           [--schedule upstream|exponential] [--encoder-cached yes|no]
-                                          [--cap FRAMES]
+                                          [--cap FRAMES] [--prefix FRAMES]
 
 Default yaml: the REAL CosyVoice2-0.5B yaml in the reference data's manifests/.
 """
@@ -72,7 +74,13 @@ def main() -> None:
     ap.add_argument("--encoder-cached", choices=["yes", "no"], default="yes")
     ap.add_argument("--cap", type=int, default=None, metavar="FRAMES",
                     help="--flow-stream-cache-frames: at most FRAMES cached frames per stream")
+    ap.add_argument("--prefix", type=int, default=None, metavar="FRAMES",
+                    help="'after' = --flow-stream-cache prefix with a pool of FRAMES frames per voice: every "
+                         "streaming call solves the frames after the voice's prompt prefix (no per-stream cache), "
+                         "attending FRAMES padded prefix keys; the encoder re-runs over everything")
     args = ap.parse_args()
+    if args.prefix is not None:
+        args.encoder_cached = "no"
 
     cfg = load_config(args.yaml).flow
     enc, est, cfm = cfg.encoder, cfg.estimator, cfg.cfm
@@ -101,11 +109,15 @@ def main() -> None:
         enc_len = l_tok - la if streaming else l_tok
         frames = ratio * enc_len
         start = cached if streaming else 0
+        keys = frames
+        if args.prefix is not None:  # the voice's prompt prefix (complete chunks of the prompt), padded keys
+            start = min((ratio * (n_prompt - la)) // chunk * chunk, args.prefix // chunk * chunk) if streaming else 0
+            keys = frames - start + (args.prefix // chunk * chunk if streaming else 0)
         e_before = encoder_macs(enc, enc_len, enc_len, ratio)
         tok_start = start // ratio
         e_after = encoder_macs(enc, enc_len - tok_start, enc_len, ratio) if args.encoder_cached == "yes" else e_before
         s_before = rows * estimator_macs(est, cfg.output_size, frames, frames)
-        s_after = rows * estimator_macs(est, cfg.output_size, frames - start, frames)
+        s_after = rows * estimator_macs(est, cfg.output_size, frames - start, keys)
         b, a = (e_before + s_before) / 1e9, (e_after + s_after) / 1e9
         tot_b, tot_a = tot_b + b, tot_a + a
         print(f"{i:>4} {end:>6} {frames:>6} {start:>6} {frames - start:>6} | {b:>11.1f} {a:>10.1f} {b / a:>6.2f} | "
