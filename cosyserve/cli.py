@@ -489,8 +489,9 @@ def _engine_args(p, in_process: bool = False) -> None:
                         "auto (default) = on unless the flow runs as CUDA graphs, 'off' = upstream's full "
                         "recomputation; 'prefix' = CosyVoice2: no per-stream caches, every non-final streaming "
                         "chunk starts from its voice's prompt prefix, kept for --flow-prefix-slots voices in a "
-                        "device pool allocated at start (--flow-stream-cache-frames frames each, default 300; "
-                        "eager for now)" + note)
+                        "device pool allocated at start (--flow-stream-cache-frames frames each, default 300); "
+                        "on CUDA the prefixed solves get CUDA graphs of their own (not measured on a GPU yet)"
+                        + note)
     p.add_argument("--flow-prefix-slots", type=_positive_int, default=4, metavar="N",
                    help="with --flow-stream-cache prefix: voices whose prompt prefix is kept (default 4; "
                         "least recently used out)" + note)
