@@ -255,8 +255,9 @@ def test_fixed_buffer_halves_equal_uncached(flow, prompt):
     """:func:`prefix_encode_into` over a padded encoder bucket (more rows and tokens than the batch) and
     :func:`prefix_begin_from_fixed` over a padded solver bucket, with the fixed buffers holding another
     batch's leftovers: each item's mel equals its uncached call (what the captured graphs will replay)."""
-    from cosyserve.models.graphs import (fill_flow_buffers, fill_prefix_rows, flow_buffers, prefix_begin_from_fixed,
-                                         prefix_encode_into, prefix_fixed_buffers)
+    from cosyserve.models.graphs import (GraphedFlow, SharedBuffers, fill_flow_buffers, fill_prefix_rows, flow_buffers,
+                                         prefix_begin_from_fixed, prefix_encode_into, prefix_fixed_buffers,
+                                         shared_solver_state)
 
     est = _prefix(flow, prompt)
     pool = _pool(flow, frames=est.frames)
@@ -275,7 +276,14 @@ def test_fixed_buffer_halves_equal_uncached(flow, prompt):
     prefix_encode_into(flow, bufs, fixed)
     fill_prefix_rows(fixed, [s for *_, s, _ in items], [s for *_, s in items])
     new = [m - s for m, (*_, s) in zip(inputs.mel_lengths, items)]
-    state = prefix_begin_from_fixed(flow, fixed, pool, bb, max(new) + 16)
+    nb = max(new) + 16
+    # the solver state in shared buffers sized by a larger bucket, as the captured begin graph leaves it
+    shared = SharedBuffers(bb * (nb + 64), "cpu")
+    big = prefix_begin_from_fixed(flow, fixed, pool, bb, nb + 64)
+    for name, t in GraphedFlow._state_buffers(big).items():
+        shared.take(name, t.shape, t.dtype, bb * (nb + 64)).fill_(5.0)  # leftovers of that bucket
+    state = shared_solver_state(prefix_begin_from_fixed(flow, fixed, pool, bb, nb), shared, bb * nb)
+    assert state.plan.bias.data_ptr() == shared.take("bias", (1,), state.plan.bias.dtype, 1).data_ptr()
     for _ in range(state.n):
         flow.decoder.step(state)
     mel = state.mels()

@@ -824,8 +824,8 @@ class FlowModel(nn.Module):
         mu_new = mu.gather(2, at_mels) * valid
         cond_new = cond.gather(2, at_mels) * valid
         x0 = self.decoder.noise(frames, device, dtype)[0].t()[at]                   # [B, Tn, n_mels]
-        plan = PrefixPlan(pool, slots, starts, new, streaming, t_new,
-                          self.decoder.estimator.cfg.static_chunk_size, dtype)
+        plan = PrefixPlan.build(pool, slots, starts, new, streaming, t_new,
+                                self.decoder.estimator.cfg.static_chunk_size, dtype)
         return self.decoder.begin(mu_new, valid, spks, cond_new, streaming, n_timesteps, x0=x0, plan=plan)
 
     @torch.inference_mode()
@@ -851,19 +851,21 @@ class FlowModel(nn.Module):
             if not streaming[b] or inputs.mel_lengths[b] < s:
                 raise ValueError(f"flow: item {b} cannot start from a prefix of {s} frames (streaming "
                                  f"{streaming[b]}, {inputs.mel_lengths[b]} frames)")
+        slots = [int(x) if s else 0 for x, s in zip(slots, starts)]  # a row without prefix reads no slot
+        starts = [int(s) for s in starts]
         device = self._model_device()
-        dev = [to_device(x, device) for x in (inputs.ids, inputs.lengths, inputs.streaming, inputs.embeddings,
-                                              inputs.feats)]
-        idx = to_device(torch.tensor([[max(0, int(x)) if s else 0 for x, s in zip(slots, starts)],
-                                      [int(s) for s in starts]]), device)
-        default_steps = n_timesteps in (None, self.cfg.cfm.n_timesteps)
-        if self.prefix_graph is not None and device.type == "cuda" and default_steps:
-            run = self.prefix_graph.start(inputs, list(slots), list(starts))
+        graph = self.prefix_graph
+        if (graph is not None and graph.prefix_pool is pool and device.type == "cuda"
+                and n_timesteps in (None, self.cfg.cfm.n_timesteps)):
+            run = graph.start(inputs, slots, starts)
             if run is not None:
                 return run
+        dev = [to_device(x, device) for x in (inputs.ids, inputs.lengths, inputs.streaming, inputs.embeddings,
+                                              inputs.feats)]
+        idx = to_device(torch.tensor([slots, starts]), device)
         t_new = max(m - s for m, s in zip(inputs.mel_lengths, starts))
         state = self.begin_prefixed(*dev, inputs.max_encoder_len, pool, idx[0], idx[1], t_new, n_timesteps)
-        return FlowRun(lambda: self.decoder.step(state), state, inputs, list(starts))
+        return FlowRun(lambda: self.decoder.step(state), state, inputs, starts)
 
     @torch.inference_mode()
     def inference(self, token: Tensor, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor,

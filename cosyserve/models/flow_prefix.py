@@ -35,6 +35,8 @@ equal to the uncached solve up to float summation order (tests/test_flow_prefix.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -121,46 +123,57 @@ class PrefixPool:
         self.frames[slot] = 0
 
 
+@dataclass
 class PrefixPlan:
     """Masks and prefix reads of one prefixed solve (module doc), in place of an
-    :class:`~cosyserve.models.flow_estimator.AttentionPlan`.
+    :class:`~cosyserve.models.flow_estimator.AttentionPlan`; build it with :meth:`build`.
 
-    ``slots``, ``starts``, ``new``: int64 ``[B]``; ``streaming``: bool ``[B]`` (all on the pool's device):
-    row ``b`` holds frames ``[starts[b], starts[b] + new[b])`` of its item left-aligned in ``t_new``
-    frames, after the prefix of pool slot ``slots[b]`` when ``starts[b] > 0`` (``starts[b]`` must then be
-    that slot's frames; with 0 the slot is not read). Tensor attributes: ``bias [2B, 1, Tn, S + Tn]``
-    (0 allowed, the most negative finite value masked: prefix key ``j`` iff ``j < starts[b]``; new key ``j``
-    iff ``j < new[b]`` and, for a streaming row, frame ``starts[b] + j`` lies before the end of the query's
-    static chunk of ``chunk`` frames), ``mask [2B, Tn, 1]`` (1 at valid frames), ``has_prefix [B, 1, 1]``
-    (model dtype), ``base [B]`` (the rows' first index into the pool's flattened step rows), ``step`` (0-dim
-    int64: Euler steps done, advanced by :meth:`PrefixStepIO.finish`). Built without host synchronisation.
-    """
+    Fields: ``pool`` (the :class:`PrefixPool`), ``b`` (rows), ``t_new`` (frames per row), and the tensors
+    ``bias [2B, 1, Tn, S + Tn]`` (0 allowed, the most negative finite value masked), ``mask [2B, Tn, 1]`` (1 at
+    valid frames), ``has_prefix [B, 1, 1]`` (model dtype), ``base [B]`` (each row's first index into the
+    pool's flattened (slot, step) rows) and ``step`` (0-dim int64: Euler steps done, advanced by
+    :meth:`PrefixStepIO.finish`). A dataclass, so that CUDA graphs can keep its tensors in shared buffers
+    (:func:`~cosyserve.models.graphs._share_plan`)."""
 
-    def __init__(self, pool: PrefixPool, slots: Tensor, starts: Tensor, new: Tensor, streaming: Tensor,
-                 t_new: int, chunk: int, dtype: torch.dtype):
+    pool: PrefixPool
+    b: int
+    t_new: int
+    bias: Tensor
+    mask: Tensor
+    has_prefix: Tensor
+    base: Tensor
+    step: Tensor
+
+    @classmethod
+    def build(cls, pool: PrefixPool, slots: Tensor, starts: Tensor, new: Tensor, streaming: Tensor, t_new: int,
+              chunk: int, dtype: torch.dtype) -> "PrefixPlan":
+        """``slots``, ``starts``, ``new``: int64 ``[B]``; ``streaming``: bool ``[B]`` (all on the pool's
+        device): row ``b`` holds frames ``[starts[b], starts[b] + new[b])`` of its item left-aligned in
+        ``t_new`` frames, after the prefix of pool slot ``slots[b]`` when ``starts[b] > 0`` (``starts[b]``
+        must then be that slot's frames; with 0 the slot's keys are masked and its contexts zeroed). Prefix
+        key ``j`` is allowed iff ``j < starts[b]``; new key ``j`` iff ``j < new[b]`` and, for a streaming row,
+        frame ``starts[b] + j`` lies before the end of the query's static chunk of ``chunk`` frames. No host
+        synchronisation."""
         device = starts.device
-        self.pool, self.b, self.t_new = pool, int(starts.numel()), int(t_new)
-        s_max = pool.max_frames
+        t_new = int(t_new)
         start, n_new = starts.view(-1, 1), new.view(-1, 1)
-        i = torch.arange(self.t_new, device=device).view(1, -1)
+        i = torch.arange(t_new, device=device).view(1, -1)
         q_abs = start + i                                                      # [B, Tn] absolute frames
-        prefix_ok = torch.arange(s_max, device=device).view(1, -1) < start      # [B, S]
+        prefix_ok = torch.arange(pool.max_frames, device=device).view(1, -1) < start  # [B, S]
         k_ok = i < n_new                                                       # [B, Tn]
         if chunk > 0:
             chunk_end = (torch.div(q_abs, chunk, rounding_mode="floor") + 1) * chunk
             causal = q_abs.unsqueeze(1) < chunk_end.unsqueeze(2)               # [B, Tn(q), Tn(k)]
             new_ok = k_ok.unsqueeze(1) & (causal | ~streaming.view(-1, 1, 1))
         else:
-            new_ok = k_ok.unsqueeze(1).expand(-1, self.t_new, -1)
-        allowed = torch.cat([prefix_ok.unsqueeze(1).expand(-1, self.t_new, -1), new_ok], dim=2)
+            new_ok = k_ok.unsqueeze(1).expand(-1, t_new, -1)
+        allowed = torch.cat([prefix_ok.unsqueeze(1).expand(-1, t_new, -1), new_ok], dim=2)
         masked_value = max(_MASK_BIAS, torch.finfo(dtype).min)
         bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, masked_value)
-        self.bias = torch.cat([bias, bias]).unsqueeze(1)
         valid = k_ok.to(dtype).unsqueeze(-1)
-        self.mask = torch.cat([valid, valid])
-        self.has_prefix = (starts > 0).to(dtype).view(-1, 1, 1)
-        self.base = slots * pool.n_steps
-        self.step = torch.zeros((), dtype=torch.long, device=device)
+        return cls(pool=pool, b=int(starts.numel()), t_new=t_new, bias=torch.cat([bias, bias]).unsqueeze(1),
+                   mask=torch.cat([valid, valid]), has_prefix=(starts > 0).to(dtype).view(-1, 1, 1),
+                   base=slots * pool.n_steps, step=torch.zeros((), dtype=torch.long, device=device))
 
     def step_io(self) -> "PrefixStepIO":
         """The prefix reads of the next Euler step (the step counter, on the device)."""

@@ -1274,10 +1274,7 @@ class GraphedFlow(_BucketGraphs):
         bufs = flow_buffers(flow, bb, lb, self.device, self.shared)
 
         def begin():  # the solver state the step graph works on, in the shared buffers
-            st = flow_begin_from_buffers(flow, bufs)
-            units, share = bb * lb, self.shared.share
-            plan = _share_plan(st.plan, lambda name, t: share(name, t, units))
-            return replace(st, xt=share("xt", st.xt, units), inp=share("inp", st.inp, units), plan=plan)
+            return shared_solver_state(flow_begin_from_buffers(flow, bufs), self.shared, bb * lb)
 
         settle = not background
         g_begin, state = _record(begin, self.pool, self.stream, settle_first=settle)
@@ -1348,9 +1345,9 @@ class GraphedPrefixSolver(_BucketGraphs):
     """The solver half of prefixed flow solves as CUDA graphs, per ``(rows, new frames)`` bucket: a *begin*
     graph (:func:`prefix_begin_from_fixed`: the rows' frames after their prefixes gathered from the fixed
     buffers, the :class:`~cosyserve.models.flow_prefix.PrefixPlan`, the solver's set-up) and a *step* graph
-    (one Euler step reading the prefix pool at the plan's device step counter), replayed ``n`` times. The
-    solver state of each bucket lives in the stage's pool (not shared between buckets as
-    :class:`GraphedFlow`'s is). Not measured on a GPU yet."""
+    (one Euler step reading the prefix pool at the plan's device step counter), replayed ``n`` times. As in
+    :class:`GraphedFlow`, the solver state (``xt``, ``inp``, the plan's tensors) lives in the stage's
+    :class:`SharedBuffers`, sized by the first (largest) bucket. Not measured on a GPU yet."""
 
     name = "flow prefix solver"
     quadratic_len = 512
@@ -1358,18 +1355,28 @@ class GraphedPrefixSolver(_BucketGraphs):
     def __init__(self, flow, fixed: dict, prefix_pool, grid: BucketGrid, pool=None):
         super().__init__(grid, flow._model_device(), pool)
         self.flow, self.fixed, self.prefix_pool = flow, fixed, prefix_pool
+        self._state_shapes: dict = {}  # bucket -> its solver state's shared tensors' (shape, dtype)
 
     @torch.inference_mode()
     def _warm_up(self, bb: int, nb: int) -> None:  # private fixed buffers and plan; reads the prefix pool
         fixed = prefix_fixed_buffers(self.flow, bb, nb, self.device)
-        self.flow.decoder.step(prefix_begin_from_fixed(self.flow, fixed, self.prefix_pool, bb, nb))
+        st = prefix_begin_from_fixed(self.flow, fixed, self.prefix_pool, bb, nb)
+        self.flow.decoder.step(st)
+        self._state_shapes[(bb, nb)] = {name: (t.shape, t.dtype)
+                                        for name, t in GraphedFlow._state_buffers(st).items()}
 
     @torch.inference_mode()
     def _record_entry(self, key, background: bool):
         bb, nb = key
         flow, settle = self.flow, not background
-        g_begin, state = _record(lambda: prefix_begin_from_fixed(flow, self.fixed, self.prefix_pool, bb, nb),
-                                 self.pool, self.stream, settle_first=settle)
+        for name, (shape, dtype) in self._state_shapes.pop(key, {}).items():
+            self.shared.take(name, shape, dtype, bb * nb)
+
+        def begin():  # the solver state in the shared buffers
+            return shared_solver_state(prefix_begin_from_fixed(flow, self.fixed, self.prefix_pool, bb, nb),
+                                       self.shared, bb * nb)
+
+        g_begin, state = _record(begin, self.pool, self.stream, settle_first=settle)
         g_step, _ = _record(lambda: flow.decoder.step(state), self.pool, self.stream, settle_first=settle)
         return g_begin, g_step, state
 
@@ -1388,7 +1395,7 @@ class GraphedPrefixFlow:
         noise_tokens = flow.rand_noise.size(-1) // ratio // token_bucket * token_bucket
         top = max(token_bucket, min(max_tokens, noise_tokens))
         rows, lengths = half_octave_buckets(max_batch), length_buckets(token_bucket, top)
-        self.flow, self.ratio = flow, ratio
+        self.flow, self.ratio, self.prefix_pool = flow, ratio, prefix_pool
         self.fixed = prefix_fixed_buffers(flow, rows[-1], ratio * lengths[-1], flow._model_device())
         self.encoder = GraphedPrefixEncoder(flow, self.fixed, BucketGrid(rows, lengths, max_area, max_quad), pool)
         frame_grid = BucketGrid(rows, [ratio * n for n in lengths], None if max_area is None else ratio * max_area,
@@ -1418,6 +1425,15 @@ class GraphedPrefixFlow:
         g_enc.replay()
         g_begin.replay()
         return FlowRun(g_step.replay, state, inputs, list(starts))
+
+
+def shared_solver_state(st, shared: SharedBuffers, units: int):
+    """``st`` (a :class:`~cosyserve.models.flow.SolverState`) with ``xt``, ``inp`` and its plan's tensors
+    (:func:`_share_plan`) copied into ``shared`` (a bucket of ``units``): what a begin graph leaves for its
+    step graph, the same buffers for every bucket of a stage."""
+    share = shared.share
+    plan = _share_plan(st.plan, lambda name, t: share(name, t, units))
+    return replace(st, xt=share("xt", st.xt, units), inp=share("inp", st.inp, units), plan=plan)
 
 
 def _share_plan(plan, share):
