@@ -295,11 +295,15 @@ def test_background_capture_serves_eagerly_meanwhile_with_the_same_results(yaml_
         assert float(abs(wav - first[rid][1]).max()) < 1e-4
 
 
-def _engine_tokens(m, audio: bool = False, on_start=None, on_done=None, **config) -> tuple[dict, list]:
+def _engine_tokens(m, audio: bool = False, on_start=None, on_done=None, stream: bool = False,
+                   **config) -> tuple[dict, list]:
     """Three seeded requests through an EngineCore on ``m`` with ``EngineConfig(**config)``:
     ``({request_id: tokens}, request states)`` (with ``audio``: ``{request_id: (tokens, float32
     waveform)}``); the flow/HiFT graphs it installed are removed. ``on_start(engine)`` /
-    ``on_done(engine)`` run before the first request / after the last."""
+    ``on_done(engine)`` run before the first request / after the last; ``stream``: streaming requests
+    (exponential chunk schedule)."""
+    from cosyserve.engine.chunking import ChunkPolicy
+
     import numpy as np
 
     from cosyserve.engine.core import EngineConfig, EngineCore
@@ -317,7 +321,8 @@ def _engine_tokens(m, audio: bool = False, on_start=None, on_done=None, **config
     for i in range(3):
         ids = torch.randint(0, 1000, (10 + i,), generator=torch.Generator().manual_seed(i))
         states.append(eng.add_request(EngineRequest(
-            f"r{i}", [ids], voice, SynthesisParams(seed=i, min_token_text_ratio=3, max_token_text_ratio=3))))
+            f"r{i}", [ids], voice, SynthesisParams(seed=i, min_token_text_ratio=3, max_token_text_ratio=3, stream=stream,
+                                                   chunk_policy=ChunkPolicy.parse("exponential") if stream else None))))
     done, wavs = {}, {}
     while eng.has_work():
         for ev in eng.step():
@@ -327,10 +332,32 @@ def _engine_tokens(m, audio: bool = False, on_start=None, on_done=None, **config
                 wavs.setdefault(ev.request_id, []).append(ev.samples)
     if on_done is not None:
         on_done(eng)
-    m.flow.graph = m.hift.graph_decode = None
+    m.flow.graph = m.flow.prefix_graph = m.hift.graph_decode = None
     if audio:
         done = {rid: (tokens, np.concatenate(wavs.get(rid, [np.zeros(0, np.float32)]))) for rid, tokens in done.items()}
     return done, states
+
+
+def test_engine_prompt_prefix_graphs_same_audio(yaml_dir):
+    """``--flow-stream-cache prefix`` on CUDA (float32): three streams of one voice through the engine with
+    every graph captured at start, the non-final chunks through the prefix graphs (the voice's prefix built
+    once), give the tokens and audio of the engine without stream caches."""
+    m = build(yaml_dir, torch.float32)
+    seen = {}
+
+    def done(eng):
+        pg = m.flow.prefix_graph
+        seen.update(builds=eng.t2w.prefix_pool.builds, hits=eng.t2w.prefix_pool.hits,
+                    graphs=(pg.encoder.n_graphs, pg.solver.n_graphs), misses=sum(pg.solver.misses.values()))
+
+    got = _engine_tokens(m, audio=True, stream=True, on_done=done, graph_capture="startup",
+                         flow_stream_cache="prefix")[0]
+    ref = _engine_tokens(m, audio=True, stream=True, graph_capture="startup", flow_stream_cache=False)[0]
+    assert seen["builds"] == 1 and seen["hits"] >= 2 and min(seen["graphs"]) > 1 and seen["misses"] == 0, seen
+    assert got.keys() == ref.keys()
+    for rid, (tokens, wav) in got.items():
+        assert tokens == ref[rid][0] and wav.shape == ref[rid][1].shape and wav.size > 0
+        assert float(abs(wav - ref[rid][1]).max()) < 1e-3
 
 
 @torch.inference_mode()
