@@ -24,6 +24,10 @@ class CheckpointError(ModelDirError):
     """A checkpoint's keys or shapes do not match the architecture built from the yaml."""
 
 
+class SettingsError(CosyServeError, ValueError):
+    """A server or engine setting cannot be used with this model (e.g. a size below the model's chunk)."""
+
+
 class InvalidInputError(CosyServeError, ValueError):
     """A request field (text, audio, voice id, parameter) is invalid.
 

@@ -229,7 +229,9 @@ def test_voice_prefix_pool_slots_are_shared_and_recycled(flow, prompt):
     assert pp.assign([job(vs), job(va, False), job(va, True, True), job(va, cache=object())]) == \
         ([0, 0, 0, 0], [0, 0, 0, 0])
     assert pp.nbytes() == pp.pool.nbytes() > 0
-    with pytest.raises(ValueError, match="at least one chunk"):
+    from cosyserve.errors import SettingsError
+
+    with pytest.raises(SettingsError, match="at least one chunk"):  # a CosyServeError: a one-line CLI message
         VoicePrefixPool(flow, 1, chunk - 1)
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..errors import SettingsError
 from ..frontend.voice import Voice
 from ..models.hift import HiFTGenerator, HiFTStreamState, hift_stream_step_batch
 
@@ -137,8 +138,8 @@ class VoicePrefixPool:
 
         chunk = flow.decoder.estimator.cfg.static_chunk_size
         if chunk <= 0 or max_frames < chunk:
-            raise ValueError(f"prompt prefixes need chunk-causal streaming and at least one chunk ({chunk} "
-                             f"frames) per voice, got {max_frames} frames")
+            raise SettingsError(f"--flow-stream-cache prefix needs chunk-causal streaming and at least one chunk "
+                                f"({chunk} frames) per voice (--flow-stream-cache-frames), got {max_frames} frames")
         self.flow, self.chunk = flow, chunk
         self.pool = PrefixPool.for_flow(flow, slots, max_frames // chunk * chunk)
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # voice key -> slot, least recently used first
@@ -304,7 +305,7 @@ class Token2Wav(Token2WavBackend):
         engine's ``--flow-stream-cache prefix``). Raises ValueError where the flow cannot (a deeper U-Net,
         no chunk-causal streaming) or for sizes below one chunk."""
         if not self.supports_flow_cache:
-            raise ValueError("prompt prefixes need a one-level U-Net flow estimator (CosyVoice2)")
+            raise SettingsError("--flow-stream-cache prefix needs a one-level U-Net flow estimator (CosyVoice2)")
         self.prefix_pool = VoicePrefixPool(self.flow, slots, max_frames)
 
     @property
