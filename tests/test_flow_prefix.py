@@ -200,8 +200,9 @@ def test_engine_prompt_prefixes_equal_full_recomputation(monkeypatch):
 
 def test_voice_prefix_pool_slots_are_shared_and_recycled(flow, prompt):
     """One slot, two voices: a batch's second voice runs without prefix (its slot is read by the first);
-    the next batch of the second voice evicts the first; a voice whose prompt has no complete chunk never
-    gets one; non-streaming, final and stream-cached jobs get none."""
+    the next batch of the second voice evicts the first; a stream's first chunk (token offset 0) uses a prefix
+    but never builds one; a voice whose prompt has no complete chunk never gets one; non-streaming, final and
+    stream-cached jobs get none."""
     from types import SimpleNamespace
 
     from cosyserve.engine.token2wav import VoicePrefixPool
@@ -216,13 +217,14 @@ def test_voice_prefix_pool_slots_are_shared_and_recycled(flow, prompt):
     vb = voice(prompt[0][:, :n_b], prompt[1][:, : flow.token_mel_ratio * n_b], prompt[2] * 0.5)
     vs = voice(prompt[0][:, :4], prompt[1][:, :8], prompt[2])  # no complete chunk in the prompt
 
-    def job(v, streaming=True, finalize=False, cache=None):
-        return SimpleNamespace(voice=v, streaming=streaming, finalize=finalize, flow_cache=cache)
+    def job(v, streaming=True, finalize=False, cache=None, offset=15):
+        return SimpleNamespace(voice=v, streaming=streaming, finalize=finalize, flow_cache=cache, token_offset=offset)
 
     pp = VoicePrefixPool(flow, 1, 6 * chunk)
     fa, fb = flow.prompt_prefix_frames(int(va.flow_speech_token.numel())), \
         flow.prompt_prefix_frames(int(vb.flow_speech_token.numel()))
-    assert pp.assign([job(va), job(vb), job(va)]) == ([0, 0, 0], [fa, 0, fa])
+    assert pp.assign([job(va, offset=0)]) == ([0], [0]) and pp.builds == 0  # a first chunk does not wait
+    assert pp.assign([job(va), job(vb), job(va, offset=0)]) == ([0, 0, 0], [fa, 0, fa])
     assert pp.builds == 1 and pp.hits == 1
     assert pp.assign([job(vb)]) == ([0], [fb]) and pp.builds == 2
     assert pp.assign([job(va)]) == ([0], [fa]) and pp.builds == 3

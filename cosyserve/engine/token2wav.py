@@ -130,7 +130,10 @@ class VoicePrefixPool:
     time a batch needs it (one eager streaming call of its prompt with a few placeholder tokens, its
     commit limited to the prefix: :meth:`~cosyserve.models.flow.FlowModel.prompt_prefix_frames`), in the
     least recently used slot that the batch does not read; a batch with more voices than that leaves the
-    rest without prefix (full solves). Keyed by the voice's content (:meth:`PromptPrefixes.key`).
+    rest without prefix (full solves). A stream's first chunk never waits for a build (it runs whole when
+    its voice has no prefix yet): the build, an eager solve, happens for a later chunk, so a voice used by
+    one stream only (a per-request prompt) costs its first chunk nothing. Keyed by the voice's content
+    (:meth:`PromptPrefixes.key`).
     Counters: :attr:`hits`, :attr:`builds`. Not thread-safe (the engine thread launches the batches)."""
 
     def __init__(self, flow, slots: int, max_frames: int):
@@ -153,12 +156,12 @@ class VoicePrefixPool:
     def assign(self, jobs: list) -> tuple[list[int], list[int]]:
         """Per job ``(slot, start)``: the prefix slot and its frames for a non-final streaming job without
         a stream cache whose voice has (or now gets) a prefix, else ``(0, 0)``. Builds missing prefixes
-        (eagerly, on the current CUDA stream)."""
+        (eagerly, on the current CUDA stream) for jobs past their stream's first chunk only."""
         slots, starts, used = [], [], set()
         for job in jobs:
             slot = None
             if job.streaming and not job.finalize and job.flow_cache is None:
-                slot = self._slot(job.voice, used)
+                slot = self._slot(job.voice, used, build=job.token_offset > 0)
             if slot is None:
                 slots.append(0)
                 starts.append(0)
@@ -168,7 +171,7 @@ class VoicePrefixPool:
                 starts.append(self.pool.frames[slot])
         return slots, starts
 
-    def _slot(self, voice: Voice, used: set) -> int | None:
+    def _slot(self, voice: Voice, used: set, build: bool = True) -> int | None:
         key = PromptPrefixes.key(voice)
         if key in self._none:
             return None
@@ -177,6 +180,8 @@ class VoicePrefixPool:
             self._slots.move_to_end(key)
             self.hits += 1
             return slot
+        if not build:
+            return None
         taken = set(self._slots.values())
         free = [s for s in range(self.pool.slots) if s not in taken]
         if free:
