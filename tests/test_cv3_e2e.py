@@ -391,3 +391,14 @@ def test_strict_min_len_masks_every_stop_id(synth):
                                                                           max_tokens=40)) for s in (1, 2)]
     for _, fin in _run(engine, reqs).values():
         assert [len(t) for t in fin.tokens] == [40] * len(fin.tokens)
+
+
+def test_prompt_prefix_mode_is_off_for_cosyvoice3(synth):
+    """``--flow-stream-cache prefix`` is CosyVoice2's (one-level U-Net): a CosyVoice3 engine starts without a
+    prefix pool and without per-stream caches, instead of failing (it raised at start before)."""
+    engine = synth.new_engine(EngineConfig(max_active=1, flow_stream_cache="prefix"))
+    try:
+        assert engine.t2w.supports_flow_cache and not engine.t2w.supports_prompt_prefixes
+        assert engine.t2w.prefix_pool is None and not engine._flow_stream_cache
+    finally:
+        engine.close()

@@ -542,7 +542,7 @@ class EngineCore:
             models.flow.graph = GraphedFlow(models.flow, config.max_t2w_batch, max_tokens=config.kv_max_len,
                                             max_area=config.max_t2w_tokens,
                                             max_quad=config.max_t2w_tokens * T2W_ATTENTION_LEN)
-            if config.flow_stream_cache == "prefix" and getattr(self.t2w, "supports_flow_cache", False):
+            if config.flow_stream_cache == "prefix" and getattr(self.t2w, "supports_prompt_prefixes", False):
                 from ..models.graphs import GraphedPrefixFlow  # prefixed streaming solves: their own graphs
 
                 self._enable_prompt_prefixes(config)
@@ -657,7 +657,7 @@ class EngineCore:
         supported = bool(getattr(self.t2w, "supports_flow_cache", False))
         if config.flow_stream_cache == "prefix":
             self._flow_stream_cache = False
-            if supported and hasattr(self.t2w, "enable_prompt_prefixes"):
+            if getattr(self.t2w, "supports_prompt_prefixes", False):
                 self._enable_prompt_prefixes(config)
             else:
                 log.info("flow prompt prefixes: not supported by this token2wav path (off)")

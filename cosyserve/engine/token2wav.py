@@ -304,12 +304,19 @@ class Token2Wav(Token2WavBackend):
         #: the voices' prompt prefixes in a fixed device pool (:meth:`enable_prompt_prefixes`; None: off)
         self.prefix_pool: VoicePrefixPool | None = None
 
+    @property
+    def supports_prompt_prefixes(self) -> bool:
+        """Whether :meth:`enable_prompt_prefixes` can be used: CosyVoice2's one-level U-Net flow (its
+        estimator's stream caches, :attr:`~cosyserve.models.flow.FlowModel.supports_stream_cache`; not the
+        CosyVoice3 backend, whose own flow caches :attr:`supports_flow_cache` reports)."""
+        return bool(getattr(self.flow, "supports_stream_cache", False))
+
     def enable_prompt_prefixes(self, slots: int, max_frames: int) -> None:
         """Non-final streaming jobs start from their voice's prompt prefix, kept for ``slots`` voices of at
         most ``max_frames`` frames each in a device pool allocated now (:class:`VoicePrefixPool`; the
-        engine's ``--flow-stream-cache prefix``). Raises ValueError where the flow cannot (a deeper U-Net,
-        no chunk-causal streaming) or for sizes below one chunk."""
-        if not self.supports_flow_cache:
+        engine's ``--flow-stream-cache prefix``). Raises SettingsError (a ValueError) where the flow cannot
+        (:attr:`supports_prompt_prefixes`, no chunk-causal streaming) or for sizes below one chunk."""
+        if not self.supports_prompt_prefixes:
             raise SettingsError("--flow-stream-cache prefix needs a one-level U-Net flow estimator (CosyVoice2)")
         self.prefix_pool = VoicePrefixPool(self.flow, slots, max_frames)
 
