@@ -387,6 +387,12 @@ def test_prompt_prefixes_are_keyed_by_content_and_bounded_in_bytes():
     c = voice(1)
     c.speech_feat = c.speech_feat + 1e-3  # same tokens, another prompt mel: another prefix
     assert PromptPrefixes.key(c) != PromptPrefixes.key(a)
+    from cosyserve.frontend.voice import Voice, flow_prompt_digest
+
+    v = Voice.from_features("v", "x", torch.zeros(3), a.flow_speech_token, a.speech_feat, a.flow_embedding)
+    assert "flow_prompt_key" not in v.__dict__
+    assert PromptPrefixes.key(v) == flow_prompt_digest(v) == PromptPrefixes.key(a)  # a Voice: the same content key
+    assert "flow_prompt_key" in v.__dict__  # computed once, kept on the voice (read for every streaming chunk)
 
     class Sized:
         def __init__(self, n):

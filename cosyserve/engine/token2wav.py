@@ -23,7 +23,6 @@ chunks, computed once per voice by the first stream that needs them.
 
 from __future__ import annotations
 
-import hashlib
 import queue
 import threading
 from collections import OrderedDict
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SettingsError
-from ..frontend.voice import Voice
+from ..frontend.voice import Voice, flow_prompt_digest
 from ..models.hift import HiFTGenerator, HiFTStreamState, hift_stream_step_batch
 
 
@@ -86,12 +85,11 @@ class PromptPrefixes:
 
     @staticmethod
     def key(voice: Voice) -> bytes:
-        """The content key of ``voice``'s flow prompt (its tokens, mel and speaker embedding)."""
-        h = hashlib.blake2b(digest_size=16)
-        for t in (voice.flow_speech_token, voice.speech_feat, voice.flow_embedding):
-            h.update(str((tuple(t.shape), t.dtype)).encode())
-            h.update(t.detach().cpu().contiguous().numpy().tobytes())
-        return h.digest()
+        """The content key of ``voice``'s flow prompt (its tokens, mel and speaker embedding:
+        :func:`~cosyserve.frontend.voice.flow_prompt_digest`), kept on a :class:`Voice`
+        (:attr:`Voice.flow_prompt_key`), computed for other objects with those tensors."""
+        key = getattr(voice, "flow_prompt_key", None)
+        return key if key is not None else flow_prompt_digest(voice)
 
     def get(self, key: bytes):
         """The prefix cache of ``key`` (None if none), marked as recently used."""
