@@ -303,12 +303,14 @@ def test_graphed_prefix_flow_grids(flow, prompt):
     """The two stages' grids (built on CPU, nothing captured): the solver's frame buckets are the encoder's
     token buckets x ``token_mel_ratio`` with the same rows, every encoder bucket has its solver bucket, and a
     batch past the grids is left to the eager path (None)."""
-    from cosyserve.models.graphs import GraphedPrefixFlow
+    from cosyserve.models.graphs import GraphedFlow, GraphedPrefixFlow
 
     est = _prefix(flow, prompt)
     pool = _pool(flow, frames=est.frames)
-    g = GraphedPrefixFlow(flow, pool, max_batch=8, max_tokens=256, max_area=1024, max_quad=1024 * 512)
+    token_grid = GraphedFlow(flow, 8, max_tokens=256, max_area=1024, max_quad=1024 * 512).grid
+    g = GraphedPrefixFlow(flow, pool, token_grid)
     ratio = flow.token_mel_ratio
+    assert g.encoder.grid is token_grid
     assert g.solver.grid.batches == g.encoder.grid.batches
     assert g.solver.grid.lengths == [ratio * n for n in g.encoder.grid.lengths]
     assert {(b, ratio * n) for b, n in g.encoder.keys()} == set(g.solver.keys())
@@ -329,7 +331,7 @@ def test_graphed_prefix_flow_grids(flow, prompt):
 def test_cuda_graphed_prefix_flow(flow, prompt, dtype):
     import copy
 
-    from cosyserve.models.graphs import GraphedPrefixFlow
+    from cosyserve.models.graphs import GraphedFlow, GraphedPrefixFlow
 
     model = copy.deepcopy(flow).to("cuda", dtype)
     est = _prefix(model, prompt)
@@ -339,7 +341,7 @@ def test_cuda_graphed_prefix_flow(flow, prompt, dtype):
              (_long_stream(model, 80, 22), prompt, False, 1, est.frames),
              (_long_stream(model, 35, 23), prompt, False, 0, 0), (_long_stream(model, 60, 24), prompt, True, 0, 0)]
     eager = _prefixed(model, pool, items)
-    model.prefix_graph = GraphedPrefixFlow(model, pool, max_batch=8, max_tokens=512)
+    model.prefix_graph = GraphedPrefixFlow(model, pool, GraphedFlow(model, 8, max_tokens=512).grid)
     graphed = _prefixed(model, pool, items)  # buckets captured on first use
     assert len(model.prefix_graph.encoder._graphs) == 1 and len(model.prefix_graph.solver._graphs) == 1
     again = _prefixed(model, pool, items)  # replayed

@@ -546,9 +546,8 @@ class EngineCore:
                 from ..models.graphs import GraphedPrefixFlow  # prefixed streaming solves: their own graphs
 
                 self._enable_prompt_prefixes(config)
-                models.flow.prefix_graph = GraphedPrefixFlow(
-                    models.flow, self.t2w.prefix_pool.pool, config.max_t2w_batch, max_tokens=config.kv_max_len,
-                    max_area=config.max_t2w_tokens, max_quad=config.max_t2w_tokens * T2W_ATTENTION_LEN)
+                models.flow.prefix_graph = GraphedPrefixFlow(models.flow, self.t2w.prefix_pool.pool,
+                                                             models.flow.graph.grid)
         on_cuda = next(models.hift.parameters()).is_cuda
         if cv3 and getattr(models.hift, "graph_trunk", 1) is None and on_cuda:
             from ..models.graphs import GraphedCausalHiFTTrunk  # HiFT input per job: window + new frames

@@ -1387,19 +1387,19 @@ class GraphedPrefixFlow:
     frame buckets: ``token_mel_ratio`` x the token buckets), joined by fixed-layout buffers, so a chunk whose
     voice's prefix covers most of its frames replays a short solve. :meth:`start` returns a
     :class:`~cosyserve.models.flow.FlowRun`, or None where a bucket is missing (the caller runs eagerly).
-    :attr:`stages` are what the engine captures. Not measured on a GPU yet."""
+    ``grid``: the ``(rows, tokens)`` buckets, those of the flow's :class:`GraphedFlow` (``flow.graph.grid``), so
+    that every batch the engine forms for that grid has its buckets here too. :attr:`stages` are what the engine
+    captures. Not measured on a GPU yet."""
 
-    def __init__(self, flow, prefix_pool, max_batch: int, max_tokens: int = 1024, max_area: int | None = None,
-                 token_bucket: int = 32, pool=None, max_quad: int | None = None):
+    def __init__(self, flow, prefix_pool, grid: BucketGrid, pool=None):
         ratio = flow.token_mel_ratio
-        noise_tokens = flow.rand_noise.size(-1) // ratio // token_bucket * token_bucket
-        top = max(token_bucket, min(max_tokens, noise_tokens))
-        rows, lengths = half_octave_buckets(max_batch), length_buckets(token_bucket, top)
+        rows, lengths = grid.batches, grid.lengths
         self.flow, self.ratio, self.prefix_pool = flow, ratio, prefix_pool
         self.fixed = prefix_fixed_buffers(flow, rows[-1], ratio * lengths[-1], flow._model_device())
-        self.encoder = GraphedPrefixEncoder(flow, self.fixed, BucketGrid(rows, lengths, max_area, max_quad), pool)
-        frame_grid = BucketGrid(rows, [ratio * n for n in lengths], None if max_area is None else ratio * max_area,
-                                None if max_quad is None else ratio * ratio * max_quad)
+        self.encoder = GraphedPrefixEncoder(flow, self.fixed, grid, pool)
+        area, quad = grid.max_area, grid.max_quad
+        frame_grid = BucketGrid(rows, [ratio * n for n in lengths], None if area is None else ratio * area,
+                                None if quad is None else ratio * ratio * quad)
         self.solver = GraphedPrefixSolver(flow, self.fixed, prefix_pool, frame_grid, self.encoder.pool)
         self.stages = [self.encoder, self.solver]
 
