@@ -1329,8 +1329,7 @@ class GraphedPrefixEncoder(_BucketGraphs):
 
     @torch.inference_mode()
     def _warm_up(self, bb: int, lb: int) -> None:  # private inputs; never writes the fixed buffers
-        bufs = flow_buffers(self.flow, bb, lb, self.device)
-        self.flow.encode(bufs["ids"], bufs["lengths"], bufs["streaming"], bufs["embeddings"], bufs["feats"], lb)
+        encode_buffers(self.flow, flow_buffers(self.flow, bb, lb, self.device))
 
     @torch.inference_mode()
     def _record_entry(self, key, background: bool):
@@ -1501,9 +1500,15 @@ def flow_begin_from_buffers(flow, bufs: dict[str, torch.Tensor]):
     """What a :class:`GraphedFlow` begin graph computes: :meth:`FlowModel.encode` over the whole
     bucket (``max_encoder_len`` = the bucket's tokens) and the solver's set-up -> its
     :class:`~cosyserve.models.flow.SolverState`."""
-    _, mu, spks, cond, mask = flow.encode(bufs["ids"], bufs["lengths"], bufs["streaming"], bufs["embeddings"],
-                                          bufs["feats"], bufs["ids"].shape[1])
+    _, mu, spks, cond, mask = encode_buffers(flow, bufs)
     return flow.decoder.begin(mu, mask, spks, cond, bufs["streaming"])
+
+
+def encode_buffers(flow, bufs: dict[str, torch.Tensor]):
+    """:meth:`~cosyserve.models.flow.FlowModel.encode` over a :func:`flow_buffers` bucket (``max_encoder_len`` =
+    the bucket's tokens): ``(encoder_out, mu, spks, cond, mask)``."""
+    return flow.encode(bufs["ids"], bufs["lengths"], bufs["streaming"], bufs["embeddings"], bufs["feats"],
+                       bufs["ids"].shape[1])
 
 
 def prefix_fixed_buffers(flow, max_batch: int, max_frames: int, device) -> dict[str, torch.Tensor]:
@@ -1529,9 +1534,8 @@ def prefix_encode_into(flow, bufs: dict[str, torch.Tensor], fixed: dict[str, tor
     over a :func:`flow_buffers` bucket of ``bb`` rows and ``lb`` tokens, its conditioning copied into rows
     ``[0, bb)`` and frames ``[0, ratio * lb)`` of :func:`prefix_fixed_buffers` (the rows' frame counts and
     streaming flags too)."""
-    bb, lb = bufs["ids"].shape
-    _, mu, spks, cond, _ = flow.encode(bufs["ids"], bufs["lengths"], bufs["streaming"], bufs["embeddings"],
-                                       bufs["feats"], lb)
+    bb = bufs["ids"].shape[0]
+    _, mu, spks, cond, _ = encode_buffers(flow, bufs)
     t = mu.size(-1)
     fixed["mu"][:bb, :, :t].copy_(mu)
     fixed["cond"][:bb, :, :t].copy_(cond)
