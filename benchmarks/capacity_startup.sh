@@ -11,10 +11,10 @@
 # default exponential for unet, the DiT path's own default (15 tokens, then 25-token hops) for dit; ONE_STREAM=N: first
 # N requests from one client after the warm-up, the first-chunk table at 1 stream; CAPACITY_LEVELS= (empty) skips the
 # capacity search; STREAM_CLIENTS=N[,M..]: plain streaming levels of N (M, ..) clients x 3 requests;
-# SAMPLE_STACKS=1: the scheduler thread's stacks per level, benchmarks/stack_sampler.py; PLAYBACK=1: the capacity and streaming levels
-# clients listen, `bench --playback`: each plays its streams in real time and sends the next request when the audio has
-# played, so N clients are N concurrent real-time streams; MIN_REQ: requests per client per capacity level, default 3;
-# OVERLOAD: the overload factor after the capacity search, default 2, 0 skips it). Needs .whl.
+# SAMPLE_STACKS=1: the scheduler thread's stacks per level, benchmarks/stack_sampler.py; PLAYBACK=1: the capacity and
+# streaming levels' clients listen, `bench --playback`: each plays its streams in real time and sends the next request
+# when the audio has played, so N clients are N concurrent real-time streams; MIN_REQ: requests per client per
+# capacity level, default 3; OVERLOAD: the overload factor after the capacity search, default 2, 0 skips it). Needs .whl.
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/_stop_server.sh
@@ -51,7 +51,8 @@ python3 benchmarks/startup_probe.py --since "$T0" --url http://127.0.0.1:8000 --
 if ! kill -0 "$SERVER" 2>/dev/null; then  # (died at start: do not spend the device call waiting on it)
   echo "== the server exited; its log ends:"; tail -40 "$OUTDIR/server.log"; exit 1
 fi
-if [ "${SKIP_WARMUP:-0}" != 1 ]; then  # SKIP_WARMUP=1: every graph was captured before ready (UNet, --graphs-before-ready)
+# SKIP_WARMUP=1: no warm-up levels (every graph captured before ready: UNet with --graphs-before-ready)
+if [ "${SKIP_WARMUP:-0}" != 1 ]; then
   echo "== warm-up (not counted): lazily captured graphs (the DiT solves) get captured here"
   $CS bench --url grpc://127.0.0.1:8001 --no-progress --voice default --concurrency 1,4,16,32 --requests-per-level 24 \
     --min-requests-per-client 1 --warmup 0 --out "$OUTDIR/warmup" >/dev/null 2>&1
@@ -74,8 +75,8 @@ if [ -n "$CAPACITY_LEVELS" ]; then
   echo "== capacity (voice default, 0 stalls, p99 <= 500 ms), then 2x overload${LISTEN:+; clients listen (--playback)}"
   $CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default \
     --capacity --concurrency "$CAPACITY_LEVELS" --max-streams "$MAX_ACTIVE" --p99-bound-ms 500 \
-    --min-requests-per-client "${MIN_REQ:-3}" --overload "${OVERLOAD:-2}" --ramp-s "${RAMP_S:-0}" --warmup 0 $LISTEN --out "$OUTDIR/capacity" \
-    2>&1 | tail -30
+    --min-requests-per-client "${MIN_REQ:-3}" --overload "${OVERLOAD:-2}" --ramp-s "${RAMP_S:-0}" --warmup 0 $LISTEN \
+    --out "$OUTDIR/capacity" 2>&1 | tail -30
   # per level and 2-s arrival window: first chunk and its engine phases, and the slowest requests' phases
   python3 benchmarks/first_chunk_tail.py "$OUTDIR/server.log" --min-requests 60 > "$OUTDIR/capacity/first_chunk_tail.md"
 fi

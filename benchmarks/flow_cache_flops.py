@@ -132,8 +132,13 @@ def main() -> None:
     print(f"\nestimator cache: {per_frame_vals} values per frame ({n_tf} transformer blocks x K,V x "
           f"{est.num_heads * est.attention_head_dim} x 2 CFG rows x {cfm.n_timesteps} steps) = "
           f"{per_frame_vals * 2 / 2**20:.2f} MiB/frame in bf16/fp16, {per_frame_vals * 4 / 2**20:.2f} MiB in fp32;")
-    print(f"this stream's largest cache: {peak} frames = {peak * per_frame_vals * 2 / 2**30:.2f} GiB (bf16), "
-          f"{peak * per_frame_vals * 4 / 2**30:.2f} GiB (fp32)")
+    if args.prefix is not None:  # no per-stream cache: one pool slot per voice
+        peak = args.prefix // chunk * chunk
+        print(f"one voice's prefix slot in the pool: {peak} frames = {peak * per_frame_vals * 2 / 2**30:.2f} GiB "
+              f"(bf16), {peak * per_frame_vals * 4 / 2**30:.2f} GiB (fp32); no per-stream cache")
+    else:
+        print(f"this stream's largest cache: {peak} frames = {peak * per_frame_vals * 2 / 2**30:.2f} GiB (bf16), "
+              f"{peak * per_frame_vals * 4 / 2**30:.2f} GiB (fp32)")
 
 
 if __name__ == "__main__":
