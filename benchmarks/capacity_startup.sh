@@ -14,7 +14,8 @@
 # SAMPLE_STACKS=1: the scheduler thread's stacks per level, benchmarks/stack_sampler.py; PLAYBACK=1: the capacity and
 # streaming levels' clients listen, `bench --playback`: each plays its streams in real time and sends the next request
 # when the audio has played, so N clients are N concurrent real-time streams; MIN_REQ: requests per client per
-# capacity level, default 3; OVERLOAD: the overload factor after the capacity search, default 2, 0 skips it). Needs .whl.
+# capacity level, default 3; OVERLOAD: the overload factor after the capacity search, default 2, 0 skips it).
+# Needs .whl.
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/_stop_server.sh
