@@ -653,7 +653,6 @@ class EngineCore:
         (CosyVoice2's U-Net, CosyVoice3's DiT) each streaming segment gets one from
         ``t2w.new_flow_cache`` at its first chunk (``SegmentState.flow_cache``, passed in its jobs,
         freed at its final chunk): :attr:`_flow_stream_cache`."""
-        supported = bool(getattr(self.t2w, "supports_flow_cache", False))
         if config.flow_stream_cache == "prefix":
             self._flow_stream_cache = False
             if getattr(self.t2w, "supports_prompt_prefixes", False):
@@ -663,6 +662,7 @@ class EngineCore:
             return
         on = getattr(models.flow, "graph", None) is None if config.flow_stream_cache is None \
             else config.flow_stream_cache
+        supported = bool(getattr(self.t2w, "supports_flow_cache", False))
         #: streaming segments carry per-stream flow caches
         self._flow_stream_cache = supported and on
         if supported:
