@@ -345,7 +345,8 @@ def test_cuda_graphed_prefix_flow(flow, prompt, dtype):
     graphed = _prefixed(model, pool, items)  # buckets captured on first use
     assert len(model.prefix_graph.encoder._graphs) == 1 and len(model.prefix_graph.solver._graphs) == 1
     again = _prefixed(model, pool, items)  # replayed
-    tol = SELF_TOL if dtype == torch.float32 else 2e-2
+    # against the uncached solve: other shapes, other cuBLAS/cuDNN kernels (session 36: 1.09e-5 in float32)
+    tol = PARITY_TOL if dtype == torch.float32 else 2e-2
     for e, g, a, (tok, voice, final, _, _) in zip(eager, graphed, again, items):
         assert rel_l2(g.cpu(), e.cpu()) <= SELF_TOL and torch.equal(g.cpu(), a.cpu())
         full = _run(model, [tok], voice, [not final], [final])[0]

@@ -298,11 +298,14 @@ class SelfAttention(nn.Module):
         b, t, _ = x.shape
         q, k, v = F.linear(x, self.qkv_weight()).view(b, t, 3, self.heads, self.head_dim).unbind(2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
-        if io is not None:
-            k, v = io.keys_values(k, v)
         # q/k/v are strided views of the one GEMM's output; the fused attention kernels read them
         # in place and return [B, H, T, D] laid out as [B, T, H, D], so the reshape below is a view
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=bias)
+        if io is not None and hasattr(io, "attention"):  # a prefixed step (flow_prefix.PrefixStepIO)
+            out = io.attention(q.transpose(1, 2), k, v, bias)
+        else:
+            if io is not None:
+                k, v = io.keys_values(k, v)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=bias)
         return self.to_out[0](out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 

@@ -38,9 +38,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .flow_estimator import _MASK_BIAS, CausalConv1d, EstimatorStreamCache
+from .prefix_attention import prefix_attention
 
 __all__ = ["PrefixPool", "PrefixPlan", "PrefixStepIO", "context_width"]
 
@@ -132,8 +134,10 @@ class PrefixPlan:
     ``bias [2B, 1, Tn, S + Tn]`` (0 allowed, the most negative finite value masked), ``mask [2B, Tn, 1]`` (1 at
     valid frames), ``has_prefix [B, 1, 1]`` (model dtype), ``base [B]`` (each row's first index into the
     pool's flattened (slot, step) rows) and ``step`` (0-dim int64: Euler steps done, advanced by
-    :meth:`PrefixStepIO.finish`). A dataclass, so that CUDA graphs can keep its tensors in shared buffers
-    (:func:`~cosyserve.models.graphs._share_plan`)."""
+    :meth:`PrefixStepIO.finish`), and for the attention kernel the rows' ``row_start``, ``row_new`` (int64
+    ``[B]``, :meth:`build`'s ``starts`` and ``new``), ``row_streaming`` (int64 ``[B]``, 1: chunk-causal) and
+    ``chunk`` (frames per static chunk). A dataclass, so that CUDA graphs can keep its tensors in shared
+    buffers (:func:`~cosyserve.models.graphs._share_plan`)."""
 
     pool: PrefixPool
     b: int
@@ -143,6 +147,10 @@ class PrefixPlan:
     has_prefix: Tensor
     base: Tensor
     step: Tensor
+    row_start: Tensor
+    row_new: Tensor
+    row_streaming: Tensor
+    chunk: int
 
     @classmethod
     def build(cls, pool: PrefixPool, slots: Tensor, starts: Tensor, new: Tensor, streaming: Tensor, t_new: int,
@@ -173,7 +181,9 @@ class PrefixPlan:
         valid = k_ok.to(dtype).unsqueeze(-1)
         return cls(pool=pool, b=int(starts.numel()), t_new=t_new, bias=torch.cat([bias, bias]).unsqueeze(1),
                    mask=torch.cat([valid, valid]), has_prefix=(starts > 0).to(dtype).view(-1, 1, 1),
-                   base=slots * pool.n_steps, step=torch.zeros((), dtype=torch.long, device=device))
+                   base=slots * pool.n_steps, step=torch.zeros((), dtype=torch.long, device=device),
+                   row_start=starts.to(torch.long), row_new=new.to(torch.long),
+                   row_streaming=streaming.to(torch.long), chunk=int(chunk))
 
     def step_io(self) -> "PrefixStepIO":
         """The prefix reads of the next Euler step (the step counter, on the device)."""
@@ -202,6 +212,20 @@ class PrefixStepIO:
         ctx = self._ctx[..., self._offset:self._offset + w].reshape(2 * self.plan.b, c, ch)
         self._offset += w
         return torch.cat([ctx.to(x.dtype), x], dim=1)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+        """The attention of this step's next site: ``q``, ``k``, ``v [2B, H, Tn, D]`` of the new frames,
+        ``bias`` the plan's ``[2B, 1, Tn, S + Tn]`` -> ``[2B, H, Tn, D]`` over the rows' prefix keys then the
+        new ones: the pool-reading kernel where it runs
+        (:func:`~cosyserve.models.prefix_attention.prefix_attention`), else :meth:`keys_values` and SDPA."""
+        p, pool = self.plan, self.plan.pool
+        out = prefix_attention(q, k, v, pool.keys, pool.values, self._rows, self._site, p.row_start, p.row_new,
+                               p.row_streaming, p.chunk)
+        if out is not None:
+            self._site += 1
+            return out
+        k, v = self.keys_values(k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
     def keys_values(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """``k, v [2B, H, Tn, D]`` of the new frames -> ``[2B, H, S + Tn, D]``: the rows' prefix keys/values
