@@ -420,6 +420,10 @@ def test_fixed_admission_under_3x_load_never_stalls_an_admitted_stream(synth):
     # queued streams waited (their first chunk came later), the first two did not
     first = {rid: r["done"].first_chunk_breakdown["queue"] for rid, r in out.items()}
     assert max(first["r0"], first["r1"]) < 0.5 < min(first[f"r{i}"] for i in range(2, 6))
+    # what held the queue: the fixed limit, for about as long as the last queued stream waited
+    held = core.stats.admission_held_s
+    assert set(held) == {"fixed"} and 0.9 * first["r5"] <= held["fixed"] <= 1.1 * first["r5"] + 0.1, (held, first)
+    assert obs.admission_held_seconds.labels("fixed")._value.get() == pytest.approx(held["fixed"])
 
     # the same load without admission control: streams stall (this test can fail)
     core_off, _ = slow_engine(synth, max_active=16, max_queue=4, admission="off")
@@ -694,6 +698,11 @@ def test_metrics_expose_the_admission_gauges(tmp_path):
         assert peak["cosyserve_active_streams"] == 3
         m = scrape(srv.url)
         assert m["cosyserve_admitted_streams"] == 0 and m["cosyserve_admissions_total"] >= 7
+        # the 2 queued streams waited for the fixed limit (--admission 3 < --max-active-streams 8)
+        text = httpx.get(srv.url + "/metrics", timeout=10).text
+        held = {smp.labels["bound"]: smp.value for fam in text_string_to_metric_families(text)
+                for smp in fam.samples if smp.name == "cosyserve_admission_held_seconds_total"}
+        assert set(held) == {"fixed"} and held["fixed"] > 0, held
     finally:
         assert srv.stop() == 0
     assert "Traceback" not in srv.logs()
@@ -866,11 +875,12 @@ def test_auto_admission_starts_a_burst_of_streams_in_waves(synth):
             first = len(core._active) if first is None else first
         assert len(done) == n + 1 and all(e.outcome.value == "ok" for e in done.values())
         assert obs.order == ["offline"] + [f"r{i}" for i in range(n)]
-        return most, first
+        return most, first, core.stats.admission_held_s
 
-    most, first = run(0.45)
+    most, first, held = run(0.45)
     assert 0 < most <= 8 and first == 1 + 8  # the offline request + ceil(0.45 x 16) streams
-    assert run(1.0) == (12, 13)
+    assert set(held) == {"starting"} and held["starting"] > 0  # the waves held the queue, nothing else
+    assert run(1.0) == (12, 13, {})
 
 
 def test_chunks_delivered_late_cap_auto_admission_too(synth, caplog):

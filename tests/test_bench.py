@@ -655,6 +655,7 @@ def test_bench_capacity_mode(tts, tmp_path, capsys):
         assert lv["pass"] == (lv["failed"] == 0 and lv["first_chunk_s"]["p99"] * 1000 <= cap["p99_bound_ms"])
         adm = lv["admission"]  # from the server's /metrics: every request admitted, in arrival order
         assert adm["admitted"] == lv["requests"] and adm["out_of_order"] == 0
+        assert adm["held_s"] == {}  # admission off (CPU): nothing held the queue
     ov = cap["overload"]
     assert ov["clients"] == 2 and ov["ok"] + ov["failed"] == 6 and ov["in_order"] is True
     assert "**Capacity: 1 concurrent streams**" in out and "Overload at 2× (2 clients)" in out
@@ -679,6 +680,30 @@ def test_bench_capacity_mode(tts, tmp_path, capsys):
 
     code, _, err = run(capsys, "bench", "--url", tts.grpc_url, "--capacity", "--p99-bound-ms", -1, "--out", tmp_path)
     assert code == 2 and "--p99-bound-ms > 0" in err and "Traceback" not in err
+
+
+def test_capacity_table_says_which_admission_bound_held_the_queue():
+    """The capacity table's "queue held by" column: per level, the seconds the queue's head waited per
+    admission bound (the difference of the server's cumulative counters), longest first."""
+    from cosyserve.client.bench import _held_delta, _held_text, capacity_markdown
+
+    d = _held_delta({"capacity": 1.0, "starting": 2.0}, {"capacity": 4.25, "starting": 2.0, "slack": 0.5})
+    assert d == {"capacity": 3.25, "slack": 0.5}
+    assert _held_text(d) == "capacity 3.2 s, slack 0.5 s" and _held_text({}) == "0" and _held_text(None) == "–"
+    assert _held_delta(None, {"capacity": 1.0}) is None
+    lv = {"concurrency": 8, "requests": 24, "first_chunk_s": {"p50": 0.1, "p90": 0.2, "p99": 0.3}, "stalled": 0,
+          "ok": 24, "failed": 0, "throughput": 9.5, "role": "probe", "verdict": "pass",
+          "breakdown": {"phases": {"queue": 12.0}},
+          "admission": {"admitted": 24, "out_of_order": 0, "capacity_streams": 6, "held_s": d}}
+    report = {"config": {"mode": "streaming"}, "levels": [lv],
+              "capacity": {"p99_bound_ms": 500, "min_requests_per_client": 3, "streams": 8, "first_failing": None,
+                           "max_probed": 8}}
+    lines = capacity_markdown(report)
+    head = next(x for x in lines if x.startswith("| level"))
+    row = next(x for x in lines if x.startswith("| probe"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == len(head.strip("|").split("|"))
+    assert cells[[c.strip() for c in head.strip("|").split("|")].index("queue held by")] == "capacity 3.2 s, slack 0.5 s"
 
 
 def test_startup_probe_stops_waiting_when_the_server_has_exited():

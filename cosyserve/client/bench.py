@@ -434,10 +434,12 @@ def capacity_markdown(report: dict) -> list[str]:
                  f"≥ {cap['min_requests_per_client']} requests per client"
                  + (" (clients listen: each plays its stream in real time; mean in flight: at the server "
                     "(being sent or played; seconds with at least 95 % of the clients' streams at once))"
-                    if playing else "") + ":", "",
+                    if playing else "") + "; queue held by: the seconds the server's queue head waited, per "
+                 "admission bound (capacity: the model's estimate, starting: streams in their first chunks, slack, "
+                 "memory, fixed, max_active):", "",
              "| level | clients | mean in flight | requests | first chunk p50 | p90 | p99 | stalled/sent | failed | "
-             "throughput | queue wait | admitted out of order | capacity gauge | result |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "throughput | queue wait | queue held by | admitted out of order | capacity gauge | result |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for lv in report["levels"]:
         f = lv["first_chunk_s"] or {}
         b = lv.get("breakdown") or {}
@@ -454,7 +456,8 @@ def capacity_markdown(report: dict) -> list[str]:
         lines.append(f"| {lv.get('role', 'probe')} | {lv['concurrency']} | {mif} | "
                      f"{lv['requests']} | {_ms(f.get('p50'))} | "
                      f"{_ms(f.get('p90'))} | {_ms(f.get('p99'))} | {lv['stalled'] if stream else '–'}/{lv['ok']} | "
-                     f"{lv['failed']} | {thr} | {'–' if q is None else f'{q:.0f} ms'} | {ooo} | {gauge} | "
+                     f"{lv['failed']} | {thr} | {'–' if q is None else f'{q:.0f} ms'} | "
+                     f"{_held_text(adm.get('held_s'))} | {ooo} | {gauge} | "
                      f"{lv.get('verdict', '')} |")
     top = "" if cap["first_failing"] is not None else f" (every level up to {cap['max_probed']} passed)"
     lines += ["", f"**Capacity: {cap['streams']} concurrent streams**{top}; first failing level: "
@@ -642,11 +645,12 @@ class _Setup:
 
     def admission_counters(self) -> dict | None:
         """The engine's admission numbers now: ``admitted`` and ``out_of_order`` (cumulative),
-        ``capacity_streams`` (the gauge); None when unavailable (no metrics URL, another server)."""
+        ``capacity_streams`` (the gauge), ``held_s`` (cumulative seconds the queue's head waited, per
+        admission bound); None when unavailable (no metrics URL, another server)."""
         if self.shared is not None:
             core = self.shared.engine.core
             return {"admitted": core.stats.admitted, "out_of_order": core.stats.admitted_out_of_order,
-                    "capacity_streams": core.capacity_streams}
+                    "capacity_streams": core.capacity_streams, "held_s": dict(core.stats.admission_held_s)}
         if not self.metrics_url:
             return None
         try:
@@ -655,15 +659,17 @@ class _Setup:
 
             r = httpx.get(self.metrics_url, headers=_headers(self.opts), timeout=10)
             r.raise_for_status()
-            vals = {smp.name: smp.value for fam in text_string_to_metric_families(r.text) for smp in fam.samples
-                    if not smp.labels}
+            samples = [smp for fam in text_string_to_metric_families(r.text) for smp in fam.samples]
         except Exception:  # noqa: BLE001 - informational
             return None
+        vals = {smp.name: smp.value for smp in samples if not smp.labels}
         if "cosyserve_admissions_total" not in vals:
             return None
+        held = {smp.labels["bound"]: smp.value for smp in samples
+                if smp.name == "cosyserve_admission_held_seconds_total" and "bound" in smp.labels}
         return {"admitted": vals["cosyserve_admissions_total"],
                 "out_of_order": vals.get("cosyserve_admissions_out_of_order_total", 0.0),
-                "capacity_streams": vals.get("cosyserve_capacity_streams")}
+                "capacity_streams": vals.get("cosyserve_capacity_streams"), "held_s": held}
 
     def runner(self, keep_audio: bool) -> Runner:
         o = self.opts
@@ -793,8 +799,25 @@ def _level(setup: _Setup, opts: BenchOptions, items: list[BenchItem], c: int, n_
     lv["breakdown"] = level_breakdown(before, after)
     lv["admission"] = None if adm0 is None or adm1 is None else {
         "admitted": adm1["admitted"] - adm0["admitted"], "out_of_order": adm1["out_of_order"] - adm0["out_of_order"],
-        "capacity_streams": adm1["capacity_streams"]}
+        "capacity_streams": adm1["capacity_streams"], "held_s": _held_delta(adm0.get("held_s"), adm1.get("held_s"))}
     return lv, recs
+
+
+def _held_delta(before: dict | None, after: dict | None) -> dict | None:
+    """Seconds the queue's head waited during a level, per admission bound (those above 0), from two
+    cumulative readings (:meth:`_Setup.admission_counters`); None where the server does not report them."""
+    if before is None or after is None:
+        return None
+    return {k: round(v - before.get(k, 0.0), 3) for k, v in sorted(after.items()) if v - before.get(k, 0.0) > 0}
+
+
+def _held_text(held: dict | None) -> str:
+    """``capacity 3.1 s, starting 0.4 s`` (longest first), ``0`` without waits, ``–`` unreported."""
+    if held is None:
+        return "–"
+    if not held:
+        return "0"
+    return ", ".join(f"{k} {v:.1f} s" for k, v in sorted(held.items(), key=lambda kv: -kv[1]))
 
 
 def level_passes(lv: dict, p99_bound_ms: float) -> tuple[bool, str]:

@@ -303,6 +303,12 @@ MEMORY_RESERVE_SHARE = 0.05
 #: ``auto`` admission lets at least this many streams be in their first chunks at once
 #: (``EngineConfig.admission_start_share``)
 MIN_STARTING_STREAMS = 4
+#: what may hold the queue's head (``EngineStats.admission_held_s``, ``cosyserve_admission_held_seconds_total``):
+#: ``capacity`` the capacity model's estimate (``auto``), ``slack`` the cap from late or close chunks
+#: (:class:`~cosyserve.engine.admission.SlackGuard`) below it, ``memory`` the device-memory bound, ``starting``
+#: the bound on streams in their first chunks (``admission_start_share``), ``fixed`` ``--admission N``,
+#: ``max_active`` the engine's ``max_active`` (KV-cache slots)
+ADMISSION_HOLDS = ("capacity", "slack", "memory", "starting", "fixed", "max_active")
 #: ``EngineConfig.hift_f0``: the CosyVoice2 HiFT's F0 item by item in float32 (bit-identical to a stream's F0
 #: run alone) or in one masked float64 pass per batch (:attr:`~cosyserve.models.hift.HiFTGenerator.batched_f0`)
 HIFT_F0_MODES = ("per-item", "batched")
@@ -333,6 +339,9 @@ class EngineObserver:
     def capacity_changed(self, streams: int, estimate: float | None) -> None:
         """The admission limit changed materially (``estimate``: the raw model, streams)."""
 
+    def admission_held(self, bound: str, seconds: float) -> None:
+        """The queue's head waited ``seconds`` more because of ``bound`` (:data:`ADMISSION_HOLDS`)."""
+
     def host(self, phase: str, seconds: float) -> None:
         """Scheduler-thread time spent in ``phase`` (see :attr:`EngineStats.host_s`)."""
 
@@ -359,6 +368,9 @@ class EngineStats:
     #: requests admitted (queued -> active), and those admitted after a later arrival
     admitted: int = 0
     admitted_out_of_order: int = 0
+    #: seconds the queue's head waited while it could have been admitted but for one bound, per bound
+    #: (:data:`ADMISSION_HOLDS`), cumulative: which bound makes the queue wait
+    admission_held_s: dict = field(default_factory=dict)
 
     def add_host(self, phase: str, seconds: float) -> None:
         self.host_s[phase] = self.host_s.get(phase, 0.0) + seconds
@@ -512,6 +524,8 @@ class EngineCore:
         self._memory_cap: int | None = None  # the latest memory bound on active streams (auto admission)
         self._memory: DeviceMemory | None = None  # created on first use (CUDA only)
         self._memory_logged: int | None = None  # the memory bound last logged
+        self._limit_reason = "max_active"  # the bound that set self._limit (ADMISSION_HOLDS)
+        self._held: tuple[str, float] | None = None  # (bound, since when) while the queue's head waits
         self._limit = self._admission_limit()
 
     def _t2w_graphs(self, models, config: EngineConfig) -> list:
@@ -978,8 +992,11 @@ class EngineCore:
                 # not bind; offline throughput needs many rows per LM step and full token2wav batches
                 # (CosyVoice3 on an H100: held at ~27 rows by the estimate, docs/perf.md "Session 28").
                 # A stream that arrives meanwhile waits until the active requests fit its estimate.
+                self._limit_reason = "max_active"
                 return self.cfg.max_active
-            cap = self._slack_capped(cap)  # late chunks seen lately
+            guarded = self._slack_capped(cap)  # late chunks seen lately
+            self._limit_reason = "slack" if guarded < cap else "capacity"
+            cap = guarded
             if mem is not None and not offline_head:
                 limit = mem + sum(1 for st in self._active.values() if not st.req.params.stream)
                 if limit < min(cap, self.cfg.max_active):
@@ -988,10 +1005,15 @@ class EngineCore:
                                     "real-time capacity estimate %d)", mem, self.t2w.stream_state_bytes() / 1e6,
                                     cap, extra={"event": "memory_bound", "streams": mem})
                         self._memory_bound_logged = True
+                    self._limit_reason = "memory"
                     return max(1, limit)
+            if self.cfg.max_active < cap:
+                self._limit_reason = "max_active"
             return min(cap, self.cfg.max_active)
         if self.admission.mode == "fixed":
+            self._limit_reason = "fixed" if self.admission.streams < self.cfg.max_active else "max_active"
             return min(self.admission.streams, self.cfg.max_active)
+        self._limit_reason = "max_active"
         return self.cfg.max_active
 
     def _device_memory(self) -> tuple[int, int] | None:
@@ -1043,18 +1065,21 @@ class EngineCore:
         now = time.monotonic()
         kind = None
         starting = None  # streams in their first START_CHUNKS chunks (auto admission)
+        held = None  # the bound that holds the queue's head, if one does
         while self._waiting:
             head = next(iter(self._waiting.values()))
             if kind is not None and head.req.params.stream != kind:
                 self._limit = self._admission_limit()
             kind = head.req.params.stream
             if len(self._active) >= self._limit:
+                held = self._limit_reason
                 break
             if head.req.params.streams_audio and self.admission.mode == "auto":
                 if starting is None:
                     starting = sum(1 for st in self._active.values()
                                    if st.req.params.streams_audio and st.chunks < START_CHUNKS)
                 if starting >= self._starting_limit():
+                    held = "starting"
                     break  # a wave is starting: the next one once its second chunks are out
                 starting += 1
             rid, st = self._waiting.popitem(last=False)
@@ -1066,6 +1091,21 @@ class EngineCore:
             hook = getattr(self.observer, "admitted", None)
             if hook is not None:
                 hook(rid, now - st.req.arrival, in_order)
+        self._account_hold(held, now)
+
+    def _account_hold(self, held: str | None, now: float) -> None:
+        """Charge the time since the previous :meth:`_admit` to the bound that held the queue's head then
+        (``EngineStats.admission_held_s``, the observer's ``admission_held(bound, seconds)``), and note
+        ``held`` (None: the queue's head is not held, or there is none) from ``now`` (monotonic seconds)."""
+        if self._held is not None:
+            bound, since = self._held
+            sec = max(0.0, now - since)
+            if sec > 0:
+                self.stats.admission_held_s[bound] = self.stats.admission_held_s.get(bound, 0.0) + sec
+                hook = getattr(self.observer, "admission_held", None)  # observers may be duck-typed
+                if hook is not None:
+                    hook(bound, sec)
+        self._held = None if held is None else (held, now)
 
     def _starting_limit(self) -> int:
         """Streams that may be in their first ``START_CHUNKS`` chunks at once under ``auto``

@@ -13,7 +13,9 @@ not enforced, with ``off``), ``cosyserve_admitted_streams`` (requests admitted n
 ``cosyserve_load_ratio`` (admitted / capacity), ``cosyserve_capacity_estimate_streams`` (the
 capacity model itself, whatever the mode; NaN before it has measured anything),
 ``cosyserve_admissions_total`` and ``cosyserve_admissions_out_of_order_total`` (admitted
-before a request that arrived earlier); device time per batched
+before a request that arrived earlier), ``cosyserve_admission_held_seconds_total{bound}`` (seconds the
+queue's head waited because of ``bound``: ``capacity``, ``slack``, ``memory``, ``starting``, ``fixed``,
+``max_active``; :data:`~cosyserve.engine.core.ADMISSION_HOLDS`); device time per batched
 stage ``cosyserve_stage_seconds{stage}`` and items per stage ``cosyserve_stage_items_total{stage}`` (``prefill``, ``decode``, ``flow``, ``hift``; see
 :class:`~cosyserve.engine.core.EngineObserver`) and where first-chunk latency goes,
 ``cosyserve_first_chunk_phase_seconds{phase}`` (``queue``, ``prefill``, ``decode``, ``t2w_wait``,
@@ -85,6 +87,9 @@ class Metrics(EngineObserver):
                                        "The capacity model's estimate of real-time streams (any admission mode)",
                                        registry=r)
         self.admissions = Counter("cosyserve_admissions", "Requests admitted from the queue", registry=r)
+        self.admission_held_seconds = Counter("cosyserve_admission_held_seconds",
+                                              "Seconds the queue's head waited, by the admission bound that held it",
+                                              ["bound"], registry=r)
         self.admissions_out_of_order = Counter("cosyserve_admissions_out_of_order",
                                                "Requests admitted after one that arrived later", registry=r)
         for g in (self.capacity, self.load_ratio, self.capacity_estimate):
@@ -148,6 +153,9 @@ class Metrics(EngineObserver):
         self.admissions.inc()
         if not in_order:
             self.admissions_out_of_order.inc()
+
+    def admission_held(self, bound: str, seconds: float) -> None:
+        self.admission_held_seconds.labels(bound).inc(seconds)
 
     def host(self, phase: str, seconds: float) -> None:
         self.host_seconds.labels(phase).inc(seconds)
