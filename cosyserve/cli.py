@@ -480,6 +480,11 @@ def _engine_args(p, in_process: bool = False) -> None:
                    help="auto admission: streams still before their second chunk are at most this share of the "
                         "admitted ones (default 0.45; a burst of arrivals then starts in waves, not all in phase; "
                         "1 = no such bound)" + note)
+    p.add_argument("--admission-lm-alone", action="store_true",
+                   help="auto admission: price the LM's share of the GPU at the decode steps that ran without a "
+                        "token2wav batch beside them (their time under contention includes waiting for the "
+                        "flow's kernels, which token2wav's price already counts), its pace still bounded by every "
+                        "step's time (off by default until measured on a GPU)" + note)
     p.add_argument("--flow-stream-cache", choices=("auto", "on", "off", "prefix"), default="auto",
                    help="streaming chunks compute only the flow frames after the stream's complete static chunks, "
                         "reusing their cached per-step keys/values (CosyVoice2 U-Net: 2.2 MiB, CosyVoice3 DiT: "
@@ -577,6 +582,7 @@ def _engine_config(args, background_default: bool = False, **overrides):
                   graph_priming=getattr(args, "graph_priming", False),
                   decode_lookahead=args.decode_lookahead, admission=args.admission,
                   admission_target=args.admission_target, admission_start_share=args.admission_start_share,
+                  admission_lm_alone=args.admission_lm_alone,
                   flow_stream_cache={"auto": None, "on": True, "off": False,
                                      "prefix": "prefix"}[args.flow_stream_cache],
                   flow_prefix_slots=args.flow_prefix_slots,

@@ -231,6 +231,82 @@ def test_estimate_terms_add_up_to_the_estimate():
     assert est.latency_estimate(1.5) == pytest.approx(host["streams"], abs=0.1)
 
 
+def test_device_prices_the_lm_at_the_steps_that_ran_alone_and_checks_its_pace_on_all():
+    """On the device an LM step beside a flow batch waits for the flow's kernels (the H100's UNet path:
+    1.65 ms + 0.17 ms per row fitted under load, ~2.0 ms + 0.025 ms per row alone; docs/perf.md "Session 36").
+    With enough steps that ran alone, the device's U(b) prices the LM at them; the LM's pace is still bounded
+    by every step's time; the host, and a device without such steps, are unchanged; the alone fit fades when
+    no step runs alone any more."""
+    from cosyserve.engine.admission import ALONE_MIN_STEPS
+
+    def fed(alone_steps: int, contended=(0.00165, 0.00017), alone=(0.002, 0.000025), est=None, clock=None,
+            n=400):
+        if est is None:
+            clock = Clock()
+            est = CapacityEstimator(25, target=0.8, clock=clock, t2w_price="audio", lm_alone=True)
+        for i in range(n):
+            b = 2 + i % 8
+            est.observe_lm(b, 0.001 + 0.00002 * b, admitted=b)  # a host that never binds
+            est.observe_lm_device(b, contended[0] + contended[1] * b)
+            if i < alone_steps:
+                est.observe_lm_device(1 + i % 4, alone[0] + alone[1] * (1 + i % 4), alone=True)
+            if i % 5 == 0:
+                audio = 0.5 * b
+                est.observe_t2w(audio, 1e-4 * audio, 0.02 + 0.006 * audio)
+            clock.t += 0.005
+        return est, clock
+
+    rate = 25.0  # S = 1, f = 1
+    a_t, k = 0.02 / T2W_PERIOD_S, 0.006
+
+    def streams(a, c):
+        return (0.8 - rate * a - a_t) / (rate * c + k)
+
+    before, _ = fed(0)
+    assert before.estimate() == pytest.approx(streams(0.00165, 0.00017), rel=0.05)
+    assert "pace_streams" not in before.terms()["device"]
+    def all_steps(e):  # the estimate with the LM priced at every step (the alone ones among them)
+        t = e.terms()["device"]
+        return (0.8 - t["lm_fixed"] - t["t2w_fixed"]) / (t["lm_per_stream"] + t["t2w_per_stream"])
+
+    few, _ = fed(int(ALONE_MIN_STEPS) - 2)  # too few steps alone: every step prices the LM
+    assert "pace_streams" not in few.terms()["device"] and few.estimate() == pytest.approx(all_steps(few), rel=1e-3)
+    est, clock = fed(200)
+    assert est.estimate() == pytest.approx(streams(0.002, 0.000025), rel=0.05)
+    assert est.estimate() > 1.5 * before.estimate()
+    t = est.terms()["device"]
+    assert t["lm_alone_per_stream"] == pytest.approx(rate * 0.000025, rel=0.05)
+    assert t["lm_per_stream"] > 4 * t["lm_alone_per_stream"]  # every step (the alone ones among them), reported
+    assert t["streams"] == pytest.approx(est.estimate(), abs=0.1)
+    assert t["pace_streams"] == pytest.approx((0.8 - t["lm_fixed"]) / t["lm_per_stream"], rel=5e-3)  # (rounded terms)
+    # the pace binds when the steps as they ran are slow: never more than they allow
+    slow, _ = fed(200, contended=(0.004, 0.002))
+    t = slow.terms()["device"]
+    assert t["pace_streams"] < streams(0.002, 0.000025)
+    assert slow.estimate() == pytest.approx(t["pace_streams"], rel=5e-3) == pytest.approx(t["streams"], rel=5e-3)
+    # only where it admits more: steps "alone" that cost more than those under load change nothing
+    odd, _ = fed(200, alone=(0.004, 0.001))
+    assert odd.estimate() == pytest.approx(all_steps(odd), rel=1e-3)
+    # no step alone for a while (the alone fit's weight decays below ALONE_MIN_STEPS): as before
+    fed(0, est=est, clock=clock, n=12000)  # 60 s of clock
+    assert est.device.lm_alone.w < ALONE_MIN_STEPS
+    assert est.estimate() == pytest.approx(streams(0.00165, 0.00017), rel=0.05)
+    # off (the engine's default until measured on a GPU): the steps alone are fitted, every step prices
+    off = CapacityEstimator(25, target=0.8, clock=Clock())
+    off_fed, _ = fed(200, est=off, clock=off.clock)
+    assert off_fed.device.lm_alone.w >= ALONE_MIN_STEPS and "pace_streams" not in off_fed.terms()["device"]
+    assert off_fed.estimate() == pytest.approx(all_steps(off_fed), rel=1e-3)
+    # the serve option
+    import argparse
+
+    from cosyserve import cli
+
+    parser = argparse.ArgumentParser()
+    cli._engine_args(parser)
+    assert cli._engine_config(parser.parse_args(["--admission-lm-alone"])).admission_lm_alone is True
+    assert cli._engine_config(parser.parse_args([])).admission_lm_alone is False
+
+
 def test_token2wav_fixed_part_is_budgeted_per_batch_period_not_per_stream():
     """Token2wav batches cost ``a_t + k * audio``: a batch grows with the streams, so the fixed part
     is charged once per ``T2W_PERIOD_S``, not per stream (the ratio of batch time to audio at small
@@ -384,6 +460,47 @@ def run_load(synth, core, n: int) -> dict:
 
 def stalled(res: dict) -> list[str]:
     return [rid for rid, r in res.items() if playback_stalls(r["arrivals"], 24000)[0] > 0]
+
+
+def test_engine_tells_which_lm_steps_ran_alone_on_the_device(synth):
+    """The engine marks an LM step as alone on the device (``observe_lm_device(..., alone=True)``) only if
+    no token2wav batch was in flight when it was issued and none was launched before it was read: so never
+    while a batch is in flight. Here token2wav runs on its own thread (``t2w_thread``: batches stay in flight
+    while the LM steps), decoding is pipelined as on CUDA (a step is read one step after it was issued, so a
+    batch can be launched in between) and the device's marks are host timestamps: the CPU exercises the CUDA
+    path."""
+    syn, voice = synth
+    core = syn.new_engine(EngineConfig(max_active=8, t2w_thread=True, pipeline_decode=True, device_sampling=True))
+
+    class HostMarks:  # the CUDA code path, timed on the host
+        cuda = True
+
+        def mark(self, stream=None):
+            return time.perf_counter()
+
+        @staticmethod
+        def seconds(a, b):
+            return b - a
+
+    core._marks = HostMarks()
+    seen = []
+    observe = core.capacity_model.observe_lm_device
+
+    def record(rows, device_s, alone=False):
+        seen.append((alone, core._inflight is not None))
+        observe(rows, device_s, alone=alone)
+
+    core.capacity_model.observe_lm_device = record
+    try:
+        for i in range(3):
+            core.add_request(syn.build_request(TEXT, voice, stream_params(i), f"r{i}"))
+        while core.has_work():
+            core.step()
+    finally:
+        core.close()
+    assert any(alone for alone, _ in seen) and any(not alone for alone, _ in seen), seen
+    assert not any(alone and inflight for alone, inflight in seen)  # never alone beside a batch in flight
+    assert core.capacity_model.device.lm_alone.w > 0
 
 
 def test_fixed_admission_under_3x_load_never_stalls_an_admitted_stream(synth):

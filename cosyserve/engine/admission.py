@@ -58,7 +58,11 @@ the smaller of the two. ``U(b)`` counts every admitted stream as still generatin
 case, e.g. after a burst: charging the LM only for the streams generating at the moment, tried in
 session 34, admitted ~170 DiT streams at 2x overload on an H100 and stalled 37 of 1,440, where this
 model stalled none, docs/perf.md "Session 34") and the two resources as not overlapping their own
-parts (on CUDA the LM and token2wav streams run concurrently, so this errs on the safe side).
+parts (on CUDA the LM and token2wav streams run concurrently, so this errs on the safe side). On the
+device, an LM step that runs beside a flow batch also waits for the flow's kernels, which the token2wav
+term already charges: the device prices the LM at the steps that ran alone (once enough of them were
+seen) and checks the LM's pace separately against the steps as they ran (:class:`_Resource`; the fit
+over every step priced an H100's UNet LM at 7x its own per-row cost, docs/perf.md "Session 36").
 
 Feedback (:class:`SlackGuard`): the model above prices what it measured, and it can be wrong — on an
 H100 with device memory no longer binding, it read 146-156 DiT streams where 88 stayed real time
@@ -308,29 +312,50 @@ class _LinearFit:
 T2W_PRICES = ("audio", "cost")
 
 
+#: LM steps (decayed weight) that ran alone on the device before their fit prices the LM's share of the
+#: device (:class:`_Resource`): fewer, and the steps' times under contention price it
+ALONE_MIN_STEPS = 8.0
+
+
 class _Resource:
     """One resource's cost model: LM step seconds vs rows, token2wav batch seconds vs the audio
-    seconds it made, or vs its cost units (``t2w_price``; both ``a + c*x``)."""
+    seconds it made, or vs its cost units (``t2w_price``; both ``a + c*x``).
 
-    def __init__(self, t2w_price: str = "audio"):
+    The device resource also fits ``lm_alone``: the LM steps no token2wav batch ran beside (the engine
+    tells, :meth:`CapacityEstimator.observe_lm_device`). An LM step's device time while a flow batch runs
+    on the other stream includes waiting for the flow's kernels, time the token2wav term already charges:
+    on an H100 the UNet path's steps fitted 1.65 ms + 0.17 ms per row at 2-9 rows, where the graphed step
+    alone costs ~2.0 ms + 0.025 ms per row (docs/perf.md "Session 36"), and extrapolated to the 35 streams
+    the model counts as generating that double count held admission at half of what stayed real time.
+    So the device's ``U(b)`` prices the LM at the steps that ran alone (once :data:`ALONE_MIN_STEPS` of
+    them are in the fit, and only where that admits more than all steps do), and the LM's pace is checked
+    on its own against the steps as they ran, contention included: ``rate * L(b) <= target``
+    (``price_lm_alone``; ``EngineConfig.admission_lm_alone``, off until measured on a GPU: every step's
+    time prices the LM)."""
+
+    def __init__(self, t2w_price: str = "audio", price_lm_alone: bool = False):
         if t2w_price not in T2W_PRICES:
             raise ValueError(f"t2w_price must be one of {T2W_PRICES}, got {t2w_price!r}")
         self.lm = _LinearFit()
+        self.lm_alone = _LinearFit()
         self.t2w = _LinearFit()
         self.t2w_price = t2w_price
+        self.price_lm_alone = price_lm_alone
 
     def decay(self, f: float) -> None:
         self.lm.decay(f)
+        self.lm_alone.decay(f)
         self.t2w.decay(f)
 
     def terms(self, rate: float, audio: bool, t2w_factor: float = 1.0,
-              cost_per_audio_s: float = 1.0) -> dict[str, float] | None:
+              cost_per_audio_s: float = 1.0, lm: "_LinearFit | None" = None) -> dict[str, float] | None:
         """The parts of ``U(b)`` (module doc; shares of the resource): ``lm_fixed`` = ``rate*a``,
         ``lm_per_stream`` = ``rate*c``, ``t2w_fixed`` = ``a_t/T2W_PERIOD_S``, ``t2w_per_stream`` =
         ``k*t2w_factor`` (``rate`` already scaled by the speed-up; token2wav only with ``audio``; ``k``
         = the fitted cost per unit x ``cost_per_audio_s`` with ``t2w_price="cost"``, else per audio
-        second); None without LM data, or without token2wav data when ``audio``."""
-        fit = self.lm.solve()
+        second; ``lm``: the LM fit, default every step's); None without LM data, or without token2wav
+        data when ``audio``."""
+        fit = (lm or self.lm).solve()
         t2w = self.t2w.solve() if audio else (0.0, 0.0)
         if fit is None or t2w is None:
             return None
@@ -340,12 +365,38 @@ class _Resource:
         return {"lm_fixed": rate * a, "lm_per_stream": rate * c, "t2w_fixed": a_t / T2W_PERIOD_S,
                 "t2w_per_stream": k * t2w_factor}
 
+    def alone_terms(self, rate: float, audio: bool, t2w_factor: float = 1.0,
+                    cost_per_audio_s: float = 1.0) -> dict[str, float] | None:
+        """:meth:`terms` with the LM priced at the steps that ran alone on the device; None before
+        :data:`ALONE_MIN_STEPS` of them (or without the other data), or unless ``price_lm_alone``."""
+        if not self.price_lm_alone or self.lm_alone.w < ALONE_MIN_STEPS:
+            return None
+        return self.terms(rate, audio, t2w_factor, cost_per_audio_s, lm=self.lm_alone)
+
     def capacity(self, rate: float, target: float, audio: bool, t2w_factor: float = 1.0,
                  cost_per_audio_s: float = 1.0) -> float | None:
         """Largest real number of streams ``b`` with ``U(b) <= target`` (:meth:`terms`,
-        :func:`_streams`); None without the data :meth:`terms` needs; ``inf`` if nothing grows with ``b``."""
+        :func:`_streams`); with steps that ran alone (:meth:`alone_terms`) the larger of that with their LM
+        price and with every step's, at most the LM's pace bound (every step's ``rate * L(b) <= target``,
+        :func:`_pace_streams`); None without the data :meth:`terms` needs; ``inf`` if nothing grows with ``b``."""
         t = self.terms(rate, audio, t2w_factor, cost_per_audio_s)
-        return None if t is None else _streams(t, target)
+        if t is None:
+            return None
+        b = _streams(t, target)
+        alone = self.alone_terms(rate, audio, t2w_factor, cost_per_audio_s)
+        if alone is not None:
+            b = min(max(b, _streams(alone, target)), _pace_streams(t, target))
+        return b
+
+
+def _pace_streams(terms: dict[str, float], target: float) -> float:
+    """The largest real ``b`` whose LM steps, as they ran (:meth:`_Resource.terms`' ``lm_fixed`` +
+    ``b * lm_per_stream``), keep the required pace within ``target`` of the wall time; ``inf`` if they
+    do not grow with ``b``, 0 if the fixed part alone exceeds ``target``."""
+    room = target - terms["lm_fixed"]
+    if room <= 0:
+        return 0.0
+    return math.inf if terms["lm_per_stream"] <= 0 else room / terms["lm_per_stream"]
 
 
 def _streams(terms: dict[str, float], target: float) -> float:
@@ -372,13 +423,15 @@ class CapacityEstimator:
     batches as a fixed part + a part per audio second, ``"cost"`` as a fixed part + a part per cost
     unit (the jobs' flow input, ``observe_t2w(cost=...)``), priced per audio second at the cost units
     per audio second measured lately (module doc; for flows whose chunks cost more the longer a
-    stream runs, where a batch's time follows its streams' lengths rather than its audio).
+    stream runs, where a batch's time follows its streams' lengths rather than its audio); ``lm_alone``: the
+    device prices the LM at the steps that ran alone on it (:class:`_Resource`; the steps are fitted either way).
     Raises ValueError for settings out of range. Not thread-safe: fed and read by the engine thread (readers elsewhere read
     :attr:`last` / :attr:`last_estimate`, plain attributes).
     """
 
     def __init__(self, token_rate: float, target: float = 0.8, max_streams: int = 1 << 30, initial: int = 2,
-                 growth: float = 1.5, half_life_s: float = 10.0, clock=time.monotonic, t2w_price: str = "audio"):
+                 growth: float = 1.5, half_life_s: float = 10.0, clock=time.monotonic, t2w_price: str = "audio",
+                 lm_alone: bool = False):
         if not (token_rate > 0 and 0 < target <= 1 and max_streams >= 1 and initial >= 1 and growth >= 1
                 and half_life_s > 0):
             raise ValueError("invalid capacity estimator settings")
@@ -386,7 +439,7 @@ class CapacityEstimator:
         self.initial, self.growth, self.half_life_s = int(initial), float(growth), float(half_life_s)
         self.clock = clock
         self.host = _Resource(t2w_price)
-        self.device = _Resource(t2w_price)
+        self.device = _Resource(t2w_price, lm_alone)
         self._cost = self._audio = 0.0  # decayed sums of token2wav cost units and audio seconds
         self.seen = 0  #: the most streams admitted at once while the LM was measured
         #: the chunk schedules' speed-up ``S`` (module doc) that the capacity is computed for
@@ -429,12 +482,15 @@ class CapacityEstimator:
         self.host.lm.add(rows, host_s)
         self.seen = max(self.seen, rows if admitted is None else admitted)
 
-    def observe_lm_device(self, rows: int, device_s: float) -> None:
-        """The device time (CUDA events) of one LM step's prefill + decode over ``rows`` rows."""
+    def observe_lm_device(self, rows: int, device_s: float, alone: bool = False) -> None:
+        """The device time (CUDA events) of one LM step's prefill + decode over ``rows`` rows; ``alone``:
+        no token2wav work ran on the device beside it (its time is the LM's own work, :class:`_Resource`)."""
         if rows < 1 or not device_s >= 0:
             return
         self._decay()
         self.device.lm.add(rows, device_s)
+        if alone:
+            self.device.lm_alone.add(rows, device_s)
 
     def observe_t2w(self, audio_s: float, host_s: float, device_s: float | None = None,
                     cost: float | None = None) -> None:
@@ -482,8 +538,14 @@ class CapacityEstimator:
         for name, r in (("host", self.host), ("device", self.device)):
             t = r.terms(rate, self.audio, t2w_factor, self.cost_per_audio_s)
             if t is not None:
-                out[name] = {**{k: round(v, 5) for k, v in t.items()},
-                             "streams": round(min(_streams(t, self.target), 1e9), 1)}
+                out[name] = {k: round(v, 5) for k, v in t.items()}
+                alone = r.alone_terms(rate, self.audio, t2w_factor, self.cost_per_audio_s)
+                if alone is not None:  # the LM priced at the steps that ran alone, and the pace bound
+                    out[name].update(lm_alone_fixed=round(alone["lm_fixed"], 5),
+                                     lm_alone_per_stream=round(alone["lm_per_stream"], 5),
+                                     pace_streams=round(min(_pace_streams(t, self.target), 1e9), 1))
+                cap = r.capacity(rate, self.target, self.audio, t2w_factor, self.cost_per_audio_s)
+                out[name]["streams"] = round(min(cap, 1e9), 1)
         return out
 
     def estimate(self) -> float | None:

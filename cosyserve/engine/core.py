@@ -181,6 +181,9 @@ class EngineConfig:
     (docs/perf.md "Session 31") ~100 DiT streams started within 0.6 s at the 2x overload and the
     last third missed their second chunk by up to 40 ms, while ~57 starting at once (the capacity
     levels) never did.
+    ``admission_lm_alone``: the capacity model prices the LM's share of the device at the LM steps that
+    ran without a token2wav batch beside them (and bounds its pace by every step's time), instead of at every
+    step's time (:class:`~cosyserve.engine.admission._Resource`; off until measured on a GPU).
     ``strict_min_len``: before a segment's ``min_len`` mask every stop id, not only upstream's
     one id (``LLMConfig.min_len_mask_id``; CosyVoice3 masks its sos there, so with random weights
     a stop id ends most utterances after a few tokens): for random-weight benchmarks that pin the
@@ -241,6 +244,7 @@ class EngineConfig:
     admission: AdmissionPolicy | str | int | None = None
     admission_target: float = 0.8
     admission_start_share: float = 0.45
+    admission_lm_alone: bool = False
     strict_min_len: bool = False
     flow_stream_cache: bool | str | None = None
     flow_stream_cache_frames: int | None = None
@@ -402,7 +406,10 @@ class _LMTicket:
     segment) in order; ``tokens`` int64 ``[rows]`` (CPU, filled by an asynchronous copy) sampled
     on the device, or None; ``host_rows``, the rows sampled on the host, with their log-probs
     ``logp_host [len(host_rows), V]`` (CPU, asynchronous copy); ``event``, the mark after those
-    copies (a CUDA event, or a host timestamp on CPU); ``spans``, the stage marks to report."""
+    copies (a CUDA event, or a host timestamp on CPU); ``spans``, the stage marks to report;
+    ``t2w_busy`` / ``t2w_epoch``: whether a token2wav batch was in flight when the step was issued, and
+    how many batches had been launched by then (the step ran alone on the device if neither says otherwise
+    when it is read)."""
 
     rows: list
     tokens: torch.Tensor | None
@@ -410,6 +417,8 @@ class _LMTicket:
     logp_host: torch.Tensor | None
     event: object
     spans: list
+    t2w_busy: bool = False
+    t2w_epoch: int = 0
 
 
 class EngineCore:
@@ -513,10 +522,11 @@ class EngineCore:
         self._state_device = device
         self.admission = config.admission or AdmissionPolicy("auto" if device.type == "cuda" else "off")
         self.capacity_model = CapacityEstimator(models.cfg.token_frame_rate, target=config.admission_target,
-                                                max_streams=config.max_active,
+                                                max_streams=config.max_active, lm_alone=config.admission_lm_alone,
                                                 t2w_price="cost" if getattr(self.t2w, "chunk_cost_grows", True)
                                                 else "audio")
         self._t2w_host_s = 0.0  # scheduler-thread token2wav seconds since the last batch was emitted
+        self._t2w_epoch = 0  # token2wav batches launched (an LM step ran alone if none was launched meanwhile)
         self.slack_guard = SlackGuard()  # the feedback cap from chunk deadlines (auto admission)
         self._last_admitted_arrival = float("-inf")
         self._logged_capacity: int | None = None
@@ -1305,7 +1315,7 @@ class EngineCore:
         self.stats.last_lm_batch = len(rows)
         self.stats.lm_batches[len(rows)] = self.stats.lm_batches.get(len(rows), 0) + 1
         self.observer.lm_step(len(rows), prefill_tokens, dt)
-        return _LMTicket(rows, tokens, need, logp_host, event, spans)
+        return _LMTicket(rows, tokens, need, logp_host, event, spans, self._inflight is not None, self._t2w_epoch)
 
     def _process_lm(self, tk: "_LMTicket", events: list) -> None:
         """Wait for a step's results and hand them out: next tokens of the rows still running,
@@ -1322,7 +1332,9 @@ class EngineCore:
             lm_device += sec
             self.observer.stage(name, n, sec)
         if self._marks.cuda:  # device time of the step: the capacity model's device resource
-            self.capacity_model.observe_lm_device(len(tk.rows), lm_device)
+            # alone: no token2wav batch on the device from its issue to now (its time is the LM's own work)
+            alone = not tk.t2w_busy and tk.t2w_epoch == self._t2w_epoch
+            self.capacity_model.observe_lm_device(len(tk.rows), lm_device, alone=alone)
         t_tok = time.monotonic()
         host_rows = set(tk.host_rows)
         sampled = {} if tk.tokens is None else {
@@ -1492,6 +1504,7 @@ class EngineCore:
     def _launch(self, picked: list, jobs: list, events: list, t0: float) -> None:
         """Issue the picked batch: hand it to the worker thread, or enqueue it on the side
         CUDA stream (in flight until :meth:`_collect`); on CPU run it and emit at once."""
+        self._t2w_epoch += 1  # LM steps issued before now no longer ran alone on the device
         if self._worker is not None:
             self._worker.submit(jobs)
             self._inflight = (picked, t0, None)  # the LM keeps decoding while the worker runs it
