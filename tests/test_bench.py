@@ -703,7 +703,8 @@ def test_capacity_table_says_which_admission_bound_held_the_queue():
     row = next(x for x in lines if x.startswith("| probe"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert len(cells) == len(head.strip("|").split("|"))
-    assert cells[[c.strip() for c in head.strip("|").split("|")].index("queue held by")] == "capacity 3.2 s, slack 0.5 s"
+    names = [c.strip() for c in head.strip("|").split("|")]
+    assert cells[names.index("queue held by")] == "capacity 3.2 s, slack 0.5 s"
 
 
 def test_startup_probe_stops_waiting_when_the_server_has_exited():
