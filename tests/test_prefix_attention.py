@@ -122,3 +122,44 @@ def test_no_kernel_off_cuda():
     io = plan.step_io()
     out = io.attention(q, k, v, plan.bias)
     assert io._site == 1 and torch.equal(out, _eager(plan, 0, 0, q, k, v))
+
+
+def test_triton_kernel_gate():
+    """:class:`cosyserve.models.fused.TritonKernel`, which both hand-written kernels run through: built once on
+    first use; launched only on CUDA inputs with fused kernels on and on the thread that owns compilation; a
+    failed launch (outside a capture) disables it, and a build that fails means: never (eager ops instead)."""
+    from cosyserve.models import fused
+
+    builds, calls = [], []
+
+    def build():
+        builds.append(1)
+        return "kernel"
+
+    def launch(kernel, x):
+        calls.append((kernel, x))
+        if x == "bad":
+            raise RuntimeError("launch failed")
+        return x * 2
+
+    k = fused.TritonKernel("test kernel", build)
+    assert k.run(False, launch, 3) is None and builds == []  # not CUDA: not even built
+    assert k.run(True, launch, 3) == 6 and k.run(True, launch, 4) == 8 and builds == [1]
+    prev = fused.set_enabled(False)
+    try:
+        assert k.run(True, launch, 5) is None  # COSYSERVE_FUSED_KERNELS=0
+    finally:
+        fused.set_enabled(prev)
+    fused.compile_only_on(fused.NO_THREAD)  # a background capture owns compilation: nobody else launches
+    try:
+        assert k.run(True, launch, 5) is None
+    finally:
+        fused.compile_only_on(None)
+    assert k.run(True, launch, "bad") is None  # failed: the caller's eager ops, and from now on
+    assert k.run(True, launch, 6) is None and calls[-1] == ("kernel", "bad") and k.get() is None
+
+    def broken():
+        raise ImportError("no triton")
+
+    nb = fused.TritonKernel("test kernel", broken)
+    assert nb.run(True, launch, 1) is None and nb.get() is None

@@ -23,16 +23,10 @@ run from then on.
 
 from __future__ import annotations
 
-import logging
-import threading
-
 import torch
 from torch import Tensor
 
 from . import fused
-from .capture import CAPTURE_LOCK
-
-log = logging.getLogger(__name__)
 
 __all__ = ["causal_cols", "causal_cols_eager"]
 
@@ -50,10 +44,6 @@ def causal_cols_eager(x: Tensor, cache: Tensor, last_idx: Tensor | None,
         new_out.copy_(new)
         new = new_out
     return cols, new
-
-
-_kernel = None  # the compiled-on-first-use Triton kernel (None: not built yet; False: unavailable or broken)
-_kernel_lock = threading.Lock()
 
 
 def _build_kernel():
@@ -101,18 +91,12 @@ def _build_kernel():
     return _cols_kernel
 
 
+_KERNEL = fused.TritonKernel("causal conv columns", _build_kernel)
+
+
 def _get_kernel():
-    global _kernel
-    if _kernel is None:
-        with _kernel_lock:
-            if _kernel is None:
-                try:
-                    _kernel = _build_kernel()
-                except Exception as exc:  # noqa: BLE001 - no (working) Triton: the eager ops
-                    log.info("causal conv columns: no Triton kernel (%s: %s), running eagerly",
-                             type(exc).__name__, exc)
-                    _kernel = False
-    return _kernel or None
+    """The Triton kernel, or None (no working Triton)."""
+    return _KERNEL.get()
 
 
 #: the kernel's tile: frames x consecutive column elements per program (H100: 18-19 µs per call at 8 rows x
@@ -156,19 +140,5 @@ def causal_cols(x: Tensor, cache: Tensor, last_idx: Tensor | None,
     ``cols[n, t, c*k + j] = (cache ++ x)[n, t + j, c]``; the new cache ``[N, C, k-1]``: ``new_out``, else a
     view of fresh ``[N, k-1, C]`` storage)``.
     Bitwise equal to :func:`causal_cols_eager`; see the module doc for when the Triton kernel runs."""
-    global _kernel
-    owner = fused._compile_thread
-    if fused.enabled() and x.is_cuda and _kernel is not False and (owner is None or owner == threading.get_ident()):
-        kernel = _get_kernel()
-        if kernel is not None:
-            with CAPTURE_LOCK.try_hold() as free:
-                if free:
-                    try:
-                        return _launch(kernel, x, cache, last_idx, new_out)
-                    except Exception as exc:  # noqa: BLE001 - fall back to the eager ops
-                        if torch.cuda.is_current_stream_capturing():
-                            raise
-                        _kernel = False
-                        log.warning("causal conv columns: the Triton kernel failed (%s: %s); running eagerly "
-                                    "from now on", type(exc).__name__, exc)
-    return causal_cols_eager(x, cache, last_idx, new_out)
+    out = _KERNEL.run(x.is_cuda, _launch, x, cache, last_idx, new_out)
+    return out if out is not None else causal_cols_eager(x, cache, last_idx, new_out)

@@ -186,6 +186,59 @@ class FusedOp:
         return self._compiled is not None and not self._broken
 
 
+class TritonKernel:
+    """A hand-written Triton kernel (``build()`` imports Triton and returns the ``@triton.jit`` function),
+    built on first use, with the rules under which :class:`FusedOp` runs its compiled kernels:
+    :meth:`run` launches it only on CUDA inputs, with fused kernels on (:func:`enabled`), on the thread that
+    owns kernel compilation while a background capture runs (:func:`compile_only_on`; a first launch of a
+    variant compiles and loads it) and while no other thread captures a CUDA graph
+    (:data:`~cosyserve.models.capture.CAPTURE_LOCK`); otherwise, or if Triton is missing, the caller runs
+    its eager formula. A launch that fails outside a capture is logged once and the kernel is not tried
+    again (inside a capture the error propagates: falling back there is too late). ``name``: for the logs.
+    Used by :func:`~cosyserve.models.conv_cols.causal_cols` and
+    :func:`~cosyserve.models.prefix_attention.prefix_attention`."""
+
+    def __init__(self, name: str, build):
+        self.name, self._build = name, build
+        self._kernel = None  # None: not built yet; False: unavailable or broken
+        self._lock = threading.Lock()
+
+    def get(self):
+        """The built kernel, or None (no working Triton, or disabled after a failure)."""
+        if self._kernel is None:
+            with self._lock:
+                if self._kernel is None:
+                    try:
+                        self._kernel = self._build()
+                    except Exception as exc:  # noqa: BLE001 - no (working) Triton: the eager ops
+                        log.info("%s: no Triton kernel (%s: %s), running eagerly", self.name, type(exc).__name__,
+                                 exc)
+                        self._kernel = False
+        return self._kernel or None
+
+    def run(self, cuda: bool, launch, *args):
+        """``launch(kernel, *args)``'s result where the kernel may run now (``cuda``: the inputs are on a
+        CUDA device), else None (the caller's eager formula then runs; ``launch`` must not return None)."""
+        owner = _compile_thread
+        if not (_enabled and cuda and self._kernel is not False and (owner is None or owner == threading.get_ident())):
+            return None
+        kernel = self.get()
+        if kernel is None:
+            return None
+        with CAPTURE_LOCK.try_hold() as free:
+            if not free:
+                return None
+            try:
+                return launch(kernel, *args)
+            except Exception as exc:  # noqa: BLE001 - fall back to the eager ops
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise
+                self._kernel = False
+                log.warning("%s: the Triton kernel failed (%s: %s); running eagerly from now on", self.name,
+                            type(exc).__name__, exc)
+                return None
+
+
 def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``gelu(linear(x, weight, bias), approximate="tanh")``: ``x [..., K]``, ``weight [N, K]``,
     ``bias [N]`` -> ``[..., N]`` (the feed-forward of both DiT estimators, whose upstream GELU is the

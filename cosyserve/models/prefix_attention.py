@@ -26,22 +26,14 @@ runs the eager ops. If the kernel fails outside a capture it is logged once and 
 
 from __future__ import annotations
 
-import logging
 import math
-import threading
 
 import torch
 from torch import Tensor
 
 from . import fused
-from .capture import CAPTURE_LOCK
-
-log = logging.getLogger(__name__)
 
 __all__ = ["prefix_attention"]
-
-_kernel = None  # None: not built yet; False: unavailable or broken
-_kernel_lock = threading.Lock()
 
 #: query frames x key frames per block (head_dim 64, bf16: 2 x 16 KiB of operands per program)
 BLOCK_M, BLOCK_N = 64, 64
@@ -135,17 +127,7 @@ def _build_kernel():
     return _attn_kernel
 
 
-def _get_kernel():
-    global _kernel
-    if _kernel is None:
-        with _kernel_lock:
-            if _kernel is None:
-                try:
-                    _kernel = _build_kernel()
-                except Exception as exc:  # noqa: BLE001 - no (working) Triton: the eager ops
-                    log.info("prefix attention: no Triton kernel (%s: %s), running eagerly", type(exc).__name__, exc)
-                    _kernel = False
-    return _kernel or None
+_KERNEL = fused.TritonKernel("prefix attention", _build_kernel)
 
 
 def _launch(kernel, q: Tensor, k: Tensor, v: Tensor, pool_keys: Tensor, pool_values: Tensor, rows: Tensor,
@@ -187,23 +169,5 @@ def prefix_attention(q: Tensor, k: Tensor, v: Tensor, pool_keys: Tensor, pool_va
     query ``i`` attends to prefix keys ``j < starts[b]`` and new keys ``j < new[b]`` with, for a streaming row,
     ``starts[b] + j`` before the end of query frame ``starts[b] + i``'s chunk. No host synchronisation.
     Raises ValueError (or the kernel's error) only inside a CUDA-graph capture, where falling back is too late."""
-    global _kernel
-    owner = fused._compile_thread
-    if not (fused.enabled() and q.is_cuda and _kernel is not False
-            and (owner is None or owner == threading.get_ident())):
-        return None
-    kernel = _get_kernel()
-    if kernel is None:
-        return None
-    with CAPTURE_LOCK.try_hold() as free:
-        if not free:
-            return None
-        try:
-            return _launch(kernel, q, k, v, pool_keys, pool_values, rows, site, starts, new, streaming, chunk)
-        except Exception as exc:  # noqa: BLE001 - fall back to the eager ops
-            if torch.cuda.is_current_stream_capturing():
-                raise
-            _kernel = False
-            log.warning("prefix attention: the Triton kernel failed (%s: %s); running eagerly from now on",
-                        type(exc).__name__, exc)
-            return None
+    return _KERNEL.run(q.is_cuda, _launch, q, k, v, pool_keys, pool_values, rows, site, starts, new, streaming,
+                       chunk)
