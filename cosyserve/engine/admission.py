@@ -60,9 +60,10 @@ session 34, admitted ~170 DiT streams at 2x overload on an H100 and stalled 37 o
 model stalled none, docs/perf.md "Session 34") and the two resources as not overlapping their own
 parts (on CUDA the LM and token2wav streams run concurrently, so this errs on the safe side). On the
 device, an LM step that runs beside a flow batch also waits for the flow's kernels, which the token2wav
-term already charges: the device prices the LM at the steps that ran alone (once enough of them were
-seen) and checks the LM's pace separately against the steps as they ran (:class:`_Resource`; the fit
-over every step priced an H100's UNet LM at 7x its own per-row cost, docs/perf.md "Session 36").
+term already charges: with ``lm_alone`` (``--admission-lm-alone``; off until measured on a GPU) the device
+prices the LM at the steps that ran alone (once enough of them were seen) and checks the LM's pace
+separately against the steps as they ran (:class:`_Resource`; the fit over every step priced an H100's
+UNet LM at 7x its own per-row cost, docs/perf.md "Session 36").
 
 Feedback (:class:`SlackGuard`): the model above prices what it measured, and it can be wrong — on an
 H100 with device memory no longer binding, it read 146-156 DiT streams where 88 stayed real time
@@ -325,8 +326,9 @@ class _Resource:
     tells, :meth:`CapacityEstimator.observe_lm_device`). An LM step's device time while a flow batch runs
     on the other stream includes waiting for the flow's kernels, time the token2wav term already charges:
     on an H100 the UNet path's steps fitted 1.65 ms + 0.17 ms per row at 2-9 rows, where the graphed step
-    alone costs ~2.0 ms + 0.025 ms per row (docs/perf.md "Session 36"), and extrapolated to the 35 streams
-    the model counts as generating that double count held admission at half of what stayed real time.
+    alone costs ~2.0 ms + 0.025 ms per row (docs/perf.md "Session 36"); extrapolated to the ~35 streams
+    the model counts as generating, that counts the flow's time twice (the estimate read 31-38 streams where
+    ramp-end peaks of 60-70 stayed real time without admission).
     So the device's ``U(b)`` prices the LM at the steps that ran alone (once :data:`ALONE_MIN_STEPS` of
     them are in the fit, and only where that admits more than all steps do), and the LM's pace is checked
     on its own against the steps as they ran, contention included: ``rate * L(b) <= target``
