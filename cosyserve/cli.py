@@ -485,6 +485,11 @@ def _engine_args(p, in_process: bool = False) -> None:
                         "token2wav batch beside them (their time under contention includes waiting for the "
                         "flow's kernels, which token2wav's price already counts), its pace still bounded by every "
                         "step's time (off by default until measured on a GPU)" + note)
+    p.add_argument("--admission-start-cost", action="store_true",
+                   help="auto admission (CosyVoice2/3 flows): price a starting stream's token2wav at the cost its "
+                        "first chunks were measured to need per audio second (with --flow-stream-cache prefix they "
+                        "solve only the frames after the voice's prompt) rather than at the streams' average (off "
+                        "by default until measured on a GPU)" + note)
     p.add_argument("--flow-stream-cache", choices=("auto", "on", "off", "prefix"), default="auto",
                    help="streaming chunks compute only the flow frames after the stream's complete static chunks, "
                         "reusing their cached per-step keys/values (CosyVoice2 U-Net: 2.2 MiB, CosyVoice3 DiT: "
@@ -582,7 +587,7 @@ def _engine_config(args, background_default: bool = False, **overrides):
                   graph_priming=getattr(args, "graph_priming", False),
                   decode_lookahead=args.decode_lookahead, admission=args.admission,
                   admission_target=args.admission_target, admission_start_share=args.admission_start_share,
-                  admission_lm_alone=args.admission_lm_alone,
+                  admission_lm_alone=args.admission_lm_alone, admission_start_cost=args.admission_start_cost,
                   flow_stream_cache={"auto": None, "on": True, "off": False,
                                      "prefix": "prefix"}[args.flow_stream_cache],
                   flow_prefix_slots=args.flow_prefix_slots,

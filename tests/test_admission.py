@@ -307,6 +307,49 @@ def test_device_prices_the_lm_at_the_steps_that_ran_alone_and_checks_its_pace_on
     assert cli._engine_config(parser.parse_args([])).admission_lm_alone is False
 
 
+def test_starting_streams_priced_at_what_their_chunks_cost():
+    """``start_cost``: a starting stream needs its first chunks at the schedule's speed-up S, at what those
+    chunks cost per audio second relative to the average, r (measured from the batches' starting chunks):
+    its token2wav share is ``k * S * r``, so the factor is ``1 + (S*r - 1)*f`` instead of ``1 + (S-1)*f``
+    (from a voice prompt prefix a CosyVoice2 stream's first chunks solve a few frames: r < 1). Off, r is
+    measured but not used; the audio price has no cost units (r = 1)."""
+
+    def fed(start_cost: bool, price: str = "cost"):
+        clock = Clock()
+        est = CapacityEstimator(25, target=0.8, clock=clock, t2w_price=price, start_cost=start_cost)
+        for i in range(300):
+            b = 1 + i % 6
+            est.observe_lm(b, 0.002 + 0.0001 * b, admitted=b)
+            if i % 3 == 0:
+                audio = 0.5 * b
+                cost = 120.0 * audio  # 120 cost units per audio second on average ...
+                start = (0.25 * 60.0, 0.25)  # ... a quarter second of starting chunks at 60 per second
+                est.observe_t2w(audio, 0.01 + 0.0001 * cost, cost=cost, start=start)
+            clock.t += 0.02
+        est.speedup, est.starting_fraction = 2.0, 0.5
+        return est
+
+    on, off = fed(True), fed(False)
+    assert on.start_cost_ratio == pytest.approx(0.5, rel=1e-6) and off.start_cost_ratio == pytest.approx(0.5)
+    t_on, t_off = on.terms()["host"], off.terms()["host"]
+    assert on.terms()["start_cost_ratio"] == 0.5
+    factor_off, factor_on = 1 + (2 - 1) * 0.5, 1 + (2 * 0.5 - 1) * 0.5  # S = 2, f = 0.5, r = 0.5
+    assert t_off["t2w_per_stream"] / t_on["t2w_per_stream"] == pytest.approx(factor_off / factor_on, rel=1e-3)
+    assert on.estimate() > off.estimate()
+    # the audio price has no cost units: the factor stays the schedule's
+    a_on, a_off = fed(True, "audio"), fed(False, "audio")
+    assert a_on.start_cost_ratio == 1.0 and a_on.estimate() == pytest.approx(a_off.estimate(), rel=1e-9)
+    # the serve option
+    import argparse
+
+    from cosyserve import cli
+
+    parser = argparse.ArgumentParser()
+    cli._engine_args(parser)
+    assert cli._engine_config(parser.parse_args(["--admission-start-cost"])).admission_start_cost is True
+    assert cli._engine_config(parser.parse_args([])).admission_start_cost is False
+
+
 def test_token2wav_fixed_part_is_budgeted_per_batch_period_not_per_stream():
     """Token2wav batches cost ``a_t + k * audio``: a batch grows with the streams, so the fixed part
     is charged once per ``T2W_PERIOD_S``, not per stream (the ratio of batch time to audio at small
@@ -562,7 +605,8 @@ def test_auto_admission_estimates_the_artificial_capacity(synth):
     launch, observe = core.t2w.launch, core.capacity_model.observe_t2w
     core.t2w.launch = lambda jobs, *a, **kw: (launched.append(
         sum(int(j.voice.flow_speech_token.numel()) + len(j.tokens) for j in jobs)), launch(jobs, *a, **kw))[1]
-    core.capacity_model.observe_t2w = lambda *a, cost=None: (observed.append(cost), observe(*a, cost=cost))[1]
+    core.capacity_model.observe_t2w = lambda *a, cost=None, start=None: (observed.append(cost),
+                                                                          observe(*a, cost=cost, start=start))[1]
     res = run_load(synth, core, 6)
     assert observed == launched and len(observed) >= 6
     assert core.capacity_model.cost_per_audio_s == pytest.approx(

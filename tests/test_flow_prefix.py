@@ -186,12 +186,39 @@ def test_engine_prompt_prefixes_equal_full_recomputation(monkeypatch):
         return real(inputs, pool, slots, starts, n_timesteps)
 
     monkeypatch.setattr(syn.models.flow, "start_prefixed", spy)
+    # what the capacity model is told: each batch's cost units are the flow input its jobs solved
+    from cosyserve.engine.admission import CapacityEstimator
+    from cosyserve.engine.token2wav import Token2Wav
+
+    inputs, saved, costs = [], [], []
+    launch, finish, observe = Token2Wav.launch, Token2Wav.finish, CapacityEstimator.observe_t2w
+
+    def spy_launch(self, jobs, *a, **kw):
+        inputs.append(sum(int(j.voice.flow_speech_token.numel()) + len(j.tokens) for j in jobs))
+        return launch(self, jobs, *a, **kw)
+
+    def spy_finish(self, pending):
+        out = finish(self, pending)
+        saved.append([r.saved_tokens for r in out])
+        return out
+
+    def spy_observe(self, *a, cost=None, start=None):
+        costs.append(cost)
+        return observe(self, *a, cost=cost, start=start)
+
+    monkeypatch.setattr(Token2Wav, "launch", spy_launch)
+    monkeypatch.setattr(Token2Wav, "finish", spy_finish)
+    monkeypatch.setattr(CapacityEstimator, "observe_t2w", spy_observe)
     engine, got = _engine_audio(syn, voices, texts3, EngineConfig(max_active=3, max_queue=4,
                                                                   flow_stream_cache="prefix"), 60)
     frames = syn.models.flow.prompt_prefix_frames(int(voice.flow_speech_token.numel()))
     pp = engine.t2w.prefix_pool
     assert pp is not None and pp.builds == 1 and pp.hits >= 2 and not engine._flow_stream_cache
     assert calls and all(s in (0, frames) for c in calls for s in c) and sum(s > 0 for c in calls for s in c) >= 3
+    ratio = syn.models.flow.token_mel_ratio
+    assert sorted(n for b in saved for n in b if n) == sorted([frames // ratio] * sum(s > 0 for c in calls for s in c))
+    assert costs == [i - sum(b) for i, b in zip(inputs, saved)]  # flow input less what the prefixes spared
+    assert engine.capacity_model.start_cost_ratio < 1  # the first chunks, from a prefix, solve few frames
     _, ref = _engine_audio(syn, voices, texts3, EngineConfig(max_active=3, max_queue=4, flow_stream_cache=False), 60)
     for k in ref:
         assert got[k].shape == ref[k].shape

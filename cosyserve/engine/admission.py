@@ -426,14 +426,16 @@ class CapacityEstimator:
     unit (the jobs' flow input, ``observe_t2w(cost=...)``), priced per audio second at the cost units
     per audio second measured lately (module doc; for flows whose chunks cost more the longer a
     stream runs, where a batch's time follows its streams' lengths rather than its audio); ``lm_alone``: the
-    device prices the LM at the steps that ran alone on it (:class:`_Resource`; the steps are fitted either way).
+    device prices the LM at the steps that ran alone on it (:class:`_Resource`; the steps are fitted either way);
+    ``start_cost``: a starting stream's token2wav is priced at :attr:`start_cost_ratio` x the schedule's speed-up
+    (``t2w_price="cost"`` only; the ratio is measured either way).
     Raises ValueError for settings out of range. Not thread-safe: fed and read by the engine thread (readers elsewhere read
     :attr:`last` / :attr:`last_estimate`, plain attributes).
     """
 
     def __init__(self, token_rate: float, target: float = 0.8, max_streams: int = 1 << 30, initial: int = 2,
                  growth: float = 1.5, half_life_s: float = 10.0, clock=time.monotonic, t2w_price: str = "audio",
-                 lm_alone: bool = False):
+                 lm_alone: bool = False, start_cost: bool = False):
         if not (token_rate > 0 and 0 < target <= 1 and max_streams >= 1 and initial >= 1 and growth >= 1
                 and half_life_s > 0):
             raise ValueError("invalid capacity estimator settings")
@@ -443,6 +445,8 @@ class CapacityEstimator:
         self.host = _Resource(t2w_price)
         self.device = _Resource(t2w_price, lm_alone)
         self._cost = self._audio = 0.0  # decayed sums of token2wav cost units and audio seconds
+        self._start_cost = self._start_audio = 0.0  # the same for the chunks of starting streams
+        self.start_cost = bool(start_cost)
         self.seen = 0  #: the most streams admitted at once while the LM was measured
         #: the chunk schedules' speed-up ``S`` (module doc) that the capacity is computed for
         self.speedup = 1.0
@@ -471,6 +475,8 @@ class CapacityEstimator:
             self.host.decay(f)
             self.device.decay(f)
             self._cost *= f
+            self._start_cost *= f
+            self._start_audio *= f
             self._audio *= f
         self._t = now
 
@@ -495,10 +501,11 @@ class CapacityEstimator:
             self.device.lm_alone.add(rows, device_s)
 
     def observe_t2w(self, audio_s: float, host_s: float, device_s: float | None = None,
-                    cost: float | None = None) -> None:
+                    cost: float | None = None, start: tuple[float, float] | None = None) -> None:
         """A token2wav batch produced ``audio_s`` seconds of audio for ``host_s`` seconds of
         the scheduler thread (``device_s`` of device time on CUDA); ``cost``: its jobs' cost units
-        (``t2w_price="cost"``; None: the audio seconds)."""
+        (``t2w_price="cost"``; None: the audio seconds); ``start``: ``(cost units, audio seconds)`` of its
+        jobs that were chunks of starting streams (:attr:`start_cost_ratio`)."""
         if not audio_s > 0 or not host_s >= 0:
             return
         self._decay()
@@ -507,6 +514,9 @@ class CapacityEstimator:
             x = audio_s if cost is None or not cost > 0 else float(cost)
             self._cost += x
             self._audio += audio_s
+            if start is not None and start[1] > 0 and start[0] >= 0:
+                self._start_cost += float(start[0])
+                self._start_audio += float(start[1])
         self.host.t2w.add(x, host_s)
         if device_s is not None and device_s >= 0:
             self.device.t2w.add(x, device_s)
@@ -517,12 +527,25 @@ class CapacityEstimator:
         1.0 before any or with the audio price)."""
         return self._cost / self._audio if self._audio > 1e-9 else 1.0
 
+    @property
+    def start_cost_ratio(self) -> float:
+        """Cost units per audio second of the starting streams' chunks over the streams' average, lately
+        (``t2w_price="cost"``; 1.0 before both were measured or with the audio price). A CosyVoice2 stream's
+        first chunks re-run the whole prompt (computed for the benchmark's request: ~1.1); from a voice prompt
+        prefix they solve a few frames (~0.6)."""
+        if self._start_audio < 1e-9 or self._start_cost <= 0 or self._audio < 1e-9 or self._cost <= 0:
+            return 1.0
+        return (self._start_cost / self._start_audio) / (self._cost / self._audio)
+
     def _scaled(self, lm_pace: float) -> tuple[float, float]:
         """``(rate, t2w_factor)``: the LM's steps per second at the speed-up and ``lm_pace``, and the
-        starting streams' token2wav factor ``1 + (S-1)*f`` (module doc)."""
+        starting streams' token2wav factor ``1 + (S-1)*f`` (module doc); with ``start_cost``
+        ``1 + (S*r - 1)*f``, ``r`` = :attr:`start_cost_ratio` (the starting streams need their chunks at ``S``
+        x real time, at ``r`` x the average cost per audio second)."""
         s = max(1.0, self.speedup)
         f = min(1.0, max(0.0, self.starting_fraction))
-        return self.rate * s * lm_pace, 1.0 + (s - 1.0) * f
+        r = self.start_cost_ratio if self.start_cost and self.t2w_price == "cost" else 1.0
+        return self.rate * s * lm_pace, 1.0 + (s * r - 1.0) * f
 
     def _estimate(self, lm_pace: float) -> float | None:
         rate, t2w_factor = self._scaled(lm_pace)
@@ -536,7 +559,8 @@ class CapacityEstimator:
         inputs ``speedup`` (S), ``starting_fraction`` (f), ``lm_pace`` and ``cost_per_audio_s``."""
         rate, t2w_factor = self._scaled(lm_pace)
         out: dict = {"speedup": round(max(1.0, self.speedup), 3), "starting_fraction": round(self.starting_fraction, 3),
-                     "lm_pace": round(lm_pace, 3), "cost_per_audio_s": round(self.cost_per_audio_s, 2)}
+                     "lm_pace": round(lm_pace, 3), "cost_per_audio_s": round(self.cost_per_audio_s, 2),
+                     "start_cost_ratio": round(self.start_cost_ratio, 3)}
         for name, r in (("host", self.host), ("device", self.device)):
             t = r.terms(rate, self.audio, t2w_factor, self.cost_per_audio_s)
             if t is not None:

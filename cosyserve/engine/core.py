@@ -184,6 +184,10 @@ class EngineConfig:
     ``admission_lm_alone``: the capacity model prices the LM's share of the device at the LM steps that
     ran without a token2wav batch beside them (and bounds its pace by every step's time), instead of at every
     step's time (:class:`~cosyserve.engine.admission._Resource`; off until measured on a GPU).
+    ``admission_start_cost``: flows priced per cost unit price a starting stream's token2wav at the cost units
+    per audio second its first chunks were measured to need (:attr:`~cosyserve.engine.admission.
+    CapacityEstimator.start_cost_ratio`: with voice prompt prefixes they solve few frames) rather than at
+    the streams' average (off until measured on a GPU).
     ``strict_min_len``: before a segment's ``min_len`` mask every stop id, not only upstream's
     one id (``LLMConfig.min_len_mask_id``; CosyVoice3 masks its sos there, so with random weights
     a stop id ends most utterances after a few tokens): for random-weight benchmarks that pin the
@@ -245,6 +249,7 @@ class EngineConfig:
     admission_target: float = 0.8
     admission_start_share: float = 0.45
     admission_lm_alone: bool = False
+    admission_start_cost: bool = False
     strict_min_len: bool = False
     flow_stream_cache: bool | str | None = None
     flow_stream_cache_frames: int | None = None
@@ -523,6 +528,7 @@ class EngineCore:
         self.admission = config.admission or AdmissionPolicy("auto" if device.type == "cuda" else "off")
         self.capacity_model = CapacityEstimator(models.cfg.token_frame_rate, target=config.admission_target,
                                                 max_streams=config.max_active, lm_alone=config.admission_lm_alone,
+                                                start_cost=config.admission_start_cost,
                                                 t2w_price="cost" if getattr(self.t2w, "chunk_cost_grows", True)
                                                 else "audio")
         self._t2w_host_s = 0.0  # scheduler-thread token2wav seconds since the last batch was emitted
@@ -1639,14 +1645,24 @@ class EngineCore:
         # the capacity model: token2wav seconds per audio second (on CPU the batch ran on this
         # thread, launch to emit; on CUDA the host time issuing/handing it out, and device time)
         audio_s = sum(int(r.speech.shape[0]) for r in results if not isinstance(r, BaseException)) / self.sample_rate
-        cost = None  # the jobs' cost units, for a price per cost unit only (per batch: keep the DiT's path lean)
+        cost = start = None  # the jobs' cost units, for a price per cost unit only (keep the DiT's path lean)
         if self.capacity_model.t2w_price == "cost":
-            cost = sum(self.t2w.cost_tokens(int(st.req.voice.flow_speech_token.numel()), int(job.tokens.shape[0]),
-                                            job.token_offset)
-                       for (st, _, job), r in zip(picked, results) if not isinstance(r, BaseException))
+            # the flow input each job solved (a voice prefix or stream cache spares the rest); and what the
+            # chunks of starting streams (fewer than START_CHUNKS sent) needed: (cost units, audio seconds)
+            cost, start = 0, [0, 0.0]
+            for (st, _, job), r in zip(picked, results):
+                if isinstance(r, BaseException):
+                    continue
+                units = self.t2w.cost_tokens(int(st.req.voice.flow_speech_token.numel()), int(job.tokens.shape[0]),
+                                             job.token_offset) - r.saved_tokens
+                cost += units
+                if st.req.params.stream and st.chunks < START_CHUNKS:
+                    start[0] += units
+                    start[1] += int(r.speech.shape[0]) / self.sample_rate
         host_s = dt if not self._marks.cuda and self._worker is None else self._t2w_host_s
         self._t2w_host_s = 0.0
-        self.capacity_model.observe_t2w(audio_s, host_s, device_s, cost=cost)
+        self.capacity_model.observe_t2w(audio_s, host_s, device_s, cost=cost,
+                                        start=None if start is None else tuple(start))
         self.stats.last_t2w_batch = len(picked)
         self.stats.t2w_batches[len(picked)] = self.stats.t2w_batches.get(len(picked), 0) + 1
         self.observer.token2wav_step(len(picked), dt)

@@ -64,6 +64,9 @@ class Token2WavJob:
 class Token2WavResult:
     speech: torch.Tensor          # [N] float32 on CPU
     hift_state: HiFTStreamState   # state for the next chunk (empty after a final chunk)
+    #: flow input tokens (of the job's :meth:`Token2WavBackend.cost_tokens`) whose frames the flow did not solve:
+    #: a voice prompt prefix or a stream cache covered them (the capacity model prices the rest)
+    saved_tokens: int = 0
 
 
 class PromptPrefixes:
@@ -406,8 +409,10 @@ class Token2Wav(Token2WavBackend):
             slots, starts = self.prefix_pool.assign(jobs) if self.prefix_pool is not None else ([], [])
             if any(c is not None for c in caches):  # stream-cached: eager (no CUDA graph)
                 pending.prefix_builds = self._seed_prefixes(jobs, caches)
+                pending.saved = [0 if c is None else c.frames // self.ratio for c in caches]
                 pending.run = self.flow.start(inputs, caches=caches)
             elif any(starts):  # from the voices' prompt prefixes
+                pending.saved = [s // self.ratio for s in starts]
                 pending.run = self.flow.start_prefixed(inputs, self.prefix_pool.pool, slots, starts)
             else:
                 pending.run = self.flow.start(inputs)
@@ -480,8 +485,9 @@ class Token2Wav(Token2WavBackend):
         for key, cache, n_prompt, frames in pending.prefix_builds:  # committed exactly the prompt's chunks
             if cache.frames == frames:
                 self.prefixes.put(key, cache.prompt_prefix(n_prompt))
-        return [Token2WavResult(s.cpu() if s.device.type != "cpu" else s, st)
-                for s, st in zip(pending.speech, pending.states)]
+        saved = pending.saved or [0] * len(pending.speech)
+        return [Token2WavResult(s.cpu() if s.device.type != "cpu" else s, st, n)
+                for s, st, n in zip(pending.speech, pending.states, saved)]
 
 
 def copy_to_pinned_host(speech: list[torch.Tensor], stream) -> tuple[list[torch.Tensor], "torch.cuda.Event"]:
@@ -524,6 +530,7 @@ class PendingToken2Wav:
         self.event = None
         self.keep: tuple = ()
         self.prefix_builds: list = []  # voices' prompt prefixes this batch builds (Token2Wav._seed_prefixes)
+        self.saved: list = []  # per job, flow input tokens a prefix or stream cache spares it (Token2WavResult)
         self.stamps: list = []
         self._step_events: list = []
 
