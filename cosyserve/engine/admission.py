@@ -39,7 +39,11 @@ the model's ``token_frame_rate``, 25/s for CosyVoice2) and one second of audio f
   exist (the LM runs ahead of playback), so the ``S``-fold pace binds only streams whose early,
   closely spaced deadlines are still ahead: ``f`` is the fraction of the admitted streams (the
   newcomer included) that have sent fewer than :data:`START_CHUNKS` chunks (1 before any
-  stream was admitted: a burst is budgeted at ``S`` for every stream, as the first model did);
+  stream was admitted: a burst is budgeted at ``S`` for every stream, as the first model did); with
+  ``start_cost`` (``--admission-start-cost``, cost-priced flows) a starting stream's chunks are priced at
+  what they were measured to cost per audio second relative to the average, ``r``
+  (:attr:`CapacityEstimator.start_cost_ratio`): ``b*k*(1 + (S*r-1)*f)`` (from a voice prompt prefix
+  a CosyVoice2 stream's first chunks solve few frames, docs/perf.md "Session 36");
 * the capacity is the largest ``b`` with ``U(b) <= target`` (``target`` < 1 leaves headroom
   for jitter, the prefills of newcomers and batching effects);
 * latency: a stream's second chunk must be out before its first chunk has played (``D1``
