@@ -655,6 +655,7 @@ def test_auto_admission_is_bounded_by_device_memory(synth, caplog):
     assert max(peak) == 1 and all(r["done"].outcome.value == "ok" for r in res.values())
     assert sum("bounded by device memory" in r.getMessage() for r in caplog.records) == 1
     assert core.capacity_streams == 1  # the gauge shows the bound admission used
+    assert set(core.stats.admission_held_s) == {"memory"}  # and the queue's waits are charged to it
     # offline requests hold no stream caches: an offline queue head is not held back by the bound (a
     # stream holds its one place), and a stream queued behind active offline requests gets its place
     # beside them (the time capacity is 3 here, so both run at once only through those rules)
@@ -921,6 +922,7 @@ def test_late_chunk_caps_auto_admission_below_the_active_streams(synth, caplog):
                 done[ev.request_id] = ev
     assert sorted(done) == [f"r{i}" for i in range(8)] and all(e.outcome.value == "ok" for e in done.values())
     assert obs.order == [f"r{i}" for i in range(8)]
+    assert core.stats.admission_held_s.get("slack", 0) > 0  # the queue waited on the guard's cap
 
 
 def test_estimator_keeps_its_model_over_an_idle_gap():
