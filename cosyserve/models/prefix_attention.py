@@ -5,8 +5,8 @@ new frames to the keys/values of its voice's prompt prefix (pool slot, Euler ste
 its own new keys/values. Eagerly (:meth:`~cosyserve.models.flow_prefix.PrefixStepIO.keys_values` + SDPA with
 the plan's additive bias) that is, per site, two gathers of every row's ``[2, H, S, D]`` prefix (``S``: the
 pool's ``max_frames``, whatever the prefix's length), two concatenations with the new ones and a masked
-attention over ``S + Tn`` keys: on an H100 at 88 listening streams (rows of ~40) that traffic made the prefixed
-solve slower than recomputing the prefix (docs/perf.md "Session 36"). :func:`prefix_attention` is a
+attention over ``S + Tn`` keys, four more kernels per site and step: on an H100 that made the prefixed solve
+slower than recomputing the prefix (first chunk at one stream 51 vs 34 ms of token2wav; docs/perf.md "Session 36"). :func:`prefix_attention` is a
 FlashAttention-style kernel (online softmax, float32 accumulators; Dao et al. 2022, the Triton tutorial's
 forward pass) whose programs read a row's prefix keys straight from the pool, only its first ``starts[b]``
 frames (rows of one voice then share the same few hundred KiB per site, in L2), then the new keys under the
