@@ -21,7 +21,8 @@ Per job (one ``Token2WavJob``):
   tail; 3840 leading zeros before a stream's first non-final chunk, as ``Token2wav.stream``).
 
 Set-ups depend only on the prompt (the noise is fixed), so the set-up states of the last
-``setup_cache_size`` prompts are kept (keyed by a hash of the prompt tensors; states are immutable, so
+``setup_cache_size`` prompts are kept (keyed by the voice's flow prompt content,
+:meth:`~cosyserve.engine.token2wav.PromptPrefixes.key`, hashed once per voice; states are immutable, so
 streams share them safely): a stream of a voice seen recently starts without the prompt pass. A set-up
 state holds the prompt's DiT keys/values for every Euler step (full size, bfloat16: about 0.65 MB per
 prompt frame, ~200 MB for a 6 s prompt), hence the small default.
@@ -32,7 +33,6 @@ prompt mel); the prompt mel is replicate-padded/cropped to 2 frames per prompt t
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 
 import torch
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from ..models.dit_flow import TRIM_KEEP, CacheWriteBack, DitItem
 from ..models.dit_token2wav import DitT2WStreamState, DitToken2Wav
 from ..models.hift import HiFTStreamState, hift_stream_step_batch
-from .token2wav import Token2WavBackend, _null, copy_to_pinned_host
+from .token2wav import PromptPrefixes, Token2WavBackend, _null, copy_to_pinned_host
 from .token2wav import Token2WavJob, Token2WavResult, make_token2wav  # noqa: F401  (re-exported)
 
 
@@ -80,18 +80,9 @@ class DitToken2WavBackend(Token2WavBackend):
         self.flow = t2w.flow
         self.hift = t2w.hift
         self.setup_cache_size = setup_cache_size
-        self._setups: OrderedDict[str, object] = OrderedDict()  # prompt hash -> DitStreamState
+        self._setups: OrderedDict[bytes, object] = OrderedDict()  # flow prompt content key -> DitStreamState
         self.setup_hits = 0
         self._state_bytes = 0  # the largest per-stream flow state seen (stream_state_bytes)
-
-    @staticmethod
-    def _prompt_key(pt: torch.Tensor, pm: torch.Tensor, emb: torch.Tensor) -> str:
-        h = hashlib.sha1()
-        for t in (pt, pm, emb):
-            t = t.detach().to("cpu").contiguous()
-            h.update(str((t.dtype, tuple(t.shape))).encode())
-            h.update(t.numpy().tobytes() if t.dtype != torch.bfloat16 else t.float().numpy().tobytes())
-        return h.hexdigest()
 
     chunk_cost_grows = False  # a chunk computes its new frames against a bounded cache
     #: a stream's estimator caches (~97 % of its state) are written in place into one store allocated at
@@ -182,8 +173,8 @@ class DitToken2WavBackend(Token2WavBackend):
         todo: dict[str, list[int]] = {}
         prompts = {}
         for i in new:
-            p = self._prompt(jobs[i])
-            key = self._prompt_key(*p) if self.setup_cache_size > 0 else str(i)
+            # the set-up is a function of the voice's flow prompt: keyed by its content (computed once per voice)
+            key = PromptPrefixes.key(jobs[i].voice) if self.setup_cache_size > 0 else str(i)
             cached = self._setups.get(key)
             if cached is not None:
                 self._setups.move_to_end(key)
@@ -191,7 +182,8 @@ class DitToken2WavBackend(Token2WavBackend):
                 states[i] = DitT2WStreamState(flow=cached)
             else:
                 todo.setdefault(key, []).append(i)
-                prompts[key] = p
+                if key not in prompts:
+                    prompts[key] = self._prompt(jobs[i])
         if todo:
             keys = list(todo)
             set_up = flow.forward_items([flow.setup_item(*prompts[k]) for k in keys])
