@@ -388,11 +388,15 @@ class _Resource:
         t = self.terms(rate, audio, t2w_factor, cost_per_audio_s)
         if t is None:
             return None
-        b = _streams(t, target)
-        alone = self.alone_terms(rate, audio, t2w_factor, cost_per_audio_s)
-        if alone is not None:
-            b = min(max(b, _streams(alone, target)), _pace_streams(t, target))
-        return b
+        return _capacity(t, self.alone_terms(rate, audio, t2w_factor, cost_per_audio_s), target)
+
+
+def _capacity(terms: dict[str, float], alone: dict[str, float] | None, target: float) -> float:
+    """:meth:`_Resource.capacity` from its :meth:`~_Resource.terms` and :meth:`~_Resource.alone_terms`."""
+    b = _streams(terms, target)
+    if alone is not None:
+        b = min(max(b, _streams(alone, target)), _pace_streams(terms, target))
+    return b
 
 
 def _pace_streams(terms: dict[str, float], target: float) -> float:
@@ -574,8 +578,7 @@ class CapacityEstimator:
                     out[name].update(lm_alone_fixed=round(alone["lm_fixed"], 5),
                                      lm_alone_per_stream=round(alone["lm_per_stream"], 5),
                                      pace_streams=round(min(_pace_streams(t, self.target), 1e9), 1))
-                cap = r.capacity(rate, self.target, self.audio, t2w_factor, self.cost_per_audio_s)
-                out[name]["streams"] = round(min(cap, 1e9), 1)
+                out[name]["streams"] = round(min(_capacity(t, alone, self.target), 1e9), 1)
         return out
 
     def estimate(self) -> float | None:
