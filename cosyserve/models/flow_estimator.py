@@ -293,18 +293,16 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: Tensor, bias: Tensor, io: "StreamStepIO | None" = None) -> Tensor:
         """``x [B, T, dim]``, ``bias [B, 1, T, T]`` (0 or -1e10) -> ``[B, T, dim]``. With ``io``
-        (a stream-cached step) the keys/values are the cached ones followed by these
-        (:meth:`StreamStepIO.keys_values`) and ``bias`` is ``[B, 1, T, S + T]``."""
+        (a stream-cached or prefixed step) the keys/values are the cached ones followed by these
+        (:meth:`StreamStepIO.attention`) and ``bias`` is ``[B, 1, T, S + T]``."""
         b, t, _ = x.shape
         q, k, v = F.linear(x, self.qkv_weight()).view(b, t, 3, self.heads, self.head_dim).unbind(2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         # q/k/v are strided views of the one GEMM's output; the fused attention kernels read them
         # in place and return [B, H, T, D] laid out as [B, T, H, D], so the reshape below is a view
-        if io is not None and hasattr(io, "attention"):  # a prefixed step (flow_prefix.PrefixStepIO)
+        if io is not None:  # StreamStepIO or flow_prefix.PrefixStepIO
             out = io.attention(q.transpose(1, 2), k, v, bias)
         else:
-            if io is not None:
-                k, v = io.keys_values(k, v)
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=bias)
         return self.to_out[0](out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
@@ -596,6 +594,13 @@ class StreamStepIO:
                 parts.append(ext.view(2, p.b, ext.size(1), ext.size(2))[:, rows, idx].reshape(2, p.b, -1))
             self._new_ctx = torch.cat(parts, dim=-1)
         return self._new_ctx
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+        """The attention of this step's next site: ``q``, ``k``, ``v [2B, H, Tn, D]`` of the new frames,
+        ``bias [2B, 1, Tn, S + Tn]`` -> ``[2B, H, Tn, D]`` over the cached keys then the new ones
+        (:meth:`keys_values`, SDPA)."""
+        k, v = self.keys_values(k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
     def keys_values(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """``k, v [2B, H, Tn, D]`` of the new frames -> ``[2B, H, S + Tn, D]``: each item's cached
