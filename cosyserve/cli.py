@@ -500,7 +500,7 @@ def _engine_args(p, in_process: bool = False) -> None:
                         "recomputation; 'prefix' = CosyVoice2: no per-stream caches, every non-final streaming "
                         "chunk starts from its voice's prompt prefix, kept for --flow-prefix-slots voices in a "
                         "device pool allocated at start (--flow-stream-cache-frames frames each, default 300); "
-                        "on CUDA the prefixed solves get CUDA graphs of their own (not measured on a GPU yet)"
+                        "on CUDA the prefixed solves get CUDA graphs of their own (docs/perf.md \"Session 36\")"
                         + note)
     p.add_argument("--flow-prefix-slots", type=_positive_int, default=4, metavar="N",
                    help="with --flow-stream-cache prefix: voices whose prompt prefix is kept (default 4; "
