@@ -110,6 +110,80 @@ def test_playback_stall_model():
     n, waited = playback_stalls([(1.0, 50), (1.8, 50), (2.2, 10)], sr)  # dry at 1.5, waits 0.3; 2.2 < 2.3
     assert n == 1 and math.isclose(waited, 0.3)
     assert playback_stalls([(0.0, 10), (0.5, 10), (1.0, 10)], sr)[0] == 2
+    # which chunks playback waited for, and how long: chunk 1 (0.3 s); chunks 1 and 2 (0.4 s each)
+    from cosyserve.client.bench import stall_events
+
+    assert stall_events([], sr) == [] and stall_events([(1.0, 50), (1.4, 120), (2.6, 10)], sr) == []
+    (i, w), = stall_events([(1.0, 50), (1.8, 50), (2.2, 10)], sr)
+    assert i == 1 and math.isclose(w, 0.3)
+    assert [(i, round(w, 6)) for i, w in stall_events([(0.0, 10), (0.5, 10), (1.0, 10)], sr)] == [(1, 0.4), (2, 0.4)]
+
+
+def test_report_lists_the_stalled_requests():
+    """The report's stall table: per level the stalled requests in send order, with the chunk playback first
+    waited for (index, arrival after the send, how long it ran dry) and the stalls' count and total wait."""
+    from cosyserve.client.bench import STALLED_LISTED, analyze, stalls_markdown
+
+    class _Tr:  # the fields of a client Trace that analyze() reads
+        error, t_send, t_end, sample_rate = None, 10.0, 12.0, 100
+
+        def __init__(self, arrivals):
+            self.arrivals = arrivals
+            self.samples = sum(n for _, n in arrivals)
+
+    smooth = analyze(_Tr([(10.1, 50), (10.5, 50)]), t0=9.0)
+    late = analyze(_Tr([(10.1, 50), (10.9, 50), (11.7, 10)]), t0=9.0)  # dry at 10.6 for 0.3 s, then at 11.4
+    assert smooth["stall_events"] == [] and late["stall_events"] == [[1, 0.3], [2, 0.3]]
+    reqs = [dict(smooth, level=0, index=0), dict(late, level=0, index=1)]
+    rep = {"levels": [{"concurrency": 2, "role": "probe"}], "requests": reqs}
+    rows = [x for x in stalls_markdown(rep) if x.startswith("| probe")]
+    assert rows == ["| probe | 2 | 1 | 1.0 s | 100 | 1 of 3 at 900 ms, dry 300 ms | 2 (600 ms) |"]
+    assert stalls_markdown({"levels": rep["levels"], "requests": [reqs[0]]}) == []  # no stall: no table
+    many = [dict(late, level=0, index=k) for k in range(STALLED_LISTED + 3)]
+    rows = [x for x in stalls_markdown({"levels": rep["levels"], "requests": many}) if x.startswith("| probe")]
+    assert len(rows) == STALLED_LISTED + 1 and "… 3 more" in rows[-1]
+
+
+def test_bench_writes_a_partial_report_after_every_level(tmp_path, monkeypatch):
+    """A run cut short (here: the second level raises, as a lost server or a timeout would end it) leaves
+    report.json / report.md with the levels it finished, flagged partial, the capacity search unfinished."""
+    import cosyserve.client.bench as bench
+
+    class _Setup:
+        server_params: dict = {}
+
+        def __init__(self, opts, items):
+            pass
+
+        def close(self):
+            pass
+
+    calls = []
+
+    def fake_level(setup, opts, items, c, n_req, out):
+        calls.append(c)
+        if len(calls) > 1:
+            raise ClientError("server went away")
+        recs = [{"concurrency": c, "index": i, "ok": True, "error": None, "first_chunk_s": 0.1, "second_chunk_s": 0.1,
+                 "total_s": 1.0, "cycle_s": 1.0, "audio_s": 2.0, "play_s": 2.0, "stalls": 0, "stall_s": 0.0,
+                 "stalled": False, "sent_at_s": float(i), "done_at_s": i + 1.0, "free_at_s": i + 1.0,
+                 "chunks": 2, "chunk_arrivals": [[0.1, 100], [0.5, 100]], "stall_events": []} for i in range(3 * c)]
+        lv = bench.summarize(c, recs, 5.0)
+        lv["breakdown"], lv["admission"] = None, None
+        return lv, recs
+
+    monkeypatch.setattr(bench, "_Setup", _Setup)
+    monkeypatch.setattr(bench, "_level", fake_level)
+    opts = BenchOptions(url="grpc://127.0.0.1:1", capacity=True, concurrency=[1, 2], max_streams=2,
+                        out=str(tmp_path), progress=False, warmup=0, limit=2)
+    with pytest.raises(ClientError, match="server went away"):
+        run_bench(opts, echo=lambda *a: None)
+    assert calls == [1, 2]
+    rep = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
+    assert rep["partial"] is True and [lv["concurrency"] for lv in rep["levels"]] == [1]
+    assert rep["capacity"]["streams"] is None and len(rep["requests"]) == 3
+    md = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert "**Partial report**" in md and "the search has not finished" in md and "| probe | 1 |" in md
 
 
 def test_in_flight_throughput_is_littles_law_over_the_steady_middle():

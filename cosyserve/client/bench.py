@@ -50,7 +50,9 @@ clients); ``rtf_wall = wall / Σ audio`` (the RTF that ``client_grpc.py`` prints
 that stalled.
 
 Output in ``--out``: ``report.json`` (configuration, machine, every level and every
-request), ``report.md`` (the Markdown tables also printed on stdout), ``bench.png``
+request; both also written after every level, flagged partial until the run ends, so a run cut short keeps
+the levels it finished), ``report.md`` (the Markdown tables also printed on stdout; stalled requests listed
+with the chunk playback waited for), ``bench.png``
 (latency percentiles vs concurrency; first-chunk latency CDF per level; needs matplotlib,
 ``pip install cosyserve[bench]``) and, with ``--save-audio``, one wav per request.
 """
@@ -185,6 +187,8 @@ class BenchOptions:
 
 
 STEADY_REQUESTS_PER_CLIENT = 3  #: fewer requests per client than this: the level is flagged "burst"
+STALL_EVENTS_KEPT = 8  #: per request, the first this many stalls are kept in the report (chunk index, wait)
+STALLED_LISTED = 10  #: per level, the report's stall table lists at most this many stalled requests
 
 
 # ---------------------------------------------------------------------------- analysis
@@ -194,18 +198,28 @@ def playback(arrivals: list[tuple[float, int]], sample_rate: int) -> tuple[int, 
     """Play a chunk arrival sequence ``[(time, samples), ...]`` in real time (see the module
     docstring): ``(stalls, seconds waited, when playback ends)`` on the arrivals' clock (None
     without arrivals). Playback starts at the first chunk's arrival and waits at each stall."""
+    events, end = _play(arrivals, sample_rate)
+    return len(events), sum(w for _, w in events), end
+
+
+def stall_events(arrivals: list[tuple[float, int]], sample_rate: int) -> list[tuple[int, float]]:
+    """The stalls of :func:`playback`: ``[(chunk index, seconds playback waited for it), ...]`` (the
+    first chunk is index 0 and never stalls)."""
+    return _play(arrivals, sample_rate)[0]
+
+
+def _play(arrivals: list[tuple[float, int]], sample_rate: int) -> tuple[list[tuple[int, float]], float | None]:
     if not arrivals:
-        return 0, 0.0, None
+        return [], None
     t0, n0 = arrivals[0]
     clock = t0 + n0 / sample_rate
-    count, waited = 0, 0.0
-    for t, n in arrivals[1:]:
+    events = []
+    for i, (t, n) in enumerate(arrivals[1:], 1):
         if t > clock:
-            count += 1
-            waited += t - clock
+            events.append((i, t - clock))
             clock = t
         clock += n / sample_rate
-    return count, waited, clock
+    return events, clock
 
 
 def playback_stalls(arrivals: list[tuple[float, int]], sample_rate: int) -> tuple[int, float]:
@@ -233,6 +247,7 @@ def analyze(tr: Trace, t0: float | None = None, listen: bool = False) -> dict:
         "chunks": len(tr.arrivals), "samples": tr.samples, "sample_rate": tr.sample_rate,
         "audio_s": tr.samples / tr.sample_rate,
         "stalls": stalls, "stall_s": waited, "stalled": stalls > 0,
+        "stall_events": [[i, round(w, 6)] for i, w in stall_events(tr.arrivals, tr.sample_rate)[:STALL_EVENTS_KEPT]],
         "play_s": None if end is None else end - tr.t_send,
         "chunk_arrivals": [[round(t - tr.t_send, 6), n] for t, n in tr.arrivals],
         "sent_at_s": None if t0 is None else tr.t_send - t0,
@@ -376,6 +391,8 @@ def markdown(report: dict) -> str:
     target = "in-process engine" if c["in_process"] else c["url"]
     what = c["mode"] if c["in_process"] else f"{c['protocol']} {c['mode']}"
     lines = [f"### cosyserve bench — {what} — {target}", "",
+             *(["**Partial report**: written after the last level below; the run had not finished (it goes on, "
+                "or it was cut short).", ""] if report.get("partial") else []),
              f"{report['set']['items']} items from `{report['set']['name']}`, "
              f"{c['requests_per_level']} requests per level (at least {c.get('min_requests_per_client', 1)} per "
              f"client), {c['warmup']} warm-up, seed {c['seed']}; "
@@ -412,11 +429,43 @@ def markdown(report: dict) -> str:
                                               "client had one in flight (no ramp-up or drain; – when too few).")]
     if report.get("capacity"):
         lines += capacity_markdown(report)
+    lines += stalls_markdown(report)
     lines += breakdown_markdown(report["levels"])
     errs = sorted({e for lv in report["levels"] for e in lv["errors"]})
     if errs:
         lines += ["", "Errors: " + "; ".join(errs[:5])]
     return "\n".join(lines) + "\n"
+
+
+def stalls_markdown(report: dict) -> list[str]:
+    """Where the stalls were: per level with any, its first :data:`STALLED_LISTED` stalled requests in send order
+    (when sent into the level, the first chunk's latency, the first stall's chunk, when it arrived and how long
+    playback ran dry, all stalls' count and total wait); no lines without stalls."""
+    rows = []
+    for k, lv in enumerate(report["levels"]):
+        bad = sorted((r for r in report["requests"] if r.get("level") == k and r.get("stalled")),
+                     key=lambda r: (r.get("sent_at_s") is None, r.get("sent_at_s") or 0.0))
+        for r in bad[:STALLED_LISTED]:
+            ev = r.get("stall_events") or []
+            arr = r.get("chunk_arrivals") or []
+            sent = "–" if r.get("sent_at_s") is None else f"{r['sent_at_s']:.1f} s"
+            if ev and ev[0][0] < len(arr):
+                i, dry = ev[0]
+                first = f"{i} of {r['chunks']} at {arr[i][0] * 1e3:.0f} ms, dry {dry * 1e3:.0f} ms"
+            else:
+                first = "–"
+            rows.append(f"| {lv.get('role', 'level')} | {lv['concurrency']} | {r['index']} | {sent} | "
+                        f"{_ms(r.get('first_chunk_s'))} | {first} | {r['stalls']} ({r['stall_s'] * 1e3:.0f} ms) |")
+        if len(bad) > STALLED_LISTED:
+            rows.append(f"| {lv.get('role', 'level')} | {lv['concurrency']} | … {len(bad) - STALLED_LISTED} more | "
+                        "| | | |")
+    if not rows:
+        return []
+    return ["", f"Stalled requests (per level the first {STALLED_LISTED} in send order; sent: seconds after the level "
+                "started; first stall: the chunk playback waited for, when it arrived after the request was sent, and "
+                "how long playback ran dry):", "",
+            "| level | clients | request | sent | first chunk | first stall | stalls (total dry) |",
+            "|---|---:|---:|---:|---:|---|---:|", *rows]
 
 
 def _per_client(lv: dict) -> str:
@@ -459,6 +508,9 @@ def capacity_markdown(report: dict) -> list[str]:
                      f"{lv['failed']} | {thr} | {'–' if q is None else f'{q:.0f} ms'} | "
                      f"{_held_text(adm.get('held_s'))} | {ooo} | {gauge} | "
                      f"{lv.get('verdict', '')} |")
+    if cap["streams"] is None:  # a partial report (run_bench writes one after every level)
+        return lines + ["", "Capacity: the search has not finished (a partial report, written after its last level "
+                            "above)."]
     top = "" if cap["first_failing"] is not None else f" (every level up to {cap['max_probed']} passed)"
     lines += ["", f"**Capacity: {cap['streams']} concurrent streams**{top}; first failing level: "
                   f"{cap['first_failing'] if cap['first_failing'] is not None else '–'}."]
@@ -857,6 +909,56 @@ def _capacity_search(run, opts: BenchOptions, ladder: list[int]) -> dict:
             "p99_bound_ms": opts.p99_bound_ms, "min_requests_per_client": opts.min_requests_per_client}
 
 
+def _write_report(out: Path, report: dict) -> str:
+    """Write ``report.json`` and ``report.md`` into ``out``; returns the Markdown."""
+    (out / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    md = markdown(report)
+    (out / "report.md").write_text(md, encoding="utf-8")
+    return md
+
+
+def _report(opts: BenchOptions, setup: "_Setup", manifest: Path, items: list, n_req: int, levels: list[dict],
+            records: list[dict], capacity: dict | None, partial: bool = False) -> dict:
+    """The report dict of a run (:func:`run_bench`); ``partial``: written after a level of a run that goes on (the
+    capacity search's verdict, the overload and the plot come with the final report)."""
+    sp = setup.server_params
+
+    def _f(k):
+        try:
+            return float(sp[k])
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    ratio = {"min": _f("min_token_text_ratio"), "max": _f("max_token_text_ratio"),
+             "source": "in-process setting" if opts.in_process else "reported by the server"}
+    if ratio["min"] is None and not opts.in_process and opts.min_token_text_ratio is not None:
+        ratio = {"min": opts.min_token_text_ratio, "max": opts.max_token_text_ratio,
+                 "source": "declared with --min/--max-token-text-ratio (the server did not report it)"}
+    notes = []
+    if not opts.in_process and opts.min_token_text_ratio is not None and ratio["source"] == "reported by the server" \
+            and (ratio["min"], ratio["max"]) != (opts.min_token_text_ratio, opts.max_token_text_ratio):
+        notes.append(f"--min/--max-token-text-ratio {opts.min_token_text_ratio}/{opts.max_token_text_ratio} differ "
+                     f"from the server's {ratio['min']}/{ratio['max']}: the server's settings were in effect")
+    cfg = asdict(opts)
+    cfg.update(requests_per_level=n_req, api_key="***" if opts.api_key else None)
+    report = {
+        "tool": "cosyserve bench", "version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "config": cfg, "machine": machine_info(),
+        "set": {"name": manifest.parent.name if manifest.name == "manifest.jsonl" else manifest.name,
+                "manifest": str(manifest), "items": len(items)},
+        "server": sp, "token_text_ratio": ratio, "notes": notes, "definitions": DEFINITIONS,
+        "levels": levels, "requests": records,
+    }
+    if capacity is not None:
+        report["capacity"] = capacity
+    elif partial and opts.capacity:
+        report["capacity"] = {"streams": None, "first_failing": None, "max_probed": max(opts.concurrency),
+                              "p99_bound_ms": opts.p99_bound_ms, "min_requests_per_client": opts.min_requests_per_client}
+    if partial:
+        report["partial"] = True
+    return report
+
+
 def run_bench(opts: BenchOptions, echo=print) -> dict:
     """Run the benchmark; write the outputs into ``opts.out``; return the report dict.
 
@@ -903,6 +1005,8 @@ def run_bench(opts: BenchOptions, echo=print) -> dict:
         levels.append(lv)
         if opts.capacity:
             echo(f"{role} {c} clients: {lv['verdict']}")
+        # a run cut short (a timeout, a lost server) keeps the levels it finished
+        _write_report(out, _report(opts, setup, manifest, items, n_req, levels, records, None, partial=True))
         return lv
 
     try:
@@ -930,41 +1034,10 @@ def run_bench(opts: BenchOptions, echo=print) -> dict:
                     "in_order": None if adm.get("out_of_order") is None else adm["out_of_order"] == 0}
     finally:
         setup.close()
-    sp = setup.server_params
-
-    def _f(k):
-        try:
-            return float(sp[k])
-        except (KeyError, TypeError, ValueError):
-            return None
-
-    ratio = {"min": _f("min_token_text_ratio"), "max": _f("max_token_text_ratio"),
-             "source": "in-process setting" if opts.in_process else "reported by the server"}
-    if ratio["min"] is None and not opts.in_process and opts.min_token_text_ratio is not None:
-        ratio = {"min": opts.min_token_text_ratio, "max": opts.max_token_text_ratio,
-                 "source": "declared with --min/--max-token-text-ratio (the server did not report it)"}
-    notes = []
-    if not opts.in_process and opts.min_token_text_ratio is not None and ratio["source"] == "reported by the server" \
-            and (ratio["min"], ratio["max"]) != (opts.min_token_text_ratio, opts.max_token_text_ratio):
-        notes.append(f"--min/--max-token-text-ratio {opts.min_token_text_ratio}/{opts.max_token_text_ratio} differ "
-                     f"from the server's {ratio['min']}/{ratio['max']}: the server's settings were in effect")
-    cfg = asdict(opts)
-    cfg.update(requests_per_level=n_req, api_key="***" if opts.api_key else None)
-    report = {
-        "tool": "cosyserve bench", "version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "config": cfg, "machine": machine_info(),
-        "set": {"name": manifest.parent.name if manifest.name == "manifest.jsonl" else manifest.name,
-                "manifest": str(manifest), "items": len(items)},
-        "server": sp, "token_text_ratio": ratio, "notes": notes, "definitions": DEFINITIONS,
-        "levels": levels, "requests": records,
-    }
-    if capacity is not None:
-        report["capacity"] = capacity
-    (out / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    md = markdown(report)
-    (out / "report.md").write_text(md, encoding="utf-8")
+    report = _report(opts, setup, manifest, items, n_req, levels, records, capacity)
+    md = _write_report(out, report)
     echo(md)
-    for n in notes:
+    for n in report["notes"]:
         echo("note: " + n)
     png = plot(report, out / "bench.png")
     echo(f"wrote {out / 'report.json'}, {out / 'report.md'}" + (f", {png}" if png else ""))
