@@ -953,7 +953,8 @@ def _report(opts: BenchOptions, setup: "_Setup", manifest: Path, items: list, n_
         report["capacity"] = capacity
     elif partial and opts.capacity:
         report["capacity"] = {"streams": None, "first_failing": None, "max_probed": max(opts.concurrency),
-                              "p99_bound_ms": opts.p99_bound_ms, "min_requests_per_client": opts.min_requests_per_client}
+                              "p99_bound_ms": opts.p99_bound_ms,
+                              "min_requests_per_client": opts.min_requests_per_client}
     if partial:
         report["partial"] = True
     return report
