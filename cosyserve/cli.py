@@ -484,12 +484,12 @@ def _engine_args(p, in_process: bool = False) -> None:
                    help="auto admission: price the LM's share of the GPU at the decode steps that ran without a "
                         "token2wav batch beside them (their time under contention includes waiting for the "
                         "flow's kernels, which token2wav's price already counts), its pace still bounded by every "
-                        "step's time (off by default until measured on a GPU)" + note)
+                        "step's time (off by default; docs/perf.md \"Session 37\" has its measurements)" + note)
     p.add_argument("--admission-start-cost", action="store_true",
                    help="auto admission (CosyVoice2/3 flows): price a starting stream's token2wav at the cost its "
                         "first chunks were measured to need per audio second (with --flow-stream-cache prefix they "
                         "solve only the frames after the voice's prompt) rather than at the streams' average (off "
-                        "by default until measured on a GPU)" + note)
+                        "by default; measured once, with --admission-lm-alone)" + note)
     p.add_argument("--flow-stream-cache", choices=("auto", "on", "off", "prefix"), default="auto",
                    help="streaming chunks compute only the flow frames after the stream's complete static chunks, "
                         "reusing their cached per-step keys/values (CosyVoice2 U-Net: 2.2 MiB, CosyVoice3 DiT: "

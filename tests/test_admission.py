@@ -505,6 +505,44 @@ def stalled(res: dict) -> list[str]:
     return [rid for rid, r in res.items() if playback_stalls(r["arrivals"], 24000)[0] > 0]
 
 
+def test_steps_alone_fit_their_decode_apart_from_the_prefills_riding_in_them():
+    """A newcomer's prefill (one row, a few ms) riding in an LM step is not a per-row cost of the step: fitted
+    with the step's rows and time it steepens the slope (the UNet path on an H100: 0.10 ms per row where a decode
+    row costs ~0.025 ms, docs/perf.md "Session 37"). Told apart (``prefill=(rows, seconds)``), the steps alone
+    fit their decode exactly, and the prefills are priced per generated row (once per stream, whatever the steps
+    they rode in); steps that only prefilled add no point to the decode fit."""
+    a, c, pre = 0.002, 0.000025, 0.004  # decode step: 2 ms + 0.025 ms per row; a prefill: 4 ms per newcomer
+
+    def fed(tell: bool):
+        clock = Clock()
+        est = CapacityEstimator(25, target=0.8, clock=clock, t2w_price="audio", lm_alone=True)
+        for i in range(400):
+            b, new = 2 + i % 8, 1 if i % 3 == 0 else 0  # decode rows; a newcomer every third step
+            t = a + c * b + pre * new
+            est.observe_lm(b + new, 0.001, admitted=b + new)  # a host that never binds
+            est.observe_lm_device(b + new, 2 * t)  # beside a flow batch: slower
+            est.observe_lm_device(b + new, t, alone=True, prefill=(new, pre * new) if tell else None)
+            if i % 5 == 0:
+                est.observe_t2w(0.5 * b, 1e-5, 0.02 + 0.006 * 0.5 * b)
+            clock.t += 0.005
+        return est
+
+    rate = 25.0
+    told, naive = fed(True).terms()["device"], fed(False).terms()["device"]
+    per_row = pre * sum(1 for i in range(400) if i % 3 == 0) / sum(2 + i % 8 for i in range(400))
+    assert told["lm_alone_fixed"] == pytest.approx(rate * a, rel=0.02)
+    assert told["prefill_per_stream"] == pytest.approx(rate * per_row, rel=0.05)
+    assert told["lm_alone_per_stream"] == pytest.approx(rate * (c + per_row), rel=0.05)
+    assert naive["prefill_per_stream"] == 0.0  # nothing told apart: the steps as one, as before
+    assert naive["lm_alone_per_stream"] > 5 * rate * c  # the bias: the prefills steepen the per-row slope
+    # a step that only prefilled: its time counts towards the prefill price, no decode point
+    est = CapacityEstimator(25, clock=Clock(), lm_alone=True)
+    est.observe_lm_device(2, 0.008, alone=True, prefill=(2, 0.008))
+    assert est.device.lm_alone.w == 0 and est.device.prefill_s == pytest.approx(0.008)
+    est.observe_lm_device(5, 0.005, alone=True, prefill=(1, 0.003))
+    assert est.device.lm_alone.w == 1 and est.device.prefill_per_row == pytest.approx(0.011 / 4)
+
+
 def test_engine_tells_which_lm_steps_ran_alone_on_the_device(synth):
     """The engine marks an LM step as alone on the device (``observe_lm_device(..., alone=True)``) only if
     no token2wav batch was in flight when it was issued and none was launched before it was read: so never
@@ -526,12 +564,14 @@ def test_engine_tells_which_lm_steps_ran_alone_on_the_device(synth):
             return b - a
 
     core._marks = HostMarks()
-    seen = []
+    seen, prefills = [], []
     observe = core.capacity_model.observe_lm_device
 
-    def record(rows, device_s, alone=False):
+    def record(rows, device_s, alone=False, prefill=None):
         seen.append((alone, core._inflight is not None))
-        observe(rows, device_s, alone=alone)
+        assert prefill is not None and 0 <= prefill[0] <= rows and 0 <= prefill[1] <= device_s
+        prefills.append(prefill[0])
+        observe(rows, device_s, alone=alone, prefill=prefill)
 
     core.capacity_model.observe_lm_device = record
     try:
@@ -544,6 +584,7 @@ def test_engine_tells_which_lm_steps_ran_alone_on_the_device(synth):
     assert any(alone for alone, _ in seen) and any(not alone for alone, _ in seen), seen
     assert not any(alone and inflight for alone, inflight in seen)  # never alone beside a batch in flight
     assert core.capacity_model.device.lm_alone.w > 0
+    assert sum(prefills) == 3 and core.capacity_model.device.decode_rows > 0  # each newcomer's prefill told apart
 
 
 def test_fixed_admission_under_3x_load_never_stalls_an_admitted_stream(synth):

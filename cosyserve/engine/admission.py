@@ -64,8 +64,9 @@ session 34, admitted ~170 DiT streams at 2x overload on an H100 and stalled 37 o
 model stalled none, docs/perf.md "Session 34") and the two resources as not overlapping their own
 parts (on CUDA the LM and token2wav streams run concurrently, so this errs on the safe side). On the
 device, an LM step that runs beside a flow batch also waits for the flow's kernels, which the token2wav
-term already charges: with ``lm_alone`` (``--admission-lm-alone``; off until measured on a GPU) the device
-prices the LM at the steps that ran alone (once enough of them were seen) and checks the LM's pace
+term already charges: with ``lm_alone`` (``--admission-lm-alone``; off by default) the device
+prices the LM at the steps that ran alone (once enough of them were seen: their decode fitted apart from
+the prefills that rode in them, the prefills priced per generated token) and checks the LM's pace
 separately against the steps as they ran (:class:`_Resource`; the fit over every step priced an H100's
 UNet LM at 7x its own per-row cost, docs/perf.md "Session 36").
 
@@ -336,8 +337,8 @@ class _Resource:
     So the device's ``U(b)`` prices the LM at the steps that ran alone (once :data:`ALONE_MIN_STEPS` of
     them are in the fit, and only where that admits more than all steps do), and the LM's pace is checked
     on its own against the steps as they ran, contention included: ``rate * L(b) <= target``
-    (``price_lm_alone``; ``EngineConfig.admission_lm_alone``, off until measured on a GPU: every step's
-    time prices the LM)."""
+    (``price_lm_alone``; ``EngineConfig.admission_lm_alone``, off by default: every step's time prices the
+    LM)."""
 
     def __init__(self, t2w_price: str = "audio", price_lm_alone: bool = False):
         if t2w_price not in T2W_PRICES:
@@ -347,20 +348,31 @@ class _Resource:
         self.t2w = _LinearFit()
         self.t2w_price = t2w_price
         self.price_lm_alone = price_lm_alone
+        self.prefill_s = self.decode_rows = 0.0  # decayed sums over the steps that told their prefill apart
 
     def decay(self, f: float) -> None:
         self.lm.decay(f)
         self.lm_alone.decay(f)
         self.t2w.decay(f)
+        self.prefill_s *= f
+        self.decode_rows *= f
+
+    @property
+    def prefill_per_row(self) -> float:
+        """Prefill seconds per decode row (per speech token generated) lately, over the steps that told their
+        prefill apart (:meth:`CapacityEstimator.observe_lm_device`); 0 without such steps."""
+        return self.prefill_s / self.decode_rows if self.decode_rows > 1e-9 else 0.0
 
     def terms(self, rate: float, audio: bool, t2w_factor: float = 1.0,
-              cost_per_audio_s: float = 1.0, lm: "_LinearFit | None" = None) -> dict[str, float] | None:
+              cost_per_audio_s: float = 1.0, lm: "_LinearFit | None" = None,
+              lm_extra_per_row: float = 0.0) -> dict[str, float] | None:
         """The parts of ``U(b)`` (module doc; shares of the resource): ``lm_fixed`` = ``rate*a``,
-        ``lm_per_stream`` = ``rate*c``, ``t2w_fixed`` = ``a_t/T2W_PERIOD_S``, ``t2w_per_stream`` =
-        ``k*t2w_factor`` (``rate`` already scaled by the speed-up; token2wav only with ``audio``; ``k``
-        = the fitted cost per unit x ``cost_per_audio_s`` with ``t2w_price="cost"``, else per audio
-        second; ``lm``: the LM fit, default every step's); None without LM data, or without token2wav
-        data when ``audio``."""
+        ``lm_per_stream`` = ``rate*(c + lm_extra_per_row)``, ``t2w_fixed`` = ``a_t/T2W_PERIOD_S``,
+        ``t2w_per_stream`` = ``k*t2w_factor`` (``rate`` already scaled by the speed-up; token2wav only with
+        ``audio``; ``k`` = the fitted cost per unit x ``cost_per_audio_s`` with ``t2w_price="cost"``, else per
+        audio second; ``lm``: the LM fit, default every step's; ``lm_extra_per_row``: seconds per row priced
+        besides the fit, :meth:`alone_terms`' prefill); None without LM data, or without token2wav data when
+        ``audio``."""
         fit = (lm or self.lm).solve()
         t2w = self.t2w.solve() if audio else (0.0, 0.0)
         if fit is None or t2w is None:
@@ -368,16 +380,21 @@ class _Resource:
         (a, c), (a_t, k) = fit, t2w
         if audio and self.t2w_price == "cost":
             k *= cost_per_audio_s
-        return {"lm_fixed": rate * a, "lm_per_stream": rate * c, "t2w_fixed": a_t / T2W_PERIOD_S,
-                "t2w_per_stream": k * t2w_factor}
+        return {"lm_fixed": rate * a, "lm_per_stream": rate * (c + lm_extra_per_row),
+                "t2w_fixed": a_t / T2W_PERIOD_S, "t2w_per_stream": k * t2w_factor}
 
     def alone_terms(self, rate: float, audio: bool, t2w_factor: float = 1.0,
                     cost_per_audio_s: float = 1.0) -> dict[str, float] | None:
-        """:meth:`terms` with the LM priced at the steps that ran alone on the device; None before
-        :data:`ALONE_MIN_STEPS` of them (or without the other data), or unless ``price_lm_alone``."""
+        """:meth:`terms` with the LM priced at the steps that ran alone on the device: their decode (the rows
+        a step advances) fitted apart from the prefills that rode in them, the prefills priced per row at
+        :attr:`prefill_per_row` (a prefill is once per stream, not a per-row cost of a step: fitted with the
+        step, each newcomer's ~4 ms prefill, one row, steepened the UNet path's per-row slope ~4x, docs/perf.md
+        "Session 37"); None before :data:`ALONE_MIN_STEPS` of them (or without the other data), or unless
+        ``price_lm_alone``."""
         if not self.price_lm_alone or self.lm_alone.w < ALONE_MIN_STEPS:
             return None
-        return self.terms(rate, audio, t2w_factor, cost_per_audio_s, lm=self.lm_alone)
+        return self.terms(rate, audio, t2w_factor, cost_per_audio_s, lm=self.lm_alone,
+                          lm_extra_per_row=self.prefill_per_row)
 
     def capacity(self, rate: float, target: float, audio: bool, t2w_factor: float = 1.0,
                  cost_per_audio_s: float = 1.0) -> float | None:
@@ -498,15 +515,25 @@ class CapacityEstimator:
         self.host.lm.add(rows, host_s)
         self.seen = max(self.seen, rows if admitted is None else admitted)
 
-    def observe_lm_device(self, rows: int, device_s: float, alone: bool = False) -> None:
+    def observe_lm_device(self, rows: int, device_s: float, alone: bool = False,
+                          prefill: tuple[int, float] | None = None) -> None:
         """The device time (CUDA events) of one LM step's prefill + decode over ``rows`` rows; ``alone``:
-        no token2wav work ran on the device beside it (its time is the LM's own work, :class:`_Resource`)."""
+        no token2wav work ran on the device beside it (its time is the LM's own work, :class:`_Resource`);
+        ``prefill``: ``(rows, seconds)`` of the step's prefill, included in ``rows`` and ``device_s`` (the
+        steps alone are then fitted on their decode only and the prefill priced per decode row,
+        :meth:`_Resource.alone_terms`; None: the step's rows and time as one)."""
         if rows < 1 or not device_s >= 0:
             return
         self._decay()
         self.device.lm.add(rows, device_s)
-        if alone:
-            self.device.lm_alone.add(rows, device_s)
+        dec_rows, dec_s = rows, device_s
+        if prefill is not None:
+            n_pre, s_pre = int(prefill[0]), max(0.0, min(float(prefill[1]), device_s))
+            dec_rows, dec_s = rows - n_pre, device_s - s_pre
+            self.device.prefill_s += s_pre
+            self.device.decode_rows += max(0, dec_rows)
+        if alone and dec_rows >= 1:
+            self.device.lm_alone.add(dec_rows, dec_s)
 
     def observe_t2w(self, audio_s: float, host_s: float, device_s: float | None = None,
                     cost: float | None = None, start: tuple[float, float] | None = None) -> None:
@@ -577,6 +604,7 @@ class CapacityEstimator:
                 if alone is not None:  # the LM priced at the steps that ran alone, and the pace bound
                     out[name].update(lm_alone_fixed=round(alone["lm_fixed"], 5),
                                      lm_alone_per_stream=round(alone["lm_per_stream"], 5),
+                                     prefill_per_stream=round(rate * r.prefill_per_row, 5),
                                      pace_streams=round(min(_pace_streams(t, self.target), 1e9), 1))
                 out[name]["streams"] = round(min(_capacity(t, alone, self.target), 1e9), 1)
         return out

@@ -183,11 +183,13 @@ class EngineConfig:
     levels) never did.
     ``admission_lm_alone``: the capacity model prices the LM's share of the device at the LM steps that
     ran without a token2wav batch beside them (and bounds its pace by every step's time), instead of at every
-    step's time (:class:`~cosyserve.engine.admission._Resource`; off until measured on a GPU).
+    step's time (:class:`~cosyserve.engine.admission._Resource`; off by default: on an H100 it raised the UNet
+    path's capacity 71 -> 84 streams with ``admission_start_cost`` and the DiT's with back-to-back clients
+    97 -> 150, but one run each, docs/perf.md "Session 37").
     ``admission_start_cost``: flows priced per cost unit price a starting stream's token2wav at the cost units
     per audio second its first chunks were measured to need (:attr:`~cosyserve.engine.admission.
     CapacityEstimator.start_cost_ratio`: with voice prompt prefixes they solve few frames) rather than at
-    the streams' average (off until measured on a GPU).
+    the streams' average (off by default; measured with ``admission_lm_alone`` only, "Session 37").
     ``strict_min_len``: before a segment's ``min_len`` mask every stop id, not only upstream's
     one id (``LLMConfig.min_len_mask_id``; CosyVoice3 masks its sos there, so with random weights
     a stop id ends most utterances after a few tokens): for random-weight benchmarks that pin the
@@ -1332,15 +1334,18 @@ class EngineCore:
             tk.event.synchronize()  # the GIL is released while waiting
         t3 = time.perf_counter()
         self._host("lm_sync", t3 - t2)
-        lm_device = 0.0
+        lm_device = pre_s = 0.0
+        pre_rows = 0
         for name, n, a, b in tk.spans:
             sec = self._marks.seconds(a, b)
             lm_device += sec
+            if name == "prefill":
+                pre_rows, pre_s = pre_rows + n, pre_s + sec
             self.observer.stage(name, n, sec)
         if self._marks.cuda:  # device time of the step: the capacity model's device resource
             # alone: no token2wav batch on the device from its issue to now (its time is the LM's own work)
             alone = not tk.t2w_busy and tk.t2w_epoch == self._t2w_epoch
-            self.capacity_model.observe_lm_device(len(tk.rows), lm_device, alone=alone)
+            self.capacity_model.observe_lm_device(len(tk.rows), lm_device, alone=alone, prefill=(pre_rows, pre_s))
         t_tok = time.monotonic()
         host_rows = set(tk.host_rows)
         sampled = {} if tk.tokens is None else {
