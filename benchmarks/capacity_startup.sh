@@ -14,7 +14,8 @@
 # SAMPLE_STACKS=1: the scheduler thread's stacks per level, benchmarks/stack_sampler.py; PLAYBACK=1: the capacity and
 # streaming levels' clients listen, `bench --playback`: each plays its streams in real time and sends the next request
 # when the audio has played, so N clients are N concurrent real-time streams; MIN_REQ: requests per client per
-# capacity level, default 3; OVERLOAD: the overload factor after the capacity search, default 2, 0 skips it).
+# capacity level, default 3; OVERLOAD: the overload factor after the capacity search, default 2, 0 skips it; SWEEP:
+# admission settings, JSON objects separated by ';', one capacity search each on the same server, see below).
 # Needs .whl.
 set -u
 cd "$(dirname "$0")/.."
@@ -73,13 +74,32 @@ if [ -n "${STREAM_CLIENTS:-}" ]; then
   python3 benchmarks/first_chunk_tail.py "$OUTDIR/server.log" --min-requests 60 > "$OUTDIR/stream/first_chunk_tail.md"
 fi
 if [ -n "$CAPACITY_LEVELS" ]; then
-  echo "== capacity (voice default, 0 stalls, p99 <= 500 ms), then 2x overload${LISTEN:+; clients listen (--playback)}"
-  $CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default \
-    --capacity --concurrency "$CAPACITY_LEVELS" --max-streams "$MAX_ACTIVE" --p99-bound-ms 500 \
-    --min-requests-per-client "${MIN_REQ:-3}" --overload "${OVERLOAD:-2}" --ramp-s "${RAMP_S:-0}" --warmup 0 $LISTEN \
-    --out "$OUTDIR/capacity" 2>&1 | tail -30
-  # per level and 2-s arrival window: first chunk and its engine phases, and the slowest requests' phases
-  python3 benchmarks/first_chunk_tail.py "$OUTDIR/server.log" --min-requests 60 > "$OUTDIR/capacity/first_chunk_tail.md"
+  # SWEEP='{"lm_alone": true};{"lm_alone": false, "mode": "off"}': one capacity search per admission setting on this
+  # server (PATCH /admin/admission before each; reports in OUT/capacity-0, -1, ...): no restart, no graph capture
+  IFS=';' read -r -a SETTINGS <<< "${SWEEP:-}"
+  [ ${#SETTINGS[@]} -gt 0 ] || SETTINGS=("")
+  i=0
+  for SET in "${SETTINGS[@]}"; do
+    CDIR="$OUTDIR/capacity"; [ -n "${SWEEP:-}" ] && CDIR="$OUTDIR/capacity-$i"; i=$((i + 1))
+    if [ -n "$SET" ]; then
+      echo "== admission settings: $SET"
+      python3 -c 'import sys, urllib.request as u
+r = u.Request("http://127.0.0.1:8000/admin/admission", data=sys.argv[1].encode(), method="PATCH",
+              headers={"Content-Type": "application/json"})
+print(u.urlopen(r, timeout=30).read().decode())' "$SET" || { echo "== cannot apply $SET"; continue; }
+      sleep 1
+    fi
+    L0=$(wc -l < "$OUTDIR/server.log")
+    echo "== capacity (voice default, 0 stalls, p99 <= 500 ms), then 2x overload${LISTEN:+; clients listen}"
+    $CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default \
+      --capacity --concurrency "$CAPACITY_LEVELS" --max-streams "$MAX_ACTIVE" --p99-bound-ms 500 \
+      --min-requests-per-client "${MIN_REQ:-3}" --overload "${OVERLOAD:-2}" --ramp-s "${RAMP_S:-0}" --warmup 0 \
+      $LISTEN --out "$CDIR" 2>&1 | tail -30
+    # per level and 2-s arrival window: first chunk and its engine phases, and the slowest requests' phases
+    tail -n +"$((L0 + 1))" "$OUTDIR/server.log" > "$CDIR/server_part.log"
+    python3 benchmarks/first_chunk_tail.py "$CDIR/server_part.log" --min-requests 60 > "$CDIR/first_chunk_tail.md"
+    rm -f "$CDIR/server_part.log"
+  done
 fi
 for OREQ in ${OFFLINE_REQ:-3}; do
   [ -n "${OFFLINE_CLIENTS:-}" ] || break

@@ -587,6 +587,51 @@ def test_engine_tells_which_lm_steps_ran_alone_on_the_device(synth):
     assert sum(prefills) == 3 and core.capacity_model.device.decode_rows > 0  # each newcomer's prefill told apart
 
 
+def test_admission_settings_change_while_serving(synth):
+    """``EngineCore.set_admission``: each setting checked at once (unknown, wrong type, out of range: an
+    InvalidInputError naming it; nothing changes), applied by the engine thread before its next step (two quick
+    changes both hold), the capacity model's prices and target follow, and the next admission decisions use
+    the new limit while the measurements stay."""
+    from cosyserve.errors import InvalidInputError
+
+    syn, voice = synth
+    core = syn.new_engine(EngineConfig(max_active=8))
+    try:
+        assert core.admission_settings() == {"mode": "off", "target": 0.8, "start_share": 0.45, "lm_alone": False,
+                                             "start_cost": False}
+        for bad, name in (({"bogus": 1}, "bogus"), ({"target": 0}, "target"), ({"target": True}, "target"),
+                          ({"target": "0.5"}, "target"), ({"start_share": 1.5}, "start_share"),
+                          ({"lm_alone": "yes"}, "lm_alone"), ({"mode": "sometimes"}, "mode"), ({"mode": 0}, "mode"),
+                          ({"mode": True}, "mode")):
+            with pytest.raises(InvalidInputError) as err:
+                core.set_admission(**bad)
+            assert err.value.field == name and name in str(err.value)
+        assert not core.has_work()  # nothing queued by the rejected changes
+        assert core.set_admission(mode=2, target=0.5)["mode"] == "2"
+        out = core.set_admission(lm_alone=True, start_share=1)  # before the first was applied
+        assert out == {"mode": "off", "target": 0.8, "start_share": 1, "lm_alone": True, "start_cost": False}
+        assert core.has_work()
+        core.step()
+        assert core.admission_settings() == {"mode": "2", "target": 0.5, "start_share": 1, "lm_alone": True,
+                                             "start_cost": False}
+        m = core.capacity_model
+        assert core.admission_limit == 2 and m.target == 0.5 and m.device.price_lm_alone and not m.host.price_lm_alone
+        reqs = [syn.build_request(TEXT, voice, stream_params(i), f"r{i}") for i in range(4)]
+        for r in reqs:
+            core.add_request(r)
+        peak = 0
+        while core.has_work():
+            core.step()
+            peak = max(peak, core.active_count)
+        assert peak == 2  # the new limit admitted two at a time
+        seen = m.seen
+        core.set_admission(mode="auto", start_cost=True)
+        core.step()
+        assert core.admission.mode == "auto" and m.start_cost and core.capacity_model is m and m.seen == seen
+    finally:
+        core.close()
+
+
 def test_fixed_admission_under_3x_load_never_stalls_an_admitted_stream(synth):
     """Admission limit 2 (the artificial costs keep ~4 streams real time), 6 streams at once:
     every stream plays without a stall, the 4 queued ones start in arrival order after the first

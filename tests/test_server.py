@@ -483,6 +483,37 @@ def test_api_key(tight):
     assert served_model_name("http", "http", host) == "cosyvoice2"  # refused (no key): the default name
 
 
+def test_admission_settings_route(tight):
+    """GET/PATCH /admin/admission: behind the API key; a bad setting is a 400 naming it and changes nothing; a
+    change is in effect from the engine's next step (the engine is woken for it) and shows in GET and in the
+    admission limit; the capacity model keeps running."""
+    url = tight.url + "/admin/admission"
+    assert httpx.get(url).status_code == 401 and httpx.patch(url, json={"target": 0.5}).status_code == 401
+    before = httpx.get(url, headers=AUTH).json()
+    assert before["settings"] == {"mode": "off", "target": 0.8, "start_share": 0.45, "lm_alone": False,
+                                  "start_cost": False}
+    assert before["admission_limit"] == 1 and before["admitted"] == 0
+    for body, needle in (({"target": 2}, "target"), ({"lm_alone": 1}, "lm_alone"), ({"mode": "maybe"}, "mode"),
+                         ({"speed": 1}, "speed"), ({}, "no admission setting"), ([1], "JSON object")):
+        r = httpx.patch(url, json=body, headers=AUTH)
+        assert r.status_code == 400 and needle in r.json()["error"], (body, r.text)
+    assert httpx.get(url, headers=AUTH).json()["settings"] == before["settings"]
+    r = httpx.patch(url, json={"mode": 3, "target": 0.6, "lm_alone": True}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["settings"]["mode"] == "3", r.text
+    want = {"mode": "3", "target": 0.6, "start_share": 0.45, "lm_alone": True, "start_cost": False}
+    deadline = time.time() + 30
+    while (now := httpx.get(url, headers=AUTH).json())["settings"] != want and time.time() < deadline:
+        time.sleep(0.05)
+    assert now["settings"] == want and now["admission_limit"] == 1  # N = 3 streams, at most --max-active-streams
+    assert "admission settings changed" in tight.logs()
+    # back to the command line's settings (the next test needs its one stream and empty queue)
+    r = httpx.patch(url, json={"mode": "off", "target": 0.8, "lm_alone": False}, headers=AUTH)
+    assert r.status_code == 200
+    while httpx.get(url, headers=AUTH).json()["settings"] != before["settings"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(url, headers=AUTH).json()["settings"] == before["settings"]
+
+
 def test_queue_full_429_and_graceful_shutdown(tight):
     body = {"model": "tts-1", "voice": "default", "response_format": "pcm",
             "input": "这是一个用来占住唯一位置的长句子，" * 6}

@@ -162,6 +162,13 @@ class AsyncEngine:
         self.core.abort(request_id, Outcome.ABORTED)
         self._wake()
 
+    def set_admission(self, **changes) -> dict:
+        """:meth:`EngineCore.set_admission <cosyserve.engine.core.EngineCore.set_admission>`, the engine
+        thread woken to apply it (raises InvalidInputError naming a bad setting)."""
+        out = self.core.set_admission(**changes)
+        self._wake()
+        return out
+
     async def generate(self, req: EngineRequest) -> AsyncIterator[AudioChunk | RequestFinished]:
         """Submit ``req`` and yield its audio chunks, then its :class:`RequestFinished`.
 

@@ -44,6 +44,7 @@ request that fails is finished with an error.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import queue
@@ -771,6 +772,65 @@ class EngineCore:
         """Cancel a request (thread-safe); its slot and caches are freed at the next step."""
         self._inbox.put(("abort", request_id, outcome))
 
+    def admission_settings(self) -> dict:
+        """(Thread-safe read.) The admission settings in effect, under the names :meth:`set_admission` takes:
+        ``mode`` (``"auto"``, ``"off"`` or the fixed number of streams as text), ``target``, ``start_share``,
+        ``lm_alone``, ``start_cost`` (the ``--admission*`` options)."""
+        c = self.cfg
+        return {"mode": str(self.admission), "target": c.admission_target, "start_share": c.admission_start_share,
+                "lm_alone": c.admission_lm_alone, "start_cost": c.admission_start_cost}
+
+    def set_admission(self, **changes) -> dict:
+        """(Thread-safe.) Change admission settings while serving, keeping what the capacity model has measured:
+        ``mode`` (``"auto"``, ``"off"`` or a number of streams), ``target`` (0-1], ``start_share`` (0-1],
+        ``lm_alone``, ``start_cost`` (bools) — the ``--admission``, ``--admission-target``,
+        ``--admission-start-share``, ``--admission-lm-alone``, ``--admission-start-cost`` options. Checked at once
+        (raises :class:`~cosyserve.errors.InvalidInputError` naming the setting: unknown, wrong type or out of
+        range); applied by the engine thread before its next step, so the streams admitted already keep running
+        and the next admission decision uses the new settings. Returns the settings as they will be (what
+        :meth:`admission_settings` reads once applied). For operators tuning a live server and for benchmarks
+        that compare settings without a restart (the graphs' capture makes one ~3.5 min on an H100)."""
+        names = {"mode": "admission", "target": "admission_target", "start_share": "admission_start_share",
+                 "lm_alone": "admission_lm_alone", "start_cost": "admission_start_cost"}
+        fields = {}
+        for key, value in changes.items():
+            if key not in names:
+                raise InvalidInputError(f"unknown admission setting {key!r} (one of {', '.join(names)})", key)
+            if key in ("lm_alone", "start_cost") and not isinstance(value, bool):
+                raise InvalidInputError(f"admission setting {key!r} must be true or false, got {value!r}", key)
+            if key in ("target", "start_share") and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise InvalidInputError(f"admission setting {key!r} must be a number in (0, 1], got {value!r}", key)
+            if key == "mode":
+                try:
+                    value = AdmissionPolicy.parse(value)
+                except ValueError as exc:
+                    raise InvalidInputError(f"admission mode: {exc}", key) from None
+            fields[names[key]] = value
+        try:
+            dataclasses.replace(self.cfg, **fields)  # EngineConfig's own checks (each field on its own)
+        except ValueError as exc:
+            raise InvalidInputError(f"admission setting: {exc}", next(iter(changes), None)) from None
+        self._inbox.put(("admission", fields))  # only the fields named: two quick changes both hold
+        out = self.admission_settings()
+        out.update({key: str(fields[names[key]]) if key == "mode" else fields[names[key]] for key in changes})
+        return out
+
+    def _apply_admission(self, fields: dict) -> None:
+        """(Engine thread.) :meth:`set_admission`'s settings take effect: the policy, the capacity model's target
+        and prices (its measurements kept), the starting streams' share; the limit is recomputed at once."""
+        before = self.admission_settings()
+        cfg = self.cfg = dataclasses.replace(self.cfg, **fields)
+        if cfg.admission is not None:
+            self.admission = cfg.admission
+        m = self.capacity_model
+        m.target, m.start_cost = cfg.admission_target, cfg.admission_start_cost
+        m.device.price_lm_alone = cfg.admission_lm_alone  # (the host fits its steps as they ran)
+        self._limit = self._admission_limit()
+        after = self.admission_settings()
+        log.info("admission settings changed: %s", ", ".join(f"{k} {before[k]} -> {v}" for k, v in after.items()
+                                                               if before[k] != v) or "no change",
+                 extra={"event": "admission_settings", **{f"admission_{k}": v for k, v in after.items()}})
+
     def close(self) -> None:
         """Stop the graph capture thread (after the capture in progress) and the token2wav
         thread (after its batch in flight); the engine is unusable after."""
@@ -936,6 +996,8 @@ class EngineCore:
                     self._waiting = OrderedDict(sorted(self._waiting.items(), key=lambda kv: kv[1].req.arrival))
             elif cmd[0] == "slack":
                 self._observe_slack(cmd[1], delivered=True)
+            elif cmd[0] == "admission":
+                self._apply_admission(cmd[1])
             else:
                 _, rid, outcome = cmd
                 st = self._active.get(rid) or self._waiting.get(rid)

@@ -37,7 +37,7 @@ from starlette.middleware.base import BaseHTTPMiddleware
 from ..client.remote_lm import RemoteLMError
 from ..engine.core import QueueFullError
 from ..errors import CosyServeError, InvalidInputError, VoiceNotFoundError
-from . import completions, kserve_http, openai_api
+from . import admin, completions, kserve_http, openai_api
 from .state import ClientDisconnectedError, NotReadyError, ServerConfig, ServerState
 
 log = logging.getLogger("cosyserve.server")
@@ -126,6 +126,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(kserve_http.router)
     app.include_router(completions.router)
+    app.include_router(admin.router)
 
     @app.get("/health")
     async def health():

@@ -38,6 +38,8 @@ worker is restarted with exponential back-off (1 s doubling to 30 s, reset once 
 for a minute). ``/v2/health/ready`` is 200 while at least one worker is ready;
 ``GET /router/workers`` lists the workers' state; ``/metrics`` has the router's gauges and
 counters plus the workers' capacity and admitted streams summed (what an autoscaler reads).
+``GET/PATCH /admin/admission`` reads / changes the admission settings of every ready worker
+(:mod:`cosyserve.server.admin`).
 """
 
 from __future__ import annotations
@@ -487,6 +489,31 @@ def create_router_app(router: Router) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         return Response(router.render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.api_route("/admin/admission", methods=["GET", "PATCH"])
+    async def admission(request: Request):
+        """Every ready worker's admission settings (:mod:`cosyserve.server.admin`): a change goes to all of them
+        (each engine admits its own streams); a worker restarted later starts with its command line's settings.
+        One worker's 4xx (a bad setting: every worker rejects it the same way, changing nothing) is the answer."""
+        body = await request.body()
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
+        out = []
+        for w in router.workers:
+            if not w.ready:
+                out.append({**w.info(), "status": None})
+                continue
+            try:
+                r = await w.http.request(request.method, "/admin/admission", headers=headers, content=body)
+            except httpx.HTTPError as exc:
+                out.append({**w.info(), "status": None, "error": f"{type(exc).__name__}: {exc}"})
+                continue
+            if 400 <= r.status_code < 500:
+                return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+            out.append({**w.info(), "status": r.status_code, **(r.json() if r.status_code == 200 else
+                                                                 {"error": r.text})})
+        if not any(x["status"] == 200 for x in out):
+            return _error(request.url.path, 503, "no worker is ready to answer; retry shortly")
+        return {"workers": out}
 
     app.add_api_route("/{path:path}", proxy, methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
                       include_in_schema=False)

@@ -1,0 +1,52 @@
+"""Operator routes: the admission settings of a running server.
+
+* ``GET /admin/admission`` — the settings in effect (``mode``: ``"auto"``, ``"off"`` or a fixed number of
+  streams; ``target``; ``start_share``; ``lm_alone``; ``start_cost``: the ``serve --admission*`` options), with
+  the capacity gauge (streams, as ``cosyserve_capacity_streams``), the admission limit and the streams admitted.
+* ``PATCH /admin/admission`` — a JSON object with any of those settings changes them without a restart (the
+  capacity model keeps what it measured; streams already admitted keep running): for tuning a live server and
+  for benchmarks that compare settings on one server start (``benchmarks/capacity_startup.sh`` ``SWEEP``). An
+  unknown setting, a wrong type or a value out of range is a 400 naming it, and nothing changes. Answers
+  ``{"settings": ...}`` as they will be from the engine's next step (a ``GET`` then shows the limit they give).
+
+Behind the API key like every non-health route (``--api-key``). Through the router (``serve --workers N``) a
+``PATCH`` goes to every worker (:mod:`cosyserve.server.router`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from fastapi import APIRouter, Request
+
+from ..errors import InvalidInputError
+from .state import ServerState
+
+router = APIRouter()
+
+
+def _core(request: Request):
+    """The engine core of a ready server (NotReadyError, a 503, while it loads)."""
+    st: ServerState = request.app.state.cosyserve
+    st.require_ready()
+    return st.engine.core
+
+
+@router.get("/admin/admission")
+async def get_admission(request: Request):
+    """The settings in effect, the capacity gauge (streams; null before any measurement in ``off`` mode), the
+    admission limit and the streams admitted now."""
+    core = _core(request)
+    cap = core.capacity_streams
+    return {"settings": core.admission_settings(), "capacity_streams": cap if math.isfinite(cap) else None,
+            "admission_limit": core.admission_limit, "admitted": core.active_count}
+
+
+@router.patch("/admin/admission")
+async def patch_admission(body: dict, request: Request):
+    """Change the settings named in ``body`` (module doc); 400 naming a bad one."""
+    _core(request)
+    if not body:
+        raise InvalidInputError("no admission setting given (mode, target, start_share, lm_alone, start_cost)",
+                                "body")
+    return {"settings": request.app.state.cosyserve.engine.set_admission(**body)}
