@@ -625,9 +625,12 @@ def test_admission_settings_change_while_serving(synth):
             peak = max(peak, core.active_count)
         assert peak == 2  # the new limit admitted two at a time
         seen = m.seen
+        core.slack_guard.observe(0.01, 5)  # a close call under the old settings: capped at 4
+        assert core.slack_guard.limit() == 4
         core.set_admission(mode="auto", start_cost=True)
         core.step()
         assert core.admission.mode == "auto" and m.start_cost and core.capacity_model is m and m.seen == seen
+        assert core.slack_guard.limit() is None and core.slack_guard.cuts == 1  # the cap starts over
     finally:
         core.close()
 

@@ -667,6 +667,11 @@ class SlackGuard:
         self._last_cut: float | None = None
         self.close_calls = self.late = self.cuts = 0
 
+    def release(self) -> None:
+        """Drop the cap (the counts stay): the next close call cuts afresh. For a change of the admission
+        settings, which the cap measured under the old ones should not hold back."""
+        self._cap, self._last_cut = None, None
+
     def observe(self, slack_s: float, active: int) -> bool:
         """One streaming chunk (after a stream's first) was emitted ``slack_s`` seconds before its
         deadline with ``active`` streams active; True if this lowered the cap."""

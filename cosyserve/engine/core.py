@@ -787,7 +787,8 @@ class EngineCore:
         ``--admission-start-share``, ``--admission-lm-alone``, ``--admission-start-cost`` options. Checked at once
         (raises :class:`~cosyserve.errors.InvalidInputError` naming the setting: unknown, wrong type or out of
         range); applied by the engine thread before its next step, so the streams admitted already keep running
-        and the next admission decision uses the new settings. Returns the settings as they will be (what
+        and the next admission decision uses the new settings (the slack guard's cap, measured under the old
+        ones, is dropped). Returns the settings as they will be (what
         :meth:`admission_settings` reads once applied). For operators tuning a live server and for benchmarks
         that compare settings without a restart (the graphs' capture makes one ~3.5 min on an H100)."""
         names = {"mode": "admission", "target": "admission_target", "start_share": "admission_start_share",
@@ -817,7 +818,8 @@ class EngineCore:
 
     def _apply_admission(self, fields: dict) -> None:
         """(Engine thread.) :meth:`set_admission`'s settings take effect: the policy, the capacity model's target
-        and prices (its measurements kept), the starting streams' share; the limit is recomputed at once."""
+        and prices (its measurements kept), the starting streams' share; the slack guard's cap is dropped (the
+        next close call cuts afresh); the limit is recomputed at once."""
         before = self.admission_settings()
         cfg = self.cfg = dataclasses.replace(self.cfg, **fields)
         if cfg.admission is not None:
@@ -825,6 +827,7 @@ class EngineCore:
         m = self.capacity_model
         m.target, m.start_cost = cfg.admission_target, cfg.admission_start_cost
         m.device.price_lm_alone = cfg.admission_lm_alone  # (the host fits its steps as they ran)
+        self.slack_guard.release()  # a cap from close calls under the old settings starts over
         self._limit = self._admission_limit()
         after = self.admission_settings()
         log.info("admission settings changed: %s", ", ".join(f"{k} {before[k]} -> {v}" for k, v in after.items()
