@@ -97,7 +97,8 @@ print(u.urlopen(r, timeout=30).read().decode())' "$SET" || { echo "== cannot app
       $LISTEN --out "$CDIR" 2>&1 | tail -30
     # per level and 2-s arrival window: first chunk and its engine phases, and the slowest requests' phases
     tail -n +"$((L0 + 1))" "$OUTDIR/server.log" > "$CDIR/server_part.log"
-    python3 benchmarks/first_chunk_tail.py "$CDIR/server_part.log" --min-requests 60 > "$CDIR/first_chunk_tail.md"
+    python3 benchmarks/first_chunk_tail.py "$CDIR/server_part.log" --min-requests 60 --report "$CDIR/report.json" \
+      > "$CDIR/first_chunk_tail.md"
     rm -f "$CDIR/server_part.log"
   done
 fi

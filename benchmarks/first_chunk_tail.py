@@ -4,14 +4,17 @@ Every finished request logs one ``event=finish`` line with its ``first_chunk_ms`
 phases of it (``first_chunk_queue_ms``, ``_prefill_ms``, ``_decode_ms``, ``_t2w_wait_ms``,
 ``_token2wav_ms``: arrival -> prefill starts -> first token -> the chunk's tokens are there -> its
 token2wav batch starts -> the chunk is emitted; :class:`~cosyserve.engine.request.RequestFinished`).
-This reads those lines (text or JSON log format), groups the requests into levels (a new level
-after ``--gap`` seconds without an arrival: a capacity search drains each level before the next),
+This reads those lines (text or JSON log format), groups the requests into levels (with ``--report``, the
+bench's ``report.json`` on the same machine: by each level's ``started_at``, labelled with its role and
+clients; otherwise a new level after ``--gap`` seconds without an arrival: a capacity search with listening
+clients drains each level before the next, back-to-back clients may not leave such a gap),
 and prints per level and per ``--window`` seconds of arrival time the count, first-chunk mean / max
 and the mean of each phase, then the phases of the slowest ``--tail`` share of the level's requests.
 The mean breakdown of ``cosyserve bench`` cannot tell a ramp-end queue from slow compute; this can.
 
     python3 benchmarks/first_chunk_tail.py OUT/server.log [--window 2] [--gap 2] [--tail 0.02]
     python3 benchmarks/first_chunk_tail.py OUT/server.log.gz --min-requests 100   # capacity levels only
+    python3 benchmarks/first_chunk_tail.py OUT/server.log --report OUT/capacity/report.json
 """
 
 from __future__ import annotations
@@ -68,6 +71,20 @@ def levels(reqs: list[dict], gap: float) -> list[list[dict]]:
     return groups
 
 
+def report_levels(reqs: list[dict], bench_levels: list[dict], lead_s: float = 0.5) -> list[tuple[str, list[dict]]]:
+    """``reqs`` (sorted by arrival) split by a bench report's levels (``report.json``'s ``levels``, each with
+    ``started_at`` in Unix seconds): level i takes the requests that arrived from its start (less ``lead_s``, the
+    clocks' and the log's rounding) until the next level's; ``[(label, requests)]`` in the report's order, the
+    label ``"probe, 96 clients"``; levels without ``started_at`` (older reports) are skipped."""
+    marks = [(lv["started_at"], f"{lv.get('role', 'level')}, {lv['concurrency']} clients") for lv in bench_levels
+             if lv.get("started_at") is not None]
+    out = []
+    for i, (t0, label) in enumerate(marks):
+        t1 = marks[i + 1][0] if i + 1 < len(marks) else float("inf")
+        out.append((label, [r for r in reqs if t0 - lead_s <= r["arrival"] < t1 - lead_s]))
+    return out
+
+
 def _row(label: str, rs: list[dict]) -> str:
     first = [r["first_ms"] for r in rs]
     ph = [f"{statistics.mean(r['phases'][p] for r in rs if p in r['phases']):.0f}"
@@ -75,18 +92,21 @@ def _row(label: str, rs: list[dict]) -> str:
     return f"| {label} | {len(rs)} | {statistics.mean(first):.0f} | {max(first):.0f} | " + " | ".join(ph) + " |"
 
 
-def report(reqs: list[dict], window: float, gap: float, tail: float, min_requests: int) -> list[str]:
-    """Markdown lines: one table per level with at least ``min_requests`` requests."""
+def report(reqs: list[dict], window: float, gap: float, tail: float, min_requests: int,
+           bench_levels: list[dict] | None = None) -> list[str]:
+    """Markdown lines: one table per level with at least ``min_requests`` requests (levels split by
+    ``bench_levels``, :func:`report_levels`, or by ``gap``, :func:`levels`)."""
     lines = []
     head = ("| arrival window | requests | first chunk mean | max | " + " | ".join(PHASES) + " |",
             "|---|---:|---:|---:|" + "---:|" * len(PHASES))
-    for lv in levels(reqs, gap):
-        if len(lv) < min_requests:
+    groups = report_levels(reqs, bench_levels) if bench_levels else [(None, lv) for lv in levels(reqs, gap)]
+    for label, lv in groups:
+        if not lv or len(lv) < min_requests:
             continue
         t0 = lv[0]["arrival"]
         start = dt.datetime.fromtimestamp(t0).strftime("%H:%M:%S")
-        lines += ["", f"Level from {start}: {len(lv)} requests over {lv[-1]['arrival'] - t0:.1f} s "
-                      f"(first chunk and phases in ms, means unless named):", "", *head]
+        lines += ["", f"Level {'' if label is None else f'({label}) '}from {start}: {len(lv)} requests over "
+                      f"{lv[-1]['arrival'] - t0:.1f} s (first chunk and phases in ms, means unless named):", "", *head]
         n_win = int((lv[-1]["arrival"] - t0) // window) + 1
         for i in range(n_win):
             rs = [r for r in lv if i * window <= r["arrival"] - t0 < (i + 1) * window]
@@ -106,14 +126,23 @@ def main(argv=None) -> int:
     ap.add_argument("--gap", type=float, default=2.0, help="a new level after this many seconds without an arrival")
     ap.add_argument("--tail", type=float, default=0.02, help="share of each level's slowest requests (default 0.02)")
     ap.add_argument("--min-requests", type=int, default=20, help="skip levels with fewer requests (default 20)")
+    ap.add_argument("--report", help="the bench's report.json: split the levels at its levels' starts (not --gap)")
     args = ap.parse_args(argv)
+    bench_levels = None
+    if args.report:
+        try:
+            with open(args.report, encoding="utf-8") as f:
+                bench_levels = json.load(f)["levels"]
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"{args.report}: cannot read the bench's levels ({exc})", file=sys.stderr)
+            return 2
     opener = gzip.open if args.log.endswith(".gz") else open
     with opener(args.log, "rt", errors="replace") as f:
         reqs = parse(f)
     if not reqs:
         print(f"{args.log}: no finished requests with a first chunk (event=finish lines)", file=sys.stderr)
         return 1
-    print("\n".join(report(reqs, args.window, args.gap, args.tail, args.min_requests)))
+    print("\n".join(report(reqs, args.window, args.gap, args.tail, args.min_requests, bench_levels)))
     return 0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -723,6 +724,8 @@ def test_bench_capacity_mode(tts, tmp_path, capsys):
     cap = rep["capacity"]
     assert cap["streams"] == 1 and cap["first_failing"] is None and cap["min_requests_per_client"] == 3
     assert [(lv["role"], lv["concurrency"]) for lv in rep["levels"]] == [("probe", 1), ("overload", 2)]
+    starts = [lv["started_at"] for lv in rep["levels"]]  # Unix seconds (first_chunk_tail.py --report)
+    assert abs(starts[0] - time.time()) < 600 and starts[0] < starts[1]
     for i, lv in enumerate(rep["levels"]):
         recs = [r for r in rep["requests"] if r["level"] == i]
         assert lv["requests"] == len(recs) == 3 * lv["concurrency"] and not lv["burst"]

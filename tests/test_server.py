@@ -131,6 +131,15 @@ def test_finish_log_lines_carry_the_first_chunk_phases(server):
         assert sum(r["phases"].values()) <= r["first_ms"] + 0.5
     lines = tail.report(reqs, window=2.0, gap=1e9, tail=0.5, min_requests=1)
     assert any(line.startswith("| 0-2 s |") for line in lines) and any("slowest" in line for line in lines)
+    # split by a bench report's level starts (back-to-back levels leave no gap): labelled, each its own requests
+    fake = [{"arrival": t, "first_ms": 100.0, "phases": {}} for t in (10.0, 10.4, 11.0, 11.2, 30.0)]
+    bench = [{"started_at": 10.2, "role": "probe", "concurrency": 4}, {"started_at": 11.6, "concurrency": 2},
+             {"concurrency": 8}]  # an older report's level without a start: skipped
+    groups = tail.report_levels(fake, bench)
+    assert [(label, [r["arrival"] for r in rs]) for label, rs in groups] == [
+        ("probe, 4 clients", [10.0, 10.4, 11.0]), ("level, 2 clients", [11.2, 30.0])]  # 0.5 s lead
+    lines = tail.report(fake, window=2.0, gap=1e9, tail=0.5, min_requests=1, bench_levels=bench)
+    assert sum(line.startswith("Level (probe, 4 clients) from") for line in lines) == 1
 
 
 def test_models_list(oai):

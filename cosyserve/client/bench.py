@@ -128,6 +128,8 @@ DEFINITIONS = {
                 "request when the audio has finished playing; without it a client sends its next request as soon "
                 "as the response is complete (it consumes audio as fast as the server sends it)",
     "ramp_s": "client k of c sent its first request k * ramp_s / c seconds after the level's start (0: all at once)",
+    "started_at": "the level's start on the client's clock, Unix seconds (benchmarks/first_chunk_tail.py --report "
+                  "splits a server log by it)",
     "percentiles": "numpy.percentile (linear interpolation) over successful requests",
 }
 
@@ -833,6 +835,7 @@ def _level(setup: _Setup, opts: BenchOptions, items: list[BenchItem], c: int, n_
     prog = Progress(len(work), f"{c} client{'s' if c > 1 else ''}", opts.progress)
     before, adm0 = setup.engine_counters(), setup.admission_counters()
     res, wall, t0 = _run_level(setup, work, c, opts.save_audio, prog, opts.ramp_s, opts.playback)
+    started_at = time.time() - (time.perf_counter() - t0)  # the level's start, epoch seconds
     after, adm1 = setup.engine_counters(), setup.admission_counters()
     prog.close()
     recs = []
@@ -848,6 +851,7 @@ def _level(setup: _Setup, opts: BenchOptions, items: list[BenchItem], c: int, n_
         recs.append(r)
     lv = summarize(c, recs, wall)
     lv["ramp_s"] = opts.ramp_s
+    lv["started_at"] = round(started_at, 3)
     lv["breakdown"] = level_breakdown(before, after)
     lv["admission"] = None if adm0 is None or adm1 is None else {
         "admitted": adm1["admitted"] - adm0["admitted"], "out_of_order": adm1["out_of_order"] - adm0["out_of_order"],
