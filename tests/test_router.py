@@ -45,8 +45,10 @@ def router(tmp_path_factory):
     # --admission 4: both workers export the same capacity (4 streams), so the least-loaded choice
     # (in flight / capacity) is deterministic; with the estimate, two CPU workers could report
     # different capacities under load and both test streams went to one worker (seen once)
+    # --strict-min-len: the ratio pins every length (random weights otherwise sample one of CosyVoice2's other
+    # stop ids before min_len now and then: a LONG_TEXT stream of one 1.4-s chunk, seen once in ~12)
     s = Server(tmp, "--workers", "2", "--max-active-streams", "4", "--min-token-text-ratio", "3",
-               "--max-token-text-ratio", "3", "--admission", "4")
+               "--max-token-text-ratio", "3", "--strict-min-len", "--admission", "4")
     wait_ready(s.url, 2)
     yield s
     code = s.stop()

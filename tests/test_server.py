@@ -454,10 +454,12 @@ def test_client_killed_mid_stream_frees_its_slot(server):
 
 @pytest.fixture(scope="module")
 def tight(tmp_path_factory):
-    # lengths pinned at 20 speech tokens per text token: the request that occupies the only slot must
-    # not end (random weights stop at random after min_len) before the second request arrives
+    # lengths pinned at 20 speech tokens per text token (--strict-min-len: no stop id before min_len, which
+    # random weights otherwise sample now and then): the request that occupies the only slot must not end
+    # before the second request arrives
     s = Server(tmp_path_factory.mktemp("tight"), "--max-active-streams", "1", "--max-queue", "0", "--api-key",
-               "sekrit", "--min-token-text-ratio", "20", "--max-token-text-ratio", "20", "--model-name", "voicebox")
+               "sekrit", "--min-token-text-ratio", "20", "--max-token-text-ratio", "20", "--strict-min-len",
+               "--model-name", "voicebox")
     yield s
     s.stop()
 
