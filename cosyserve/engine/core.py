@@ -321,6 +321,10 @@ MIN_STARTING_STREAMS = 4
 #: the bound on streams in their first chunks (``admission_start_share``), ``fixed`` ``--admission N``,
 #: ``max_active`` the engine's ``max_active`` (KV-cache slots)
 ADMISSION_HOLDS = ("capacity", "slack", "memory", "starting", "fixed", "max_active")
+#: the admission settings :meth:`EngineCore.set_admission` changes while serving (``GET/PATCH /admin/admission``),
+#: by their short names, and the :class:`EngineConfig` fields they are
+ADMISSION_SETTINGS = {"mode": "admission", "target": "admission_target", "start_share": "admission_start_share",
+                      "lm_alone": "admission_lm_alone", "start_cost": "admission_start_cost"}
 #: ``EngineConfig.hift_f0``: the CosyVoice2 HiFT's F0 item by item in float32 (bit-identical to a stream's F0
 #: run alone) or in one masked float64 pass per batch (:attr:`~cosyserve.models.hift.HiFTGenerator.batched_f0`)
 HIFT_F0_MODES = ("per-item", "batched")
@@ -776,9 +780,8 @@ class EngineCore:
         """(Thread-safe read.) The admission settings in effect, under the names :meth:`set_admission` takes:
         ``mode`` (``"auto"``, ``"off"`` or the fixed number of streams as text), ``target``, ``start_share``,
         ``lm_alone``, ``start_cost`` (the ``--admission*`` options)."""
-        c = self.cfg
-        return {"mode": str(self.admission), "target": c.admission_target, "start_share": c.admission_start_share,
-                "lm_alone": c.admission_lm_alone, "start_cost": c.admission_start_cost}
+        return {key: str(self.admission) if key == "mode" else getattr(self.cfg, name)
+                for key, name in ADMISSION_SETTINGS.items()}
 
     def set_admission(self, **changes) -> dict:
         """(Thread-safe.) Change admission settings while serving, keeping what the capacity model has measured:
@@ -791,8 +794,7 @@ class EngineCore:
         ones, is dropped). Returns the settings as they will be (what
         :meth:`admission_settings` reads once applied). For operators tuning a live server and for benchmarks
         that compare settings without a restart (the graphs' capture makes one ~3.5 min on an H100)."""
-        names = {"mode": "admission", "target": "admission_target", "start_share": "admission_start_share",
-                 "lm_alone": "admission_lm_alone", "start_cost": "admission_start_cost"}
+        names = ADMISSION_SETTINGS
         fields = {}
         for key, value in changes.items():
             if key not in names:
