@@ -25,18 +25,19 @@ from .state import ServerState
 router = APIRouter()
 
 
-def _core(request: Request):
-    """The engine core of a ready server (NotReadyError, a 503, while it loads)."""
+def _engine(request: Request):
+    """The :class:`~cosyserve.engine.async_engine.AsyncEngine` of a ready server (NotReadyError, a 503, while it
+    loads)."""
     st: ServerState = request.app.state.cosyserve
     st.require_ready()
-    return st.engine.core
+    return st.engine
 
 
 @router.get("/admin/admission")
 async def get_admission(request: Request):
     """The settings in effect, the capacity gauge (streams; null before any measurement in ``off`` mode), the
     admission limit and the streams admitted now."""
-    core = _core(request)
+    core = _engine(request).core
     cap = core.capacity_streams
     return {"settings": core.admission_settings(), "capacity_streams": cap if math.isfinite(cap) else None,
             "admission_limit": core.admission_limit, "admitted": core.active_count}
@@ -45,8 +46,8 @@ async def get_admission(request: Request):
 @router.patch("/admin/admission")
 async def patch_admission(body: dict, request: Request):
     """Change the settings named in ``body`` (module doc); 400 naming a bad one."""
-    _core(request)
+    engine = _engine(request)
     if not body:
         raise InvalidInputError("no admission setting given (mode, target, start_share, lm_alone, start_cost)",
                                 "body")
-    return {"settings": request.app.state.cosyserve.engine.set_admission(**body)}
+    return {"settings": engine.set_admission(**body)}

@@ -399,6 +399,11 @@ def _gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
 # ---------------------------------------------------------------------- HTTP
 
 
+def _forward_headers(request: Request) -> list[tuple[str, str]]:
+    """The request's headers a worker gets (``Authorization`` included), less the hop-by-hop ones."""
+    return [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
+
+
 def _error(path: str, status: int, message: str) -> JSONResponse:
     if path.startswith("/v1"):
         return JSONResponse({"error": {"message": message, "type": "server_error" if status >= 500 else
@@ -423,7 +428,7 @@ class _HttpProxy:
         if len(body) > cfg.max_upload_bytes:
             return _error(path, 413, f"request body is larger than {cfg.max_upload_bytes} bytes")
         speech = request.method == "POST" and path.startswith(SPEECH_PATHS)
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
+        headers = _forward_headers(request)
         tried: set[int] = set()
         while True:
             try:
@@ -496,7 +501,7 @@ def create_router_app(router: Router) -> FastAPI:
         (each engine admits its own streams); a worker restarted later starts with its command line's settings.
         One worker's 4xx (a bad setting: every worker rejects it the same way, changing nothing) is the answer."""
         body = await request.body()
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
+        headers = _forward_headers(request)
         out = []
         for w in router.workers:
             if not w.ready:
