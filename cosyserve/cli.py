@@ -490,6 +490,13 @@ def _engine_args(p, in_process: bool = False) -> None:
                         "first chunks were measured to need per audio second (with --flow-stream-cache prefix they "
                         "solve only the frames after the voice's prompt) rather than at the streams' average (off "
                         "by default; measured once, with --admission-lm-alone)" + note)
+    p.add_argument("--admission-slack-margin", type=float, default=0.1, metavar="SECONDS",
+                   help="auto admission: a streaming chunk sent with less than SECONDS before its playback "
+                        "deadline is a close call and caps admission at the streams active then minus one (a late "
+                        "chunk at 0.9 x them; default 0.1; 0 = only late chunks cut)" + note)
+    p.add_argument("--admission-slack-recover", type=float, default=0.5, metavar="SECONDS",
+                   help="auto admission: after a close call the cap grows back by one stream per SECONDS without "
+                        "another (default 0.5; > 0)" + note)
     p.add_argument("--flow-stream-cache", choices=("auto", "on", "off", "prefix"), default="auto",
                    help="streaming chunks compute only the flow frames after the stream's complete static chunks, "
                         "reusing their cached per-step keys/values (CosyVoice2 U-Net: 2.2 MiB, CosyVoice3 DiT: "
@@ -588,6 +595,8 @@ def _engine_config(args, background_default: bool = False, **overrides):
                   decode_lookahead=args.decode_lookahead, admission=args.admission,
                   admission_target=args.admission_target, admission_start_share=args.admission_start_share,
                   admission_lm_alone=args.admission_lm_alone, admission_start_cost=args.admission_start_cost,
+                  admission_slack_margin_s=args.admission_slack_margin,
+                  admission_slack_recover_s=args.admission_slack_recover,
                   flow_stream_cache={"auto": None, "on": True, "off": False,
                                      "prefix": "prefix"}[args.flow_stream_cache],
                   flow_prefix_slots=args.flow_prefix_slots,
@@ -598,6 +607,10 @@ def _engine_config(args, background_default: bool = False, **overrides):
         raise CLIError(f"--admission-target must be in (0, 1], got {fields['admission_target']}")
     if not 0 < fields["admission_start_share"] <= 1:
         raise CLIError(f"--admission-start-share must be in (0, 1], got {fields['admission_start_share']}")
+    if not 0 <= fields["admission_slack_margin_s"] < float("inf"):
+        raise CLIError(f"--admission-slack-margin must be >= 0 seconds, got {fields['admission_slack_margin_s']}")
+    if not 0 < fields["admission_slack_recover_s"] < float("inf"):
+        raise CLIError(f"--admission-slack-recover must be > 0 seconds, got {fields['admission_slack_recover_s']}")
     try:
         return EngineConfig(**fields)
     except ValueError as exc:

@@ -350,6 +350,33 @@ def test_starting_streams_priced_at_what_their_chunks_cost():
     assert cli._engine_config(parser.parse_args([])).admission_start_cost is False
 
 
+def test_slack_guard_options():
+    """``--admission-slack-margin`` / ``--admission-slack-recover`` (seconds) reach EngineConfig and the engine's
+    SlackGuard; out of range, a CLIError naming the option (EngineConfig itself: a ValueError)."""
+    import argparse
+
+    from cosyserve import cli
+
+    parser = argparse.ArgumentParser()
+    cli._engine_args(parser)
+    cfg = cli._engine_config(parser.parse_args([]))
+    assert (cfg.admission_slack_margin_s, cfg.admission_slack_recover_s) == (0.1, 0.5)
+    cfg = cli._engine_config(parser.parse_args(["--admission-slack-margin", "0.05",
+                                                "--admission-slack-recover", "2"]))
+    assert (cfg.admission_slack_margin_s, cfg.admission_slack_recover_s) == (0.05, 2.0)
+    assert cli._engine_config(parser.parse_args(["--admission-slack-margin", "0"])).admission_slack_margin_s == 0
+    for argv, msg in ((["--admission-slack-margin", "-0.1"], "--admission-slack-margin must be >= 0 seconds"),
+                      (["--admission-slack-margin", "nan"], "--admission-slack-margin must be >= 0 seconds"),
+                      (["--admission-slack-recover", "0"], "--admission-slack-recover must be > 0 seconds"),
+                      (["--admission-slack-recover", "inf"], "--admission-slack-recover must be > 0 seconds")):
+        with pytest.raises(cli.CLIError, match=msg):
+            cli._engine_config(parser.parse_args(argv))
+    for bad in ({"admission_slack_margin_s": -1.0}, {"admission_slack_recover_s": 0.0},
+                {"admission_slack_recover_s": -0.5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EngineConfig(**bad)
+
+
 def test_token2wav_fixed_part_is_budgeted_per_batch_period_not_per_stream():
     """Token2wav batches cost ``a_t + k * audio``: a batch grows with the streams, so the fixed part
     is charged once per ``T2W_PERIOD_S``, not per stream (the ratio of batch time to audio at small
@@ -390,7 +417,8 @@ def test_policy_parsing_and_chunk_speedup(capsys):
     from cosyserve.cli import main
 
     for argv, msg in ((["--admission", "bogus"], "--admission must be 'auto', 'off' or a number"),
-                      (["--admission-target", "1.5"], "--admission-target must be in (0, 1]")):
+                      (["--admission-target", "1.5"], "--admission-target must be in (0, 1]"),
+                      (["--admission-slack-recover", "0"], "--admission-slack-recover must be > 0 seconds")):
         assert main(["bench", "--in-process", "--demo", *argv]) == 2
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err
@@ -598,22 +626,27 @@ def test_admission_settings_change_while_serving(synth):
     core = syn.new_engine(EngineConfig(max_active=8))
     try:
         assert core.admission_settings() == {"mode": "off", "target": 0.8, "start_share": 0.45, "lm_alone": False,
-                                             "start_cost": False}
+                                             "start_cost": False, "slack_margin": 0.1, "slack_recover": 0.5}
         for bad, name in (({"bogus": 1}, "bogus"), ({"target": 0}, "target"), ({"target": True}, "target"),
                           ({"target": "0.5"}, "target"), ({"start_share": 1.5}, "start_share"),
                           ({"lm_alone": "yes"}, "lm_alone"), ({"mode": "sometimes"}, "mode"), ({"mode": 0}, "mode"),
-                          ({"mode": True}, "mode")):
+                          ({"mode": True}, "mode"), ({"slack_margin": -0.01}, "slack_margin"),
+                          ({"slack_margin": True}, "slack_margin"), ({"slack_margin": "0.05"}, "slack_margin"),
+                          ({"slack_recover": 0}, "slack_recover"), ({"slack_recover": -1.0}, "slack_recover"),
+                          ({"slack_recover": False}, "slack_recover"), ({"slack_recover": "1"}, "slack_recover"),
+                          ({"target": 0.5, "slack_recover": 0}, "slack_recover")):
             with pytest.raises(InvalidInputError) as err:
                 core.set_admission(**bad)
             assert err.value.field == name and name in str(err.value)
         assert not core.has_work()  # nothing queued by the rejected changes
         assert core.set_admission(mode=2, target=0.5)["mode"] == "2"
         out = core.set_admission(lm_alone=True, start_share=1)  # before the first was applied
-        assert out == {"mode": "off", "target": 0.8, "start_share": 1, "lm_alone": True, "start_cost": False}
+        assert out == {"mode": "off", "target": 0.8, "start_share": 1, "lm_alone": True, "start_cost": False,
+                       "slack_margin": 0.1, "slack_recover": 0.5}
         assert core.has_work()
         core.step()
         assert core.admission_settings() == {"mode": "2", "target": 0.5, "start_share": 1, "lm_alone": True,
-                                             "start_cost": False}
+                                             "start_cost": False, "slack_margin": 0.1, "slack_recover": 0.5}
         m = core.capacity_model
         assert core.admission_limit == 2 and m.target == 0.5 and m.device.price_lm_alone and not m.host.price_lm_alone
         reqs = [syn.build_request(TEXT, voice, stream_params(i), f"r{i}") for i in range(4)]
@@ -631,6 +664,22 @@ def test_admission_settings_change_while_serving(synth):
         core.step()
         assert core.admission.mode == "auto" and m.start_cost and core.capacity_model is m and m.seen == seen
         assert core.slack_guard.limit() is None and core.slack_guard.cuts == 1  # the cap starts over
+        # the slack guard's margin and recovery rate (seconds; seconds per stream)
+        guard = core.slack_guard
+        assert (guard.margin_s, guard.recover_s) == (0.1, 0.5)
+        out = core.set_admission(slack_margin=0.05, slack_recover=0.2)
+        assert (out["slack_margin"], out["slack_recover"]) == (0.05, 0.2) and guard.margin_s == 0.1  # not yet
+        core.step()
+        assert core.slack_guard is guard and (guard.margin_s, guard.recover_s) == (0.05, 0.2)
+        assert core.admission_settings()["slack_margin"] == 0.05 and core.admission_settings()["slack_recover"] == 0.2
+        assert core.cfg.admission_slack_margin_s == 0.05 and core.cfg.admission_slack_recover_s == 0.2
+        assert not guard.observe(0.07, 5) and guard.cuts == 1  # 70 ms: a close call only under the old margin
+    finally:
+        core.close()
+    core = syn.new_engine(EngineConfig(max_active=2, admission_slack_margin_s=0.02, admission_slack_recover_s=3.0))
+    try:  # the engine's guard starts from its config
+        assert (core.slack_guard.margin_s, core.slack_guard.recover_s) == (0.02, 3.0)
+        assert core.admission_settings()["slack_margin"] == 0.02 and core.admission_settings()["slack_recover"] == 3.0
     finally:
         core.close()
 
@@ -980,6 +1029,23 @@ def test_slack_guard_cuts_at_once_holds_and_grows_back():
     assert g.observe(-1.0, 1) and g.limit() == 1  # never below one stream
     with pytest.raises(ValueError):
         SlackGuard(cut=1.0)
+
+
+def test_slack_guard_margin_and_recovery_rate():
+    """A smaller margin lets a chunk with 70 ms of slack pass that the default 0.1-s margin counts as a close call;
+    the cap grows back at one stream per ``recover_s``."""
+    clock = Clock()
+    tight, default = SlackGuard(margin_s=0.05, clock=clock), SlackGuard(clock=clock)
+    assert not tight.observe(0.07, 20) and tight.limit() is None and tight.close_calls == 0
+    assert default.observe(0.07, 20) and default.limit() == 19 and default.close_calls == 1
+    assert tight.observe(0.04, 20) and tight.limit() == 19  # below its own margin it cuts
+    fast = SlackGuard(recover_s=0.2, clock=clock)
+    assert fast.observe(-0.01, 20) and fast.limit() == 18
+    clock.t += 1.0
+    assert fast.limit() == 23 and default.limit() == 21  # 5 streams a second, 2 with the default 0.5 s
+    for bad in ({"margin_s": -0.1}, {"recover_s": 0}):
+        with pytest.raises(ValueError):
+            SlackGuard(**bad)
 
 
 def test_late_chunk_caps_auto_admission_below_the_active_streams(synth, caplog):

@@ -191,6 +191,12 @@ class EngineConfig:
     per audio second its first chunks were measured to need (:attr:`~cosyserve.engine.admission.
     CapacityEstimator.start_cost_ratio`: with voice prompt prefixes they solve few frames) rather than at
     the streams' average (off by default; measured with ``admission_lm_alone`` only, "Session 37").
+    ``admission_slack_margin_s``: ``auto`` admission's feedback from the streams' chunk deadlines
+    (:class:`~cosyserve.engine.admission.SlackGuard`): a streaming chunk emitted (or delivered) with less
+    than this many seconds of slack before its playback deadline is a close call, which caps admission at the
+    streams active then minus one (a late chunk, slack < 0: at 0.9 x them); 0: only late chunks cut (default 0.1 s).
+    ``admission_slack_recover_s``: after a cut the cap grows back by one stream per this many seconds without a
+    close call (default 0.5 s per stream; larger = slower recovery).
     ``strict_min_len``: before a segment's ``min_len`` mask every stop id, not only upstream's
     one id (``LLMConfig.min_len_mask_id``; CosyVoice3 masks its sos there, so with random weights
     a stop id ends most utterances after a few tokens): for random-weight benchmarks that pin the
@@ -253,6 +259,8 @@ class EngineConfig:
     admission_start_share: float = 0.45
     admission_lm_alone: bool = False
     admission_start_cost: bool = False
+    admission_slack_margin_s: float = 0.1
+    admission_slack_recover_s: float = 0.5
     strict_min_len: bool = False
     flow_stream_cache: bool | str | None = None
     flow_stream_cache_frames: int | None = None
@@ -271,6 +279,11 @@ class EngineConfig:
             raise ValueError("admission_target must be in (0, 1]")
         if not 0 < self.admission_start_share <= 1:
             raise ValueError("admission_start_share must be in (0, 1]")
+        if not 0 <= self.admission_slack_margin_s < math.inf:
+            raise ValueError(f"admission_slack_margin_s must be >= 0 seconds, got {self.admission_slack_margin_s}")
+        if not 0 < self.admission_slack_recover_s < math.inf:
+            raise ValueError(f"admission_slack_recover_s must be > 0 seconds per stream, "
+                             f"got {self.admission_slack_recover_s}")
         bad = [name for name, ok in (
             ("max_active >= 1", self.max_active >= 1), ("max_queue >= 0", self.max_queue >= 0),
             ("kv_max_len >= 64", self.kv_max_len >= 64), ("max_t2w_batch >= 1", self.max_t2w_batch >= 1),
@@ -324,7 +337,8 @@ ADMISSION_HOLDS = ("capacity", "slack", "memory", "starting", "fixed", "max_acti
 #: the admission settings :meth:`EngineCore.set_admission` changes while serving (``GET/PATCH /admin/admission``),
 #: by their short names, and the :class:`EngineConfig` fields they are
 ADMISSION_SETTINGS = {"mode": "admission", "target": "admission_target", "start_share": "admission_start_share",
-                      "lm_alone": "admission_lm_alone", "start_cost": "admission_start_cost"}
+                      "lm_alone": "admission_lm_alone", "start_cost": "admission_start_cost",
+                      "slack_margin": "admission_slack_margin_s", "slack_recover": "admission_slack_recover_s"}
 #: ``EngineConfig.hift_f0``: the CosyVoice2 HiFT's F0 item by item in float32 (bit-identical to a stream's F0
 #: run alone) or in one masked float64 pass per batch (:attr:`~cosyserve.models.hift.HiFTGenerator.batched_f0`)
 HIFT_F0_MODES = ("per-item", "batched")
@@ -540,7 +554,9 @@ class EngineCore:
                                                 else "audio")
         self._t2w_host_s = 0.0  # scheduler-thread token2wav seconds since the last batch was emitted
         self._t2w_epoch = 0  # token2wav batches launched (an LM step ran alone if none was launched meanwhile)
-        self.slack_guard = SlackGuard()  # the feedback cap from chunk deadlines (auto admission)
+        # the feedback cap from chunk deadlines (auto admission)
+        self.slack_guard = SlackGuard(margin_s=config.admission_slack_margin_s,
+                                      recover_s=config.admission_slack_recover_s)
         self._last_admitted_arrival = float("-inf")
         self._logged_capacity: int | None = None
         self._memory_bound_logged = False
@@ -779,15 +795,18 @@ class EngineCore:
     def admission_settings(self) -> dict:
         """(Thread-safe read.) The admission settings in effect, under the names :meth:`set_admission` takes:
         ``mode`` (``"auto"``, ``"off"`` or the fixed number of streams as text), ``target``, ``start_share``,
-        ``lm_alone``, ``start_cost`` (the ``--admission*`` options)."""
+        ``lm_alone``, ``start_cost``, ``slack_margin`` (seconds), ``slack_recover`` (seconds per stream) (the
+        ``--admission*`` options)."""
         return {key: str(self.admission) if key == "mode" else getattr(self.cfg, name)
                 for key, name in ADMISSION_SETTINGS.items()}
 
     def set_admission(self, **changes) -> dict:
         """(Thread-safe.) Change admission settings while serving, keeping what the capacity model has measured:
         ``mode`` (``"auto"``, ``"off"`` or a number of streams), ``target`` (0-1], ``start_share`` (0-1],
-        ``lm_alone``, ``start_cost`` (bools) — the ``--admission``, ``--admission-target``,
-        ``--admission-start-share``, ``--admission-lm-alone``, ``--admission-start-cost`` options. Checked at once
+        ``lm_alone``, ``start_cost`` (bools), ``slack_margin`` (seconds >= 0), ``slack_recover`` (seconds per stream,
+        > 0) — the ``--admission``, ``--admission-target``, ``--admission-start-share``, ``--admission-lm-alone``,
+        ``--admission-start-cost``, ``--admission-slack-margin``, ``--admission-slack-recover`` options (the last
+        two: the slack guard's close-call margin and recovery rate). Checked at once
         (raises :class:`~cosyserve.errors.InvalidInputError` naming the setting: unknown, wrong type or out of
         range); applied by the engine thread before its next step, so the streams admitted already keep running
         and the next admission decision uses the new settings (the slack guard's cap, measured under the old
@@ -803,16 +822,21 @@ class EngineCore:
                 raise InvalidInputError(f"admission setting {key!r} must be true or false, got {value!r}", key)
             if key in ("target", "start_share") and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise InvalidInputError(f"admission setting {key!r} must be a number in (0, 1], got {value!r}", key)
+            if key in ("slack_margin", "slack_recover") and (isinstance(value, bool)
+                                                             or not isinstance(value, (int, float))):
+                unit = "seconds >= 0" if key == "slack_margin" else "seconds per stream > 0"
+                raise InvalidInputError(f"admission setting {key!r} must be a number of {unit}, got {value!r}", key)
             if key == "mode":
                 try:
                     value = AdmissionPolicy.parse(value)
                 except ValueError as exc:
                     raise InvalidInputError(f"admission mode: {exc}", key) from None
             fields[names[key]] = value
-        try:
-            dataclasses.replace(self.cfg, **fields)  # EngineConfig's own checks (each field on its own)
-        except ValueError as exc:
-            raise InvalidInputError(f"admission setting: {exc}", next(iter(changes), None)) from None
+        for key in changes:  # EngineConfig's own checks, each field on its own (the error names its setting)
+            try:
+                dataclasses.replace(self.cfg, **{names[key]: fields[names[key]]})
+            except ValueError as exc:
+                raise InvalidInputError(f"admission setting {key!r}: {exc}", key) from None
         self._inbox.put(("admission", fields))  # only the fields named: two quick changes both hold
         out = self.admission_settings()
         out.update({key: str(fields[names[key]]) if key == "mode" else fields[names[key]] for key in changes})
@@ -820,8 +844,8 @@ class EngineCore:
 
     def _apply_admission(self, fields: dict) -> None:
         """(Engine thread.) :meth:`set_admission`'s settings take effect: the policy, the capacity model's target
-        and prices (its measurements kept), the starting streams' share; the slack guard's cap is dropped (the
-        next close call cuts afresh); the limit is recomputed at once."""
+        and prices (its measurements kept), the starting streams' share, the slack guard's margin and recovery
+        rate; the slack guard's cap is dropped (the next close call cuts afresh); the limit is recomputed at once."""
         before = self.admission_settings()
         cfg = self.cfg = dataclasses.replace(self.cfg, **fields)
         if cfg.admission is not None:
@@ -829,6 +853,8 @@ class EngineCore:
         m = self.capacity_model
         m.target, m.start_cost = cfg.admission_target, cfg.admission_start_cost
         m.device.price_lm_alone = cfg.admission_lm_alone  # (the host fits its steps as they ran)
+        self.slack_guard.margin_s = cfg.admission_slack_margin_s
+        self.slack_guard.recover_s = cfg.admission_slack_recover_s
         self.slack_guard.release()  # a cap from close calls under the old settings starts over
         self._limit = self._admission_limit()
         after = self.admission_settings()

@@ -1,8 +1,10 @@
 """Operator routes: the admission settings of a running server.
 
 * ``GET /admin/admission`` — the settings in effect (``mode``: ``"auto"``, ``"off"`` or a fixed number of
-  streams; ``target``; ``start_share``; ``lm_alone``; ``start_cost``: the ``serve --admission*`` options), with
-  the capacity gauge (streams, as ``cosyserve_capacity_streams``), the admission limit and the streams admitted.
+  streams; ``target``; ``start_share``; ``lm_alone``; ``start_cost``; ``slack_margin``: seconds of slack below
+  which a streaming chunk is a close call; ``slack_recover``: seconds per stream the slack guard's cap grows back;
+  the ``serve --admission*`` options), with the capacity gauge (streams, as ``cosyserve_capacity_streams``), the
+  admission limit and the streams admitted.
 * ``PATCH /admin/admission`` — a JSON object with any of those settings changes them without a restart (the
   capacity model keeps what it measured; streams already admitted keep running): for tuning a live server and
   for benchmarks that compare settings on one server start (``benchmarks/capacity_startup.sh`` ``SWEEP``). An
@@ -19,6 +21,7 @@ import math
 
 from fastapi import APIRouter, Request
 
+from ..engine.core import ADMISSION_SETTINGS
 from ..errors import InvalidInputError
 from .state import ServerState
 
@@ -48,6 +51,5 @@ async def patch_admission(body: dict, request: Request):
     """Change the settings named in ``body`` (module doc); 400 naming a bad one."""
     engine = _engine(request)
     if not body:
-        raise InvalidInputError("no admission setting given (mode, target, start_share, lm_alone, start_cost)",
-                                "body")
+        raise InvalidInputError(f"no admission setting given ({', '.join(ADMISSION_SETTINGS)})", "body")
     return {"settings": engine.set_admission(**body)}
