@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from _server import Server
 from cosyserve.client.bench import playback_stalls
-from cosyserve.engine.admission import (T2W_PERIOD_S, AdmissionPolicy, CapacityEstimator, SlackGuard,
+from cosyserve.engine.admission import (T2W_PERIOD_S, AdmissionPolicy, CapacityEstimator, SlackGuard, START_CHUNKS,
                                         chunk_speedup, latency_pace)
 from cosyserve.engine.chunking import ChunkPolicy
 from cosyserve.engine.core import EngineConfig, QueueFullError
@@ -1199,6 +1199,38 @@ def test_auto_admission_starts_a_burst_of_streams_in_waves(synth):
     assert 0 < most <= 8 and first == 1 + 8  # the offline request + ceil(0.45 x 16) streams
     assert set(held) == {"starting"} and held["starting"] > 0  # the waves held the queue, nothing else
     assert run(1.0) == (12, 13, {})
+
+
+def test_auto_admission_prices_each_newcomer_as_starting_before_the_next(synth):
+    """A burst from the queue is admitted one stream at a time, each on a limit that counts the streams admitted
+    before it as starting (a starting stream's chunks fall due at the schedule's speed-up: the estimate drops as
+    the starting share rises). On one limit, computed while none were starting, the whole burst went in at once
+    and then started together over what its mix keeps real time (an H200 at 2x overload: 5 of 576 stalled,
+    docs/perf.md "Session 38")."""
+    syn, voice = synth
+    core, obs = slow_engine(synth, max_active=16, max_queue=32, admission_start_share=1.0)
+    core.admission = AdmissionPolicy("auto")
+
+    def limit():  # each starting stream (the queue's head among them, as the engine's estimate counts it) costs 2
+        starting = sum(1 for st in core._active.values() if st.chunks < START_CHUNKS) + bool(core._waiting)
+        return 16 - 2 * starting
+
+    core._admission_limit = limit
+    for i in range(12):
+        core.add_request(syn.build_request(TEXT, voice, stream_params(i), f"r{i}"))
+    done, over, first = {}, [], None
+    while core.has_work():
+        for ev in core.step():
+            if isinstance(ev, RequestFinished):
+                done[ev.request_id] = ev
+        first = core.stats.admitted if first is None else first
+        starting = sum(1 for st in core._active.values() if st.chunks < START_CHUNKS)
+        if len(core._active) > 16 - 2 * starting:  # more streams than their own mix keeps real time
+            over.append((len(core._active), starting))
+    assert first == 5  # the first wave: a sixth would be priced at 16 - 2 x (5 + the next head) = 4 streams
+    assert over == []
+    assert len(done) == 12 and all(e.outcome.value == "ok" for e in done.values())
+    assert obs.order == [f"r{i}" for i in range(12)] and all(obs.in_order)
 
 
 def test_chunks_delivered_late_cap_auto_admission_too(synth, caplog):

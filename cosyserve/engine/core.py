@@ -1171,7 +1171,9 @@ class EngineCore:
     def _admit(self) -> None:
         """Activate queued requests in arrival order while fewer than the admission limit are
         active (the head of the queue is never passed over). The limit is recomputed when the head
-        changes between a streaming and an offline request (the memory bound holds back streams only)."""
+        changes between a streaming and an offline request (the memory bound holds back streams only)
+        and, under ``auto`` admission, after each stream admitted (its starting chunks lower the estimate
+        the next head is admitted on)."""
         self._limit = self._admission_limit()
         now = time.monotonic()
         kind = None
@@ -1202,6 +1204,11 @@ class EngineCore:
             hook = getattr(self.observer, "admitted", None)
             if hook is not None:
                 hook(rid, now - st.req.arrival, in_order)
+            if self.admission.mode == "auto" and st.req.params.streams_audio and self._waiting:
+                # the next head is priced with this newcomer among the starting streams: on one limit, computed
+                # while few streams were starting, a burst from a full queue filled it and then started all at
+                # once, ~15 streams over what their mix kept real time (docs/perf.md "Session 38")
+                self._limit = self._admission_limit()
         self._account_hold(held, now)
 
     def _account_hold(self, held: str | None, now: float) -> None:
