@@ -480,20 +480,21 @@ def _engine_args(p, in_process: bool = False) -> None:
                    help="auto admission: streams still before their second chunk are at most this share of the "
                         "admitted ones (default 0.45; a burst of arrivals then starts in waves, not all in phase; "
                         "1 = no such bound)" + note)
-    p.add_argument("--admission-lm-alone", action="store_true",
+    p.add_argument("--admission-lm-alone", action=argparse.BooleanOptionalAction, default=True,
                    help="auto admission: price the LM's share of the GPU at the decode steps that ran without a "
                         "token2wav batch beside them (their time under contention includes waiting for the "
                         "flow's kernels, which token2wav's price already counts), its pace still bounded by every "
-                        "step's time (off by default; docs/perf.md \"Session 37\" has its measurements)" + note)
-    p.add_argument("--admission-start-cost", action="store_true",
+                        "step's time (default on; --no-admission-lm-alone: at every step's time; docs/perf.md "
+                        "\"Sessions 37-38\" have its measurements)" + note)
+    p.add_argument("--admission-start-cost", action=argparse.BooleanOptionalAction, default=True,
                    help="auto admission (CosyVoice2/3 flows): price a starting stream's token2wav at the cost its "
                         "first chunks were measured to need per audio second (with --flow-stream-cache prefix they "
-                        "solve only the frames after the voice's prompt) rather than at the streams' average (off "
-                        "by default; measured once, with --admission-lm-alone)" + note)
-    p.add_argument("--admission-slack-margin", type=float, default=0.1, metavar="SECONDS",
+                        "solve only the frames after the voice's prompt) rather than at the streams' average "
+                        "(default on; --no-admission-start-cost: at the average)" + note)
+    p.add_argument("--admission-slack-margin", type=float, default=0.05, metavar="SECONDS",
                    help="auto admission: a streaming chunk sent with less than SECONDS before its playback "
                         "deadline is a close call and caps admission at the streams active then minus one (a late "
-                        "chunk at 0.9 x them; default 0.1; 0 = only late chunks cut)" + note)
+                        "chunk at 0.9 x them; default 0.05; 0 = only late chunks cut)" + note)
     p.add_argument("--admission-slack-recover", type=float, default=0.5, metavar="SECONDS",
                    help="auto admission: after a close call the cap grows back by one stream per SECONDS without "
                         "another (default 0.5; > 0)" + note)

@@ -304,7 +304,8 @@ def test_device_prices_the_lm_at_the_steps_that_ran_alone_and_checks_its_pace_on
     parser = argparse.ArgumentParser()
     cli._engine_args(parser)
     assert cli._engine_config(parser.parse_args(["--admission-lm-alone"])).admission_lm_alone is True
-    assert cli._engine_config(parser.parse_args([])).admission_lm_alone is False
+    assert cli._engine_config(parser.parse_args([])).admission_lm_alone is True  # the default since session 38
+    assert cli._engine_config(parser.parse_args(["--no-admission-lm-alone"])).admission_lm_alone is False
 
 
 def test_starting_streams_priced_at_what_their_chunks_cost():
@@ -347,7 +348,8 @@ def test_starting_streams_priced_at_what_their_chunks_cost():
     parser = argparse.ArgumentParser()
     cli._engine_args(parser)
     assert cli._engine_config(parser.parse_args(["--admission-start-cost"])).admission_start_cost is True
-    assert cli._engine_config(parser.parse_args([])).admission_start_cost is False
+    assert cli._engine_config(parser.parse_args([])).admission_start_cost is True  # the default since session 38
+    assert cli._engine_config(parser.parse_args(["--no-admission-start-cost"])).admission_start_cost is False
 
 
 def test_slack_guard_options():
@@ -360,10 +362,10 @@ def test_slack_guard_options():
     parser = argparse.ArgumentParser()
     cli._engine_args(parser)
     cfg = cli._engine_config(parser.parse_args([]))
-    assert (cfg.admission_slack_margin_s, cfg.admission_slack_recover_s) == (0.1, 0.5)
-    cfg = cli._engine_config(parser.parse_args(["--admission-slack-margin", "0.05",
+    assert (cfg.admission_slack_margin_s, cfg.admission_slack_recover_s) == (0.05, 0.5)
+    cfg = cli._engine_config(parser.parse_args(["--admission-slack-margin", "0.2",
                                                 "--admission-slack-recover", "2"]))
-    assert (cfg.admission_slack_margin_s, cfg.admission_slack_recover_s) == (0.05, 2.0)
+    assert (cfg.admission_slack_margin_s, cfg.admission_slack_recover_s) == (0.2, 2.0)
     assert cli._engine_config(parser.parse_args(["--admission-slack-margin", "0"])).admission_slack_margin_s == 0
     for argv, msg in ((["--admission-slack-margin", "-0.1"], "--admission-slack-margin must be >= 0 seconds"),
                       (["--admission-slack-margin", "nan"], "--admission-slack-margin must be >= 0 seconds"),
@@ -623,7 +625,11 @@ def test_admission_settings_change_while_serving(synth):
     from cosyserve.errors import InvalidInputError
 
     syn, voice = synth
-    core = syn.new_engine(EngineConfig(max_active=8))
+    cfg = EngineConfig(max_active=8)
+    assert (cfg.admission_lm_alone, cfg.admission_start_cost, cfg.admission_slack_margin_s) == (True, True, 0.05)
+    # the engine starts from the settings before session 38 (each then changed below)
+    core = syn.new_engine(dataclasses.replace(cfg, admission_lm_alone=False, admission_start_cost=False,
+                                              admission_slack_margin_s=0.1))
     try:
         assert core.admission_settings() == {"mode": "off", "target": 0.8, "start_share": 0.45, "lm_alone": False,
                                              "start_cost": False, "slack_margin": 0.1, "slack_recover": 0.5}
@@ -1032,10 +1038,11 @@ def test_slack_guard_cuts_at_once_holds_and_grows_back():
 
 
 def test_slack_guard_margin_and_recovery_rate():
-    """A smaller margin lets a chunk with 70 ms of slack pass that the default 0.1-s margin counts as a close call;
+    """A smaller margin lets a chunk with 70 ms of slack pass that a 0.1-s margin counts as a close call;
     the cap grows back at one stream per ``recover_s``."""
     clock = Clock()
-    tight, default = SlackGuard(margin_s=0.05, clock=clock), SlackGuard(clock=clock)
+    tight, default = SlackGuard(margin_s=0.05, clock=clock), SlackGuard(margin_s=0.1, clock=clock)
+    assert SlackGuard().margin_s == 0.05  # the default since session 38
     assert not tight.observe(0.07, 20) and tight.limit() is None and tight.close_calls == 0
     assert default.observe(0.07, 20) and default.limit() == 19 and default.close_calls == 1
     assert tight.observe(0.04, 20) and tight.limit() == 19  # below its own margin it cuts

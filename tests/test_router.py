@@ -153,7 +153,7 @@ def test_admission_settings_change_on_every_worker(router):
     url = router.url + "/admin/admission"
     r = httpx.patch(url, json={"target": 7}, timeout=30)
     assert r.status_code == 400 and "target" in r.json()["error"], r.text
-    r = httpx.patch(url, json={"target": 0.5, "start_share": 0.9, "slack_margin": 0.05}, timeout=30)
+    r = httpx.patch(url, json={"target": 0.5, "start_share": 0.9, "slack_margin": 0.08}, timeout=30)
     assert r.status_code == 200, r.text
     assert [w["settings"]["target"] for w in r.json()["workers"]] == [0.5, 0.5]
     deadline = time.time() + 30
@@ -161,11 +161,11 @@ def test_admission_settings_change_on_every_worker(router):
         while (got := httpx.get(f"http://127.0.0.1:{w['http_port']}/admin/admission").json())["settings"][
                 "start_share"] != 0.9 and time.time() < deadline:
             time.sleep(0.05)
-        assert got["settings"] == {"mode": "4", "target": 0.5, "start_share": 0.9, "lm_alone": False,
-                                   "start_cost": False, "slack_margin": 0.05, "slack_recover": 0.5}, (w["index"], got)
+        assert got["settings"] == {"mode": "4", "target": 0.5, "start_share": 0.9, "lm_alone": True,
+                                   "start_cost": True, "slack_margin": 0.08, "slack_recover": 0.5}, (w["index"], got)
     listed = httpx.get(url, timeout=30).json()["workers"]
     assert [x["index"] for x in listed] == [0, 1] and all(x["status"] == 200 for x in listed)
-    assert httpx.patch(url, json={"target": 0.8, "start_share": 0.45, "slack_margin": 0.1},
+    assert httpx.patch(url, json={"target": 0.8, "start_share": 0.45, "slack_margin": 0.05},
                        timeout=30).status_code == 200  # as before
 
 

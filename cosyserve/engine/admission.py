@@ -64,7 +64,7 @@ session 34, admitted ~170 DiT streams at 2x overload on an H100 and stalled 37 o
 model stalled none, docs/perf.md "Session 34") and the two resources as not overlapping their own
 parts (on CUDA the LM and token2wav streams run concurrently, so this errs on the safe side). On the
 device, an LM step that runs beside a flow batch also waits for the flow's kernels, which the token2wav
-term already charges: with ``lm_alone`` (``--admission-lm-alone``; off by default) the device
+term already charges: with ``lm_alone`` (``--admission-lm-alone``; on by default) the device
 prices the LM at the steps that ran alone (once enough of them were seen: their decode fitted apart from
 the prefills that rode in them, the prefills priced per generated token) and checks the LM's pace
 separately against the steps as they ran (:class:`_Resource`; the fit over every step priced an H100's
@@ -337,7 +337,7 @@ class _Resource:
     So the device's ``U(b)`` prices the LM at the steps that ran alone (once :data:`ALONE_MIN_STEPS` of
     them are in the fit, and only where that admits more than all steps do), and the LM's pace is checked
     on its own against the steps as they ran, contention included: ``rate * L(b) <= target``
-    (``price_lm_alone``; ``EngineConfig.admission_lm_alone``, off by default: every step's time prices the
+    (``price_lm_alone``; ``EngineConfig.admission_lm_alone``, on by default; off: every step's time prices the
     LM)."""
 
     def __init__(self, t2w_price: str = "audio", price_lm_alone: bool = False):
@@ -657,7 +657,7 @@ class SlackGuard:
     source (seconds). Counts: :attr:`close_calls`, :attr:`late`, :attr:`cuts`. Raises ValueError for
     settings out of range. Not thread-safe (the engine thread feeds and reads it)."""
 
-    def __init__(self, margin_s: float = 0.1, hold_s: float = 1.0, recover_s: float = 0.5, cut: float = 0.9,
+    def __init__(self, margin_s: float = 0.05, hold_s: float = 1.0, recover_s: float = 0.5, cut: float = 0.9,
                  clock=time.monotonic):
         if not (margin_s >= 0 and hold_s >= 0 and recover_s > 0 and 0 < cut < 1):
             raise ValueError("SlackGuard needs margin_s >= 0, hold_s >= 0, recover_s > 0 and 0 < cut < 1")

@@ -184,17 +184,20 @@ class EngineConfig:
     levels) never did.
     ``admission_lm_alone``: the capacity model prices the LM's share of the device at the LM steps that
     ran without a token2wav batch beside them (and bounds its pace by every step's time), instead of at every
-    step's time (:class:`~cosyserve.engine.admission._Resource`; off by default: on an H100 it raised the UNet
+    step's time (:class:`~cosyserve.engine.admission._Resource`; on by default: on an H100 it raised the UNet
     path's capacity 71 -> 84 streams with ``admission_start_cost`` and the DiT's with back-to-back clients
-    97 -> 150, but one run each, docs/perf.md "Session 37").
+    97 -> 150 without their 38 stalls at 240 clients, docs/perf.md "Session 37"; on an H200 the DiT's 240
+    listening clients and 2x overload stayed stall-free with it, "Session 38").
     ``admission_start_cost``: flows priced per cost unit price a starting stream's token2wav at the cost units
     per audio second its first chunks were measured to need (:attr:`~cosyserve.engine.admission.
     CapacityEstimator.start_cost_ratio`: with voice prompt prefixes they solve few frames) rather than at
-    the streams' average (off by default; measured with ``admission_lm_alone`` only, "Session 37").
+    the streams' average (on by default; measured with ``admission_lm_alone``, "Sessions 37-38").
     ``admission_slack_margin_s``: ``auto`` admission's feedback from the streams' chunk deadlines
     (:class:`~cosyserve.engine.admission.SlackGuard`): a streaming chunk emitted (or delivered) with less
     than this many seconds of slack before its playback deadline is a close call, which caps admission at the
-    streams active then minus one (a late chunk, slack < 0: at 0.9 x them); 0: only late chunks cut (default 0.1 s).
+    streams active then minus one (a late chunk, slack < 0: at 0.9 x them); 0: only late chunks cut (default
+    0.05 s: on an H200 single close calls at 71-73 ms in the UNet's ramp-end burst held its queue ~1 s with 0.1,
+    failing the first-chunk p99 at 84-96 listening clients that passed with 0.05, "Session 38").
     ``admission_slack_recover_s``: after a cut the cap grows back by one stream per this many seconds without a
     close call (default 0.5 s per stream; larger = slower recovery).
     ``strict_min_len``: before a segment's ``min_len`` mask every stop id, not only upstream's
@@ -257,9 +260,9 @@ class EngineConfig:
     admission: AdmissionPolicy | str | int | None = None
     admission_target: float = 0.8
     admission_start_share: float = 0.45
-    admission_lm_alone: bool = False
-    admission_start_cost: bool = False
-    admission_slack_margin_s: float = 0.1
+    admission_lm_alone: bool = True
+    admission_start_cost: bool = True
+    admission_slack_margin_s: float = 0.05
     admission_slack_recover_s: float = 0.5
     strict_min_len: bool = False
     flow_stream_cache: bool | str | None = None
