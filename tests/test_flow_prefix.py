@@ -228,8 +228,9 @@ def test_engine_prompt_prefixes_equal_full_recomputation(monkeypatch):
 def test_voice_prefix_pool_slots_are_shared_and_recycled(flow, prompt):
     """One slot, two voices: a batch's second voice runs without prefix (its slot is read by the first);
     the next batch of the second voice evicts the first; a stream's first chunk (token offset 0) uses a prefix
-    but never builds one; a voice whose prompt has no complete chunk never gets one; non-streaming, final and
-    stream-cached jobs get none."""
+    but never builds one, and a later chunk builds one only once two streams of its voice have started (a
+    per-request prompt never pays the build); a voice whose prompt has no complete chunk never gets one;
+    non-streaming, final and stream-cached jobs get none."""
     from types import SimpleNamespace
 
     from cosyserve.engine.token2wav import VoicePrefixPool
@@ -251,8 +252,13 @@ def test_voice_prefix_pool_slots_are_shared_and_recycled(flow, prompt):
     fa, fb = flow.prompt_prefix_frames(int(va.flow_speech_token.numel())), \
         flow.prompt_prefix_frames(int(vb.flow_speech_token.numel()))
     assert pp.assign([job(va, offset=0)]) == ([0], [0]) and pp.builds == 0  # a first chunk does not wait
+    # one stream of a voice started: its later chunk builds nothing (a per-request prompt would pay the eager
+    # build for nothing); this batch's first chunk of a second stream counts before the later chunk is assigned
+    assert pp.assign([job(va)]) == ([0], [0]) and pp.builds == 0 and pp.deferred == 1
     assert pp.assign([job(va), job(vb), job(va, offset=0)]) == ([0, 0, 0], [fa, 0, fa])
     assert pp.builds == 1 and pp.hits == 1
+    assert pp.assign([job(vb)]) == ([0], [0]) and pp.builds == 1  # vb: no stream of it started yet
+    assert pp.assign([job(vb, offset=0)]) == ([0], [0]) and pp.assign([job(vb, offset=0)]) == ([0], [0])
     assert pp.assign([job(vb)]) == ([0], [fb]) and pp.builds == 2
     assert pp.assign([job(va)]) == ([0], [fa]) and pp.builds == 3
     assert pp.assign([job(vs), job(va, False), job(va, True, True), job(va, cache=object())]) == \

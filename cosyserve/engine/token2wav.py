@@ -23,8 +23,10 @@ chunks, computed once per voice by the first stream that needs them.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -34,6 +36,14 @@ import torch.nn.functional as F
 from ..errors import SettingsError
 from ..frontend.voice import Voice, flow_prompt_digest
 from ..models.hift import HiFTGenerator, HiFTStreamState, hift_stream_step_batch
+
+log = logging.getLogger(__name__)
+
+#: :class:`VoicePrefixPool` builds a voice's prompt prefix once this many of its streams have started (a voice used
+#: by one stream, a per-request prompt, would pay an eager build on the engine thread for nothing)
+PREFIX_MIN_STREAMS = 2
+#: voices whose started streams :class:`VoicePrefixPool` counts (least recently started out)
+PREFIX_COUNTED_VOICES = 1024
 
 
 @dataclass
@@ -133,9 +143,14 @@ class VoicePrefixPool:
     least recently used slot that the batch does not read; a batch with more voices than that leaves the
     rest without prefix (full solves). A stream's first chunk never waits for a build (it runs whole when
     its voice has no prefix yet): the build, an eager solve, happens for a later chunk, so a voice used by
-    one stream only (a per-request prompt) costs its first chunk nothing. Keyed by the voice's content
-    (:meth:`PromptPrefixes.key`).
-    Counters: :attr:`hits`, :attr:`builds`. Not thread-safe (the engine thread launches the batches)."""
+    one stream only (a per-request prompt) costs its first chunk nothing. A prefix is built only for a voice
+    of which :data:`PREFIX_MIN_STREAMS` streams have started (first chunks counted per voice, for the
+    :data:`PREFIX_COUNTED_VOICES` most recent voices): the build is an eager flow call on the engine thread,
+    which delays every stream's next batch, and a voice of one stream (a per-request prompt) would pay it for
+    nothing. Keyed by the voice's content (:meth:`PromptPrefixes.key`), so a prompt sent again counts as
+    the same voice. Each build is logged (``event=prefix_build``, its host milliseconds).
+    Counters: :attr:`hits`, :attr:`builds`, :attr:`deferred` (later chunks that could have built a prefix but
+    whose voice had too few streams). Not thread-safe (the engine thread launches the batches)."""
 
     def __init__(self, flow, slots: int, max_frames: int):
         from ..models.flow_prefix import PrefixPool
@@ -148,7 +163,8 @@ class VoicePrefixPool:
         self.pool = PrefixPool.for_flow(flow, slots, max_frames // chunk * chunk)
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # voice key -> slot, least recently used first
         self._none: set[bytes] = set()  # voices whose prompt has no complete chunk: no prefix
-        self.hits = self.builds = 0
+        self._started: OrderedDict[bytes, int] = OrderedDict()  # voice key -> its streams started (first chunks)
+        self.hits = self.builds = self.deferred = 0
 
     def nbytes(self) -> int:
         """Device bytes of the pool (allocated up front)."""
@@ -159,9 +175,13 @@ class VoicePrefixPool:
         a stream cache whose voice has (or now gets) a prefix, else ``(0, 0)``. Builds missing prefixes
         (eagerly, on the current CUDA stream) for jobs past their stream's first chunk only."""
         slots, starts, used = [], [], set()
-        for job in jobs:
+        prefixed = [job.streaming and not job.finalize and job.flow_cache is None for job in jobs]
+        for job, ok in zip(jobs, prefixed):  # this batch's first chunks count before its later chunks build
+            if ok and job.token_offset == 0:
+                self._count_start(PromptPrefixes.key(job.voice))
+        for job, ok in zip(jobs, prefixed):
             slot = None
-            if job.streaming and not job.finalize and job.flow_cache is None:
+            if ok:
                 slot = self._slot(job.voice, used, build=job.token_offset > 0)
             if slot is None:
                 slots.append(0)
@@ -183,6 +203,9 @@ class VoicePrefixPool:
             return slot
         if not build:
             return None
+        if self._started.get(key, 0) < PREFIX_MIN_STREAMS:
+            self.deferred += 1
+            return None
         taken = set(self._slots.values())
         free = [s for s in range(self.pool.slots) if s not in taken]
         if free:
@@ -192,12 +215,24 @@ class VoicePrefixPool:
             if victim is None:
                 return None
             slot = self._slots.pop(victim)
+        t0 = time.perf_counter()
         if not self._build(slot, voice):
             self._none.add(key)
             return None
         self._slots[key] = slot
         self.builds += 1
+        host_ms = (time.perf_counter() - t0) * 1e3
+        log.info("flow prompt prefix built for voice %s in slot %d: %.0f ms on the engine thread (eager; %d builds)",
+                 getattr(voice, "id", "?"), slot, host_ms, self.builds,
+                 extra={"event": "prefix_build", "voice": getattr(voice, "id", None), "slot": slot,
+                        "host_ms": round(host_ms, 1), "builds": self.builds})
         return slot
+
+    def _count_start(self, key: bytes) -> None:
+        """One more stream of the voice ``key`` started (its first chunk is in a batch)."""
+        self._started[key] = self._started.pop(key, 0) + 1
+        while len(self._started) > PREFIX_COUNTED_VOICES:
+            self._started.popitem(last=False)
 
     @torch.inference_mode()
     def _build(self, slot: int, voice: Voice) -> bool:
