@@ -225,6 +225,64 @@ def test_engine_prompt_prefixes_equal_full_recomputation(monkeypatch):
         assert rel_l2(torch.from_numpy(got[k]), torch.from_numpy(ref[k])) <= WAVE_TOL
 
 
+def test_engine_prebuilds_known_voices_prefixes(monkeypatch):
+    """``prebuild_prompt_prefixes`` (a server's known voices at start-up): the engine thread builds them before
+    its next step, so the first stream of such a voice starts its later chunks from the prefix without a build
+    of its own (one stream: a voice not prebuilt would get none), with the audio of the engine without caches;
+    a second prebuild of the same voice builds nothing; with prefix mode off nothing is queued."""
+    from cosyserve.engine.core import EngineConfig
+    from test_flow_stream_cache import _engine_setup
+
+    syn, voice, texts, _ = _engine_setup(monkeypatch)
+    engine = syn.new_engine(EngineConfig(max_active=2, flow_stream_cache="prefix"))
+    try:
+        pp = engine.t2w.prefix_pool
+        assert engine.prebuild_prompt_prefixes([voice, voice]) and engine.has_work()
+        engine.step()
+        assert pp.builds == 1 and not engine.has_work()
+        assert engine.prebuild_prompt_prefixes([voice])
+        engine.step()
+        assert pp.builds == 1  # already there
+    finally:
+        engine.close()
+    off = syn.new_engine(EngineConfig(max_active=2, flow_stream_cache=False))
+    try:
+        assert not off.prebuild_prompt_prefixes([voice]) and not off.has_work()
+    finally:
+        off.close()
+
+    calls = []
+    real = syn.models.flow.start_prefixed
+
+    def spy(inputs, pool, slots, starts, n_timesteps=None):
+        calls.append(list(starts))
+        return real(inputs, pool, slots, starts, n_timesteps)
+
+    monkeypatch.setattr(syn.models.flow, "start_prefixed", spy)
+    from cosyserve.engine.core import EngineCore
+
+    made = []
+    new_engine = syn.new_engine
+
+    def prebuilt(config, **kw):  # the engine _engine_audio makes, with the voice prebuilt as a server does
+        eng = new_engine(config, **kw)
+        assert eng.prebuild_prompt_prefixes([voice])
+        made.append(eng)
+        return eng
+
+    monkeypatch.setattr(syn, "new_engine", prebuilt)
+    engine, got = _engine_audio(syn, [voice], texts[:1], EngineConfig(max_active=2, flow_stream_cache="prefix"), 70)
+    assert isinstance(engine, EngineCore) and made == [engine]
+    pp = engine.t2w.prefix_pool
+    frames = syn.models.flow.prompt_prefix_frames(int(voice.flow_speech_token.numel()))
+    assert pp.builds == 1 and pp.hits >= 1 and pp.deferred == 0  # built before the stream, not by it
+    assert calls and calls[0] == [frames]  # even the first chunk started from the prefix
+    monkeypatch.setattr(syn, "new_engine", new_engine)
+    _, ref = _engine_audio(syn, [voice], texts[:1], EngineConfig(max_active=2, flow_stream_cache=False), 70)
+    assert got["r0"].shape == ref["r0"].shape
+    assert rel_l2(torch.from_numpy(got["r0"]), torch.from_numpy(ref["r0"])) <= WAVE_TOL
+
+
 def test_voice_prefix_pool_slots_are_shared_and_recycled(flow, prompt):
     """One slot, two voices: a batch's second voice runs without prefix (its slot is read by the first);
     the next batch of the second voice evicts the first; a stream's first chunk (token offset 0) uses a prefix
@@ -261,6 +319,11 @@ def test_voice_prefix_pool_slots_are_shared_and_recycled(flow, prompt):
     assert pp.assign([job(vb, offset=0)]) == ([0], [0]) and pp.assign([job(vb, offset=0)]) == ([0], [0])
     assert pp.assign([job(vb)]) == ([0], [fb]) and pp.builds == 2
     assert pp.assign([job(va)]) == ([0], [fa]) and pp.builds == 3
+    # prebuild (a server's known voices at start-up): into free slots only, the voice then counted as reused
+    p2 = VoicePrefixPool(flow, 2, 6 * chunk)
+    assert p2.prebuild([vs, va, vb, va]) == 2 and p2.builds == 2  # vs: no complete chunk; va once
+    assert p2.prebuild([voice(prompt[0], prompt[1], prompt[2] * 0.25)]) == 0  # no free slot left
+    assert p2.assign([job(va, offset=0), job(vb, offset=0)]) == ([0, 1], [fa, fb]) and p2.builds == 2
     assert pp.assign([job(vs), job(va, False), job(va, True, True), job(va, cache=object())]) == \
         ([0, 0, 0, 0], [0, 0, 0, 0])
     assert pp.nbytes() == pp.pool.nbytes() > 0

@@ -544,3 +544,21 @@ def test_queue_full_429_and_graceful_shutdown(tight):
     assert tight.proc.wait(timeout=60) == 0
     assert "Traceback" not in tight.logs()
     assert len(rest) % 2 == 0
+
+
+def test_prefix_mode_prebuilds_the_known_voices(tmp_path):
+    """``--flow-stream-cache prefix``: the server builds its known voices' prompt prefixes at start-up (the default
+    voice here), not while streams run, and streams of that voice start from it (no build of their own)."""
+    s = Server(tmp_path, "--flow-stream-cache", "prefix", "--max-active-streams", "2", "--min-token-text-ratio", "3",
+               "--max-token-text-ratio", "4")
+    try:
+        r = httpx.post(s.url + "/v1/audio/speech", json={"model": "tts-1", "voice": "default", "input": "你好，世界。",
+                                                         "response_format": "pcm", "stream_format": "audio"},
+                       timeout=120)
+        assert r.status_code == 200 and len(r.content) > 0, r.text
+        logs = s.logs()
+        line = next(x for x in logs.splitlines() if "voice prompt prefixes of" in x)
+        assert "prebuilt 1 voice prompt prefixes of 1 voices" in line, line
+        assert logs.count("flow prompt prefix built for voice") == 1  # the start-up build only
+    finally:
+        assert s.stop() == 0

@@ -169,6 +169,14 @@ class AsyncEngine:
         self._wake()
         return out
 
+    def prebuild_prompt_prefixes(self, voices: list) -> bool:
+        """:meth:`EngineCore.prebuild_prompt_prefixes <cosyserve.engine.core.EngineCore.prebuild_prompt_prefixes>`,
+        the engine thread woken to build them (False: prefix mode off, nothing queued)."""
+        queued = bool(getattr(self.core, "prebuild_prompt_prefixes", lambda v: False)(voices))
+        if queued:
+            self._wake()
+        return queued
+
     async def generate(self, req: EngineRequest) -> AsyncIterator[AudioChunk | RequestFinished]:
         """Submit ``req`` and yield its audio chunks, then its :class:`RequestFinished`.
 

@@ -733,6 +733,24 @@ class EngineCore:
         log.info("CosyVoice2 flow: voice prompt prefixes for %d voices (%d frames each, %.2f GB)",
                  config.flow_prefix_slots, self.t2w.prefix_pool.pool.max_frames, self.t2w.prefix_pool.nbytes() / 1e9)
 
+    def prebuild_prompt_prefixes(self, voices: list) -> bool:
+        """(Thread-safe.) With ``--flow-stream-cache prefix``: build the voice prompt prefixes of ``voices``
+        (:class:`~cosyserve.frontend.voice.Voice`, most likely used first; as many as the pool has free slots) on
+        the engine thread before its next step, so that the first streams of these voices do not pay the eager
+        build while others stream (:meth:`~cosyserve.engine.token2wav.VoicePrefixPool.prebuild`). For a server's
+        registered voices at start-up. Returns False (nothing queued) where the mode is off or the token2wav path
+        has no prompt prefixes."""
+        if getattr(self.t2w, "prefix_pool", None) is None or not voices:
+            return False
+        self._inbox.put(("prefixes", list(voices)))
+        return True
+
+    def _prebuild_prompt_prefixes(self, voices: list) -> None:
+        t0 = time.perf_counter()
+        built = self.t2w.prefix_pool.prebuild(voices)
+        log.info("prebuilt %d voice prompt prefixes of %d voices in %.2f s", built, len(voices),
+                 time.perf_counter() - t0, extra={"event": "prefix_prebuild", "built": built, "voices": len(voices)})
+
     def _set_hift_f0(self, models, config: EngineConfig) -> None:
         """``EngineConfig.hift_f0`` onto the vocoder: ``batched`` sets
         :attr:`~cosyserve.models.hift.HiFTGenerator.batched_f0` (the CosyVoice2 HiFT, which the DiT
@@ -1032,6 +1050,8 @@ class EngineCore:
                 self._observe_slack(cmd[1], delivered=True)
             elif cmd[0] == "admission":
                 self._apply_admission(cmd[1])
+            elif cmd[0] == "prefixes":
+                self._prebuild_prompt_prefixes(cmd[1])
             else:
                 _, rid, outcome = cmd
                 st = self._active.get(rid) or self._waiting.get(rid)

@@ -228,6 +228,25 @@ class VoicePrefixPool:
                         "host_ms": round(host_ms, 1), "builds": self.builds})
         return slot
 
+    def prebuild(self, voices: list) -> int:
+        """Build the prefixes of ``voices`` now (before serving: the builds are eager and would otherwise fall on
+        the engine thread while streams run), at most one per free slot, the first ones first; each counts as a
+        voice of several streams (a registered voice), so a later rebuild after eviction does not wait for two
+        more. Returns the number built (voices with a prefix already, or without a complete prompt chunk, are
+        skipped)."""
+        built = 0
+        for voice in voices:
+            key = PromptPrefixes.key(voice)
+            self._started[key] = max(self._started.pop(key, 0), PREFIX_MIN_STREAMS)
+            if key in self._slots or key in self._none:
+                continue
+            if len(self._slots) >= self.pool.slots:
+                break
+            before = self.builds
+            self._slot(voice, set(), build=True)
+            built += self.builds - before
+        return built
+
     def _count_start(self, key: bytes) -> None:
         """One more stream of the voice ``key`` started (its first chunk is in a batch)."""
         self._started[key] = self._started.pop(key, 0) + 1

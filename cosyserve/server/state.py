@@ -253,6 +253,8 @@ class ServerState:
             self.engine.start()
             if c.default_voice:
                 self.get_voice(c.default_voice)  # fail early on a misconfigured default voice
+            if not c.llm_only:  # --flow-stream-cache prefix: the known voices' prefixes now, not while streaming
+                self.engine.prebuild_prompt_prefixes(await asyncio.to_thread(self._prefix_voices))
             if c.warmup:
                 await self._warmup()
             frozen = freeze_startup_heap()
@@ -283,6 +285,23 @@ class ServerState:
         for vid in (self.voices.ids()[:limit] if self.voices is not None else []):
             try:
                 out.append(int(self.voices.get(vid).flow_speech_token.numel()))
+            except Exception:  # noqa: BLE001 - a corrupt voice file must not stop the server
+                continue
+        return out
+
+    def _prefix_voices(self, limit: int = 16) -> list[Voice]:
+        """The voices whose prompt prefixes are built at start-up (``--flow-stream-cache prefix``; the engine takes
+        as many as its pool has slots, in this order): the default voice, the model directory's speakers, then the
+        registered voices (unreadable files skipped), at most ``limit``."""
+        ids = ([self.config.default_voice] if self.config.default_voice else []) + list(self._builtin)
+        ids += self.voices.ids()[:limit] if self.voices is not None else []
+        out, seen = [], set()
+        for vid in ids:
+            if vid in seen or len(out) >= limit:
+                continue
+            seen.add(vid)
+            try:
+                out.append(self.get_voice(vid))
             except Exception:  # noqa: BLE001 - a corrupt voice file must not stop the server
                 continue
         return out
