@@ -112,6 +112,8 @@ for OREQ in ${OFFLINE_REQ:-3}; do
   stacks "offline at $OFFLINE_CLIENTS clients" "$S0"
 done
 grep -i "capacity estimate" "$OUTDIR/server.log" | tail -3
+# --flow-stream-cache prefix: the voices' prefixes built at start-up and while serving (eager, on the engine thread)
+grep -E "event=prefix_(pre)?build" "$OUTDIR/server.log" | cut -c1-220 | head -12
 grep -i "graphs\b.*captured\|captured .* graph buckets" "$OUTDIR/server.log" | tail -3
 # the device tool brings back at most 8 files: the plots go, the reports and logs stay
 rm -f "$OUTDIR"/*/bench.png
