@@ -169,6 +169,19 @@ def _engine_audio(syn, voices, texts, config, seed0: int):
     return engine, {k: np.concatenate(v) for k, v in chunks.items()}
 
 
+def _spy_prefix_starts(monkeypatch, flow) -> list:
+    """The list that collects, per ``flow.start_prefixed`` call (spied on), each row's prefix frames."""
+    calls = []
+    real = flow.start_prefixed
+
+    def spy(inputs, pool, slots, starts, n_timesteps=None):
+        calls.append(list(starts))
+        return real(inputs, pool, slots, starts, n_timesteps)
+
+    monkeypatch.setattr(flow, "start_prefixed", spy)
+    return calls
+
+
 def test_engine_prompt_prefixes_equal_full_recomputation(monkeypatch):
     """``flow_stream_cache="prefix"``: the non-final chunks of three streams of a voice start from its prefix
     (built once), no stream keeps a cache, and the audio equals the engine without caches."""
@@ -178,14 +191,7 @@ def test_engine_prompt_prefixes_equal_full_recomputation(monkeypatch):
     syn, voice, texts, _ = _engine_setup(monkeypatch)
     voices = [voice, voice, voice]
     texts3 = texts + ["One more sentence for the third stream."]
-    calls = []
-    real = syn.models.flow.start_prefixed
-
-    def spy(inputs, pool, slots, starts, n_timesteps=None):
-        calls.append(list(starts))
-        return real(inputs, pool, slots, starts, n_timesteps)
-
-    monkeypatch.setattr(syn.models.flow, "start_prefixed", spy)
+    calls = _spy_prefix_starts(monkeypatch, syn.models.flow)
     # what the capacity model is told: each batch's cost units are the flow input its jobs solved
     from cosyserve.engine.admission import CapacityEstimator
     from cosyserve.engine.token2wav import Token2Wav
@@ -251,14 +257,7 @@ def test_engine_prebuilds_known_voices_prefixes(monkeypatch):
     finally:
         off.close()
 
-    calls = []
-    real = syn.models.flow.start_prefixed
-
-    def spy(inputs, pool, slots, starts, n_timesteps=None):
-        calls.append(list(starts))
-        return real(inputs, pool, slots, starts, n_timesteps)
-
-    monkeypatch.setattr(syn.models.flow, "start_prefixed", spy)
+    calls = _spy_prefix_starts(monkeypatch, syn.models.flow)
     from cosyserve.engine.core import EngineCore
 
     made = []

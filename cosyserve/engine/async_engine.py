@@ -172,7 +172,7 @@ class AsyncEngine:
     def prebuild_prompt_prefixes(self, voices: list) -> bool:
         """:meth:`EngineCore.prebuild_prompt_prefixes <cosyserve.engine.core.EngineCore.prebuild_prompt_prefixes>`,
         the engine thread woken to build them (False: prefix mode off, nothing queued)."""
-        queued = bool(getattr(self.core, "prebuild_prompt_prefixes", lambda v: False)(voices))
+        queued = self.core.prebuild_prompt_prefixes(voices)
         if queued:
             self._wake()
         return queued

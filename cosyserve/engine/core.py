@@ -342,6 +342,9 @@ ADMISSION_HOLDS = ("capacity", "slack", "memory", "starting", "fixed", "max_acti
 ADMISSION_SETTINGS = {"mode": "admission", "target": "admission_target", "start_share": "admission_start_share",
                       "lm_alone": "admission_lm_alone", "start_cost": "admission_start_cost",
                       "slack_margin": "admission_slack_margin_s", "slack_recover": "admission_slack_recover_s"}
+#: the numeric ones among them, with what :meth:`EngineCore.set_admission`'s type error says they must be
+_NUMBER_SETTINGS = {"target": "a number in (0, 1]", "start_share": "a number in (0, 1]",
+                    "slack_margin": "a number of seconds >= 0", "slack_recover": "a number of seconds per stream > 0"}
 #: ``EngineConfig.hift_f0``: the CosyVoice2 HiFT's F0 item by item in float32 (bit-identical to a stream's F0
 #: run alone) or in one masked float64 pass per batch (:attr:`~cosyserve.models.hift.HiFTGenerator.batched_f0`)
 HIFT_F0_MODES = ("per-item", "batched")
@@ -841,12 +844,8 @@ class EngineCore:
                 raise InvalidInputError(f"unknown admission setting {key!r} (one of {', '.join(names)})", key)
             if key in ("lm_alone", "start_cost") and not isinstance(value, bool):
                 raise InvalidInputError(f"admission setting {key!r} must be true or false, got {value!r}", key)
-            if key in ("target", "start_share") and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise InvalidInputError(f"admission setting {key!r} must be a number in (0, 1], got {value!r}", key)
-            if key in ("slack_margin", "slack_recover") and (isinstance(value, bool)
-                                                             or not isinstance(value, (int, float))):
-                unit = "seconds >= 0" if key == "slack_margin" else "seconds per stream > 0"
-                raise InvalidInputError(f"admission setting {key!r} must be a number of {unit}, got {value!r}", key)
+            if key in _NUMBER_SETTINGS and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise InvalidInputError(f"admission setting {key!r} must be {_NUMBER_SETTINGS[key]}, got {value!r}", key)
             if key == "mode":
                 try:
                     value = AdmissionPolicy.parse(value)
