@@ -182,9 +182,12 @@ def _spy_prefix_starts(monkeypatch, flow) -> list:
     return calls
 
 
-def test_engine_prompt_prefixes_equal_full_recomputation(monkeypatch):
+@pytest.mark.parametrize("build", ["engine", "background"])
+def test_engine_prompt_prefixes_equal_full_recomputation(monkeypatch, build):
     """``flow_stream_cache="prefix"``: the non-final chunks of three streams of a voice start from its prefix
-    (built once), no stream keeps a cache, and the audio equals the engine without caches."""
+    (built once, on the engine thread or on the pool's worker thread), no stream keeps a cache, the capacity
+    model is told each batch's flow input less what the prefixes spared, and the audio equals the engine
+    without caches."""
     from cosyserve.engine.core import EngineConfig
     from test_flow_stream_cache import _engine_setup
 
@@ -215,16 +218,22 @@ def test_engine_prompt_prefixes_equal_full_recomputation(monkeypatch):
     monkeypatch.setattr(Token2Wav, "launch", spy_launch)
     monkeypatch.setattr(Token2Wav, "finish", spy_finish)
     monkeypatch.setattr(CapacityEstimator, "observe_t2w", spy_observe)
-    engine, got = _engine_audio(syn, voices, texts3, EngineConfig(max_active=3, max_queue=4,
-                                                                  flow_stream_cache="prefix"), 60)
+    engine, got = _engine_audio(syn, voices, texts3, EngineConfig(max_active=3, max_queue=4, flow_stream_cache="prefix",
+                                                                  flow_prefix_build=build), 60)
     frames = syn.models.flow.prompt_prefix_frames(int(voice.flow_speech_token.numel()))
     pp = engine.t2w.prefix_pool
-    assert pp is not None and pp.builds == 1 and pp.hits >= 2 and not engine._flow_stream_cache
-    assert calls and all(s in (0, frames) for c in calls for s in c) and sum(s > 0 for c in calls for s in c) >= 3
+    assert pp is not None and pp.background == (build == "background") and not engine._flow_stream_cache
+    assert calls and all(s in (0, frames) for c in calls for s in c)
     ratio = syn.models.flow.token_mel_ratio
     assert sorted(n for b in saved for n in b if n) == sorted([frames // ratio] * sum(s > 0 for c in calls for s in c))
     assert costs == [i - sum(b) for i, b in zip(inputs, saved)]  # flow input less what the prefixes spared
-    assert engine.capacity_model.start_cost_ratio < 1  # the first chunks, from a prefix, solve few frames
+    if build == "engine":  # built inline at the first later chunk after two starts: every later chunk reads it
+        assert pp.builds == 1 and pp.hits >= 2 and sum(s > 0 for c in calls for s in c) >= 3
+        assert engine.capacity_model.start_cost_ratio < 1  # the first chunks, from a prefix, solve few frames
+    else:  # the same build, on the worker thread; the chunks run whole until a batch finds it done
+        pp.wait_builds(60)
+        pp.assign([])
+        assert pp.builds == 1 and pp.building >= 1 and not pp._pending
     _, ref = _engine_audio(syn, voices, texts3, EngineConfig(max_active=3, max_queue=4, flow_stream_cache=False), 60)
     for k in ref:
         assert got[k].shape == ref[k].shape
@@ -330,6 +339,75 @@ def test_voice_prefix_pool_slots_are_shared_and_recycled(flow, prompt):
 
     with pytest.raises(SettingsError, match="at least one chunk"):  # a CosyServeError: a one-line CLI message
         VoicePrefixPool(flow, 1, chunk - 1)
+
+
+def test_voice_prefix_pool_builds_on_a_worker_thread(flow, prompt, caplog):
+    """``background=True``: a later chunk that needs its voice's prefix starts the build on the pool's worker
+    thread and runs without prefix (as do the voice's chunks while it runs); the next batch after it is done
+    reads the prefix — the same as an inline build's. One build at a time, into a reserved slot (with one slot
+    the evicted voice gets none meanwhile); a build that raises is logged and leaves its voice without prefix,
+    other voices unharmed."""
+    import threading
+    from types import SimpleNamespace
+
+    from cosyserve.engine.token2wav import VoicePrefixPool
+
+    chunk = flow.decoder.estimator.cfg.static_chunk_size
+    n_b = prompt[0].shape[1] - chunk // flow.token_mel_ratio
+
+    def voice(tok, feat, emb):
+        return SimpleNamespace(flow_speech_token=tok[0], speech_feat=feat, flow_embedding=emb[0])
+
+    def job(v, offset=15):
+        return SimpleNamespace(voice=v, streaming=True, finalize=False, flow_cache=None, token_offset=offset)
+
+    va = voice(*prompt)
+    vb = voice(prompt[0][:, :n_b], prompt[1][:, : flow.token_mel_ratio * n_b], prompt[2] * 0.5)
+    vc = voice(prompt[0], prompt[1], prompt[2] * 0.25)
+    fa, fb = (flow.prompt_prefix_frames(int(v.flow_speech_token.numel())) for v in (va, vb))
+    inline = VoicePrefixPool(flow, 1, 6 * chunk)
+    inline.prebuild([va])
+    pp = VoicePrefixPool(flow, 1, 6 * chunk, background=True)
+    pp.build_duty = 1.0  # (the next build may start as soon as one is done)
+    gate, threads = threading.Event(), []
+    build = pp._build
+
+    def gated(slot, v):
+        threads.append(threading.current_thread().name)
+        assert gate.wait(30)
+        if v is vc:
+            raise RuntimeError("device fault")
+        return build(slot, v)
+
+    pp._build = gated
+    try:
+        for v in (va, vb, vc):
+            assert pp.assign([job(v, 0), job(v, 0)]) == ([0, 0], [0, 0])  # two streams of each started
+        assert pp.assign([job(va)]) == ([0], [0]) and pp.builds == 0 and pp.building == 1  # build started
+        assert pp.assign([job(va), job(vb)]) == ([0, 0], [0, 0]) and pp.building == 3  # va under way, vb waits
+        gate.set()
+        pp.wait_builds(60)
+        assert pp.assign([job(va)]) == ([0], [fa]) and pp.builds == 1 and threads == ["cosyserve-prefix_0"]
+        for name in ("keys", "values", "contexts"):
+            assert torch.equal(getattr(pp.pool, name)[0], getattr(inline.pool, name)[0])
+        assert pp.assign([job(vb)]) == ([0], [0]) and pp.builds == 1  # evicts va (one slot), builds vb
+        assert pp.assign([job(va)]) == ([0], [0])  # va's slot is vb's now, its build under way
+        pp.wait_builds(60)
+        assert pp.assign([job(vb)]) == ([0], [fb]) and pp.builds == 2
+        assert pp.assign([job(vc)]) == ([0], [0])  # evicts vb; this build raises
+        pp.wait_builds(60)
+        with caplog.at_level("WARNING", logger="cosyserve.engine.token2wav"):
+            assert pp.assign([job(vc)]) == ([0], [0]) and pp.builds == 2
+        assert "build for voice ? failed (RuntimeError: device fault)" in caplog.text
+        assert pp.assign([job(vc)]) == ([0], [0]) and not pp._pending  # never tried again
+        assert pp.assign([job(va)]) == ([0], [0])  # va builds again into the free slot ...
+        pp.wait_builds(60)
+        pp.build_duty = 1e-9  # builds may take a negligible share of the time: the next waits (for ever here)
+        assert pp.assign([job(va)]) == ([0], [fa]) and pp.builds == 3  # ... and is read
+        assert pp.assign([job(vb)]) == ([0], [0]) and not pp._pending
+    finally:
+        gate.set()
+        pp.close()
 
 
 def test_cli_prefix_flag():

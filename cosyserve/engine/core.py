@@ -212,7 +212,9 @@ class EngineConfig:
     ``True``/``False``: on/off (``--flow-stream-cache``); ``"prefix"``: no per-stream caches, but every
     non-final streaming chunk of the CosyVoice2 U-Net starts from its voice's prompt prefix, kept for
     ``flow_prefix_slots`` voices in a device pool allocated at start
-    (:class:`~cosyserve.engine.token2wav.VoicePrefixPool`; fixed shapes, for CUDA graphs);
+    (:class:`~cosyserve.engine.token2wav.VoicePrefixPool`; fixed shapes, for CUDA graphs), a prefix needed while
+    serving built on a worker thread of its own (``flow_prefix_build="background"``, default) or on the engine
+    thread (``"engine"``: every stream waits for the eager build);
     ``flow_stream_cache_frames``: at most this
     many mel frames cached per stream (None: the segment's length bounds it; 2.2 MiB per frame at
     full size in bf16 for CosyVoice2, whose later frames are then recomputed every chunk; 1.8 MB
@@ -268,6 +270,7 @@ class EngineConfig:
     flow_stream_cache: bool | str | None = None
     flow_stream_cache_frames: int | None = None
     flow_prefix_slots: int = 4
+    flow_prefix_build: str = "background"
     stream_chunk_policy: str | None = None
     stream_prompt_s: tuple[float, float] = (2.0, 10.0)
     dit_graph_memory: float = 0.25
@@ -303,6 +306,8 @@ class EngineConfig:
             if not ok]
         if bad:
             raise ValueError(f"invalid engine limits: need {', '.join(bad)}")
+        if self.flow_prefix_build not in ("background", "engine"):
+            raise ValueError(f"flow_prefix_build must be 'background' or 'engine', got {self.flow_prefix_build!r}")
         if self.hift_f0 not in HIFT_F0_MODES:
             raise ValueError(f"hift_f0 must be one of {', '.join(HIFT_F0_MODES)}, got {self.hift_f0!r}")
         if self.graph_capture not in GRAPH_CAPTURE_MODES:
@@ -732,7 +737,8 @@ class EngineCore:
         """``--flow-stream-cache prefix``: the voices' prompt prefix pool on the token2wav backend (once)."""
         if getattr(self.t2w, "prefix_pool", None) is not None:
             return
-        self.t2w.enable_prompt_prefixes(config.flow_prefix_slots, config.flow_stream_cache_frames or FLOW_PREFIX_FRAMES)
+        self.t2w.enable_prompt_prefixes(config.flow_prefix_slots, config.flow_stream_cache_frames or FLOW_PREFIX_FRAMES,
+                                        background=config.flow_prefix_build == "background")
         log.info("CosyVoice2 flow: voice prompt prefixes for %d voices (%d frames each, %.2f GB)",
                  config.flow_prefix_slots, self.t2w.prefix_pool.pool.max_frames, self.t2w.prefix_pool.nbytes() / 1e9)
 
@@ -889,6 +895,8 @@ class EngineCore:
             self.graph_capturer.stop(timeout=60)
         if self._worker is not None:
             self._worker.close()
+        if getattr(self.t2w, "prefix_pool", None) is not None:
+            self.t2w.prefix_pool.close()
 
     def has_work(self) -> bool:
         return bool(self._active or self._waiting or self._inflight is not None or self._lm_pending

@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 PREFIX_MIN_STREAMS = 2
 #: voices whose started streams :class:`VoicePrefixPool` counts (least recently started out)
 PREFIX_COUNTED_VOICES = 1024
+#: the share of wall time :class:`VoicePrefixPool`'s background builds may take (after a build of ``h`` seconds the
+#: next starts ``h * (1 / share - 1)`` later at the earliest): more voices in use than slots must not keep the worker
+#: thread building (and taking the GIL from the engine thread) all the time
+PREFIX_BUILD_DUTY = 0.25
 
 
 @dataclass
@@ -149,10 +153,21 @@ class VoicePrefixPool:
     which delays every stream's next batch, and a voice of one stream (a per-request prompt) would pay it for
     nothing. Keyed by the voice's content (:meth:`PromptPrefixes.key`), so a prompt sent again counts as
     the same voice. Each build is logged (``event=prefix_build``, its host milliseconds).
-    Counters: :attr:`hits`, :attr:`builds`, :attr:`deferred` (later chunks that could have built a prefix but
-    whose voice had too few streams). Not thread-safe (the engine thread launches the batches)."""
 
-    def __init__(self, flow, slots: int, max_frames: int):
+    ``background=True`` (the engine's default, ``EngineConfig.flow_prefix_build``): a build needed while serving
+    runs on a worker thread of its own (on CUDA on a CUDA stream of its own, after the work already issued on
+    the caller's stream, so a batch launched earlier still reads the evicted voice's slot intact) instead of
+    holding the engine thread for the eager solve (683-942 ms host time at full size on an H200, session 39);
+    the voice's chunks run without prefix until :meth:`assign` finds the build done (then the caller's stream
+    waits for the build's device work before any batch reads the slot). One build at a time; its slot is
+    reserved (no other voice's build or batch uses it meanwhile), and builds take at most ``build_duty`` of the
+    wall time (:data:`PREFIX_BUILD_DUTY`). A build that raises is logged and leaves the voice without prefix.
+    :meth:`prebuild` always builds on the calling thread (before serving).
+    Counters: :attr:`hits`, :attr:`builds`, :attr:`deferred` (later chunks that could have built a prefix but
+    whose voice had too few streams), :attr:`building` (chunks whose voice's build was under way).
+    Not thread-safe (the engine thread launches the batches; the worker only fills its reserved slot)."""
+
+    def __init__(self, flow, slots: int, max_frames: int, background: bool = False):
         from ..models.flow_prefix import PrefixPool
 
         chunk = flow.decoder.estimator.cfg.static_chunk_size
@@ -164,7 +179,29 @@ class VoicePrefixPool:
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # voice key -> slot, least recently used first
         self._none: set[bytes] = set()  # voices whose prompt has no complete chunk: no prefix
         self._started: OrderedDict[bytes, int] = OrderedDict()  # voice key -> its streams started (first chunks)
-        self.hits = self.builds = self.deferred = 0
+        self.hits = self.builds = self.deferred = self.building = 0
+        self.background = bool(background)
+        self.build_duty = PREFIX_BUILD_DUTY
+        self._next_build = 0.0  # time.monotonic() before which no background build starts (build_duty)
+        self._worker = None  # concurrent.futures executor of the background builds (made at the first one)
+        self._stream = None  # their CUDA stream
+        self._pending: dict[bytes, tuple] = {}  # voice key -> (slot, voice id, future) of a build under way
+        self._worker_s = 0.0  # host seconds of the last background build
+
+    def close(self) -> None:
+        """Stop the background worker (a build under way finishes; one not started is dropped)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=False, cancel_futures=True)
+            self._worker = None
+
+    def wait_builds(self, timeout: float | None = None) -> None:
+        """Block until the background builds under way are done, at most ``timeout`` seconds (for tests); the
+        next :meth:`assign` then takes them in."""
+        import concurrent.futures
+
+        futures = [f for _, _, f in self._pending.values()]
+        if futures:
+            concurrent.futures.wait(futures, timeout=timeout)
 
     def nbytes(self) -> int:
         """Device bytes of the pool (allocated up front)."""
@@ -173,8 +210,12 @@ class VoicePrefixPool:
     def assign(self, jobs: list) -> tuple[list[int], list[int]]:
         """Per job ``(slot, start)``: the prefix slot and its frames for a non-final streaming job without
         a stream cache whose voice has (or now gets) a prefix, else ``(0, 0)``. Builds missing prefixes
-        (eagerly, on the current CUDA stream) for jobs past their stream's first chunk only."""
+        for jobs past their stream's first chunk only: eagerly on the current CUDA stream, or with
+        ``background`` started on the worker thread (the job then runs without prefix) and taken in by a
+        later call."""
         slots, starts, used = [], [], set()
+        if self._pending:
+            self._collect()
         prefixed = [job.streaming and not job.finalize and job.flow_cache is None for job in jobs]
         for job, ok in zip(jobs, prefixed):  # this batch's first chunks count before its later chunks build
             if ok and job.token_offset == 0:
@@ -192,7 +233,7 @@ class VoicePrefixPool:
                 starts.append(self.pool.frames[slot])
         return slots, starts
 
-    def _slot(self, voice: Voice, used: set, build: bool = True) -> int | None:
+    def _slot(self, voice: Voice, used: set, build: bool = True, inline: bool = False) -> int | None:
         key = PromptPrefixes.key(voice)
         if key in self._none:
             return None
@@ -203,10 +244,17 @@ class VoicePrefixPool:
             return slot
         if not build:
             return None
+        if key in self._pending:
+            self.building += 1
+            return None
         if self._started.get(key, 0) < PREFIX_MIN_STREAMS:
             self.deferred += 1
             return None
-        taken = set(self._slots.values())
+        background = self.background and not inline
+        if background and (self._pending or time.monotonic() < self._next_build):
+            self.building += 1  # one build at a time, build_duty of the time: this voice's turn comes later
+            return None
+        taken = set(self._slots.values()) | {s for s, _, _ in self._pending.values()}
         free = [s for s in range(self.pool.slots) if s not in taken]
         if free:
             slot = free[0]
@@ -215,18 +263,82 @@ class VoicePrefixPool:
             if victim is None:
                 return None
             slot = self._slots.pop(victim)
+        if background:
+            self._submit(key, slot, voice)
+            self.building += 1
+            return None
         t0 = time.perf_counter()
         if not self._build(slot, voice):
             self._none.add(key)
             return None
+        self._built(key, slot, getattr(voice, "id", None), (time.perf_counter() - t0) * 1e3, "the engine thread")
+        return slot
+
+    def _built(self, key: bytes, slot: int, voice_id, host_ms: float, where: str) -> None:
         self._slots[key] = slot
         self.builds += 1
-        host_ms = (time.perf_counter() - t0) * 1e3
-        log.info("flow prompt prefix built for voice %s in slot %d: %.0f ms on the engine thread (eager; %d builds)",
-                 getattr(voice, "id", "?"), slot, host_ms, self.builds,
-                 extra={"event": "prefix_build", "voice": getattr(voice, "id", None), "slot": slot,
-                        "host_ms": round(host_ms, 1), "builds": self.builds})
-        return slot
+        log.info("flow prompt prefix built for voice %s in slot %d: %.0f ms on %s (eager; %d builds)",
+                 voice_id or "?", slot, host_ms, where, self.builds,
+                 extra={"event": "prefix_build", "voice": voice_id, "slot": slot, "host_ms": round(host_ms, 1),
+                        "builds": self.builds, "background": where != "the engine thread"})
+
+    def _submit(self, key: bytes, slot: int, voice: Voice) -> None:
+        """Start the build of ``voice``'s prefix into the reserved ``slot`` on the worker thread, after the
+        work issued so far on the current CUDA stream (batches that may still read the slot's old voice: the
+        engine keeps one token2wav batch in flight and launches the next only once it is done, so every batch
+        that read the slot has been issued by now)."""
+        import concurrent.futures
+
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cosyserve-prefix")
+        after = None
+        device = self.pool.keys.device
+        if device.type == "cuda":
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=device)
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(device))
+        self._pending[key] = (slot, getattr(voice, "id", None), self._worker.submit(self._build_on_worker, slot,
+                                                                                     voice, after))
+
+    def _build_on_worker(self, slot: int, voice: Voice, after) -> tuple[bool, object, float]:
+        """(Worker thread.) :meth:`_build` on the pool's own CUDA stream once ``after`` (an event of the
+        caller's stream) has passed; returns (built, an event recorded after it or None, host ms)."""
+        t0 = time.perf_counter()
+        try:
+            if self._stream is None:
+                return self._build(slot, voice), None, (time.perf_counter() - t0) * 1e3
+            with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream):
+                self._stream.wait_event(after)
+                ok = self._build(slot, voice)
+                done = torch.cuda.Event()
+                done.record(self._stream)
+            return ok, done, (time.perf_counter() - t0) * 1e3
+        finally:
+            self._worker_s = time.perf_counter() - t0  # (read by _collect once the future is done)
+
+    def _collect(self) -> None:
+        """Take in the background builds that are done: their voices get their slots (the current CUDA stream
+        waits for the build's device work); a failed build leaves its voice without prefix, its slot free."""
+        for key, (slot, voice_id, future) in list(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[key]
+            self._next_build = time.monotonic() + self._worker_s * (1 / self.build_duty - 1)
+            try:
+                ok, done, host_ms = future.result()
+            except Exception as exc:  # a prefix only saves work: serve the voice without one
+                log.warning("flow prompt prefix build for voice %s failed (%s: %s); its streams run without prefix",
+                            voice_id or "?", type(exc).__name__, exc,
+                            extra={"event": "prefix_build_failed", "voice": voice_id})
+                self._none.add(key)  # (its slot is free again: the next build, on the same stream, overwrites it)
+                continue
+            if not ok:
+                self._none.add(key)
+                continue
+            if done is not None:
+                torch.cuda.current_stream(self._stream.device).wait_event(done)
+            self._built(key, slot, voice_id, host_ms, "a worker thread")
 
     def prebuild(self, voices: list) -> int:
         """Build the prefixes of ``voices`` now (before serving: the builds are eager and would otherwise fall on
@@ -240,10 +352,10 @@ class VoicePrefixPool:
             self._started[key] = max(self._started.pop(key, 0), PREFIX_MIN_STREAMS)
             if key in self._slots or key in self._none:
                 continue
-            if len(self._slots) >= self.pool.slots:
+            if len(self._slots) + len(self._pending) >= self.pool.slots:
                 break
             before = self.builds
-            self._slot(voice, set(), build=True)
+            self._slot(voice, set(), build=True, inline=True)
             built += self.builds - before
         return built
 
@@ -366,14 +478,15 @@ class Token2Wav(Token2WavBackend):
         CosyVoice3 backend, whose own flow caches :attr:`supports_flow_cache` reports)."""
         return bool(getattr(self.flow, "supports_stream_cache", False))
 
-    def enable_prompt_prefixes(self, slots: int, max_frames: int) -> None:
+    def enable_prompt_prefixes(self, slots: int, max_frames: int, background: bool = False) -> None:
         """Non-final streaming jobs start from their voice's prompt prefix, kept for ``slots`` voices of at
         most ``max_frames`` frames each in a device pool allocated now (:class:`VoicePrefixPool`; the
-        engine's ``--flow-stream-cache prefix``). Raises SettingsError (a ValueError) where the flow cannot
+        engine's ``--flow-stream-cache prefix``); ``background``: prefixes needed while serving are built on a
+        worker thread (:class:`VoicePrefixPool`). Raises SettingsError (a ValueError) where the flow cannot
         (:attr:`supports_prompt_prefixes`, no chunk-causal streaming) or for sizes below one chunk."""
         if not self.supports_prompt_prefixes:
             raise SettingsError("--flow-stream-cache prefix needs a one-level U-Net flow estimator (CosyVoice2)")
-        self.prefix_pool = VoicePrefixPool(self.flow, slots, max_frames)
+        self.prefix_pool = VoicePrefixPool(self.flow, slots, max_frames, background=background)
 
     @property
     def supports_flow_cache(self) -> bool:
