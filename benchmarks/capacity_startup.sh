@@ -11,6 +11,8 @@
 # default exponential for unet, the DiT path's own default (15 tokens, then 25-token hops) for dit; ONE_STREAM=N: first
 # N requests from one client after the warm-up, the first-chunk table at 1 stream; CAPACITY_LEVELS= (empty) skips the
 # capacity search; STREAM_CLIENTS=N[,M..]: plain streaming levels of N (M, ..) clients x 3 requests;
+# STREAM_VOICE: the voice of the STREAM_CLIENTS levels (default `default`; empty: each item's own prompt audio, sent
+# with every request, e.g. to exercise --flow-stream-cache prefix builds while serving);
 # SAMPLE_STACKS=1: the scheduler thread's stacks per level, benchmarks/stack_sampler.py; PLAYBACK=1: the capacity and
 # streaming levels' clients listen, `bench --playback`: each plays its streams in real time and sends the next request
 # when the audio has played, so N clients are N concurrent real-time streams; MIN_REQ: requests per client per
@@ -65,9 +67,11 @@ if [ -n "${ONE_STREAM:-}" ]; then
     --concurrency 1 --requests-per-level "$ONE_STREAM" --warmup 2 --out "$OUTDIR/one" 2>&1 | grep -A3 "^| clients"
 fi
 if [ -n "${STREAM_CLIENTS:-}" ]; then
-  echo "== streaming: $STREAM_CLIENTS clients x 3 requests (ramp ${RAMP_S:-0} s)"
+  SVOICE=${STREAM_VOICE-default}
+  echo "== streaming: $STREAM_CLIENTS clients x 3 requests (ramp ${RAMP_S:-0} s), voice ${SVOICE:-per item}"
   S0=$(since)
-  $CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default \
+  $CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress \
+    ${SVOICE:+--voice "$SVOICE"} \
     --concurrency "$STREAM_CLIENTS" --min-requests-per-client 3 --ramp-s "${RAMP_S:-0}" --warmup 0 $LISTEN \
     --out "$OUTDIR/stream" 2>&1 | grep -A8 "^| clients"
   stacks "streaming at $STREAM_CLIENTS clients" "$S0"
@@ -114,6 +118,8 @@ done
 grep -i "capacity estimate" "$OUTDIR/server.log" | tail -3
 # --flow-stream-cache prefix: the voices' prefixes built at start-up and while serving (eager, on the engine thread)
 grep -E "event=prefix_(pre)?build" "$OUTDIR/server.log" | cut -c1-220 | head -12
+grep -c "event=prefix_build " "$OUTDIR/server.log" | sed 's/^/prefix builds in all: /'
+grep -E "event=prefix_build_failed" "$OUTDIR/server.log" | cut -c1-220 | head -3
 grep -i "graphs\b.*captured\|captured .* graph buckets" "$OUTDIR/server.log" | tail -3
 # the device tool brings back at most 8 files: the plots go, the reports and logs stay
 rm -f "$OUTDIR"/*/bench.png
