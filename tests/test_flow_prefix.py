@@ -524,3 +524,50 @@ def test_cuda_graphed_prefix_flow(flow, prompt, dtype):
         assert rel_l2(g.cpu(), e.cpu()) <= SELF_TOL and torch.equal(g.cpu(), a.cpu())
         full = _run(model, [tok], voice, [not final], [final])[0]
         assert rel_l2(g.cpu(), full.cpu()) <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_background_build_is_ordered_with_the_callers_stream(flow, prompt):
+    """On CUDA a background build (the pool's worker thread and CUDA stream) starts only after the work the
+    caller's stream had issued when the build was asked for — here a long sleep, then NaNs written into the slot
+    the build fills (a batch still reading the evicted voice's slot would be such work) — and a batch issued on
+    the caller's stream right after :meth:`VoicePrefixPool.assign` took the build in reads the finished prefix:
+    the slot equals an inline build's and the prefixed solve equals one from the inline pool."""
+    import copy
+    from types import SimpleNamespace
+
+    from cosyserve.engine.token2wav import VoicePrefixPool
+
+    model = copy.deepcopy(flow).to("cuda", torch.float32)
+    chunk = model.decoder.estimator.cfg.static_chunk_size
+    voice = SimpleNamespace(flow_speech_token=prompt[0][0], speech_feat=prompt[1], flow_embedding=prompt[2][0])
+
+    def job(offset=15):
+        return SimpleNamespace(voice=voice, streaming=True, finalize=False, flow_cache=None, token_offset=offset)
+
+    inline = VoicePrefixPool(model, 1, 6 * chunk)
+    assert inline.prebuild([voice]) == 1
+    pp = VoicePrefixPool(model, 1, 6 * chunk, background=True)
+    pp.build_duty = 1.0
+    side = torch.cuda.Stream()
+    try:
+        with torch.cuda.stream(side):
+            assert pp.assign([job(0), job(0)]) == ([0, 0], [0, 0])
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the caller's stream
+            for t in (pp.pool.keys, pp.pool.values, pp.pool.contexts):
+                t[0].fill_(float("nan"))
+            assert pp.assign([job()]) == ([0], [0]) and pp._pending  # the build starts on the worker
+            pp.wait_builds(120)  # (its work issued; the device may still run it)
+            slots, starts = pp.assign([job()])
+            frames = inline.pool.frames[0]
+            assert (slots, starts) == ([0], [frames]) and pp.builds == 1
+            items = [(_long_stream(model, 40, 31), prompt, False, 0, frames)]
+            got = _prefixed(model, pp.pool, items)[0]  # issued at once on the caller's stream
+        side.synchronize()
+        for name in ("keys", "values", "contexts"):
+            a, b = getattr(pp.pool, name)[0], getattr(inline.pool, name)[0]
+            assert not torch.isnan(a).any() and rel_l2(a.cpu(), b.cpu()) <= SELF_TOL, name
+        assert rel_l2(got.cpu(), _prefixed(model, inline.pool, items)[0].cpu()) <= SELF_TOL
+    finally:
+        pp.close()

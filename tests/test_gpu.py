@@ -339,23 +339,29 @@ def _engine_tokens(m, audio: bool = False, on_start=None, on_done=None, stream: 
     return done, states
 
 
-def test_engine_prompt_prefix_graphs_same_audio(yaml_dir):
+@pytest.mark.parametrize("prefix_build", ["engine", "background"])
+def test_engine_prompt_prefix_graphs_same_audio(yaml_dir, prefix_build):
     """``--flow-stream-cache prefix`` on CUDA (float32): three streams of one voice through the engine with
     every graph captured at start, the non-final chunks through the prefix graphs (the voice's prefix built
-    once), give the tokens and audio of the engine without stream caches."""
+    once, on the engine thread or on the pool's worker thread and CUDA stream), give the tokens and audio of
+    the engine without stream caches."""
     m = build(yaml_dir, torch.float32)
     seen = {}
 
     def done(eng):
-        pg = m.flow.prefix_graph
-        seen.update(builds=eng.t2w.prefix_pool.builds, hits=eng.t2w.prefix_pool.hits,
+        pg, pp = m.flow.prefix_graph, eng.t2w.prefix_pool
+        seen.update(builds=pp.builds, hits=pp.hits, pending=len(pp._pending),
                     graphs=(pg.encoder.n_graphs, pg.solver.n_graphs), misses=sum(pg.solver.misses.values()))
 
     # 80-96 tokens per stream: non-final chunks after the first (which never waits for a prefix build)
     got = _engine_tokens(m, audio=True, stream=True, ratio=8, on_done=done, graph_capture="startup",
-                         flow_stream_cache="prefix")[0]
+                         flow_stream_cache="prefix", flow_prefix_build=prefix_build)[0]
     ref = _engine_tokens(m, audio=True, stream=True, ratio=8, graph_capture="startup", flow_stream_cache=False)[0]
-    assert seen["builds"] == 1 and seen["hits"] >= 2 and min(seen["graphs"]) > 1 and seen["misses"] == 0, seen
+    assert min(seen["graphs"]) > 1 and seen["misses"] == 0, seen
+    if prefix_build == "engine":
+        assert seen["builds"] == 1 and seen["hits"] >= 2, seen
+    else:  # the same build on the worker; the chunks it finished in time read it (ordering: test_flow_prefix.py)
+        assert seen["builds"] + seen["pending"] == 1, seen
     assert got.keys() == ref.keys()
     for rid, (tokens, wav) in got.items():
         assert tokens == ref[rid][0] and wav.shape == ref[rid][1].shape and wav.size > 0
