@@ -186,7 +186,6 @@ class VoicePrefixPool:
         self._worker = None  # concurrent.futures executor of the background builds (made at the first one)
         self._stream = None  # their CUDA stream
         self._pending: dict[bytes, tuple] = {}  # voice key -> (slot, voice id, future) of a build under way
-        self._worker_s = 0.0  # host seconds of the last background build
 
     def close(self) -> None:
         """Stop the background worker (a build under way finishes; one not started is dropped)."""
@@ -271,16 +270,16 @@ class VoicePrefixPool:
         if not self._build(slot, voice):
             self._none.add(key)
             return None
-        self._built(key, slot, getattr(voice, "id", None), (time.perf_counter() - t0) * 1e3, "the engine thread")
+        self._built(key, slot, getattr(voice, "id", None), (time.perf_counter() - t0) * 1e3, background=False)
         return slot
 
-    def _built(self, key: bytes, slot: int, voice_id, host_ms: float, where: str) -> None:
+    def _built(self, key: bytes, slot: int, voice_id, host_ms: float, background: bool) -> None:
         self._slots[key] = slot
         self.builds += 1
         log.info("flow prompt prefix built for voice %s in slot %d: %.0f ms on %s (eager; %d builds)",
-                 voice_id or "?", slot, host_ms, where, self.builds,
-                 extra={"event": "prefix_build", "voice": voice_id, "slot": slot, "host_ms": round(host_ms, 1),
-                        "builds": self.builds, "background": where != "the engine thread"})
+                 voice_id or "?", slot, host_ms, "a worker thread" if background else "the engine thread",
+                 self.builds, extra={"event": "prefix_build", "voice": voice_id, "slot": slot,
+                                     "host_ms": round(host_ms, 1), "builds": self.builds, "background": background})
 
     def _submit(self, key: bytes, slot: int, voice: Voice) -> None:
         """Start the build of ``voice``'s prefix into the reserved ``slot`` on the worker thread, after the
@@ -301,21 +300,24 @@ class VoicePrefixPool:
         self._pending[key] = (slot, getattr(voice, "id", None), self._worker.submit(self._build_on_worker, slot,
                                                                                      voice, after))
 
-    def _build_on_worker(self, slot: int, voice: Voice, after) -> tuple[bool, object, float]:
+    def _build_on_worker(self, slot: int, voice: Voice, after) -> tuple[bool, object, float, Exception | None]:
         """(Worker thread.) :meth:`_build` on the pool's own CUDA stream once ``after`` (an event of the
-        caller's stream) has passed; returns (built, an event recorded after it or None, host ms)."""
+        caller's stream) has passed; returns (built, an event recorded after it or None, host ms, the exception
+        the build raised or None)."""
         t0 = time.perf_counter()
+        ok, done, error = False, None, None
         try:
             if self._stream is None:
-                return self._build(slot, voice), None, (time.perf_counter() - t0) * 1e3
-            with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream):
-                self._stream.wait_event(after)
                 ok = self._build(slot, voice)
-                done = torch.cuda.Event()
-                done.record(self._stream)
-            return ok, done, (time.perf_counter() - t0) * 1e3
-        finally:
-            self._worker_s = time.perf_counter() - t0  # (read by _collect once the future is done)
+            else:
+                with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream):
+                    self._stream.wait_event(after)
+                    ok = self._build(slot, voice)
+                    done = torch.cuda.Event()
+                    done.record(self._stream)
+        except Exception as exc:  # noqa: BLE001 - reported by _collect: the voice then runs without prefix
+            error = exc
+        return ok, done, (time.perf_counter() - t0) * 1e3, error
 
     def _collect(self) -> None:
         """Take in the background builds that are done: their voices get their slots (the current CUDA stream
@@ -324,12 +326,11 @@ class VoicePrefixPool:
             if not future.done():
                 continue
             del self._pending[key]
-            self._next_build = time.monotonic() + self._worker_s * (1 / self.build_duty - 1)
-            try:
-                ok, done, host_ms = future.result()
-            except Exception as exc:  # a prefix only saves work: serve the voice without one
+            ok, done, host_ms, error = future.result()
+            self._next_build = time.monotonic() + host_ms / 1e3 * (1 / self.build_duty - 1)
+            if error is not None:  # a prefix only saves work: serve the voice without one
                 log.warning("flow prompt prefix build for voice %s failed (%s: %s); its streams run without prefix",
-                            voice_id or "?", type(exc).__name__, exc,
+                            voice_id or "?", type(error).__name__, error,
                             extra={"event": "prefix_build_failed", "voice": voice_id})
                 self._none.add(key)  # (its slot is free again: the next build, on the same stream, overwrites it)
                 continue
@@ -338,7 +339,7 @@ class VoicePrefixPool:
                 continue
             if done is not None:
                 torch.cuda.current_stream(self._stream.device).wait_event(done)
-            self._built(key, slot, voice_id, host_ms, "a worker thread")
+            self._built(key, slot, voice_id, host_ms, background=True)
 
     def prebuild(self, voices: list) -> int:
         """Build the prefixes of ``voices`` now (before serving: the builds are eager and would otherwise fall on
