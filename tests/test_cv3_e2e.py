@@ -400,5 +400,8 @@ def test_prompt_prefix_mode_is_off_for_cosyvoice3(synth):
     try:
         assert engine.t2w.supports_flow_cache and not engine.t2w.supports_prompt_prefixes
         assert engine.t2w.prefix_pool is None and not engine._flow_stream_cache
+        # auto: no prefix mode for CosyVoice3 with CUDA graphs either (no per-stream caches there), caches eagerly
+        assert engine._resolve_flow_stream_cache(EngineConfig(), graphed=True).flow_stream_cache is False
+        assert engine._resolve_flow_stream_cache(EngineConfig(), graphed=False).flow_stream_cache is True
     finally:
         engine.close()

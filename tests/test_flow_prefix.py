@@ -410,6 +410,27 @@ def test_voice_prefix_pool_builds_on_a_worker_thread(flow, prompt, caplog):
         pp.close()
 
 
+def test_auto_mode_is_prefix_with_cuda_graphs(monkeypatch):
+    """``flow_stream_cache`` auto (None) resolves per engine: per-stream caches where the flow runs eagerly (this
+    CPU engine: no prefix pool), ``"prefix"`` for the CosyVoice2 U-Net with CUDA graphs (the server's default on a
+    GPU since session 40), an explicit mode kept; the server prebuilds prefixes by the engine's resolved mode."""
+    from cosyserve.engine.core import EngineConfig
+    from test_flow_stream_cache import _engine_setup
+
+    syn, _, _, _ = _engine_setup(monkeypatch)
+    engine = syn.new_engine(EngineConfig(max_active=1))
+    try:
+        assert engine.cfg.flow_stream_cache is True and engine._flow_stream_cache
+        assert engine.t2w.prefix_pool is None
+        assert engine._resolve_flow_stream_cache(EngineConfig(), graphed=True).flow_stream_cache == "prefix"
+        assert engine._resolve_flow_stream_cache(EngineConfig(), graphed=False).flow_stream_cache is True
+        for mode in (True, False, "prefix"):
+            cfg = EngineConfig(flow_stream_cache=mode)
+            assert engine._resolve_flow_stream_cache(cfg, graphed=True).flow_stream_cache == mode
+    finally:
+        engine.close()
+
+
 def test_cli_prefix_flag():
     import argparse
 

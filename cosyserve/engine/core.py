@@ -208,7 +208,8 @@ class EngineConfig:
     complete static chunks, reusing per-stream caches of the rest (issue 17 part 3 for the
     CosyVoice2 U-Net: :class:`~cosyserve.models.flow.FlowStreamCache`; CosyVoice3's DiT:
     :class:`~cosyserve.engine.token2wav_cv3.Cv3FlowCacheSlot`; both kept per segment and passed in
-    its jobs); ``None`` (default): on while the flow is not CUDA-graphed (cached chunks run eagerly),
+    its jobs); ``None`` (default, auto): ``"prefix"`` for CosyVoice2 with CUDA graphs, else on while the flow is
+    not CUDA-graphed (cached chunks run eagerly) (:meth:`EngineCore._resolve_flow_stream_cache`),
     ``True``/``False``: on/off (``--flow-stream-cache``); ``"prefix"``: no per-stream caches, but every
     non-final streaming chunk of the CosyVoice2 U-Net starts from its voice's prompt prefix, kept for
     ``flow_prefix_slots`` voices in a device pool allocated at start
@@ -479,6 +480,7 @@ class EngineCore:
         if self.lm.max_positions < config.kv_max_len:
             self.lm.setup_rope(config.kv_max_len)
         use_graphs = config.cuda_graphs and self.lm.llm_decoder.weight.is_cuda
+        config = self.cfg = self._resolve_flow_stream_cache(config, graphed=use_graphs)
         self._device_sampling = self.lm.llm_decoder.weight.is_cuda if config.device_sampling is None \
             else config.device_sampling
         # with CUDA graphs, one extra (scratch) slot absorbs the padding rows of a bucket
@@ -711,9 +713,23 @@ class EngineCore:
             self._pending_warmup.append(graph)  # captured by the next warmup() / first step()
         return n
 
+    def _resolve_flow_stream_cache(self, config: EngineConfig, graphed: bool) -> EngineConfig:
+        """``config`` with ``flow_stream_cache`` auto (None) resolved for this engine's token2wav path
+        (:attr:`t2w`, set before; ``graphed``: its token2wav stages run as CUDA graphs): ``"prefix"`` for a
+        graphed CosyVoice2 U-Net (measured on an H200 in sessions 38-40: 90-96 listening streams and 68-ms first
+        chunks against 77-80 streams without; docs/perf.md), ``True`` (per-stream caches) where the flow runs
+        eagerly, ``False`` for other graphed flows (no per-stream caches with graphs). An explicit mode is kept."""
+        if config.flow_stream_cache is not None or self.t2w is None:
+            return config
+        if graphed and getattr(self.t2w, "supports_prompt_prefixes", False):
+            mode = "prefix"
+        else:
+            mode = not graphed
+        return dataclasses.replace(config, flow_stream_cache=mode)
+
     def _set_flow_stream_cache(self, models, config: EngineConfig) -> None:
-        """Per-stream flow caches (``EngineConfig.flow_stream_cache``; auto: on while the flow is
-        not CUDA-graphed), after the graphs were set up: with a backend that supports them
+        """Per-stream flow caches (``EngineConfig.flow_stream_cache``, auto resolved by
+        :meth:`_resolve_flow_stream_cache`), after the graphs were set up: with a backend that supports them
         (CosyVoice2's U-Net, CosyVoice3's DiT) each streaming segment gets one from
         ``t2w.new_flow_cache`` at its first chunk (``SegmentState.flow_cache``, passed in its jobs,
         freed at its final chunk): :attr:`_flow_stream_cache`."""
@@ -724,8 +740,7 @@ class EngineCore:
             else:
                 log.info("flow prompt prefixes: not supported by this token2wav path (off)")
             return
-        on = getattr(models.flow, "graph", None) is None if config.flow_stream_cache is None \
-            else config.flow_stream_cache
+        on = bool(config.flow_stream_cache)  # (auto was resolved: _resolve_flow_stream_cache)
         supported = bool(getattr(self.t2w, "supports_flow_cache", False))
         #: streaming segments carry per-stream flow caches
         self._flow_stream_cache = supported and on

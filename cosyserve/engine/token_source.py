@@ -231,6 +231,7 @@ class RemoteLMEngine(EngineCore):
         self.t2w = make_token2wav(models)
         device = next(models.flow.parameters()).device
         cuda = device.type == "cuda"
+        config = self.cfg = self._resolve_flow_stream_cache(config, graphed=cuda and config.cuda_graphs)
         self._marks = _Marks(cuda)
         self._device_sampling = self._pipeline = False
         self._state = self.cache = self.decoder = self.prefill_graphs = None

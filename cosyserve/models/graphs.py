@@ -1318,7 +1318,7 @@ class GraphedPrefixEncoder(_BucketGraphs):
     """The encoder half of prefixed flow solves (:mod:`~cosyserve.models.flow_prefix`) as CUDA graphs, one
     per ``(rows, tokens)`` bucket of :class:`GraphedFlow`'s grid: :func:`prefix_encode_into` from the bucket's
     :func:`flow_buffers` into the shared fixed buffers (:func:`prefix_fixed_buffers`) that
-    :class:`GraphedPrefixSolver` reads. Not measured on a GPU yet (``--flow-stream-cache prefix``)."""
+    :class:`GraphedPrefixSolver` reads (``--flow-stream-cache prefix``, the default with CUDA graphs)."""
 
     name = "flow prefix encoder"
     quadratic_len = 512

@@ -253,8 +253,8 @@ class ServerState:
             self.engine.start()
             if c.default_voice:
                 self.get_voice(c.default_voice)  # fail early on a misconfigured default voice
-            if not c.llm_only and c.engine.flow_stream_cache == "prefix":
-                # the known voices' prefixes now, not while streams run (builds are eager, on the engine thread)
+            if not c.llm_only and getattr(core, "cfg", c.engine).flow_stream_cache == "prefix":
+                # (the engine's mode: auto resolved) the known voices' prefixes now, before streams run
                 self.engine.prebuild_prompt_prefixes(await asyncio.to_thread(self._prefix_voices))
             if c.warmup:
                 await self._warmup()
