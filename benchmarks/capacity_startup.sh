@@ -116,7 +116,8 @@ for OREQ in ${OFFLINE_REQ:-3}; do
   stacks "offline at $OFFLINE_CLIENTS clients" "$S0"
 done
 grep -i "capacity estimate" "$OUTDIR/server.log" | tail -3
-# --flow-stream-cache prefix: the voices' prefixes built at start-up and while serving (eager, on the engine thread)
+# prefix mode (the UNet default with CUDA graphs): the voices' prefixes built at start-up (engine thread) and while
+# serving (the prefix pool's worker thread)
 grep -E "event=prefix_(pre)?build" "$OUTDIR/server.log" | cut -c1-220 | head -12
 grep -c "event=prefix_build " "$OUTDIR/server.log" | sed 's/^/prefix builds in all: /'
 grep -E "event=prefix_build_failed" "$OUTDIR/server.log" | cut -c1-220 | head -3
