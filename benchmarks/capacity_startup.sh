@@ -46,8 +46,12 @@ stacks() {  # stacks LABEL SINCE: the scheduler thread's stacks from SINCE to no
   python3 benchmarks/stack_sampler.py --report "$OUTDIR/stacks.txt" --since "$2" --until "$(since)" \
     --thread cosyserve-engine --top "${STACKS_TOP:-40}" | cut -c1-190
 }
+# ADMISSION_TRACE=1: the server records its capacity model into $OUTDIR/admission.jsonl.gz (replay it into other
+# admission settings with benchmarks/admission_replay.py)
+TRACE_ARGS=(); [ "${ADMISSION_TRACE:-0}" = 1 ] && TRACE_ARGS=(--admission-trace "$OUTDIR/admission.jsonl.gz")
 full_size_serve "$OUTDIR/server.log" --min-token-text-ratio "$RATIO" --max-token-text-ratio "$RATIO" \
-  --max-active-streams "$MAX_ACTIVE" --max-queue 512 ${POLICY:+--chunk-policy "$POLICY"} ${SERVE_ARGS:-}
+  --max-active-streams "$MAX_ACTIVE" --max-queue 512 ${POLICY:+--chunk-policy "$POLICY"} "${TRACE_ARGS[@]}" \
+  ${SERVE_ARGS:-}
 trap 'stop_and_wait $SERVER' EXIT
 echo "== $KIND: $(nvidia-smi --query-gpu=name --format=csv,noheader), serve options: ${SERVE_ARGS:-(defaults)}"
 python3 benchmarks/startup_probe.py --since "$T0" --url http://127.0.0.1:8000 --pid "$SERVER" \

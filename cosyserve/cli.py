@@ -498,6 +498,10 @@ def _engine_args(p, in_process: bool = False) -> None:
     p.add_argument("--admission-slack-recover", type=float, default=0.5, metavar="SECONDS",
                    help="auto admission: after a close call the cap grows back by one stream per SECONDS without "
                         "another (default 0.5; > 0)" + note)
+    p.add_argument("--admission-trace", default=None, metavar="FILE",
+                   help="record the capacity model's measurements and estimates into FILE (JSON lines; gzip when "
+                        "it ends in .gz) to replay them into other admission settings offline "
+                        "(benchmarks/admission_replay.py)" + note)
     p.add_argument("--flow-stream-cache", choices=("auto", "on", "off", "prefix"), default="auto",
                    help="streaming chunks compute only the flow frames after the stream's complete static chunks, "
                         "reusing their cached per-step keys/values (CosyVoice2 U-Net: 2.2 MiB, CosyVoice3 DiT: "
@@ -599,6 +603,7 @@ def _engine_config(args, background_default: bool = False, **overrides):
                   admission_lm_alone=args.admission_lm_alone, admission_start_cost=args.admission_start_cost,
                   admission_slack_margin_s=args.admission_slack_margin,
                   admission_slack_recover_s=args.admission_slack_recover,
+                  admission_trace=getattr(args, "admission_trace", None),
                   flow_stream_cache={"auto": None, "on": True, "off": False,
                                      "prefix": "prefix"}[args.flow_stream_cache],
                   flow_prefix_slots=args.flow_prefix_slots,
@@ -613,6 +618,9 @@ def _engine_config(args, background_default: bool = False, **overrides):
         raise CLIError(f"--admission-slack-margin must be >= 0 seconds, got {fields['admission_slack_margin_s']}")
     if not 0 < fields["admission_slack_recover_s"] < float("inf"):
         raise CLIError(f"--admission-slack-recover must be > 0 seconds, got {fields['admission_slack_recover_s']}")
+    trace = fields["admission_trace"]
+    if trace is not None and not (Path(trace).parent.is_dir() and os.access(Path(trace).parent, os.W_OK)):
+        raise CLIError(f"--admission-trace: cannot write {trace} (its folder is missing or not writable)")
     try:
         return EngineConfig(**fields)
     except ValueError as exc:

@@ -13,8 +13,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -24,14 +26,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from _server import Server
 from cosyserve.client.bench import playback_stalls
-from cosyserve.engine.admission import (T2W_PERIOD_S, AdmissionPolicy, CapacityEstimator, SlackGuard, START_CHUNKS,
-                                        chunk_speedup, latency_pace)
+from cosyserve.engine.admission import (T2W_PERIOD_S, AdmissionPolicy, AdmissionTrace, CapacityEstimator, SlackGuard,
+                                        START_CHUNKS, chunk_speedup, latency_pace, read_admission_trace,
+                                        replay_admission_trace)
 from cosyserve.engine.chunking import ChunkPolicy
 from cosyserve.engine.core import EngineConfig, QueueFullError
 from cosyserve.engine.request import AudioChunk, RequestFinished, SynthesisParams
 from cosyserve.engine.token2wav import Token2Wav, Token2WavResult
 from cosyserve.models.hift import HiFTStreamState
 from cosyserve.server.metrics import Metrics
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # artificial costs (seconds): an LM step over b rows sleeps LM_FIXED + LM_ROW * b, a token2wav
 # batch T2W_FIXED + T2W_PER_AUDIO_S per second of audio it makes
@@ -1286,3 +1291,121 @@ def test_chunks_delivered_late_cap_auto_admission_too(synth, caplog):
         core.add_request(syn.build_request(TEXT, voice, params, "r2"))
         core.step()
     assert core.slack_guard.cuts == 1 and "was sent to its client" in caplog.text
+
+
+# ---------------------------------------------------------------------------- trace and replay
+
+
+def test_trace_replays_to_the_recorded_capacities_and_into_other_settings(tmp_path):
+    """Every measurement and estimate of a :class:`CapacityEstimator` recorded into an :class:`AdmissionTrace`
+    (gzip) replays to the same capacity at every estimate — steps, steps alone with prefills, token2wav batches
+    with cost and starting streams' chunks, settings changed midway, an infinite latency pace, an idle gap —, and
+    into a higher target to at least as much, more once the model binds."""
+    clock = Clock()
+    est = CapacityEstimator(25, target=0.8, max_streams=64, clock=clock, t2w_price="cost", lm_alone=True,
+                            start_cost=True)
+    est.start_trace(trace := AdmissionTrace(tmp_path / "adm.jsonl.gz"))
+    g = torch.Generator().manual_seed(1)
+    recorded = []
+    for i in range(400):
+        b = 1 + i % 40
+        r = float(torch.rand(1, generator=g))
+        est.observe_lm(b, 0.002 + 0.0004 * b * (1 + 0.2 * r), admitted=b + 1)
+        est.observe_lm_device(b, 0.0018 + 0.0003 * b, alone=i % 3 == 0, prefill=(1, 0.001) if i % 7 == 0 else None)
+        if i % 4 == 0:
+            est.observe_t2w(0.3 * b, 0.01, 0.02 + 0.004 * b, cost=40.0 * b, start=(20.0, 0.3) if i % 8 == 0 else None)
+        if i == 200:
+            est.target, est.start_cost = 0.9, False
+            est.device.price_lm_alone = False
+        if i == 300:
+            clock.t += 120.0  # idle: the decay is capped
+        est.speedup, est.starting_fraction, est.audio = 1.0 + (i % 5) / 4, (i % 10) / 10, i % 50 != 0
+        recorded.append(est.capacity(math.inf if i == 123 else 1.0 + (i % 3) / 10, note={"a": b}))
+        clock.t += 0.02
+    est.observe_lm(0, 0.1)  # ignored by the model, recorded and ignored again by the replay
+    trace.close()
+    records = list(read_admission_trace(tmp_path / "adm.jsonl.gz"))
+    assert records[0]["op"] == "init" and trace.records == len(records)
+    assert {r["op"] for r in records} == {"init", "lm", "lmd", "t2w", "set", "cap"}
+    replayed = list(replay_admission_trace(records))
+    assert [rec["cap"] for rec, _ in replayed] == recorded == [cap for _, cap in replayed]
+    assert replayed[5][0]["a"] == 6 and max(recorded) > min(recorded)
+    # a variant: the target the first half ran at stays overridden after the recording's own change
+    higher = [cap for _, cap in replay_admission_trace(records, target=1.0)]
+    assert all(h >= c for h, c in zip(higher, recorded)) and sum(higher) > sum(recorded)
+    with pytest.raises(ValueError, match="init"):
+        list(replay_admission_trace(records[1:]))
+    (tmp_path / "bad.jsonl").write_text('{"op": "lm", "t": 0}\n')
+    with pytest.raises(ValueError, match="not an admission trace"):
+        list(read_admission_trace(tmp_path / "bad.jsonl"))
+    # a trace cut mid-line (the server killed) ends at its last whole record
+    text = "".join(json.dumps(r) + "\n" for r in records[:50])
+    (tmp_path / "cut.jsonl").write_text(text + '{"op": "lm", "t"')
+    assert len(list(read_admission_trace(tmp_path / "cut.jsonl"))) == 50
+
+
+def test_engine_records_an_admission_trace_that_replays_exactly(synth, tmp_path, capsys):
+    """``EngineConfig.admission_trace`` (``serve --admission-trace``): the engine's capacity model records from
+    its start, each estimate with the engine's active and waiting requests; closed, the trace replays to the
+    engine's own estimates, and ``benchmarks/admission_replay.py`` prints its table with the variants asked for
+    (bad input: a message and exit status 2, no traceback)."""
+    import importlib.util
+
+    path = tmp_path / "adm.jsonl"
+    core, _ = slow_engine(synth, max_active=16, max_queue=16, admission="auto", admission_trace=str(path))
+    res = run_load(synth, core, 4)
+    core.close()
+    assert stalled(res) == []
+    records = list(read_admission_trace(path))
+    caps = [r for r in records if r["op"] == "cap"]
+    assert caps and max(r["w"] for r in caps) >= 1 and max(r["a"] for r in caps) >= 1
+    assert sum(r["op"] == "t2w" for r in records) >= 4 and sum(r["op"] == "lm" for r in records) >= 10
+    assert [cap for _, cap in replay_admission_trace(records)] == [r["cap"] for r in caps]
+    spec = importlib.util.spec_from_file_location("admission_replay", ROOT / "benchmarks" / "admission_replay.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main([str(path), "--variant", '{"target": 0.5}', "--bucket", "0.2"]) == 0
+    out = capsys.readouterr().out
+    assert '{"target":0.5} min / mean' in out and "equals the recording at every estimate" in out
+    assert out.count("\n| ") >= 3
+    (tmp_path / "junk.jsonl").write_text("not json\n")
+    assert tool.main([str(tmp_path / "junk.jsonl")]) == 2
+    assert tool.main([str(path), "--variant", '{"no_such_setting": 1}']) == 2
+    err = capsys.readouterr().err
+    assert "admission_replay:" in err and "Traceback" not in err
+
+
+def test_cli_admission_trace_option(tmp_path):
+    """``--admission-trace FILE`` reaches the engine config; a file in a missing folder is a CLI error."""
+    import argparse
+
+    from cosyserve import cli
+
+    p = argparse.ArgumentParser()
+    cli._engine_args(p)
+    assert cli._engine_config(p.parse_args([])).admission_trace is None
+    cfg = cli._engine_config(p.parse_args(["--admission-trace", str(tmp_path / "a.jsonl.gz")]))
+    assert cfg.admission_trace == str(tmp_path / "a.jsonl.gz")
+    with pytest.raises(cli.CLIError, match="--admission-trace"):
+        cli._engine_config(p.parse_args(["--admission-trace", str(tmp_path / "missing" / "a.jsonl")]))
+
+
+def test_unclosed_gzip_trace_reads_up_to_what_was_written(tmp_path):
+    """A server killed before closing its trace leaves a gzip stream without its end: the reader returns the
+    records that reached the file instead of failing."""
+    import gzip as gz
+
+    clock = Clock()
+    est = CapacityEstimator(25, clock=clock)
+    est.start_trace(trace := AdmissionTrace(tmp_path / "t.jsonl.gz"))
+    for i in range(2000):
+        est.observe_lm(1 + i % 8, 0.003)
+        clock.t += 0.01
+    trace._f.flush()  # what a killed writer had handed to the file, without the stream's end
+    data = (tmp_path / "t.jsonl.gz").read_bytes()
+    trace.close()
+    (tmp_path / "cut.jsonl.gz").write_bytes(data)
+    with pytest.raises(EOFError):
+        gz.decompress(data)
+    got = list(read_admission_trace(tmp_path / "cut.jsonl.gz"))
+    assert got[0]["op"] == "init" and 1 < len(got) <= 2001 and got[-1]["op"] == "lm"

@@ -87,16 +87,28 @@ measurements fade with ``half_life_s``. With fewer than two distinct batch sizes
 cost is taken as proportional to the rows (``a = 0``: pessimistic where a fixed part
 exists), which the next measurements at other sizes correct.
 
+Trace and replay (:class:`AdmissionTrace`, :func:`replay_admission_trace`): with ``--admission-trace FILE`` the
+estimator writes every measurement it is fed and every capacity it computes, with its clock, as JSON lines;
+replayed into an estimator of other settings the same history gives what that estimator would have read at
+each moment (open loop: the engine's admissions, hence the streams that ran, stay those of the recording). A
+replay with the recording's own settings reproduces its capacities exactly (tested), so a model change can be
+judged offline against a GPU run's ramps and overloads before it is measured.
+
 :class:`AdmissionPolicy` is the ``--admission`` option: ``auto`` (the estimate), ``off`` (only
 ``max_active``; the estimate is still computed and reported) or a fixed number of streams.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -437,6 +449,118 @@ def _streams(terms: dict[str, float], target: float) -> float:
     return math.inf if per_stream <= 0 else room / per_stream
 
 
+#: the version of :class:`AdmissionTrace`'s records (its ``init`` record says it)
+TRACE_VERSION = 1
+
+
+class AdmissionTrace:
+    """A :class:`CapacityEstimator`'s inputs and outputs as JSON lines (``path``; gzip-compressed when it ends in
+    ``.gz``), for :func:`replay_admission_trace` (module doc). Records (``op``; ``t``: the estimator's clock,
+    seconds): ``init`` (its constructor's settings, ``version`` :data:`TRACE_VERSION`, ``wall``: the Unix time at
+    that clock reading, to line the trace up with a benchmark's log), ``lm`` / ``lmd`` /
+    ``t2w`` (the arguments of :meth:`~CapacityEstimator.observe_lm`, :meth:`~CapacityEstimator.observe_lm_device`,
+    :meth:`~CapacityEstimator.observe_t2w`), ``set`` (the pricing settings, when they change: ``target``,
+    ``start_cost``, ``lm_alone``), ``cap`` (one :meth:`~CapacityEstimator.capacity` call: ``pace``, the speed-up
+    ``S``, the starting fraction ``f``, ``audio``, the result ``cap``, and what the caller noted, e.g. the
+    engine's active ``a`` and waiting ``w`` requests) and ``slack`` (the engine's close calls: ``s`` seconds of
+    slack, ``a`` streams active, ``cut``). Floats are written exactly (``repr``). Thread-safe (a lock per
+    record); :meth:`close` flushes. Raises OSError where ``path`` cannot be written."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._f = gzip.open(self.path, "wt", encoding="utf-8") if self.path.suffix == ".gz" \
+            else open(self.path, "w", encoding="utf-8")
+        self._lock = threading.Lock()
+        self.records = 0
+
+    def write(self, op: str, t: float, **fields) -> None:
+        """One record ``{"op": op, "t": t, **fields}``; a no-op once closed."""
+        line = json.dumps({"op": op, "t": t, **fields}, separators=(",", ":"))
+        with self._lock:
+            if self._f is None:
+                return
+            self._f.write(line + "\n")
+            self.records += 1
+
+    def close(self) -> None:
+        """Flush and close the file (idempotent)."""
+        with self._lock:
+            if self._f is not None:
+                self._f.close()
+                self._f = None
+
+
+def read_admission_trace(path: str | Path) -> Iterator[dict]:
+    """The records of an :class:`AdmissionTrace` file (gzip by its ``.gz`` suffix), in order. Raises ValueError
+    for a file that does not start with an ``init`` record of a known version, or for a line that is not JSON
+    (a trace cut short in its last line, or a gzip file never closed, ends there instead)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        first = True
+        lines = iter(f)
+        n = 0
+        while True:
+            try:
+                line = next(lines)
+            except StopIteration:
+                return
+            except EOFError:  # a gzip file its writer never closed (the server killed): what was flushed
+                return
+            n += 1
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                if line.endswith("\n"):
+                    raise ValueError(f"{path}: line {n} is not JSON") from None
+                return  # the writer was stopped mid-line
+            if first and (rec.get("op") != "init" or rec.get("version") != TRACE_VERSION):
+                raise ValueError(f"{path}: not an admission trace of version {TRACE_VERSION} (first record: "
+                                 f"{str(rec)[:80]})")
+            first = False
+            yield rec
+
+
+def replay_admission_trace(records: Iterable[dict], **overrides) -> Iterator[tuple[dict, int]]:
+    """Feed an :class:`AdmissionTrace`'s records (:func:`read_admission_trace`) to a new
+    :class:`CapacityEstimator` built with the recording's settings, ``overrides`` replacing any of its
+    constructor's keyword arguments (``target``, ``lm_alone``, ``start_cost``, ``half_life_s``, ``growth``,
+    ``initial``, ``max_streams``, ``t2w_price``); the recording's later ``set`` records apply only to settings not
+    overridden. Yields ``(cap record, replayed capacity)`` for every ``cap`` record (its ``cap`` field: what the
+    recording computed). Open loop (module doc). Raises ValueError without a leading ``init`` record."""
+    it = iter(records)
+    init = next(it, None)
+    if init is None or init.get("op") != "init":
+        raise ValueError("an admission trace starts with its init record")
+    now = [init["t"]]
+    kwargs = {k: init[k] for k in ("target", "max_streams", "initial", "growth", "half_life_s", "t2w_price",
+                                   "lm_alone", "start_cost")}
+    kwargs.update(overrides)
+    m = CapacityEstimator(init["token_rate"], clock=lambda: now[0], **kwargs)
+    for rec in it:
+        now[0] = rec["t"]
+        op = rec["op"]
+        if op == "lm":
+            m.observe_lm(rec["rows"], rec["host_s"], rec["admitted"])
+        elif op == "lmd":
+            pre = rec["prefill"]
+            m.observe_lm_device(rec["rows"], rec["device_s"], rec["alone"], None if pre is None else tuple(pre))
+        elif op == "t2w":
+            start = rec["start"]
+            m.observe_t2w(rec["audio_s"], rec["host_s"], rec["device_s"], rec["cost"],
+                          None if start is None else tuple(start))
+        elif op == "set":
+            if "target" not in overrides:
+                m.target = rec["target"]
+            if "start_cost" not in overrides:
+                m.start_cost = rec["start_cost"]
+            if "lm_alone" not in overrides:
+                m.device.price_lm_alone = rec["lm_alone"]
+        elif op == "cap":
+            m.speedup, m.starting_fraction, m.audio = rec["S"], rec["f"], rec["audio"]
+            yield rec, m.capacity(rec["pace"])
+
+
 class CapacityEstimator:
     """Real-time capacity in streams, measured continuously (see the module doc).
 
@@ -453,7 +577,8 @@ class CapacityEstimator:
     stream runs, where a batch's time follows its streams' lengths rather than its audio); ``lm_alone``: the
     device prices the LM at the steps that ran alone on it (:class:`_Resource`; the steps are fitted either way);
     ``start_cost``: a starting stream's token2wav is priced at :attr:`start_cost_ratio` x the schedule's speed-up
-    (``t2w_price="cost"`` only; the ratio is measured either way).
+    (``t2w_price="cost"`` only; the ratio is measured either way). :attr:`trace`: an :class:`AdmissionTrace`
+    that records what the estimator is fed and computes (None: off; :meth:`start_trace`).
     Raises ValueError for settings out of range. Not thread-safe: fed and read by the engine thread (readers elsewhere read
     :attr:`last` / :attr:`last_estimate`, plain attributes).
     """
@@ -485,16 +610,34 @@ class CapacityEstimator:
         self.last_estimate: float | None = None
         #: the latest :meth:`latency_estimate` (None: not computed yet)
         self.last_latency_estimate: float | None = None
+        #: the recording of inputs and outputs (:meth:`start_trace`; None: off)
+        self.trace: AdmissionTrace | None = None
+        self._traced_settings: tuple | None = None
+        self._settings = dict(target=target, max_streams=max_streams, initial=initial, growth=growth,
+                              half_life_s=half_life_s, t2w_price=t2w_price, lm_alone=lm_alone, start_cost=start_cost)
+
+    def start_trace(self, trace: AdmissionTrace) -> None:
+        """Record from now on into ``trace`` (its ``init`` record: this estimator's constructor settings; a
+        trace started after measurements cannot be replayed exactly, so the engine starts it at once)."""
+        self.trace = trace
+        trace.write("init", self.clock(), version=TRACE_VERSION, wall=time.time(), token_rate=self.rate,
+                    **{**self._settings, "max_streams": self.max_streams})
 
     @property
     def t2w_price(self) -> str:
         """The token2wav price (``"audio"`` or ``"cost"``; class doc)."""
         return self.host.t2w_price
 
-    def _decay(self) -> None:
-        """Age the sums before a new measurement; an idle gap counts as at most 5 half-lives
-        (the old measurements then weigh 1/32 of a new one's, and never underflow to none)."""
+    def _now(self, op: str, **fields) -> float:
+        """The clock, read once per measurement (and the measurement recorded with it when tracing)."""
         now = self.clock()
+        if self.trace is not None:
+            self.trace.write(op, now, **fields)
+        return now
+
+    def _decay(self, now: float) -> None:
+        """Age the sums before a new measurement taken at ``now`` (:attr:`clock`); an idle gap counts as at most
+        5 half-lives (the old measurements then weigh 1/32 of a new one's, and never underflow to none)."""
         if self._t is not None and now > self._t:
             f = 0.5 ** min(5.0, (now - self._t) / self.half_life_s)
             self.host.decay(f)
@@ -509,9 +652,10 @@ class CapacityEstimator:
         """One LM step over ``rows`` running segments (prefill + decode) took ``host_s``
         seconds of the scheduler thread, waits for the device included; ``admitted``:
         requests admitted at the time (default ``rows``)."""
+        now = self._now("lm", rows=rows, host_s=host_s, admitted=admitted)
         if rows < 1 or not host_s >= 0:
             return
-        self._decay()
+        self._decay(now)
         self.host.lm.add(rows, host_s)
         self.seen = max(self.seen, rows if admitted is None else admitted)
 
@@ -522,9 +666,11 @@ class CapacityEstimator:
         ``prefill``: ``(rows, seconds)`` of the step's prefill, included in ``rows`` and ``device_s`` (the
         steps alone are then fitted on their decode only and the prefill priced per decode row,
         :meth:`_Resource.alone_terms`; None: the step's rows and time as one)."""
+        now = self._now("lmd", rows=rows, device_s=device_s, alone=alone,
+                        prefill=None if prefill is None else [int(prefill[0]), float(prefill[1])])
         if rows < 1 or not device_s >= 0:
             return
-        self._decay()
+        self._decay(now)
         self.device.lm.add(rows, device_s)
         dec_rows, dec_s = rows, device_s
         if prefill is not None:
@@ -541,9 +687,11 @@ class CapacityEstimator:
         the scheduler thread (``device_s`` of device time on CUDA); ``cost``: its jobs' cost units
         (``t2w_price="cost"``; None: the audio seconds); ``start``: ``(cost units, audio seconds)`` of its
         jobs that were chunks of starting streams (:attr:`start_cost_ratio`)."""
+        now = self._now("t2w", audio_s=audio_s, host_s=host_s, device_s=device_s, cost=cost,
+                        start=None if start is None else [float(start[0]), float(start[1])])
         if not audio_s > 0 or not host_s >= 0:
             return
-        self._decay()
+        self._decay(now)
         x = audio_s
         if self.t2w_price == "cost":
             x = audio_s if cost is None or not cost > 0 else float(cost)
@@ -628,10 +776,23 @@ class CapacityEstimator:
         self.last_latency_estimate = self._estimate(max(1.0, lm_pace)) if math.isfinite(lm_pace) else 0.0
         return self.last_latency_estimate
 
-    def capacity(self, lm_pace: float = 1.0) -> int:
+    def capacity(self, lm_pace: float = 1.0, note: dict | None = None) -> int:
         """Streams that may be admitted now: ``initial`` before any measurement, else the
-        estimate — the smaller of :meth:`estimate` and the :meth:`latency_estimate` at ``lm_pace`` — rounded down, at most ``growth`` x the most streams
-        seen + 1, at least 1, at most ``max_streams``."""
+        estimate — the smaller of :meth:`estimate` and the :meth:`latency_estimate` at ``lm_pace`` — rounded
+        down, at most ``growth`` x the most streams seen + 1, at least 1, at most ``max_streams``. ``note``:
+        fields added to the :attr:`trace`'s ``cap`` record (JSON values; unused otherwise)."""
+        cap = self._capacity(lm_pace)
+        if self.trace is not None:
+            now = self.clock()
+            settings = (self.target, self.start_cost, self.device.price_lm_alone)
+            if settings != self._traced_settings:
+                self.trace.write("set", now, target=settings[0], start_cost=settings[1], lm_alone=settings[2])
+                self._traced_settings = settings
+            self.trace.write("cap", now, pace=lm_pace, S=self.speedup, f=self.starting_fraction, audio=self.audio,
+                             cap=cap, **(note or {}))
+        return cap
+
+    def _capacity(self, lm_pace: float) -> int:
         est = self.estimate()
         if est is not None:
             est = min(est, self.latency_estimate(lm_pace))
@@ -706,5 +867,6 @@ class SlackGuard:
         return int(self._cap)
 
 
-__all__ = ["AdmissionPolicy", "CapacityEstimator", "SlackGuard", "chunk_speedup", "latency_pace",
+__all__ = ["AdmissionPolicy", "AdmissionTrace", "CapacityEstimator", "SlackGuard", "chunk_speedup", "latency_pace",
+           "read_admission_trace", "replay_admission_trace",
            "SPEEDUP_HORIZON_TOKENS", "START_CHUNKS", "T2W_PERIOD_S"]

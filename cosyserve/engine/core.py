@@ -63,7 +63,8 @@ from ..models.llm import DecodeState, KVCache, SilentTokenFilter
 from ..models.loader import CosyVoice2Models
 from ..models.sampling import UpstreamSampler, ras_sample_device
 from ..models.transfer import to_device
-from .admission import START_CHUNKS, AdmissionPolicy, CapacityEstimator, DeviceMemory, SlackGuard, latency_pace
+from .admission import (START_CHUNKS, AdmissionPolicy, AdmissionTrace, CapacityEstimator, DeviceMemory, SlackGuard,
+                        latency_pace)
 from .chunking import ChunkPolicy, default_chunk_policy
 from .request import (
     AudioChunk,
@@ -200,6 +201,9 @@ class EngineConfig:
     failing the first-chunk p99 at 84-96 listening clients that passed with 0.05, "Session 38").
     ``admission_slack_recover_s``: after a cut the cap grows back by one stream per this many seconds without a
     close call (default 0.5 s per stream; larger = slower recovery).
+    ``admission_trace``: a file the capacity model records its measurements and estimates into (JSON lines,
+    gzip with a ``.gz`` name; :class:`~cosyserve.engine.admission.AdmissionTrace`), for replaying them into other
+    settings offline (``benchmarks/admission_replay.py``); None (default): no recording.
     ``strict_min_len``: before a segment's ``min_len`` mask every stop id, not only upstream's
     one id (``LLMConfig.min_len_mask_id``; CosyVoice3 masks its sos there, so with random weights
     a stop id ends most utterances after a few tokens): for random-weight benchmarks that pin the
@@ -267,6 +271,7 @@ class EngineConfig:
     admission_start_cost: bool = True
     admission_slack_margin_s: float = 0.05
     admission_slack_recover_s: float = 0.5
+    admission_trace: str | None = None
     strict_min_len: bool = False
     flow_stream_cache: bool | str | None = None
     flow_stream_cache_frames: int | None = None
@@ -565,6 +570,10 @@ class EngineCore:
                                                 start_cost=config.admission_start_cost,
                                                 t2w_price="cost" if getattr(self.t2w, "chunk_cost_grows", True)
                                                 else "audio")
+        if config.admission_trace:
+            self.capacity_model.start_trace(AdmissionTrace(config.admission_trace))
+            log.info("admission trace: recording the capacity model's inputs and estimates into %s",
+                     config.admission_trace)
         self._t2w_host_s = 0.0  # scheduler-thread token2wav seconds since the last batch was emitted
         self._t2w_epoch = 0  # token2wav batches launched (an LM step ran alone if none was launched meanwhile)
         # the feedback cap from chunk deadlines (auto admission)
@@ -912,6 +921,8 @@ class EngineCore:
             self._worker.close()
         if getattr(self.t2w, "prefix_pool", None) is not None:
             self.t2w.prefix_pool.close()
+        if self.capacity_model.trace is not None:
+            self.capacity_model.trace.close()
 
     def has_work(self) -> bool:
         return bool(self._active or self._waiting or self._inflight is not None or self._lm_pending
@@ -1120,7 +1131,8 @@ class EngineCore:
         hops = [st.first_hop_tokens for st in states if st.first_hop_tokens > 0]
         pace = latency_pace(min(hops) / model.rate, 2.0 * self._batch_s) \
             if hops and self._batch_s is not None and model.audio else 1.0
-        cap = model.capacity(pace)
+        cap = model.capacity(pace) if model.trace is None else \
+            model.capacity(pace, note={"a": len(self._active), "w": len(self._waiting)})
         if self._logged_capacity is None or abs(cap - self._logged_capacity) >= max(2, 0.1 * self._logged_capacity):
             est, lat = model.last_estimate, model.last_latency_estimate
             if self._logged_capacity is not None or est is not None:
@@ -1874,7 +1886,10 @@ class EngineCore:
         if self.admission.mode != "auto" or slack_s >= self.slack_guard.margin_s:
             return
         active = sum(1 for st in self._active.values() if st.req.params.stream)
-        if self.slack_guard.observe(slack_s, active):
+        cut = self.slack_guard.observe(slack_s, active)
+        if self.capacity_model.trace is not None:
+            self.capacity_model.trace.write("slack", self.capacity_model.clock(), s=slack_s, a=active, cut=cut)
+        if cut:
             cap = self.slack_guard.limit()
             log.warning("a chunk %s %.0f ms before its deadline with %d streams active: admission capped at %d "
                         "streams until none comes that close (+1 per %.1f s)",

@@ -1,0 +1,118 @@
+"""Replay an admission trace (``cosyserve serve --admission-trace FILE``) into capacity estimators of other settings.
+
+    python benchmarks/admission_replay.py TRACE [--variant '{"target": 0.9}' ...] [--bucket 0.5] [--start S --end S]
+
+Prints one markdown table: per time window (seconds from the trace's start, and the local time it began: line it
+up with a benchmark's level times) the engine's active and waiting requests (most), the close calls and late
+chunks the engine saw, the capacity the server computed (least and mean), and what each variant's estimator
+computes from the same measurements (least and mean). The first variant column is always the recording's own
+settings: it must equal the recorded one (the script says so, or counts the records where it does not). Open loop (cosyserve/engine/admission.py, "Trace and replay"): a variant that would
+have admitted more streams is shown what the recorded streams cost, not what its own would have.
+Variant keys: the CapacityEstimator's keyword arguments (target, lm_alone, start_cost, half_life_s, growth,
+initial, max_streams, t2w_price).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cosyserve.engine.admission import read_admission_trace, replay_admission_trace  # noqa: E402
+
+
+def _variant(text: str) -> dict:
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError("a variant is a JSON object of estimator settings")
+    return v
+
+
+def replay_table(records: list[dict], variants: list[dict], bucket_s: float = 0.5, start_s: float = 0.0,
+                 end_s: float = math.inf) -> tuple[str, int]:
+    """The markdown table described in the module doc, and the number of ``cap`` records where the replay with
+    the recording's settings differs from the recording (0 for a complete trace). ``variants``: estimator
+    keyword overrides, one column each after the recording's own."""
+    t0 = records[0]["t"]
+    rows: dict[int, dict] = {}
+
+    def row(t: float) -> dict | None:
+        rel = t - t0
+        if not start_s <= rel < end_s:
+            return None
+        k = int(rel // bucket_s)
+        return rows.setdefault(k, {"a": 0, "w": 0, "close": 0, "late": 0, "rec": [], "var": [[] for _ in
+                                                                                              range(len(variants) + 1)]})
+
+    for rec in records:
+        if rec["op"] == "slack" and (r := row(rec["t"])) is not None:
+            r["late" if rec["s"] < 0 else "close"] += 1
+    mismatches = 0
+    for i, overrides in enumerate([{}] + variants):
+        for rec, cap in replay_admission_trace(records, **overrides):
+            if i == 0 and cap != rec["cap"]:
+                mismatches += 1
+            r = row(rec["t"])
+            if r is None:
+                continue
+            r["var"][i].append(cap)
+            if i == 0:
+                r["rec"].append(rec["cap"])
+                r["a"], r["w"] = max(r["a"], rec.get("a", 0)), max(r["w"], rec.get("w", 0))
+
+    def fmt(caps: list[int]) -> str:
+        return f"{min(caps)} / {sum(caps) / len(caps):.0f}" if caps else "–"
+
+    names = ["replayed"] + [json.dumps(v, separators=(",", ":")) for v in variants]
+    wall = records[0].get("wall")
+
+    def window(k: int) -> str:
+        label = f"{k * bucket_s:.1f}-{(k + 1) * bucket_s:.1f}"
+        return label if wall is None else label + time.strftime(" (%H:%M:%S)", time.localtime(wall + k * bucket_s))
+
+    lines = ["| window (s; local time) | active | waiting | close calls | late | recorded cap min / mean | "
+             + " | ".join(f"{n} min / mean" for n in names) + " |",
+             "|---|---:|---:|---:|---:|---:|" + "---:|" * len(names)]
+    for k in sorted(rows):
+        r = rows[k]
+        lines.append(f"| {window(k)} | {r['a']} | {r['w']} | {r['close']} | "
+                     f"{r['late']} | {fmt(r['rec'])} | " + " | ".join(fmt(c) for c in r["var"]) + " |")
+    return "\n".join(lines), mismatches
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace", type=Path)
+    ap.add_argument("--variant", type=_variant, action="append", default=[], metavar="JSON",
+                    help="estimator settings to replay with, e.g. '{\"target\": 0.9}' (repeatable)")
+    ap.add_argument("--bucket", type=float, default=0.5, metavar="SECONDS", help="table window (default 0.5)")
+    ap.add_argument("--start", type=float, default=0.0, metavar="SECONDS", help="from this time (trace clock)")
+    ap.add_argument("--end", type=float, default=math.inf, metavar="SECONDS", help="until this time")
+    args = ap.parse_args(argv)
+    if not args.bucket > 0:
+        ap.error("--bucket must be > 0 seconds")
+    try:
+        records = list(read_admission_trace(args.trace))
+        if not records:
+            raise ValueError(f"{args.trace}: empty")
+        table, mismatches = replay_table(records, args.variant, args.bucket, args.start, args.end)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"admission_replay: {exc}", file=sys.stderr)
+        return 2
+    print(table)
+    print()
+    print("replay with the recording's settings: " + ("equals the recording at every estimate" if not mismatches
+                                                      else f"differs at {mismatches} estimates (trace incomplete?)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
