@@ -1409,3 +1409,30 @@ def test_unclosed_gzip_trace_reads_up_to_what_was_written(tmp_path):
         gz.decompress(data)
     got = list(read_admission_trace(tmp_path / "cut.jsonl.gz"))
     assert got[0]["op"] == "init" and 1 < len(got) <= 2001 and got[-1]["op"] == "lm"
+
+
+def test_trace_writes_numpy_scalars_and_stops_on_a_write_error_without_failing(tmp_path, caplog):
+    """Measurements arrive as Python, numpy or torch scalars: the trace writes them as floats and replays them
+    exactly; a record that cannot be written (here: a value JSON cannot hold) ends the recording with one warning
+    and the estimator goes on."""
+    import numpy as np
+
+    clock = Clock()
+    est = CapacityEstimator(25, clock=clock)
+    est.start_trace(trace := AdmissionTrace(tmp_path / "t.jsonl"))
+    est.observe_lm(4, np.float64(0.004))
+    est.observe_lm_device(4, torch.tensor(0.003).item(), alone=True)
+    est.observe_t2w(np.float32(0.5), 0.01, np.float64(0.02))
+    clock.t += 0.1
+    est.observe_lm(2, 0.003)
+    caps = [est.capacity(1.0)]
+    trace.close()
+    assert trace.failed is None
+    assert [c for _, c in replay_admission_trace(read_admission_trace(tmp_path / "t.jsonl"))] == caps
+    est.start_trace(bad := AdmissionTrace(tmp_path / "u.jsonl"))
+    with caplog.at_level("WARNING", logger="cosyserve.engine.admission"):
+        est.capacity(1.0, note={"obj": object()})  # not a number: float() raises TypeError
+        est.observe_lm(3, 0.004)  # the estimator keeps working, the trace stays stopped
+    assert bad.failed and "TypeError" in bad.failed and bad.records == 2  # init + the first "set"
+    assert sum("admission trace" in r.message for r in caplog.records) == 1
+    bad.close()

@@ -463,8 +463,10 @@ class AdmissionTrace:
     ``start_cost``, ``lm_alone``), ``cap`` (one :meth:`~CapacityEstimator.capacity` call: ``pace``, the speed-up
     ``S``, the starting fraction ``f``, ``audio``, the result ``cap``, and what the caller noted, e.g. the
     engine's active ``a`` and waiting ``w`` requests) and ``slack`` (the engine's close calls: ``s`` seconds of
-    slack, ``a`` streams active, ``cut``). Floats are written exactly (``repr``). Thread-safe (a lock per
-    record); :meth:`close` flushes. Raises OSError where ``path`` cannot be written."""
+    slack, ``a`` streams active, ``cut``). Floats are written exactly (``repr``; numpy / torch scalars as Python
+    floats). Thread-safe (a lock per record); :meth:`close` flushes. Raises OSError where ``path`` cannot be
+    opened; a record that cannot be written later (a full disk) stops the recording with one logged warning
+    (:attr:`failed`) instead of failing the engine's step."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -472,14 +474,25 @@ class AdmissionTrace:
             else open(self.path, "w", encoding="utf-8")
         self._lock = threading.Lock()
         self.records = 0
+        #: why the recording stopped early (None: it did not)
+        self.failed: str | None = None
 
     def write(self, op: str, t: float, **fields) -> None:
-        """One record ``{"op": op, "t": t, **fields}``; a no-op once closed."""
-        line = json.dumps({"op": op, "t": t, **fields}, separators=(",", ":"))
+        """One record ``{"op": op, "t": t, **fields}``; a no-op once closed or failed."""
         with self._lock:
             if self._f is None:
                 return
-            self._f.write(line + "\n")
+            try:
+                self._f.write(json.dumps({"op": op, "t": t, **fields}, separators=(",", ":"), default=float) + "\n")
+            except (OSError, TypeError, ValueError) as exc:
+                self.failed = f"{type(exc).__name__}: {exc}"
+                log.warning("admission trace %s stopped after %d records: %s", self.path, self.records, self.failed)
+                try:
+                    self._f.close()
+                except OSError:
+                    pass
+                self._f = None
+                return
             self.records += 1
 
     def close(self) -> None:
@@ -619,7 +632,7 @@ class CapacityEstimator:
     def start_trace(self, trace: AdmissionTrace) -> None:
         """Record from now on into ``trace`` (its ``init`` record: this estimator's constructor settings; a
         trace started after measurements cannot be replayed exactly, so the engine starts it at once)."""
-        self.trace = trace
+        self.trace, self._traced_settings = trace, None  # (the first estimate records the settings in force)
         trace.write("init", self.clock(), version=TRACE_VERSION, wall=time.time(), token_rate=self.rate,
                     **{**self._settings, "max_streams": self.max_streams})
 
