@@ -220,6 +220,40 @@ def test_killed_worker_fails_its_stream_only_and_comes_back(router):
     assert r.status_code == 200
 
 
+def test_cancelled_call_on_a_closed_channel_counts_as_the_workers_exit():
+    """The gRPC proxy's verdict on a worker call that ended with an error (``_GrpcProxy._fail``): ``CANCELLED``
+    from a channel the supervisor closed meanwhile (the worker exited; grpc says "Locally cancelled by
+    application!") is a lost request, as ``UNAVAILABLE`` is, so the client hears ``UNAVAILABLE`` naming the worker
+    (on a loaded 2-core machine the killed worker's client once got ``CANCELLED``); on the worker's own live
+    channel ``CANCELLED`` or ``INVALID_ARGUMENT`` is the worker's answer, relayed; the RPC's own cancellation on
+    the live channel propagates."""
+    import asyncio
+
+    import grpc
+
+    from cosyserve.server.router import Worker, WorkerSpec, _GrpcProxy
+
+    def rpc_error(code):
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="x")
+
+    w = Worker(WorkerSpec(index=0, argv=[]))
+    old, new = object(), object()
+    w.generation = 2  # restarted since the call began (generation 1): exited
+
+    async def verdicts():
+        w.channel = new  # the supervisor replaced the closed channel
+        lost_cancelled = await _GrpcProxy._fail(w, 1, old, rpc_error(grpc.StatusCode.CANCELLED))
+        lost_unavailable = await _GrpcProxy._fail(w, 1, old, rpc_error(grpc.StatusCode.UNAVAILABLE))
+        lost_invalid = await _GrpcProxy._fail(w, 1, old, rpc_error(grpc.StatusCode.INVALID_ARGUMENT))
+        w.channel = old  # the call's channel is still the worker's: its CANCELLED is the worker's own answer
+        lost_live = await _GrpcProxy._fail(w, 1, old, rpc_error(grpc.StatusCode.CANCELLED))
+        with pytest.raises(asyncio.CancelledError):
+            await _GrpcProxy._fail(w, 1, old, asyncio.CancelledError())
+        return lost_cancelled, lost_unavailable, lost_invalid, lost_live
+
+    assert asyncio.run(verdicts()) == (True, True, False, False)
+
+
 def test_worker_argv_drops_router_options():
     from cosyserve.cli import _worker_argv
 
