@@ -562,3 +562,40 @@ def test_prefix_mode_prebuilds_the_known_voices(tmp_path):
         assert logs.count("flow prompt prefix built for voice") == 1  # the start-up build only
     finally:
         assert s.stop() == 0
+
+
+def test_loading_cancelled_by_a_stop_is_not_a_failure(caplog, monkeypatch):
+    """A server stopped while its models load (SIGTERM; a router's shutdown while it restarts a worker) logs the
+    cancellation at info level without a traceback, and its health does not turn to "failed"; a real load error
+    still does, with its message."""
+    import asyncio
+    import threading
+
+    from cosyserve.server.state import ServerConfig, ServerState
+
+    state = ServerState(ServerConfig())
+    release = threading.Event()
+    monkeypatch.setattr(state, "_load_sync", lambda: release.wait(10))
+
+    async def start_then_cancel():
+        task = asyncio.create_task(state.start())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+
+    with caplog.at_level("INFO", logger="cosyserve.server"):
+        asyncio.run(start_then_cancel())
+    assert state.load_error is None and not state.ready
+    assert any("model loading cancelled" in r.message for r in caplog.records)
+    assert not any(r.levelname == "ERROR" or r.exc_info for r in caplog.records)
+
+    def broken():
+        raise RuntimeError("flow.pt is truncated")
+
+    monkeypatch.setattr(state, "_load_sync", broken)
+    with caplog.at_level("INFO", logger="cosyserve.server"), pytest.raises(RuntimeError):
+        asyncio.run(state.start())
+    assert isinstance(state.load_error, RuntimeError)
+    assert any(r.levelname == "ERROR" and "flow.pt is truncated" in r.getMessage() for r in caplog.records)

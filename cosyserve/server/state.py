@@ -272,6 +272,9 @@ class ServerState:
                                      "device": c.device, "model_dir": str(c.model_dir),
                                      "graphs_captured": int(graphs["captured"]),
                                      "graphs_pending": int(graphs["pending"])})
+        except asyncio.CancelledError:  # stopped while loading (SIGTERM, a router's shutdown): not a failure
+            log.info("model loading cancelled: the server is stopping")
+            raise
         except BaseException as exc:
             self.load_error = exc
             log.error("model loading failed: %s", exc, exc_info=not isinstance(exc, CosyServeError))
