@@ -1436,3 +1436,9 @@ def test_trace_writes_numpy_scalars_and_stops_on_a_write_error_without_failing(t
     assert bad.failed and "TypeError" in bad.failed and bad.records == 2  # init + the first "set"
     assert sum("admission trace" in r.message for r in caplog.records) == 1
     bad.close()
+    # a record limit ends the recording the same way (what was written stays readable)
+    est.start_trace(short := AdmissionTrace(tmp_path / "v.jsonl", max_records=5))
+    for _ in range(10):
+        est.observe_lm(2, 0.003)
+    assert short.records == 5 and "limit of 5 records" in short.failed
+    assert len(list(read_admission_trace(tmp_path / "v.jsonl"))) == 5

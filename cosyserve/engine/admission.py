@@ -451,6 +451,9 @@ def _streams(terms: dict[str, float], target: float) -> float:
 
 #: the version of :class:`AdmissionTrace`'s records (its ``init`` record says it)
 TRACE_VERSION = 1
+#: records an :class:`AdmissionTrace` writes at most by default (~500 per second on a busy GPU server: hours;
+#: ~100 bytes each before gzip)
+TRACE_MAX_RECORDS = 10_000_000
 
 
 class AdmissionTrace:
@@ -466,10 +469,12 @@ class AdmissionTrace:
     slack, ``a`` streams active, ``cut``). Floats are written exactly (``repr``; numpy / torch scalars as Python
     floats). Thread-safe (a lock per record); :meth:`close` flushes. Raises OSError where ``path`` cannot be
     opened; a record that cannot be written later (a full disk) stops the recording with one logged warning
-    (:attr:`failed`) instead of failing the engine's step."""
+    (:attr:`failed`) instead of failing the engine's step, as does reaching ``max_records`` (default
+    :data:`TRACE_MAX_RECORDS`: a server left recording does not fill its disk)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, max_records: int = 0):
         self.path = Path(path)
+        self.max_records = int(max_records) or TRACE_MAX_RECORDS
         self._f = gzip.open(self.path, "wt", encoding="utf-8") if self.path.suffix == ".gz" \
             else open(self.path, "w", encoding="utf-8")
         self._lock = threading.Lock()
@@ -483,6 +488,8 @@ class AdmissionTrace:
             if self._f is None:
                 return
             try:
+                if self.records >= self.max_records:
+                    raise OSError(f"the trace reached its limit of {self.max_records} records")
                 self._f.write(json.dumps({"op": op, "t": t, **fields}, separators=(",", ":"), default=float) + "\n")
             except (OSError, TypeError, ValueError) as exc:
                 self.failed = f"{type(exc).__name__}: {exc}"
