@@ -126,5 +126,10 @@ grep -E "event=prefix_(pre)?build" "$OUTDIR/server.log" | cut -c1-220 | head -12
 grep -c "event=prefix_build " "$OUTDIR/server.log" | sed 's/^/prefix builds in all: /'
 grep -E "event=prefix_build_failed" "$OUTDIR/server.log" | cut -c1-220 | head -3
 grep -i "graphs\b.*captured\|captured .* graph buckets" "$OUTDIR/server.log" | tail -3
+if [ ${#TRACE_ARGS[@]} -gt 0 ]; then
+  stop_and_wait "$SERVER"  # the server closes its admission trace on the way out
+  ls -l "$OUTDIR/admission.jsonl.gz"
+  python3 benchmarks/admission_replay.py "$OUTDIR/admission.jsonl.gz" --bucket 10 | tail -1
+fi
 # the device tool brings back at most 8 files: the plots go, the reports and logs stay
 rm -f "$OUTDIR"/*/bench.png
