@@ -498,6 +498,10 @@ def _engine_args(p, in_process: bool = False) -> None:
     p.add_argument("--admission-slack-recover", type=float, default=0.5, metavar="SECONDS",
                    help="auto admission: after a close call the cap grows back by one stream per SECONDS without "
                         "another (default 0.5; > 0)" + note)
+    p.add_argument("--admission-contention-fit", action=argparse.BooleanOptionalAction, default=False,
+                   help="auto admission: price the LM steps as they ran by their time against rows and whether "
+                        "token2wav ran beside them, so that a burst's first-chunk flow work is not read as a cost "
+                        "per row (default off: not measured yet; docs/perf.md \"Session 40\")" + note)
     p.add_argument("--admission-trace", default=None, metavar="FILE",
                    help="record the capacity model's measurements and estimates into FILE (JSON lines; gzip when "
                         "it ends in .gz) to replay them into other admission settings offline "
@@ -603,6 +607,7 @@ def _engine_config(args, background_default: bool = False, **overrides):
                   admission_lm_alone=args.admission_lm_alone, admission_start_cost=args.admission_start_cost,
                   admission_slack_margin_s=args.admission_slack_margin,
                   admission_slack_recover_s=args.admission_slack_recover,
+                  admission_contention_fit=args.admission_contention_fit,
                   admission_trace=getattr(args, "admission_trace", None),
                   flow_stream_cache={"auto": None, "on": True, "off": False,
                                      "prefix": "prefix"}[args.flow_stream_cache],

@@ -637,7 +637,8 @@ def test_admission_settings_change_while_serving(synth):
                                               admission_slack_margin_s=0.1))
     try:
         assert core.admission_settings() == {"mode": "off", "target": 0.8, "start_share": 0.45, "lm_alone": False,
-                                             "start_cost": False, "slack_margin": 0.1, "slack_recover": 0.5}
+                                             "start_cost": False, "slack_margin": 0.1, "slack_recover": 0.5,
+                                             "contention_fit": False}
         for bad, name in (({"bogus": 1}, "bogus"), ({"target": 0}, "target"), ({"target": True}, "target"),
                           ({"target": "0.5"}, "target"), ({"start_share": 1.5}, "start_share"),
                           ({"lm_alone": "yes"}, "lm_alone"), ({"mode": "sometimes"}, "mode"), ({"mode": 0}, "mode"),
@@ -645,7 +646,8 @@ def test_admission_settings_change_while_serving(synth):
                           ({"slack_margin": True}, "slack_margin"), ({"slack_margin": "0.05"}, "slack_margin"),
                           ({"slack_recover": 0}, "slack_recover"), ({"slack_recover": -1.0}, "slack_recover"),
                           ({"slack_recover": False}, "slack_recover"), ({"slack_recover": "1"}, "slack_recover"),
-                          ({"target": 0.5, "slack_recover": 0}, "slack_recover")):
+                          ({"target": 0.5, "slack_recover": 0}, "slack_recover"),
+                          ({"contention_fit": 1}, "contention_fit")):
             with pytest.raises(InvalidInputError) as err:
                 core.set_admission(**bad)
             assert err.value.field == name and name in str(err.value)
@@ -653,11 +655,12 @@ def test_admission_settings_change_while_serving(synth):
         assert core.set_admission(mode=2, target=0.5)["mode"] == "2"
         out = core.set_admission(lm_alone=True, start_share=1)  # before the first was applied
         assert out == {"mode": "off", "target": 0.8, "start_share": 1, "lm_alone": True, "start_cost": False,
-                       "slack_margin": 0.1, "slack_recover": 0.5}
+                       "slack_margin": 0.1, "slack_recover": 0.5, "contention_fit": False}
         assert core.has_work()
         core.step()
         assert core.admission_settings() == {"mode": "2", "target": 0.5, "start_share": 1, "lm_alone": True,
-                                             "start_cost": False, "slack_margin": 0.1, "slack_recover": 0.5}
+                                             "start_cost": False, "slack_margin": 0.1, "slack_recover": 0.5,
+                                             "contention_fit": False}
         m = core.capacity_model
         assert core.admission_limit == 2 and m.target == 0.5 and m.device.price_lm_alone and not m.host.price_lm_alone
         reqs = [syn.build_request(TEXT, voice, stream_params(i), f"r{i}") for i in range(4)]
@@ -671,9 +674,10 @@ def test_admission_settings_change_while_serving(synth):
         seen = m.seen
         core.slack_guard.observe(0.01, 5)  # a close call under the old settings: capped at 4
         assert core.slack_guard.limit() == 4
-        core.set_admission(mode="auto", start_cost=True)
+        core.set_admission(mode="auto", start_cost=True, contention_fit=True)
         core.step()
         assert core.admission.mode == "auto" and m.start_cost and core.capacity_model is m and m.seen == seen
+        assert m.contention_fit and m.host.contention_fit and m.device.contention_fit
         assert core.slack_guard.limit() is None and core.slack_guard.cuts == 1  # the cap starts over
         # the slack guard's margin and recovery rate (seconds; seconds per stream)
         guard = core.slack_guard
@@ -1384,6 +1388,8 @@ def test_cli_admission_trace_option(tmp_path):
     p = argparse.ArgumentParser()
     cli._engine_args(p)
     assert cli._engine_config(p.parse_args([])).admission_trace is None
+    assert not cli._engine_config(p.parse_args([])).admission_contention_fit
+    assert cli._engine_config(p.parse_args(["--admission-contention-fit"])).admission_contention_fit
     cfg = cli._engine_config(p.parse_args(["--admission-trace", str(tmp_path / "a.jsonl.gz")]))
     assert cfg.admission_trace == str(tmp_path / "a.jsonl.gz")
     with pytest.raises(cli.CLIError, match="--admission-trace"):
@@ -1442,3 +1448,61 @@ def test_trace_writes_numpy_scalars_and_stops_on_a_write_error_without_failing(t
         est.observe_lm(2, 0.003)
     assert short.records == 5 and "limit of 5 records" in short.failed
     assert len(list(read_admission_trace(tmp_path / "v.jsonl"))) == 5
+
+
+def test_contention_fit_separates_the_cost_per_row_from_token2wav_beside_the_steps(tmp_path):
+    """A ramp where the steps with more rows are also those beside token2wav work (the first ramp of a fresh server,
+    docs/perf.md "Session 40"): the fit against rows alone reads the contention as a steeper cost per row and a
+    smaller fixed part, so its pace bound admits fewer streams; ``contention_fit`` recovers the true per-row cost
+    and prices the contention as a fixed part at the share of steps it touched, on the host (``beside``) and the
+    device (``alone``). Without both kinds of steps (or with contention only) it keeps the fit against rows; the
+    setting is carried through a trace."""
+    a, c, d = 0.002, 0.0001, 0.003  # seconds per step, per row, and with token2wav beside
+    g = torch.Generator().manual_seed(3)
+    clock = Clock()
+    plain = CapacityEstimator(25, clock=clock, max_streams=500)
+    fitted = CapacityEstimator(25, clock=clock, max_streams=500, contention_fit=True)
+    for i in range(600):
+        b = 1 + i % 60
+        beside = float(torch.rand(1, generator=g)) < b / 60  # more rows, more often beside a flow batch
+        y = a + c * b + d * beside
+        for est in (plain, fitted):
+            est.observe_lm(b, y, admitted=b, beside=beside)
+            est.observe_lm_device(b, y, alone=not beside)
+            if i % 5 == 0:
+                est.observe_t2w(1.0, 0.001, 0.001)
+        clock.t += 0.01
+    share = fitted.host.lm_contention.z / fitted.host.lm_contention.w
+    for r in (fitted.host, fitted.device):
+        fixed, per_row = r.lm_fit()
+        assert per_row == pytest.approx(c, rel=0.02) and fixed == pytest.approx(a + d * share, rel=0.02)
+    naive_fixed, naive_row = plain.host.lm_fit()
+    assert naive_row > 1.3 * c and naive_fixed < a + d * share  # the confounded fit
+    assert fitted.estimate() > 1.1 * plain.estimate()  # (both capacities at the slow-start bound here)
+    assert fitted.terms()["host"]["contention_per_stream"] == pytest.approx(25 * c, rel=0.05)
+    # the steps of one kind only: the fit against rows is kept
+    only = CapacityEstimator(25, clock=clock, contention_fit=True)
+    for i in range(100):
+        only.observe_lm(1 + i % 8, a + c * (1 + i % 8), beside=True)
+        only.observe_lm(1 + i % 8, a + c * (1 + i % 8))  # not known: not in the contention fit
+    assert only.host.lm_contention.solve() is None and only.host.lm_fit() == only.host.lm.solve()
+    # a trace carries beside and the setting; replayed, the same capacities, and off gives the plain ones
+    clock2 = Clock()
+    est = CapacityEstimator(25, clock=clock2, max_streams=500, growth=10.0, contention_fit=True)
+    est.start_trace(trace := AdmissionTrace(tmp_path / "c.jsonl"))
+    caps = []
+    for i in range(300):
+        b = 1 + i % 60
+        beside = (i * 7919) % 60 < b
+        est.observe_lm(b, a + c * b + d * beside, admitted=b, beside=beside)
+        est.observe_lm_device(b, a + c * b + d * beside, alone=not beside)
+        if i % 5 == 0:
+            est.observe_t2w(1.0, 0.001, 0.001)
+        caps.append(est.capacity(1.0))
+        clock2.t += 0.01
+    trace.close()
+    records = list(read_admission_trace(tmp_path / "c.jsonl"))
+    assert records[0]["contention_fit"] is True and any(r.get("beside") is True for r in records)
+    assert [cap for _, cap in replay_admission_trace(records)] == caps
+    off = [cap for _, cap in replay_admission_trace(records, contention_fit=False)]
+    assert sum(off) < sum(caps)

@@ -502,7 +502,8 @@ def test_admission_settings_route(tight):
     assert httpx.get(url).status_code == 401 and httpx.patch(url, json={"target": 0.5}).status_code == 401
     before = httpx.get(url, headers=AUTH).json()
     assert before["settings"] == {"mode": "off", "target": 0.8, "start_share": 0.45, "lm_alone": True,
-                                  "start_cost": True, "slack_margin": 0.05, "slack_recover": 0.5}
+                                  "start_cost": True, "slack_margin": 0.05, "slack_recover": 0.5,
+                                  "contention_fit": False}
     assert before["admission_limit"] == 1 and before["admitted"] == 0
     for body, needle in (({"target": 2}, "target"), ({"lm_alone": 1}, "lm_alone"), ({"mode": "maybe"}, "mode"),
                          ({"speed": 1}, "speed"), ({}, "no admission setting"), ([1], "JSON object"),
@@ -512,11 +513,11 @@ def test_admission_settings_route(tight):
         assert r.status_code == 400 and needle in r.json()["error"], (body, r.text)
     assert httpx.get(url, headers=AUTH).json()["settings"] == before["settings"]
     r = httpx.patch(url, json={"mode": 3, "target": 0.6, "lm_alone": False, "slack_margin": 0.08,
-                               "slack_recover": 0.2}, headers=AUTH)
+                               "slack_recover": 0.2, "contention_fit": True}, headers=AUTH)
     assert r.status_code == 200 and r.json()["settings"]["mode"] == "3", r.text
     assert r.json()["settings"]["slack_margin"] == 0.08 and r.json()["settings"]["slack_recover"] == 0.2
     want = {"mode": "3", "target": 0.6, "start_share": 0.45, "lm_alone": False, "start_cost": True,
-            "slack_margin": 0.08, "slack_recover": 0.2}
+            "slack_margin": 0.08, "slack_recover": 0.2, "contention_fit": True}
     deadline = time.time() + 30
     while (now := httpx.get(url, headers=AUTH).json())["settings"] != want and time.time() < deadline:
         time.sleep(0.05)
@@ -524,7 +525,7 @@ def test_admission_settings_route(tight):
     assert "admission settings changed" in tight.logs()
     # back to the command line's settings (the next test needs its one stream and empty queue)
     r = httpx.patch(url, json={"mode": "off", "target": 0.8, "lm_alone": True, "slack_margin": 0.05,
-                               "slack_recover": 0.5}, headers=AUTH)
+                               "slack_recover": 0.5, "contention_fit": False}, headers=AUTH)
     assert r.status_code == 200
     while httpx.get(url, headers=AUTH).json()["settings"] != before["settings"] and time.time() < deadline:
         time.sleep(0.05)

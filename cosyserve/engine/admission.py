@@ -68,7 +68,10 @@ term already charges: with ``lm_alone`` (``--admission-lm-alone``; on by default
 prices the LM at the steps that ran alone (once enough of them were seen: their decode fitted apart from
 the prefills that rode in them, the prefills priced per generated token) and checks the LM's pace
 separately against the steps as they ran (:class:`_Resource`; the fit over every step priced an H100's
-UNet LM at 7x its own per-row cost, docs/perf.md "Session 36").
+UNet LM at 7x its own per-row cost, docs/perf.md "Session 36"). With ``contention_fit`` (off by default) both
+resources fit the steps as they ran against their rows and whether token2wav ran beside them
+(:class:`_ContentionFit`): in a burst of starting streams the steps with more rows are also those beside more
+first-chunk flow work, which the fit against rows alone reads as a steeper cost per row (docs/perf.md "Session 40").
 
 Feedback (:class:`SlackGuard`): the model above prices what it measured, and it can be wrong — on an
 H100 with device memory no longer binding, it read 146-156 DiT streams where 88 stayed real time
@@ -324,6 +327,55 @@ class _LinearFit:
         return a, c
 
 
+class _ContentionFit:
+    """Exponentially weighted least squares of ``y = a + c*x + d*z`` (sums decayed by the caller): an LM step's
+    time against its rows ``x`` and whether token2wav work ran beside it ``z`` (0/1). In a burst of starting streams
+    the steps with more rows are also those beside more first-chunk flow work, so the fit of ``y`` against ``x``
+    alone reads that contention as a cost per row (session 40: the slope of every step's device time tripled over
+    an H200's first ramp and the pace bound fell to 28 streams where 96 listening clients stayed real time); with
+    ``z`` as a regressor the per-row cost comes from steps of like contention. :meth:`solve` gives the LM's step
+    cost at the contention of the moment: ``(a + d*p, c)`` with ``p`` the recent share of steps beside token2wav."""
+
+    def __init__(self):
+        self.w = self.x = self.z = self.y = self.xx = self.xz = self.zz = self.xy = self.zy = 0.0
+
+    def decay(self, f: float) -> None:
+        for k in ("w", "x", "z", "y", "xx", "xz", "zz", "xy", "zy"):
+            setattr(self, k, getattr(self, k) * f)
+
+    def add(self, x: float, y: float, z: float) -> None:
+        self.w += 1.0
+        self.x += x
+        self.z += z
+        self.y += y
+        self.xx += x * x
+        self.xz += x * z
+        self.zz += z * z
+        self.xy += x * y
+        self.zy += z * y
+
+    def solve(self) -> tuple[float, float] | None:
+        """``(a + d*p, c)`` (seconds per step, seconds per row) with ``a, c, d >= 0``; None where the sums do not
+        tell the three apart (too few steps, rows or contention hardly varied within the data, a negative part):
+        the caller then keeps the fit against rows alone."""
+        if self.w < 1e-6:
+            return None
+        w = self.w
+        mx, mz, my = self.x / w, self.z / w, self.y / w
+        sxx, szz, sxz = self.xx / w - mx * mx, self.zz / w - mz * mz, self.xz / w - mx * mz
+        sxy, szy = self.xy / w - mx * my, self.zy / w - mz * my
+        det = sxx * szz - sxz * sxz
+        # rows must vary, and contention must vary apart from the rows (both within the data)
+        if sxx < 0.1 or szz < 1e-3 or det < 1e-3 * sxx * szz:
+            return None
+        c = (sxy * szz - szy * sxz) / det
+        d = (szy * sxx - sxy * sxz) / det
+        a = my - c * mx - d * mz
+        if c < 0 or d < 0 or a < 0:
+            return None
+        return a + d * mz, c
+
+
 #: token2wav prices (:class:`CapacityEstimator` ``t2w_price``): a batch's time fitted against the
 #: audio seconds it made, or against its flow input (cost units) and priced per audio second at the
 #: cost units per audio second the streams' chunks needed lately (module doc)
@@ -352,10 +404,14 @@ class _Resource:
     (``price_lm_alone``; ``EngineConfig.admission_lm_alone``, on by default; off: every step's time prices the
     LM)."""
 
-    def __init__(self, t2w_price: str = "audio", price_lm_alone: bool = False):
+    def __init__(self, t2w_price: str = "audio", price_lm_alone: bool = False, contention_fit: bool = False):
         if t2w_price not in T2W_PRICES:
             raise ValueError(f"t2w_price must be one of {T2W_PRICES}, got {t2w_price!r}")
         self.lm = _LinearFit()
+        #: the steps' time against rows and token2wav beside them (:class:`_ContentionFit`; priced with
+        #: ``contention_fit``, fed either way)
+        self.lm_contention = _ContentionFit()
+        self.contention_fit = contention_fit
         self.lm_alone = _LinearFit()
         self.t2w = _LinearFit()
         self.t2w_price = t2w_price
@@ -364,6 +420,7 @@ class _Resource:
 
     def decay(self, f: float) -> None:
         self.lm.decay(f)
+        self.lm_contention.decay(f)
         self.lm_alone.decay(f)
         self.t2w.decay(f)
         self.prefill_s *= f
@@ -385,7 +442,7 @@ class _Resource:
         audio second; ``lm``: the LM fit, default every step's; ``lm_extra_per_row``: seconds per row priced
         besides the fit, :meth:`alone_terms`' prefill); None without LM data, or without token2wav data when
         ``audio``."""
-        fit = (lm or self.lm).solve()
+        fit = lm.solve() if lm is not None else self.lm_fit()
         t2w = self.t2w.solve() if audio else (0.0, 0.0)
         if fit is None or t2w is None:
             return None
@@ -394,6 +451,16 @@ class _Resource:
             k *= cost_per_audio_s
         return {"lm_fixed": rate * a, "lm_per_stream": rate * (c + lm_extra_per_row),
                 "t2w_fixed": a_t / T2W_PERIOD_S, "t2w_per_stream": k * t2w_factor}
+
+    def lm_fit(self) -> tuple[float, float] | None:
+        """The LM step's ``(fixed seconds, seconds per row)`` as the steps ran: with ``contention_fit`` from
+        :class:`_ContentionFit` where it tells rows and contention apart, else (and as before) every step's time
+        against its rows."""
+        if self.contention_fit:
+            fit = self.lm_contention.solve()
+            if fit is not None:
+                return fit
+        return self.lm.solve()
 
     def alone_terms(self, rate: float, audio: bool, t2w_factor: float = 1.0,
                     cost_per_audio_s: float = 1.0) -> dict[str, float] | None:
@@ -463,14 +530,14 @@ class AdmissionTrace:
     that clock reading, to line the trace up with a benchmark's log), ``lm`` / ``lmd`` /
     ``t2w`` (the arguments of :meth:`~CapacityEstimator.observe_lm`, :meth:`~CapacityEstimator.observe_lm_device`,
     :meth:`~CapacityEstimator.observe_t2w`), ``set`` (the pricing settings, when they change: ``target``,
-    ``start_cost``, ``lm_alone``), ``cap`` (one :meth:`~CapacityEstimator.capacity` call: ``pace``, the speed-up
-    ``S``, the starting fraction ``f``, ``audio``, the result ``cap``, and what the caller noted, e.g. the
-    engine's active ``a`` and waiting ``w`` requests) and ``slack`` (the engine's close calls: ``s`` seconds of
-    slack, ``a`` streams active, ``cut``). Floats are written exactly (``repr``; numpy / torch scalars as Python
-    floats). Thread-safe (a lock per record); :meth:`close` flushes. Raises OSError where ``path`` cannot be
-    opened; a record that cannot be written later (a full disk) stops the recording with one logged warning
-    (:attr:`failed`) instead of failing the engine's step, as does reaching ``max_records`` (default
-    :data:`TRACE_MAX_RECORDS`: a server left recording does not fill its disk)."""
+    ``start_cost``, ``lm_alone``, ``contention_fit``), ``cap`` (one :meth:`~CapacityEstimator.capacity` call:
+    ``pace``, the speed-up ``S``, the starting fraction ``f``, ``audio``, the result ``cap``, and what the caller
+    noted, e.g. the engine's active ``a`` and waiting ``w`` requests) and ``slack`` (the engine's close calls:
+    ``s`` seconds of slack, ``a`` streams active, ``cut``). Floats are written exactly (``repr``; numpy / torch
+    scalars as Python floats). Thread-safe (a lock per record); :meth:`close` flushes. Raises OSError where
+    ``path`` cannot be opened; a record that cannot be written later (a full disk) stops the recording with one
+    logged warning (:attr:`failed`) instead of failing the engine's step, as does reaching ``max_records``
+    (default :data:`TRACE_MAX_RECORDS`: a server left recording does not fill its disk)."""
 
     def __init__(self, path: str | Path, max_records: int = 0):
         self.path = Path(path)
@@ -544,10 +611,11 @@ def read_admission_trace(path: str | Path) -> Iterator[dict]:
 def replay_admission_trace(records: Iterable[dict], **overrides) -> Iterator[tuple[dict, int]]:
     """Feed an :class:`AdmissionTrace`'s records (:func:`read_admission_trace`) to a new
     :class:`CapacityEstimator` built with the recording's settings, ``overrides`` replacing any of its
-    constructor's keyword arguments (``target``, ``lm_alone``, ``start_cost``, ``half_life_s``, ``growth``,
-    ``initial``, ``max_streams``, ``t2w_price``); the recording's later ``set`` records apply only to settings not
-    overridden. Yields ``(cap record, replayed capacity)`` for every ``cap`` record (its ``cap`` field: what the
-    recording computed). Open loop (module doc). Raises ValueError without a leading ``init`` record."""
+    constructor's keyword arguments (``target``, ``lm_alone``, ``start_cost``, ``contention_fit``, ``half_life_s``,
+    ``growth``, ``initial``, ``max_streams``, ``t2w_price``); the recording's later ``set`` records apply only to
+    settings not overridden. Yields ``(cap record, replayed capacity)`` for every ``cap`` record (its ``cap``
+    field: what the recording computed). Open loop (module doc). Raises ValueError without a leading ``init``
+    record."""
     it = iter(records)
     init = next(it, None)
     if init is None or init.get("op") != "init":
@@ -555,13 +623,14 @@ def replay_admission_trace(records: Iterable[dict], **overrides) -> Iterator[tup
     now = [init["t"]]
     kwargs = {k: init[k] for k in ("target", "max_streams", "initial", "growth", "half_life_s", "t2w_price",
                                    "lm_alone", "start_cost")}
+    kwargs["contention_fit"] = init.get("contention_fit", False)
     kwargs.update(overrides)
     m = CapacityEstimator(init["token_rate"], clock=lambda: now[0], **kwargs)
     for rec in it:
         now[0] = rec["t"]
         op = rec["op"]
         if op == "lm":
-            m.observe_lm(rec["rows"], rec["host_s"], rec["admitted"])
+            m.observe_lm(rec["rows"], rec["host_s"], rec["admitted"], rec.get("beside"))
         elif op == "lmd":
             pre = rec["prefill"]
             m.observe_lm_device(rec["rows"], rec["device_s"], rec["alone"], None if pre is None else tuple(pre))
@@ -576,6 +645,8 @@ def replay_admission_trace(records: Iterable[dict], **overrides) -> Iterator[tup
                 m.start_cost = rec["start_cost"]
             if "lm_alone" not in overrides:
                 m.device.price_lm_alone = rec["lm_alone"]
+            if "contention_fit" not in overrides:
+                m.contention_fit = rec.get("contention_fit", False)
         elif op == "cap":
             m.speedup, m.starting_fraction, m.audio = rec["S"], rec["f"], rec["audio"]
             yield rec, m.capacity(rec["pace"])
@@ -597,7 +668,9 @@ class CapacityEstimator:
     stream runs, where a batch's time follows its streams' lengths rather than its audio); ``lm_alone``: the
     device prices the LM at the steps that ran alone on it (:class:`_Resource`; the steps are fitted either way);
     ``start_cost``: a starting stream's token2wav is priced at :attr:`start_cost_ratio` x the schedule's speed-up
-    (``t2w_price="cost"`` only; the ratio is measured either way). :attr:`trace`: an :class:`AdmissionTrace`
+    (``t2w_price="cost"`` only; the ratio is measured either way); ``contention_fit``: both resources price the LM
+    steps as they ran by their time against rows *and* whether token2wav ran beside them (:class:`_ContentionFit`,
+    :attr:`contention_fit`; off: against rows alone). :attr:`trace`: an :class:`AdmissionTrace`
     that records what the estimator is fed and computes (None: off; :meth:`start_trace`).
     Raises ValueError for settings out of range. Not thread-safe: fed and read by the engine thread (readers elsewhere read
     :attr:`last` / :attr:`last_estimate`, plain attributes).
@@ -605,15 +678,15 @@ class CapacityEstimator:
 
     def __init__(self, token_rate: float, target: float = 0.8, max_streams: int = 1 << 30, initial: int = 2,
                  growth: float = 1.5, half_life_s: float = 10.0, clock=time.monotonic, t2w_price: str = "audio",
-                 lm_alone: bool = False, start_cost: bool = False):
+                 lm_alone: bool = False, start_cost: bool = False, contention_fit: bool = False):
         if not (token_rate > 0 and 0 < target <= 1 and max_streams >= 1 and initial >= 1 and growth >= 1
                 and half_life_s > 0):
             raise ValueError("invalid capacity estimator settings")
         self.rate, self.target, self.max_streams = float(token_rate), float(target), int(max_streams)
         self.initial, self.growth, self.half_life_s = int(initial), float(growth), float(half_life_s)
         self.clock = clock
-        self.host = _Resource(t2w_price)
-        self.device = _Resource(t2w_price, lm_alone)
+        self.host = _Resource(t2w_price, contention_fit=contention_fit)
+        self.device = _Resource(t2w_price, lm_alone, contention_fit=contention_fit)
         self._cost = self._audio = 0.0  # decayed sums of token2wav cost units and audio seconds
         self._start_cost = self._start_audio = 0.0  # the same for the chunks of starting streams
         self.start_cost = bool(start_cost)
@@ -634,7 +707,8 @@ class CapacityEstimator:
         self.trace: AdmissionTrace | None = None
         self._traced_settings: tuple | None = None
         self._settings = dict(target=target, max_streams=max_streams, initial=initial, growth=growth,
-                              half_life_s=half_life_s, t2w_price=t2w_price, lm_alone=lm_alone, start_cost=start_cost)
+                              half_life_s=half_life_s, t2w_price=t2w_price, lm_alone=lm_alone, start_cost=start_cost,
+                              contention_fit=contention_fit)
 
     def start_trace(self, trace: AdmissionTrace) -> None:
         """Record from now on into ``trace`` (its ``init`` record: this estimator's constructor settings; a
@@ -647,6 +721,15 @@ class CapacityEstimator:
     def t2w_price(self) -> str:
         """The token2wav price (``"audio"`` or ``"cost"``; class doc)."""
         return self.host.t2w_price
+
+    @property
+    def contention_fit(self) -> bool:
+        """Whether the LM steps as they ran are priced by :class:`_ContentionFit` (class doc; settable)."""
+        return self.host.contention_fit
+
+    @contention_fit.setter
+    def contention_fit(self, on: bool) -> None:
+        self.host.contention_fit = self.device.contention_fit = bool(on)
 
     def _now(self, op: str, **fields) -> float:
         """The clock, read once per measurement (and the measurement recorded with it when tracing)."""
@@ -668,15 +751,18 @@ class CapacityEstimator:
             self._audio *= f
         self._t = now
 
-    def observe_lm(self, rows: int, host_s: float, admitted: int | None = None) -> None:
+    def observe_lm(self, rows: int, host_s: float, admitted: int | None = None, beside: bool | None = None) -> None:
         """One LM step over ``rows`` running segments (prefill + decode) took ``host_s``
         seconds of the scheduler thread, waits for the device included; ``admitted``:
-        requests admitted at the time (default ``rows``)."""
-        now = self._now("lm", rows=rows, host_s=host_s, admitted=admitted)
+        requests admitted at the time (default ``rows``); ``beside``: whether a token2wav batch was in flight
+        during the step (None: not known; :class:`_ContentionFit`)."""
+        now = self._now("lm", rows=rows, host_s=host_s, admitted=admitted, beside=beside)
         if rows < 1 or not host_s >= 0:
             return
         self._decay(now)
         self.host.lm.add(rows, host_s)
+        if beside is not None:
+            self.host.lm_contention.add(rows, host_s, float(beside))
         self.seen = max(self.seen, rows if admitted is None else admitted)
 
     def observe_lm_device(self, rows: int, device_s: float, alone: bool = False,
@@ -692,6 +778,7 @@ class CapacityEstimator:
             return
         self._decay(now)
         self.device.lm.add(rows, device_s)
+        self.device.lm_contention.add(rows, device_s, 0.0 if alone else 1.0)
         dec_rows, dec_s = rows, device_s
         if prefill is not None:
             n_pre, s_pre = int(prefill[0]), max(0.0, min(float(prefill[1]), device_s))
@@ -774,6 +861,10 @@ class CapacityEstimator:
                                      lm_alone_per_stream=round(alone["lm_per_stream"], 5),
                                      prefill_per_stream=round(rate * r.prefill_per_row, 5),
                                      pace_streams=round(min(_pace_streams(t, self.target), 1e9), 1))
+                cf = r.lm_contention.solve()  # (logged whether priced or not: contention_fit)
+                if cf is not None:
+                    out[name].update(contention_fixed=round(rate * cf[0], 5),
+                                     contention_per_stream=round(rate * cf[1], 5))
                 out[name]["streams"] = round(min(_capacity(t, alone, self.target), 1e9), 1)
         return out
 
@@ -804,9 +895,10 @@ class CapacityEstimator:
         cap = self._capacity(lm_pace)
         if self.trace is not None:
             now = self.clock()
-            settings = (self.target, self.start_cost, self.device.price_lm_alone)
+            settings = (self.target, self.start_cost, self.device.price_lm_alone, self.contention_fit)
             if settings != self._traced_settings:
-                self.trace.write("set", now, target=settings[0], start_cost=settings[1], lm_alone=settings[2])
+                self.trace.write("set", now, target=settings[0], start_cost=settings[1], lm_alone=settings[2],
+                                 contention_fit=settings[3])
                 self._traced_settings = settings
             self.trace.write("cap", now, pace=lm_pace, S=self.speedup, f=self.starting_fraction, audio=self.audio,
                              cap=cap, **(note or {}))

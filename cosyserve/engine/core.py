@@ -201,6 +201,10 @@ class EngineConfig:
     failing the first-chunk p99 at 84-96 listening clients that passed with 0.05, "Session 38").
     ``admission_slack_recover_s``: after a cut the cap grows back by one stream per this many seconds without a
     close call (default 0.5 s per stream; larger = slower recovery).
+    ``admission_contention_fit``: the capacity model prices the LM steps as they ran by their time against their
+    rows and whether token2wav ran beside them, so that a burst's first-chunk flow work is not read as a cost per
+    row (:class:`~cosyserve.engine.admission._ContentionFit`; off by default: not measured yet, docs/perf.md
+    "Session 40").
     ``admission_trace``: a file the capacity model records its measurements and estimates into (JSON lines,
     gzip with a ``.gz`` name; :class:`~cosyserve.engine.admission.AdmissionTrace`), for replaying them into other
     settings offline (``benchmarks/admission_replay.py``); None (default): no recording.
@@ -271,6 +275,7 @@ class EngineConfig:
     admission_start_cost: bool = True
     admission_slack_margin_s: float = 0.05
     admission_slack_recover_s: float = 0.5
+    admission_contention_fit: bool = False
     admission_trace: str | None = None
     strict_min_len: bool = False
     flow_stream_cache: bool | str | None = None
@@ -352,7 +357,8 @@ ADMISSION_HOLDS = ("capacity", "slack", "memory", "starting", "fixed", "max_acti
 #: by their short names, and the :class:`EngineConfig` fields they are
 ADMISSION_SETTINGS = {"mode": "admission", "target": "admission_target", "start_share": "admission_start_share",
                       "lm_alone": "admission_lm_alone", "start_cost": "admission_start_cost",
-                      "slack_margin": "admission_slack_margin_s", "slack_recover": "admission_slack_recover_s"}
+                      "slack_margin": "admission_slack_margin_s", "slack_recover": "admission_slack_recover_s",
+                      "contention_fit": "admission_contention_fit"}
 #: the numeric ones among them, with what :meth:`EngineCore.set_admission`'s type error says they must be
 _NUMBER_SETTINGS = {"target": "a number in (0, 1]", "start_share": "a number in (0, 1]",
                     "slack_margin": "a number of seconds >= 0", "slack_recover": "a number of seconds per stream > 0"}
@@ -568,6 +574,7 @@ class EngineCore:
         self.capacity_model = CapacityEstimator(models.cfg.token_frame_rate, target=config.admission_target,
                                                 max_streams=config.max_active, lm_alone=config.admission_lm_alone,
                                                 start_cost=config.admission_start_cost,
+                                                contention_fit=config.admission_contention_fit,
                                                 t2w_price="cost" if getattr(self.t2w, "chunk_cost_grows", True)
                                                 else "audio")
         if config.admission_trace:
@@ -849,8 +856,8 @@ class EngineCore:
     def admission_settings(self) -> dict:
         """(Thread-safe read.) The admission settings in effect, under the names :meth:`set_admission` takes:
         ``mode`` (``"auto"``, ``"off"`` or the fixed number of streams as text), ``target``, ``start_share``,
-        ``lm_alone``, ``start_cost``, ``slack_margin`` (seconds), ``slack_recover`` (seconds per stream) (the
-        ``--admission*`` options)."""
+        ``lm_alone``, ``start_cost``, ``slack_margin`` (seconds), ``slack_recover`` (seconds per stream),
+        ``contention_fit`` (the ``--admission*`` options)."""
         return {key: str(self.admission) if key == "mode" else getattr(self.cfg, name)
                 for key, name in ADMISSION_SETTINGS.items()}
 
@@ -858,9 +865,10 @@ class EngineCore:
         """(Thread-safe.) Change admission settings while serving, keeping what the capacity model has measured:
         ``mode`` (``"auto"``, ``"off"`` or a number of streams), ``target`` (0-1], ``start_share`` (0-1],
         ``lm_alone``, ``start_cost`` (bools), ``slack_margin`` (seconds >= 0), ``slack_recover`` (seconds per stream,
-        > 0) — the ``--admission``, ``--admission-target``, ``--admission-start-share``, ``--admission-lm-alone``,
-        ``--admission-start-cost``, ``--admission-slack-margin``, ``--admission-slack-recover`` options (the last
-        two: the slack guard's close-call margin and recovery rate). Checked at once
+        > 0), ``contention_fit`` (bool) — the ``--admission``, ``--admission-target``, ``--admission-start-share``,
+        ``--admission-lm-alone``, ``--admission-start-cost``, ``--admission-slack-margin``,
+        ``--admission-slack-recover`` (the slack guard's close-call margin and recovery rate),
+        ``--admission-contention-fit`` options. Checked at once
         (raises :class:`~cosyserve.errors.InvalidInputError` naming the setting: unknown, wrong type or out of
         range); applied by the engine thread before its next step, so the streams admitted already keep running
         and the next admission decision uses the new settings (the slack guard's cap, measured under the old
@@ -872,7 +880,7 @@ class EngineCore:
         for key, value in changes.items():
             if key not in names:
                 raise InvalidInputError(f"unknown admission setting {key!r} (one of {', '.join(names)})", key)
-            if key in ("lm_alone", "start_cost") and not isinstance(value, bool):
+            if key in ("lm_alone", "start_cost", "contention_fit") and not isinstance(value, bool):
                 raise InvalidInputError(f"admission setting {key!r} must be true or false, got {value!r}", key)
             if key in _NUMBER_SETTINGS and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise InvalidInputError(f"admission setting {key!r} must be {_NUMBER_SETTINGS[key]}, got {value!r}", key)
@@ -903,6 +911,7 @@ class EngineCore:
         m = self.capacity_model
         m.target, m.start_cost = cfg.admission_target, cfg.admission_start_cost
         m.device.price_lm_alone = cfg.admission_lm_alone  # (the host fits its steps as they ran)
+        m.contention_fit = cfg.admission_contention_fit
         self.slack_guard.margin_s = cfg.admission_slack_margin_s
         self.slack_guard.recover_s = cfg.admission_slack_recover_s
         self.slack_guard.release()  # a cap from close calls under the old settings starts over
@@ -1048,8 +1057,11 @@ class EngineCore:
         self._admit()
         if self._active:
             t_lm = time.perf_counter()
+            # beside: a token2wav batch in flight during the step (its waits for the device then include the flow's)
+            busy, epoch = self._inflight is not None, self._t2w_epoch
             lm_rows = self._lm_step(events)
-            self.capacity_model.observe_lm(lm_rows, time.perf_counter() - t_lm, admitted=len(self._active))
+            self.capacity_model.observe_lm(lm_rows, time.perf_counter() - t_lm, admitted=len(self._active),
+                                           beside=busy or epoch != self._t2w_epoch or self._inflight is not None)
             if not lm_rows and self._inflight is not None:
                 self._collect(events, wait=True)  # nothing else to do: block (GIL released)
             self._t2w_step(events, lm_busy=lm_rows > 0)

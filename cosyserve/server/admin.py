@@ -3,8 +3,8 @@
 * ``GET /admin/admission`` — the settings in effect (``mode``: ``"auto"``, ``"off"`` or a fixed number of
   streams; ``target``; ``start_share``; ``lm_alone``; ``start_cost``; ``slack_margin``: seconds of slack below
   which a streaming chunk is a close call; ``slack_recover``: seconds per stream the slack guard's cap grows back;
-  the ``serve --admission*`` options), with the capacity gauge (streams, as ``cosyserve_capacity_streams``), the
-  admission limit and the streams admitted.
+  ``contention_fit``; the ``serve --admission*`` options), with the capacity gauge (streams, as
+  ``cosyserve_capacity_streams``), the admission limit and the streams admitted.
 * ``PATCH /admin/admission`` — a JSON object with any of those settings changes them without a restart (the
   capacity model keeps what it measured; streams already admitted keep running): for tuning a live server and
   for benchmarks that compare settings on one server start (``benchmarks/capacity_startup.sh`` ``SWEEP``). An
