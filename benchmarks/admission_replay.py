@@ -6,10 +6,10 @@ Prints one markdown table: per time window (seconds from the trace's start, and 
 up with a benchmark's level times) the engine's active and waiting requests (most), the close calls and late
 chunks the engine saw, the capacity the server computed (least and mean), and what each variant's estimator
 computes from the same measurements (least and mean). The first variant column is always the recording's own
-settings: it must equal the recorded one (the script says so, or counts the records where it does not). Open loop (cosyserve/engine/admission.py, "Trace and replay"): a variant that would
-have admitted more streams is shown what the recorded streams cost, not what its own would have.
-Variant keys: the CapacityEstimator's keyword arguments (target, lm_alone, start_cost, half_life_s, growth,
-initial, max_streams, t2w_price).
+settings: it must equal the recorded one (the script says so, or counts the records where it does not). Open
+loop (cosyserve/engine/admission.py, "Trace and replay"): a variant that would have admitted more streams is shown
+what the recorded streams cost, not what its own would have. Variant keys: the CapacityEstimator's keyword
+arguments (target, lm_alone, start_cost, contention_fit, half_life_s, growth, initial, max_streams, t2w_price).
 """
 
 from __future__ import annotations

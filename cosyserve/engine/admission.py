@@ -327,7 +327,7 @@ class _LinearFit:
         return a, c
 
 
-class _ContentionFit:
+class _ContentionFit(_LinearFit):
     """Exponentially weighted least squares of ``y = a + c*x + d*z`` (sums decayed by the caller): an LM step's
     time against its rows ``x`` and whether token2wav work ran beside it ``z`` (0/1). In a burst of starting streams
     the steps with more rows are also those beside more first-chunk flow work, so the fit of ``y`` against ``x``
@@ -337,21 +337,21 @@ class _ContentionFit:
     cost at the contention of the moment: ``(a + d*p, c)`` with ``p`` the recent share of steps beside token2wav."""
 
     def __init__(self):
-        self.w = self.x = self.z = self.y = self.xx = self.xz = self.zz = self.xy = self.zy = 0.0
+        super().__init__()
+        self.z = self.xz = self.zz = self.zy = 0.0
 
     def decay(self, f: float) -> None:
-        for k in ("w", "x", "z", "y", "xx", "xz", "zz", "xy", "zy"):
-            setattr(self, k, getattr(self, k) * f)
+        super().decay(f)
+        self.z *= f
+        self.xz *= f
+        self.zz *= f
+        self.zy *= f
 
-    def add(self, x: float, y: float, z: float) -> None:
-        self.w += 1.0
-        self.x += x
+    def add(self, x: float, y: float, z: float) -> None:  # (the rows-only sums, and z's)
+        super().add(x, y)
         self.z += z
-        self.y += y
-        self.xx += x * x
         self.xz += x * z
         self.zz += z * z
-        self.xy += x * y
         self.zy += z * y
 
     def solve(self) -> tuple[float, float] | None:
@@ -584,28 +584,20 @@ def read_admission_trace(path: str | Path) -> Iterator[dict]:
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
-        first = True
-        lines = iter(f)
-        n = 0
-        while True:
-            try:
-                line = next(lines)
-            except StopIteration:
-                return
-            except EOFError:  # a gzip file its writer never closed (the server killed): what was flushed
-                return
-            n += 1
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                if line.endswith("\n"):
-                    raise ValueError(f"{path}: line {n} is not JSON") from None
-                return  # the writer was stopped mid-line
-            if first and (rec.get("op") != "init" or rec.get("version") != TRACE_VERSION):
-                raise ValueError(f"{path}: not an admission trace of version {TRACE_VERSION} (first record: "
-                                 f"{str(rec)[:80]})")
-            first = False
-            yield rec
+        try:
+            for n, line in enumerate(f, 1):
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    if line.endswith("\n"):
+                        raise ValueError(f"{path}: line {n} is not JSON") from None
+                    return  # the writer was stopped mid-line
+                if n == 1 and (rec.get("op") != "init" or rec.get("version") != TRACE_VERSION):
+                    raise ValueError(f"{path}: not an admission trace of version {TRACE_VERSION} (first record: "
+                                     f"{str(rec)[:80]})")
+                yield rec
+        except EOFError:  # a gzip file its writer never closed (the server killed): what was flushed
+            return
 
 
 def replay_admission_trace(records: Iterable[dict], **overrides) -> Iterator[tuple[dict, int]]:
@@ -706,16 +698,16 @@ class CapacityEstimator:
         #: the recording of inputs and outputs (:meth:`start_trace`; None: off)
         self.trace: AdmissionTrace | None = None
         self._traced_settings: tuple | None = None
-        self._settings = dict(target=target, max_streams=max_streams, initial=initial, growth=growth,
-                              half_life_s=half_life_s, t2w_price=t2w_price, lm_alone=lm_alone, start_cost=start_cost,
-                              contention_fit=contention_fit)
 
     def start_trace(self, trace: AdmissionTrace) -> None:
-        """Record from now on into ``trace`` (its ``init`` record: this estimator's constructor settings; a
-        trace started after measurements cannot be replayed exactly, so the engine starts it at once)."""
+        """Record from now on into ``trace`` (its ``init`` record: this estimator's settings, as its constructor
+        takes them; a trace started after measurements cannot be replayed exactly, so the engine starts it at
+        once)."""
         self.trace, self._traced_settings = trace, None  # (the first estimate records the settings in force)
         trace.write("init", self.clock(), version=TRACE_VERSION, wall=time.time(), token_rate=self.rate,
-                    **{**self._settings, "max_streams": self.max_streams})
+                    target=self.target, max_streams=self.max_streams, initial=self.initial, growth=self.growth,
+                    half_life_s=self.half_life_s, t2w_price=self.t2w_price, lm_alone=self.device.price_lm_alone,
+                    start_cost=self.start_cost, contention_fit=self.contention_fit)
 
     @property
     def t2w_price(self) -> str:
@@ -731,8 +723,9 @@ class CapacityEstimator:
     def contention_fit(self, on: bool) -> None:
         self.host.contention_fit = self.device.contention_fit = bool(on)
 
-    def _now(self, op: str, **fields) -> float:
-        """The clock, read once per measurement (and the measurement recorded with it when tracing)."""
+    def record(self, op: str, **fields) -> float:
+        """The clock, read once per measurement, and the record ``op`` with ``fields`` written to :attr:`trace`
+        at that time when tracing (the observations' own records; the engine's ``slack`` records)."""
         now = self.clock()
         if self.trace is not None:
             self.trace.write(op, now, **fields)
@@ -756,7 +749,7 @@ class CapacityEstimator:
         seconds of the scheduler thread, waits for the device included; ``admitted``:
         requests admitted at the time (default ``rows``); ``beside``: whether a token2wav batch was in flight
         during the step (None: not known; :class:`_ContentionFit`)."""
-        now = self._now("lm", rows=rows, host_s=host_s, admitted=admitted, beside=beside)
+        now = self.record("lm", rows=rows, host_s=host_s, admitted=admitted, beside=beside)
         if rows < 1 or not host_s >= 0:
             return
         self._decay(now)
@@ -772,8 +765,8 @@ class CapacityEstimator:
         ``prefill``: ``(rows, seconds)`` of the step's prefill, included in ``rows`` and ``device_s`` (the
         steps alone are then fitted on their decode only and the prefill priced per decode row,
         :meth:`_Resource.alone_terms`; None: the step's rows and time as one)."""
-        now = self._now("lmd", rows=rows, device_s=device_s, alone=alone,
-                        prefill=None if prefill is None else [int(prefill[0]), float(prefill[1])])
+        now = self.record("lmd", rows=rows, device_s=device_s, alone=alone,
+                          prefill=None if prefill is None else [int(prefill[0]), float(prefill[1])])
         if rows < 1 or not device_s >= 0:
             return
         self._decay(now)
@@ -794,8 +787,8 @@ class CapacityEstimator:
         the scheduler thread (``device_s`` of device time on CUDA); ``cost``: its jobs' cost units
         (``t2w_price="cost"``; None: the audio seconds); ``start``: ``(cost units, audio seconds)`` of its
         jobs that were chunks of starting streams (:attr:`start_cost_ratio`)."""
-        now = self._now("t2w", audio_s=audio_s, host_s=host_s, device_s=device_s, cost=cost,
-                        start=None if start is None else [float(start[0]), float(start[1])])
+        now = self.record("t2w", audio_s=audio_s, host_s=host_s, device_s=device_s, cost=cost,
+                          start=None if start is None else [float(start[0]), float(start[1])])
         if not audio_s > 0 or not host_s >= 0:
             return
         self._decay(now)

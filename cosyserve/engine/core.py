@@ -1899,8 +1899,7 @@ class EngineCore:
             return
         active = sum(1 for st in self._active.values() if st.req.params.stream)
         cut = self.slack_guard.observe(slack_s, active)
-        if self.capacity_model.trace is not None:
-            self.capacity_model.trace.write("slack", self.capacity_model.clock(), s=slack_s, a=active, cut=cut)
+        self.capacity_model.record("slack", s=slack_s, a=active, cut=cut)
         if cut:
             cap = self.slack_guard.limit()
             log.warning("a chunk %s %.0f ms before its deadline with %d streams active: admission capped at %d "
