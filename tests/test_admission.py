@@ -28,7 +28,7 @@ from _server import Server
 from cosyserve.client.bench import playback_stalls
 from cosyserve.engine.admission import (T2W_PERIOD_S, AdmissionPolicy, AdmissionTrace, CapacityEstimator, SlackGuard,
                                         START_CHUNKS, chunk_speedup, latency_pace, read_admission_trace,
-                                        replay_admission_trace)
+                                        replay_admission_trace, _LinearFit)
 from cosyserve.engine.chunking import ChunkPolicy
 from cosyserve.engine.core import EngineConfig, QueueFullError
 from cosyserve.engine.request import AudioChunk, RequestFinished, SynthesisParams
@@ -1506,3 +1506,65 @@ def test_contention_fit_separates_the_cost_per_row_from_token2wav_beside_the_ste
     assert [cap for _, cap in replay_admission_trace(records)] == caps
     off = [cap for _, cap in replay_admission_trace(records, contention_fit=False)]
     assert sum(off) < sum(caps)
+
+
+def test_alone_floor_holds_every_steps_fit_at_the_steps_alone_fixed_part(tmp_path):
+    """A fresh server's first ramp (docs/perf.md "Session 41"): the steps alone cost ``a + c*rows``; in the ramp
+    token2wav runs beside every step and its contention grows with the rows, so the fit of every step against rows
+    reads a fixed part below ``a`` and a steeper slope, and its pace bound admits too few streams. Floored at the
+    steps-alone fixed part (host: steps with no token2wav batch in flight; device: steps alone), the slope falls
+    back towards the truth and the capacity rises; a fit already above the floor is unchanged, and a trace made
+    before the floor existed replays without it."""
+    a, c = 0.0015, 0.00006  # a step alone: seconds, seconds per row
+    clock = Clock()
+    floored = CapacityEstimator(25, clock=clock, max_streams=500, growth=10.0, lm_alone=True)
+    free = CapacityEstimator(25, clock=clock, max_streams=500, growth=10.0, lm_alone=True, alone_floor=False)
+    ests = (floored, free)
+    for i in range(60):  # light load before the ramp: steps alone at 1-4 rows
+        b = 1 + i % 4
+        for est in ests:
+            est.observe_lm(b, a + c * b, admitted=b, beside=False)
+            est.observe_lm_device(b, a + c * b, alone=True)
+        clock.t += 0.01
+    for i in range(400):  # the ramp: rows 4-14, every step beside token2wav whose work grows faster than the rows
+        b = 4 + i % 11
+        y = a + c * b + 0.00003 * (b - 4) ** 2
+        for est in ests:
+            est.observe_lm(b, y, admitted=3 * b, beside=True)
+            est.observe_lm_device(b, y, alone=False)
+            if i % 4 == 0:
+                est.observe_t2w(1.0, 0.002, 0.002)  # (token2wav cheap: the LM's price sets the capacity)
+        clock.t += 0.003
+    for r_free, r_floor in ((free.host, floored.host), (free.device, floored.device)):
+        (fa, fc), (ga, gc) = r_free.lm_fit(), r_floor.lm_fit()
+        assert fa < 0.8 * a  # the confounded free fit
+        assert ga == pytest.approx(r_floor.floor()) and r_floor.floor() == pytest.approx(a, rel=0.02)
+        assert c < gc < fc  # the floored slope lies between the truth and the free fit's
+    assert floored.estimate() > 1.1 * free.estimate()
+    assert "lm_floor" in floored.terms()["device"] and "lm_floor" not in free.terms()["device"]
+    # a fit above the floor is left as it is
+    fit = _LinearFit()
+    for x in range(1, 11):
+        fit.add(x, 0.002 + 0.0001 * x)
+    assert fit.solve(0.001) == pytest.approx(fit.solve()) and fit.solve()[0] == pytest.approx(0.002)
+    assert fit.solve(0.01) == pytest.approx(fit.solve())  # a floor above every step's time is not credible
+    # a trace of an estimator without the floor (as recorded before it existed: no alone_floor in its init record)
+    clock2 = Clock()
+    old = CapacityEstimator(25, clock=clock2, max_streams=500, growth=10.0, lm_alone=True, alone_floor=False)
+    old.start_trace(trace := AdmissionTrace(tmp_path / "old.jsonl"))
+    caps = []
+    for i in range(300):
+        b = 1 + i % 14
+        beside = b > 4
+        y = a + c * b + (0.00003 * (b - 4) ** 2 if beside else 0.0)
+        old.observe_lm(b, y, admitted=b, beside=beside)
+        old.observe_lm_device(b, y, alone=not beside)
+        if i % 4 == 0:
+            old.observe_t2w(1.0, 0.02, 0.02)
+        caps.append(old.capacity(1.0))
+        clock2.t += 0.005
+    trace.close()
+    records = list(read_admission_trace(tmp_path / "old.jsonl"))
+    del records[0]["alone_floor"]
+    assert [cap for _, cap in replay_admission_trace(records)] == caps
+    assert sum(cap for _, cap in replay_admission_trace(records, alone_floor=True)) > sum(caps)

@@ -71,7 +71,11 @@ separately against the steps as they ran (:class:`_Resource`; the fit over every
 UNet LM at 7x its own per-row cost, docs/perf.md "Session 36"). With ``contention_fit`` (off by default) both
 resources fit the steps as they ran against their rows and whether token2wav ran beside them
 (:class:`_ContentionFit`): in a burst of starting streams the steps with more rows are also those beside more
-first-chunk flow work, which the fit against rows alone reads as a steeper cost per row (docs/perf.md "Session 40").
+first-chunk flow work, which the fit against rows alone reads as a steeper cost per row (docs/perf.md "Session 40";
+on an H200's first ramp token2wav ran beside nearly every step, so it had nothing to tell apart, "Session 41").
+Instead (``alone_floor``, on by default) the fit of every step's time is held at no less than the fixed part of the
+steps that ran alone (:meth:`_Resource.floor`): contention only adds to a step, and the confounded fit read a fixed
+part at half the steps-alone one with twice the steady state's slope ("Session 41").
 
 Feedback (:class:`SlackGuard`): the model above prices what it measured, and it can be wrong — on an
 H100 with device memory no longer binding, it read 146-156 DiT streams where 88 stayed real time
@@ -309,9 +313,12 @@ class _LinearFit:
             return None
         return 0.0, self.y / self.x
 
-    def solve(self) -> tuple[float, float] | None:
+    def solve(self, floor: float | None = None) -> tuple[float, float] | None:
         """``(a, c)`` with ``a, c >= 0``; None without data. With (nearly) one batch size the
-        cost is taken as proportional to it (``a = 0``)."""
+        cost is taken as proportional to it (``a = 0``). ``floor`` (seconds): the least fixed part the data may
+        have (:meth:`_Resource.lm_fit`: what a step costs alone); a fit whose fixed part falls below it is
+        refitted through ``(0, floor)`` (least squares of the slope alone), unless the mean ``y`` is no more than
+        ``floor`` (then the floor is not credible for these data and the free fit stands)."""
         if self.w < 1e-6 or self.x <= 0:
             return None
         mx, my = self.x / self.w, self.y / self.w
@@ -322,6 +329,8 @@ class _LinearFit:
         a = my - c * mx
         if c < 0:  # cost falling with rows: noise; flat
             return my, 0.0
+        if floor is not None and a < floor < my:
+            return floor, (self.xy - floor * self.x) / self.xx
         if a < 0:  # through the origin
             return 0.0, self.xy / self.xx
         return a, c
@@ -404,10 +413,13 @@ class _Resource:
     (``price_lm_alone``; ``EngineConfig.admission_lm_alone``, on by default; off: every step's time prices the
     LM)."""
 
-    def __init__(self, t2w_price: str = "audio", price_lm_alone: bool = False, contention_fit: bool = False):
+    def __init__(self, t2w_price: str = "audio", price_lm_alone: bool = False, contention_fit: bool = False,
+                 alone_floor: bool = False):
         if t2w_price not in T2W_PRICES:
             raise ValueError(f"t2w_price must be one of {T2W_PRICES}, got {t2w_price!r}")
         self.lm = _LinearFit()
+        #: the fit of every step's time is floored at the fixed part of the steps that ran alone (:meth:`lm_fit`)
+        self.alone_floor = alone_floor
         #: the steps' time against rows and token2wav beside them (:class:`_ContentionFit`; priced with
         #: ``contention_fit``, fed either way)
         self.lm_contention = _ContentionFit()
@@ -455,12 +467,26 @@ class _Resource:
     def lm_fit(self) -> tuple[float, float] | None:
         """The LM step's ``(fixed seconds, seconds per row)`` as the steps ran: with ``contention_fit`` from
         :class:`_ContentionFit` where it tells rows and contention apart, else (and as before) every step's time
-        against its rows."""
+        against its rows, with ``alone_floor`` floored at :meth:`floor`."""
         if self.contention_fit:
             fit = self.lm_contention.solve()
             if fit is not None:
                 return fit
-        return self.lm.solve()
+        return self.lm.solve(self.floor() if self.alone_floor else None)
+
+    def floor(self) -> float | None:
+        """The fixed part (seconds per step) of the steps that ran alone (``lm_alone``: on the device the steps no
+        token2wav batch ran beside, their decode; on the host the steps no token2wav batch was in flight during),
+        once :data:`ALONE_MIN_STEPS` of them were fitted with their rows varying; else None. A step as it ran costs
+        at least what it costs alone (contention only adds), so the fit of every step's time against its rows is
+        held at no less than this fixed part (``alone_floor``): on a fresh server's first ramp the steps with more
+        rows are also those beside more first-chunk flow work, and the free fit read a fixed part at half the
+        steps-alone one with twice the steady state's slope, a pace bound of 31 where the streams ran at 44
+        (docs/perf.md "Session 41")."""
+        if self.lm_alone.w < ALONE_MIN_STEPS:
+            return None
+        fit = self.lm_alone.solve()
+        return None if fit is None or fit[0] <= 0 else fit[0]
 
     def alone_terms(self, rate: float, audio: bool, t2w_factor: float = 1.0,
                     cost_per_audio_s: float = 1.0) -> dict[str, float] | None:
@@ -603,8 +629,8 @@ def read_admission_trace(path: str | Path) -> Iterator[dict]:
 def replay_admission_trace(records: Iterable[dict], **overrides) -> Iterator[tuple[dict, int]]:
     """Feed an :class:`AdmissionTrace`'s records (:func:`read_admission_trace`) to a new
     :class:`CapacityEstimator` built with the recording's settings, ``overrides`` replacing any of its
-    constructor's keyword arguments (``target``, ``lm_alone``, ``start_cost``, ``contention_fit``, ``half_life_s``,
-    ``growth``, ``initial``, ``max_streams``, ``t2w_price``); the recording's later ``set`` records apply only to
+    constructor's keyword arguments (``target``, ``lm_alone``, ``start_cost``, ``contention_fit``, ``alone_floor``,
+    ``half_life_s``, ``growth``, ``initial``, ``max_streams``, ``t2w_price``); the recording's later ``set`` records apply only to
     settings not overridden. Yields ``(cap record, replayed capacity)`` for every ``cap`` record (its ``cap``
     field: what the recording computed). Open loop (module doc). Raises ValueError without a leading ``init``
     record."""
@@ -616,6 +642,7 @@ def replay_admission_trace(records: Iterable[dict], **overrides) -> Iterator[tup
     kwargs = {k: init[k] for k in ("target", "max_streams", "initial", "growth", "half_life_s", "t2w_price",
                                    "lm_alone", "start_cost")}
     kwargs["contention_fit"] = init.get("contention_fit", False)
+    kwargs["alone_floor"] = init.get("alone_floor", False)  # (traces before session 41: no floor)
     kwargs.update(overrides)
     m = CapacityEstimator(init["token_rate"], clock=lambda: now[0], **kwargs)
     for rec in it:
@@ -662,7 +689,8 @@ class CapacityEstimator:
     ``start_cost``: a starting stream's token2wav is priced at :attr:`start_cost_ratio` x the schedule's speed-up
     (``t2w_price="cost"`` only; the ratio is measured either way); ``contention_fit``: both resources price the LM
     steps as they ran by their time against rows *and* whether token2wav ran beside them (:class:`_ContentionFit`,
-    :attr:`contention_fit`; off: against rows alone). :attr:`trace`: an :class:`AdmissionTrace`
+    :attr:`contention_fit`; off: against rows alone); ``alone_floor``: that fit (against rows alone) has a fixed
+    part of at least the steps-alone one (:meth:`_Resource.floor`). :attr:`trace`: an :class:`AdmissionTrace`
     that records what the estimator is fed and computes (None: off; :meth:`start_trace`).
     Raises ValueError for settings out of range. Not thread-safe: fed and read by the engine thread (readers elsewhere read
     :attr:`last` / :attr:`last_estimate`, plain attributes).
@@ -670,15 +698,16 @@ class CapacityEstimator:
 
     def __init__(self, token_rate: float, target: float = 0.8, max_streams: int = 1 << 30, initial: int = 2,
                  growth: float = 1.5, half_life_s: float = 10.0, clock=time.monotonic, t2w_price: str = "audio",
-                 lm_alone: bool = False, start_cost: bool = False, contention_fit: bool = False):
+                 lm_alone: bool = False, start_cost: bool = False, contention_fit: bool = False,
+                 alone_floor: bool = True):
         if not (token_rate > 0 and 0 < target <= 1 and max_streams >= 1 and initial >= 1 and growth >= 1
                 and half_life_s > 0):
             raise ValueError("invalid capacity estimator settings")
         self.rate, self.target, self.max_streams = float(token_rate), float(target), int(max_streams)
         self.initial, self.growth, self.half_life_s = int(initial), float(growth), float(half_life_s)
         self.clock = clock
-        self.host = _Resource(t2w_price, contention_fit=contention_fit)
-        self.device = _Resource(t2w_price, lm_alone, contention_fit=contention_fit)
+        self.host = _Resource(t2w_price, contention_fit=contention_fit, alone_floor=alone_floor)
+        self.device = _Resource(t2w_price, lm_alone, contention_fit=contention_fit, alone_floor=alone_floor)
         self._cost = self._audio = 0.0  # decayed sums of token2wav cost units and audio seconds
         self._start_cost = self._start_audio = 0.0  # the same for the chunks of starting streams
         self.start_cost = bool(start_cost)
@@ -707,12 +736,17 @@ class CapacityEstimator:
         trace.write("init", self.clock(), version=TRACE_VERSION, wall=time.time(), token_rate=self.rate,
                     target=self.target, max_streams=self.max_streams, initial=self.initial, growth=self.growth,
                     half_life_s=self.half_life_s, t2w_price=self.t2w_price, lm_alone=self.device.price_lm_alone,
-                    start_cost=self.start_cost, contention_fit=self.contention_fit)
+                    start_cost=self.start_cost, contention_fit=self.contention_fit, alone_floor=self.alone_floor)
 
     @property
     def t2w_price(self) -> str:
         """The token2wav price (``"audio"`` or ``"cost"``; class doc)."""
         return self.host.t2w_price
+
+    @property
+    def alone_floor(self) -> bool:
+        """Whether every step's fit is floored at the steps-alone fixed part (:meth:`_Resource.floor`)."""
+        return self.host.alone_floor
 
     @property
     def contention_fit(self) -> bool:
@@ -756,6 +790,8 @@ class CapacityEstimator:
         self.host.lm.add(rows, host_s)
         if beside is not None:
             self.host.lm_contention.add(rows, host_s, float(beside))
+            if not beside:  # (the host's steps alone: only its floor, :meth:`_Resource.floor`)
+                self.host.lm_alone.add(rows, host_s)
         self.seen = max(self.seen, rows if admitted is None else admitted)
 
     def observe_lm_device(self, rows: int, device_s: float, alone: bool = False,
@@ -858,6 +894,9 @@ class CapacityEstimator:
                 if cf is not None:
                     out[name].update(contention_fixed=round(rate * cf[0], 5),
                                      contention_per_stream=round(rate * cf[1], 5))
+                fl = r.floor() if r.alone_floor else None
+                if fl is not None:  # (the least fixed part every step's fit may have)
+                    out[name]["lm_floor"] = round(rate * fl, 5)
                 out[name]["streams"] = round(min(_capacity(t, alone, self.target), 1e9), 1)
         return out
 
