@@ -9,7 +9,8 @@ computes from the same measurements (least and mean). The first variant column i
 settings: it must equal the recorded one (the script says so, or counts the records where it does not). Open
 loop (cosyserve/engine/admission.py, "Trace and replay"): a variant that would have admitted more streams is shown
 what the recorded streams cost, not what its own would have. Variant keys: the CapacityEstimator's keyword
-arguments (target, lm_alone, start_cost, contention_fit, half_life_s, growth, initial, max_streams, t2w_price).
+arguments (target, lm_alone, start_cost, contention_fit, alone_floor, half_life_s, growth, initial, max_streams,
+t2w_price).
 """
 
 from __future__ import annotations

@@ -696,7 +696,8 @@ def cmd_serve(args) -> int:
         max_text_chars=args.max_text_chars, max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
         normalizer=args.normalizer, chunk_policy=args.chunk_policy,
         min_token_text_ratio=args.min_token_text_ratio, max_token_text_ratio=args.max_token_text_ratio,
-        warmup=not args.no_warmup, llm_only=args.llm_only, token2wav_dir=args.token2wav_dir,
+        warmup=not args.no_warmup, admission_calibrate=args.admission_calibrate, llm_only=args.llm_only,
+        token2wav_dir=args.token2wav_dir,
         llm_stream_interval_s=args.llm_stream_interval,
         tokenizer_backend=args.speech_tokenizer,
         prompt_cache_size=args.prompt_cache, prompt_batch_window_s=args.prompt_batch_window,
@@ -1025,6 +1026,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-upload-mb", type=float, default=20.0, help="largest request body / audio upload")
     sv.add_argument("--log-format", default="text", choices=["text", "json"])
     sv.add_argument("--no-warmup", action="store_true", help="mark ready without a warm-up request")
+    sv.add_argument("--admission-calibrate", action=argparse.BooleanOptionalAction, default=False,
+                    help="after the warm-up, run LM-only requests at 1 to 48 rows (no token2wav) so that auto "
+                         "admission prices the LM's own step cost from the first request on, not from the start-up "
+                         "probes' 1-3 rows (default off: not measured yet; docs/perf.md \"Session 41\")")
     sv.add_argument("--workers", type=_positive_int, default=1,
                     help="serve from N worker processes behind one router on --port/--grpc-port (data-parallel "
                          "replicas; each loads the model; voices are shared through --voices-dir)")

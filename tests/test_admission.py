@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -1568,3 +1570,82 @@ def test_alone_floor_holds_every_steps_fit_at_the_steps_alone_fixed_part(tmp_pat
     del records[0]["alone_floor"]
     assert [cap for _, cap in replay_admission_trace(records)] == caps
     assert sum(cap for _, cap in replay_admission_trace(records, alone_floor=True)) > sum(caps)
+
+
+def test_calibrating_feeds_only_the_fits_of_the_steps_alone_and_replays(tmp_path):
+    """While :attr:`CapacityEstimator.calibrating` the LM steps go to the fits of the steps alone (host: no token2wav
+    in flight; device: alone) and nowhere else: not the fits of every step, the contention fit, the prefill price
+    or ``seen`` (slow start); a trace records the switch (``cal``) and replays exactly."""
+    clock = Clock()
+    est = CapacityEstimator(25, clock=clock, max_streams=500, lm_alone=True)
+    est.start_trace(trace := AdmissionTrace(tmp_path / "cal.jsonl"))
+    est.observe_lm(2, 0.002, admitted=2, beside=False)
+    est.observe_lm_device(2, 0.0018, alone=True, prefill=(1, 0.0005))
+    before = {k: (r.lm.w, r.lm_contention.w, r.prefill_s, r.decode_rows) for k, r in (("h", est.host),
+                                                                                      ("d", est.device))}
+    est.calibrating = True
+    for rows in range(48, 0, -1):
+        clock.t += 0.003
+        est.observe_lm(rows, 0.0014 + 0.00005 * rows, admitted=rows, beside=False)
+        est.observe_lm_device(rows, 0.0013 + 0.00005 * rows, alone=True, prefill=(0, 0.0))
+        est.observe_lm(rows, 0.01, admitted=rows, beside=True)  # (not alone: dropped while calibrating)
+        est.observe_lm_device(rows, 0.01, alone=False)
+    est.calibrating = False
+    assert est.seen == 2
+    for k, r in (("h", est.host), ("d", est.device)):
+        lm_w, cont_w, pre, dec = before[k]
+        assert (r.lm.w, r.lm_contention.w, r.prefill_s, r.decode_rows) == pytest.approx((lm_w, cont_w, pre, dec),
+                                                                                           rel=0.05)
+    a, c = est.device.lm_alone.solve()  # dominated by the 48 calibration steps at 1..48 rows
+    assert a == pytest.approx(0.0013, rel=0.1) and c == pytest.approx(0.00005, rel=0.1)
+    a, c = est.host.lm_alone.solve()
+    assert a == pytest.approx(0.0014, rel=0.1) and c == pytest.approx(0.00005, rel=0.1)
+    caps = []
+    for i in range(50):  # served steps afterwards
+        clock.t += 0.01
+        est.observe_lm(5 + i % 10, 0.003 + 0.0002 * (i % 10), admitted=10, beside=True)
+        est.observe_lm_device(5 + i % 10, 0.003, alone=i % 3 == 0)
+        est.observe_t2w(1.0, 0.01, 0.01)
+        caps.append(est.capacity(1.0))
+    trace.close()
+    records = list(read_admission_trace(tmp_path / "cal.jsonl"))
+    assert [r["on"] for r in records if r["op"] == "cal"] == [True, False]
+    assert [cap for _, cap in replay_admission_trace(records)] == caps
+
+
+def test_server_admission_calibrate_runs_lm_only_requests_at_every_row_count(tmp_path, caplog):
+    """``serve --admission-calibrate``: after the warm-up the server runs LM-only requests whose lengths differ by
+    one token, so the steps alone are fitted over 1..n rows (here the demo model on CPU: the host's), logged as
+    ``admission_calibration``; the fits of every step and slow start keep only the served steps."""
+    import argparse
+
+    from cosyserve import cli
+    from cosyserve.models.demo import write_demo_model
+    from cosyserve.server.state import ServerConfig, ServerState
+
+    p = cli.build_parser()
+    args = p.parse_args(["serve", "--model-dir", "x"])
+    assert args.admission_calibrate is False
+    assert p.parse_args(["serve", "--model-dir", "x", "--admission-calibrate"]).admission_calibrate is True
+    assert isinstance(args, argparse.Namespace)
+    md = write_demo_model(tmp_path / "m")
+
+    async def run(calibrate: bool):
+        st = ServerState(ServerConfig(model_dir=str(md), device="cpu", normalizer="rules",
+                                      admission_calibrate=calibrate))
+        await st.start()
+        try:
+            m = st.engine.core.capacity_model
+            return st.ready, m.host.lm_alone, m.host.lm.w, m.seen, st.engine.core.cfg.max_active
+        finally:
+            await st.stop()
+
+    with caplog.at_level(logging.INFO, logger="cosyserve.server"):
+        ready, alone, lm_w, seen, n = asyncio.run(run(True))
+    assert ready and not any(r.levelno >= logging.WARNING and "calibration" in r.message for r in caplog.records)
+    ev = [r for r in caplog.records if getattr(r, "event", None) == "admission_calibration"]
+    assert len(ev) == 1 and ev[0].ok == ev[0].requests == min(48, n) and ev[0].host_alone is not None
+    assert alone.x / alone.w > 3 and alone.xx / alone.w - (alone.x / alone.w) ** 2 > 4  # rows spread over 1..n
+    plain = asyncio.run(run(False))
+    assert plain[1].w < alone.w and plain[3] == seen  # slow start: the served steps only
+    assert lm_w == pytest.approx(plain[2], rel=0.5)  # (the warm-up's steps in both)

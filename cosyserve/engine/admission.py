@@ -559,7 +559,8 @@ class AdmissionTrace:
     ``start_cost``, ``lm_alone``, ``contention_fit``), ``cap`` (one :meth:`~CapacityEstimator.capacity` call:
     ``pace``, the speed-up ``S``, the starting fraction ``f``, ``audio``, the result ``cap``, and what the caller
     noted, e.g. the engine's active ``a`` and waiting ``w`` requests) and ``slack`` (the engine's close calls:
-    ``s`` seconds of slack, ``a`` streams active, ``cut``). Floats are written exactly (``repr``; numpy / torch
+    ``s`` seconds of slack, ``a`` streams active, ``cut``), ``cal`` (:attr:`CapacityEstimator.calibrating` set
+    to ``on``). Floats are written exactly (``repr``; numpy / torch
     scalars as Python floats). Thread-safe (a lock per record); :meth:`close` flushes. Raises OSError where
     ``path`` cannot be opened; a record that cannot be written later (a full disk) stops the recording with one
     logged warning (:attr:`failed`) instead of failing the engine's step, as does reaching ``max_records``
@@ -657,6 +658,8 @@ def replay_admission_trace(records: Iterable[dict], **overrides) -> Iterator[tup
             start = rec["start"]
             m.observe_t2w(rec["audio_s"], rec["host_s"], rec["device_s"], rec["cost"],
                           None if start is None else tuple(start))
+        elif op == "cal":
+            m.calibrating = rec["on"]
         elif op == "set":
             if "target" not in overrides:
                 m.target = rec["target"]
@@ -727,6 +730,7 @@ class CapacityEstimator:
         #: the recording of inputs and outputs (:meth:`start_trace`; None: off)
         self.trace: AdmissionTrace | None = None
         self._traced_settings: tuple | None = None
+        self._calibrating = False
 
     def start_trace(self, trace: AdmissionTrace) -> None:
         """Record from now on into ``trace`` (its ``init`` record: this estimator's settings, as its constructor
@@ -756,6 +760,25 @@ class CapacityEstimator:
     @contention_fit.setter
     def contention_fit(self, on: bool) -> None:
         self.host.contention_fit = self.device.contention_fit = bool(on)
+
+    @property
+    def calibrating(self) -> bool:
+        """While True (a start-up calibration: :meth:`cosyserve.engine.async_engine.AsyncEngine.calibrate_admission`)
+        the LM steps fed to :meth:`observe_lm` / :meth:`observe_lm_device` go only to the fits of the steps that ran
+        alone (the host's ``beside=False``, the device's ``alone``: the LM's own cost, the floor of every step's fit
+        and the device's LM price, :class:`_Resource`), not to the fits of every step (which price the LM's pace as
+        the served steps ran, contention included), the prefill price or :attr:`seen` (slow start). On a fresh
+        server the steps alone were otherwise only the start-up probes' 1-3 rows, whose slope, extrapolated to the
+        first ramp's 30-40 streams, read 2-3x the one measured later (docs/perf.md "Session 41"). Settable; a
+        trace records each change (``cal``)."""
+        return self._calibrating
+
+    @calibrating.setter
+    def calibrating(self, on: bool) -> None:
+        on = bool(on)
+        if on != self._calibrating:
+            self.record("cal", on=on)
+        self._calibrating = on
 
     def record(self, op: str, **fields) -> float:
         """The clock, read once per measurement, and the record ``op`` with ``fields`` written to :attr:`trace`
@@ -787,6 +810,10 @@ class CapacityEstimator:
         if rows < 1 or not host_s >= 0:
             return
         self._decay(now)
+        if self._calibrating:  # (only the steps alone: :attr:`calibrating`)
+            if beside is False:
+                self.host.lm_alone.add(rows, host_s)
+            return
         self.host.lm.add(rows, host_s)
         if beside is not None:
             self.host.lm_contention.add(rows, host_s, float(beside))
@@ -806,14 +833,16 @@ class CapacityEstimator:
         if rows < 1 or not device_s >= 0:
             return
         self._decay(now)
-        self.device.lm.add(rows, device_s)
-        self.device.lm_contention.add(rows, device_s, 0.0 if alone else 1.0)
+        if not self._calibrating:  # (only the steps alone: :attr:`calibrating`)
+            self.device.lm.add(rows, device_s)
+            self.device.lm_contention.add(rows, device_s, 0.0 if alone else 1.0)
         dec_rows, dec_s = rows, device_s
         if prefill is not None:
             n_pre, s_pre = int(prefill[0]), max(0.0, min(float(prefill[1]), device_s))
             dec_rows, dec_s = rows - n_pre, device_s - s_pre
-            self.device.prefill_s += s_pre
-            self.device.decode_rows += max(0, dec_rows)
+            if not self._calibrating:
+                self.device.prefill_s += s_pre
+                self.device.decode_rows += max(0, dec_rows)
         if alone and dec_rows >= 1:
             self.device.lm_alone.add(dec_rows, dec_s)
 

@@ -177,6 +177,25 @@ class AsyncEngine:
             self._wake()
         return queued
 
+    async def calibrate_admission(self, requests: list[EngineRequest]) -> int:
+        """Run ``requests`` (LM-only, built by the caller: the server's ``--admission-calibrate`` start-up) to
+        their end with the capacity model calibrating (:meth:`EngineCore.set_calibrating
+        <cosyserve.engine.core.EngineCore.set_calibrating>`: their LM steps feed only its fits of the steps alone),
+        all submitted at once, before requests of others (start-up: the server is not ready yet). Returns how
+        many finished without an error. Raises what :meth:`submit` raises (the queue full)."""
+        async def run(req: EngineRequest) -> bool:
+            async for ev in self.generate(req):
+                if isinstance(ev, RequestFinished):
+                    return ev.error is None and ev.outcome == Outcome.OK
+            return False
+
+        self.core.set_calibrating(True)
+        try:
+            return sum(await asyncio.gather(*(run(r) for r in requests)))
+        finally:
+            self.core.set_calibrating(False)
+            self._wake()
+
     async def generate(self, req: EngineRequest) -> AsyncIterator[AudioChunk | RequestFinished]:
         """Submit ``req`` and yield its audio chunks, then its :class:`RequestFinished`.
 

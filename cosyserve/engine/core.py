@@ -853,6 +853,13 @@ class EngineCore:
         """Cancel a request (thread-safe); its slot and caches are freed at the next step."""
         self._inbox.put(("abort", request_id, outcome))
 
+    def set_calibrating(self, on: bool) -> None:
+        """(Thread-safe.) Set the capacity model's :attr:`~cosyserve.engine.admission.CapacityEstimator.calibrating`
+        on the engine thread before its next step (in order with the requests added after: the LM steps of
+        requests added after ``on`` and finished before ``off`` feed only its fits of the steps alone).
+        :meth:`cosyserve.engine.async_engine.AsyncEngine.calibrate_admission` brackets its requests with it."""
+        self._inbox.put(("calibrate", bool(on)))
+
     def admission_settings(self) -> dict:
         """(Thread-safe read.) The admission settings in effect, under the names :meth:`set_admission` takes:
         ``mode`` (``"auto"``, ``"off"`` or the fixed number of streams as text), ``target``, ``start_share``,
@@ -1097,6 +1104,8 @@ class EngineCore:
                 self._apply_admission(cmd[1])
             elif cmd[0] == "prefixes":
                 self._prebuild_prompt_prefixes(cmd[1])
+            elif cmd[0] == "calibrate":
+                self.capacity_model.calibrating = cmd[1]
             else:
                 _, rid, outcome = cmd
                 st = self._active.get(rid) or self._waiting.get(rid)

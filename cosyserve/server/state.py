@@ -44,6 +44,10 @@ log = logging.getLogger("cosyserve.server")
 #: stalls every stream whose next chunk falls due within it
 GC_REFREEZE_S = 0.05
 
+#: ``--admission-calibrate``: the most LM rows the start-up calibration runs at once (the UNet path's first ramp
+#: on an H200 ran 30-50 streams, 13-19 of them in the LM at a time: docs/perf.md "Session 41")
+CALIBRATION_STREAMS = 48
+
 
 def _freeze_after_capture() -> None:
     """The background CUDA-graph capture has ended: freeze what it left behind (compiled graphs,
@@ -164,6 +168,9 @@ class ServerConfig:
     min_token_text_ratio: float = 2.0
     max_token_text_ratio: float = 20.0
     warmup: bool = True
+    #: ``--admission-calibrate``: after the warm-up, LM-only requests at 1..:data:`CALIBRATION_STREAMS` rows feed
+    #: the capacity model's fits of the LM steps alone (:meth:`ServerState._calibrate_admission`)
+    admission_calibrate: bool = False
     llm_only: bool = False
     #: ``--llm-only``: the least time between two token events of one streamed completion (seconds; 0:
     #: an event per engine step, tokens already queued gathered; ``--llm-stream-interval``)
@@ -367,6 +374,37 @@ class ServerState:
             async for ev in self.engine.generate(req):
                 if self.config.llm_url and isinstance(ev, RequestFinished) and ev.error is not None:
                     raise ev.error  # the LM server is not reachable (yet): _warmup_remote retries
+        if self.config.admission_calibrate and not self.config.llm_url:
+            await self._calibrate_admission(voice)
+
+    async def _calibrate_admission(self, voice: Voice) -> None:
+        """``--admission-calibrate``: up to :data:`CALIBRATION_STREAMS` LM-only requests (at most the engine's
+        ``max_active`` and ``max_queue + 1``), request ``i`` generating ``8 + i`` speech tokens, so that the LM
+        steps run at every row count from that many down to 1, with no token2wav beside them; the capacity model
+        fits them as steps alone only (:meth:`~cosyserve.engine.async_engine.AsyncEngine.calibrate_admission`).
+        Logs the fits (event ``admission_calibration``); a failure is logged and the server starts uncalibrated."""
+        core = self.engine.core
+        model = getattr(core, "capacity_model", None)
+        if model is None:
+            return
+        n = min(CALIBRATION_STREAMS, core.cfg.max_active, core.cfg.max_queue + 1)  # (all submitted at once)
+        t0 = time.perf_counter()
+        try:
+            reqs = [self.synth.build_request("你好。", voice, SynthesisParams(
+                seed=i, stream=False, lm_only=True, min_tokens=8 + i, max_tokens=8 + i), f"calibrate-{i}")
+                for i in range(n)]
+            ok = await self.engine.calibrate_admission(reqs)
+        except CosyServeError as exc:
+            log.warning("admission calibration failed (%s); auto admission starts from the warm-up's steps", exc)
+            return
+        fits = {name: r.lm_alone.solve() for name, r in (("host", model.host), ("device", model.device))}
+        text = ", ".join(f"{k} {a * 1e3:.2f} ms + {c * 1e3:.3f} ms per row" for k, (a, c) in
+                         ((k, v) for k, v in fits.items() if v is not None)) or "no steps alone"
+        log.info("admission calibration: %d of %d LM-only requests in %.2f s; the LM steps alone: %s", ok, n,
+                 time.perf_counter() - t0, text,
+                 extra={"event": "admission_calibration", "requests": n, "ok": ok,
+                        **{f"{k}_alone": None if v is None else [round(v[0], 6), round(v[1], 7)]
+                           for k, v in fits.items()}})
 
     def _device_lost(self, exc: BaseException) -> None:
         """The engine's device context is unusable: not ready from now on (health checks and new
