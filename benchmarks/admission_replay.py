@@ -89,6 +89,45 @@ def replay_table(records: list[dict], variants: list[dict], bucket_s: float = 0.
     return "\n".join(lines), mismatches
 
 
+def terms_table(records: list[dict], overrides: dict, bucket_s: float = 0.5, start_s: float = 0.0,
+                end_s: float = math.inf) -> str:
+    """Per time window, the estimate with the fewest streams under ``overrides`` and what it is made of
+    (``CapacityEstimator.terms`` at its LM pace): the pace, speed-up S and starting fraction f, then per resource
+    its streams and the parts of U(b) as shares of the resource (LM fixed + per stream as every step ran; as the
+    steps alone ran; the floor; token2wav fixed + per stream; the pace bound in streams). Says which term binds."""
+    t0 = records[0]["t"]
+    low: dict[int, tuple[int, dict, dict]] = {}
+
+    def keep(rec: dict, m) -> None:
+        rel = rec["t"] - t0
+        if start_s <= rel < end_s:
+            k = int(rel // bucket_s)
+            cap = m.last
+            if k not in low or cap < low[k][0]:
+                low[k] = (cap, rec, m.terms(rec["pace"]))
+
+    for _ in replay_admission_trace(records, on_cap=keep, **overrides):
+        pass
+
+    def part(d: dict, a: str, b: str) -> str:
+        return f"{d[a]:.3f} + {d[b]:.4f}" if a in d and b in d else "–"
+
+    lines = ["| window (s) | cap | active | pace | S | f | resource | streams | LM every step | LM alone | floor | "
+             "token2wav | pace bound |", "|---|---:|---:|---:|---:|---:|---|---:|---|---|---:|---|---:|"]
+    for k in sorted(low):
+        cap, rec, t = low[k]
+        for name in ("host", "device"):
+            r = t.get(name)
+            if r is None:
+                continue
+            lines.append(f"| {k * bucket_s:.1f} | {cap} | {rec.get('a', '–')} | {rec['pace']:.2f} | {t['speedup']:.2f} | "
+                         f"{t['starting_fraction']:.2f} | {name} | {r['streams']:.1f} | "
+                         f"{part(r, 'lm_fixed', 'lm_per_stream')} | {part(r, 'lm_alone_fixed', 'lm_alone_per_stream')} "
+                         f"| {r.get('lm_floor', '–')} | {part(r, 't2w_fixed', 't2w_per_stream')} | "
+                         f"{r.get('pace_streams', '–')} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", type=Path)
@@ -97,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket", type=float, default=0.5, metavar="SECONDS", help="table window (default 0.5)")
     ap.add_argument("--start", type=float, default=0.0, metavar="SECONDS", help="from this time (trace clock)")
     ap.add_argument("--end", type=float, default=math.inf, metavar="SECONDS", help="until this time")
+    ap.add_argument("--terms", action="store_true",
+                    help="also print, per window, the lowest estimate's parts (under the first --variant, else the "
+                         "recording's settings)")
     args = ap.parse_args(argv)
     if not args.bucket > 0:
         ap.error("--bucket must be > 0 seconds")
@@ -105,11 +147,16 @@ def main(argv: list[str] | None = None) -> int:
         if not records:
             raise ValueError(f"{args.trace}: empty")
         table, mismatches = replay_table(records, args.variant, args.bucket, args.start, args.end)
+        terms = terms_table(records, args.variant[0] if args.variant else {}, args.bucket, args.start,
+                            args.end) if args.terms else None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"admission_replay: {exc}", file=sys.stderr)
         return 2
     print(table)
     print()
+    if terms is not None:
+        print(terms)
+        print()
     print("replay with the recording's settings: " + ("equals the recording at every estimate" if not mismatches
                                                       else f"differs at {mismatches} estimates (trace incomplete?)"))
     return 0

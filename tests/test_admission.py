@@ -1374,6 +1374,10 @@ def test_engine_records_an_admission_trace_that_replays_exactly(synth, tmp_path,
     out = capsys.readouterr().out
     assert '{"target":0.5} min / mean' in out and "equals the recording at every estimate" in out
     assert out.count("\n| ") >= 3
+    # --terms: per window the lowest estimate's parts, per resource (here the host: CPU)
+    assert tool.main([str(path), "--bucket", "0.2", "--terms"]) == 0
+    out = capsys.readouterr().out
+    assert "| window (s) | cap | active | pace |" in out and "| host |" in out
     (tmp_path / "junk.jsonl").write_text("not json\n")
     assert tool.main([str(tmp_path / "junk.jsonl")]) == 2
     assert tool.main([str(path), "--variant", '{"no_such_setting": 1}']) == 2

@@ -627,13 +627,14 @@ def read_admission_trace(path: str | Path) -> Iterator[dict]:
             return
 
 
-def replay_admission_trace(records: Iterable[dict], **overrides) -> Iterator[tuple[dict, int]]:
+def replay_admission_trace(records: Iterable[dict], on_cap=None, **overrides) -> Iterator[tuple[dict, int]]:
     """Feed an :class:`AdmissionTrace`'s records (:func:`read_admission_trace`) to a new
     :class:`CapacityEstimator` built with the recording's settings, ``overrides`` replacing any of its
     constructor's keyword arguments (``target``, ``lm_alone``, ``start_cost``, ``contention_fit``, ``alone_floor``,
     ``half_life_s``, ``growth``, ``initial``, ``max_streams``, ``t2w_price``); the recording's later ``set`` records apply only to
     settings not overridden. Yields ``(cap record, replayed capacity)`` for every ``cap`` record (its ``cap``
-    field: what the recording computed). Open loop (module doc). Raises ValueError without a leading ``init``
+    field: what the recording computed); ``on_cap(record, estimator)``, if given, is called first (to read the
+    estimator's :meth:`~CapacityEstimator.terms` at that moment). Open loop (module doc). Raises ValueError without a leading ``init``
     record."""
     it = iter(records)
     init = next(it, None)
@@ -671,7 +672,10 @@ def replay_admission_trace(records: Iterable[dict], **overrides) -> Iterator[tup
                 m.contention_fit = rec.get("contention_fit", False)
         elif op == "cap":
             m.speedup, m.starting_fraction, m.audio = rec["S"], rec["f"], rec["audio"]
-            yield rec, m.capacity(rec["pace"])
+            cap = m.capacity(rec["pace"])
+            if on_cap is not None:
+                on_cap(rec, m)
+            yield rec, cap
 
 
 class CapacityEstimator:
