@@ -120,8 +120,8 @@ def terms_table(records: list[dict], overrides: dict, bucket_s: float = 0.5, sta
             r = t.get(name)
             if r is None:
                 continue
-            lines.append(f"| {k * bucket_s:.1f} | {cap} | {rec.get('a', '–')} | {rec['pace']:.2f} | {t['speedup']:.2f} | "
-                         f"{t['starting_fraction']:.2f} | {name} | {r['streams']:.1f} | "
+            lines.append(f"| {k * bucket_s:.1f} | {cap} | {rec.get('a', '–')} | {rec['pace']:.2f} | "
+                         f"{t['speedup']:.2f} | {t['starting_fraction']:.2f} | {name} | {r['streams']:.1f} | "
                          f"{part(r, 'lm_fixed', 'lm_per_stream')} | {part(r, 'lm_alone_fixed', 'lm_alone_per_stream')} "
                          f"| {r.get('lm_floor', '–')} | {part(r, 't2w_fixed', 't2w_per_stream')} | "
                          f"{r.get('pace_streams', '–')} |")

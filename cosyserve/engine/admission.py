@@ -634,8 +634,8 @@ def replay_admission_trace(records: Iterable[dict], on_cap=None, **overrides) ->
     ``half_life_s``, ``growth``, ``initial``, ``max_streams``, ``t2w_price``); the recording's later ``set`` records apply only to
     settings not overridden. Yields ``(cap record, replayed capacity)`` for every ``cap`` record (its ``cap``
     field: what the recording computed); ``on_cap(record, estimator)``, if given, is called first (to read the
-    estimator's :meth:`~CapacityEstimator.terms` at that moment). Open loop (module doc). Raises ValueError without a leading ``init``
-    record."""
+    estimator's :meth:`~CapacityEstimator.terms` at that moment). Open loop (module doc). Raises ValueError without
+    a leading ``init`` record."""
     it = iter(records)
     init = next(it, None)
     if init is None or init.get("op") != "init":
