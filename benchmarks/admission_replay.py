@@ -37,6 +37,28 @@ def _variant(text: str) -> dict:
     return v
 
 
+def with_calibration(records: list[dict], at_s: float, costs: tuple[float, float, float, float],
+                     streams: int = 48, step_s: float = 0.003) -> list[dict]:
+    """``records`` with the LM steps of a start-up calibration (``serve --admission-calibrate``) inserted ``at_s``
+    seconds into the trace: ``streams`` LM-only requests, request ``i`` generating ``8 + i`` tokens, so steps at
+    ``streams`` rows for 8 tokens, then one step at each row count down to 1, ``step_s`` apart, between ``cal``
+    records; each step costs ``costs`` = (device fixed, device per row, host fixed, host per row) seconds and runs
+    alone. For judging the calibration against a trace recorded without it (what-if: the costs are assumed, e.g.
+    the steps-alone fit the trace reaches later)."""
+    t0 = records[0]["t"]
+    i = next((k for k, r in enumerate(records) if k and r["t"] - t0 >= at_s), len(records))
+    t = records[i - 1]["t"]
+    da, dc, ha, hc = costs
+    cal = [{"op": "cal", "t": t, "on": True}]
+    for rows in [streams] * 8 + list(range(streams - 1, 0, -1)):
+        t += step_s
+        cal.append({"op": "lm", "t": t, "rows": rows, "host_s": ha + hc * rows, "admitted": rows, "beside": False})
+        cal.append({"op": "lmd", "t": t, "rows": rows, "device_s": da + dc * rows, "alone": True, "prefill": [0, 0.0]})
+    cal.append({"op": "cal", "t": t, "on": False})
+    later = [dict(r, t=max(r["t"], t)) for r in records[i:]]  # (the clock never runs backwards)
+    return records[:i] + cal + later
+
+
 def replay_table(records: list[dict], variants: list[dict], bucket_s: float = 0.5, start_s: float = 0.0,
                  end_s: float = math.inf) -> tuple[str, int]:
     """The markdown table described in the module doc, and the number of ``cap`` records where the replay with
@@ -136,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket", type=float, default=0.5, metavar="SECONDS", help="table window (default 0.5)")
     ap.add_argument("--start", type=float, default=0.0, metavar="SECONDS", help="from this time (trace clock)")
     ap.add_argument("--end", type=float, default=math.inf, metavar="SECONDS", help="until this time")
+    ap.add_argument("--calibrate-at", type=float, default=None, metavar="SECONDS",
+                    help="what-if: insert a start-up calibration's LM steps (serve --admission-calibrate) this many "
+                         "seconds into the trace (the recorded column then differs from the replayed one after it)")
+    ap.add_argument("--calibrate-costs", default="0.0014,0.00005,0.0012,0.00006", metavar="DA,DC,HA,HC",
+                    help="the calibration steps' seconds: device fixed, per row, host fixed, per row (default: an "
+                         "H200's UNet LM alone, docs/perf.md \"Session 41\")")
     ap.add_argument("--terms", action="store_true",
                     help="also print, per window, the lowest estimate's parts (under the first --variant, else the "
                          "recording's settings)")
@@ -146,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         records = list(read_admission_trace(args.trace))
         if not records:
             raise ValueError(f"{args.trace}: empty")
+        if args.calibrate_at is not None:
+            costs = tuple(float(x) for x in args.calibrate_costs.split(","))
+            if len(costs) != 4:
+                raise ValueError("--calibrate-costs takes four numbers")
+            records = with_calibration(records, args.calibrate_at, costs)
         table, mismatches = replay_table(records, args.variant, args.bucket, args.start, args.end)
         terms = terms_table(records, args.variant[0] if args.variant else {}, args.bucket, args.start,
                             args.end) if args.terms else None
@@ -157,8 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     if terms is not None:
         print(terms)
         print()
-    print("replay with the recording's settings: " + ("equals the recording at every estimate" if not mismatches
-                                                      else f"differs at {mismatches} estimates (trace incomplete?)"))
+    if args.calibrate_at is not None:
+        print(f"replay with the recording's settings and a calibration inserted at {args.calibrate_at} s: differs "
+              f"from the recording at {mismatches} estimates (from the calibration on)")
+    else:
+        print("replay with the recording's settings: " + ("equals the recording at every estimate" if not mismatches
+                                                          else f"differs at {mismatches} estimates (trace incomplete?)"))
     return 0
 
 

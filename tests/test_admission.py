@@ -1378,6 +1378,13 @@ def test_engine_records_an_admission_trace_that_replays_exactly(synth, tmp_path,
     assert tool.main([str(path), "--bucket", "0.2", "--terms"]) == 0
     out = capsys.readouterr().out
     assert "| window (s) | cap | active | pace |" in out and "| host |" in out
+    # --calibrate-at: a start-up calibration's steps inserted (what-if), then replayed
+    cal = tool.with_calibration(records, 0.0, (0.001, 0.0001, 0.001, 0.0001), streams=6)
+    assert [r["op"] for r in cal].count("cal") == 2 and sum(r["op"] == "lmd" for r in cal) == 8 + 5 + sum(
+        r["op"] == "lmd" for r in records)
+    assert all(b["t"] >= a["t"] for a, b in zip(cal, cal[1:]))
+    assert tool.main([str(path), "--calibrate-at", "0", "--bucket", "0.2"]) == 0
+    assert "a calibration inserted at 0.0 s" in capsys.readouterr().out
     (tmp_path / "junk.jsonl").write_text("not json\n")
     assert tool.main([str(tmp_path / "junk.jsonl")]) == 2
     assert tool.main([str(path), "--variant", '{"no_such_setting": 1}']) == 2
