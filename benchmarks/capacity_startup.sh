@@ -120,6 +120,7 @@ for OREQ in ${OFFLINE_REQ:-3}; do
   stacks "offline at $OFFLINE_CLIENTS clients" "$S0"
 done
 grep -i "capacity estimate" "$OUTDIR/server.log" | tail -3
+grep "admission calibration" "$OUTDIR/server.log" | cut -c1-260  # serve --admission-calibrate: the steps alone
 # prefix mode (the UNet default with CUDA graphs): the voices' prefixes built at start-up (engine thread) and while
 # serving (the prefix pool's worker thread)
 grep -E "event=prefix_(pre)?build" "$OUTDIR/server.log" | cut -c1-220 | head -12
