@@ -194,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"replay with the recording's settings and a calibration inserted at {args.calibrate_at} s: differs "
               f"from the recording at {mismatches} estimates (from the calibration on)")
     else:
-        print("replay with the recording's settings: " + ("equals the recording at every estimate" if not mismatches
-                                                          else f"differs at {mismatches} estimates (trace incomplete?)"))
+        same = "equals the recording at every estimate" if not mismatches else \
+            f"differs at {mismatches} estimates (trace incomplete?)"
+        print("replay with the recording's settings: " + same)
     return 0
 
 

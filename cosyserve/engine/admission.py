@@ -631,8 +631,8 @@ def replay_admission_trace(records: Iterable[dict], on_cap=None, **overrides) ->
     """Feed an :class:`AdmissionTrace`'s records (:func:`read_admission_trace`) to a new
     :class:`CapacityEstimator` built with the recording's settings, ``overrides`` replacing any of its
     constructor's keyword arguments (``target``, ``lm_alone``, ``start_cost``, ``contention_fit``, ``alone_floor``,
-    ``half_life_s``, ``growth``, ``initial``, ``max_streams``, ``t2w_price``); the recording's later ``set`` records apply only to
-    settings not overridden. Yields ``(cap record, replayed capacity)`` for every ``cap`` record (its ``cap``
+    ``half_life_s``, ``growth``, ``initial``, ``max_streams``, ``t2w_price``); the recording's later ``set`` records
+    apply only to settings not overridden. Yields ``(cap record, replayed capacity)`` for every ``cap`` record (its ``cap``
     field: what the recording computed); ``on_cap(record, estimator)``, if given, is called first (to read the
     estimator's :meth:`~CapacityEstimator.terms` at that moment). Open loop (module doc). Raises ValueError without
     a leading ``init`` record."""
