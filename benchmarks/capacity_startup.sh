@@ -83,7 +83,10 @@ if [ -n "${STREAM_CLIENTS:-}" ]; then
 fi
 if [ -n "$CAPACITY_LEVELS" ]; then
   # SWEEP='{"lm_alone": true};{"lm_alone": false, "mode": "off"}': one capacity search per admission setting on this
-  # server (PATCH /admin/admission before each; reports in OUT/capacity-0, -1, ...): no restart, no graph capture
+  # server (PATCH /admin/admission before each; reports in OUT/capacity-0, -1, ...): no restart, no graph capture.
+  # An entry's "reset": true (or "calibrate") first makes the capacity model forget its measurements (POST
+  # /admin/admission/reset, then the start-up calibration again): several fresh-server first ramps on one start,
+  # e.g. SWEEP='{"reset": true};{"reset": "calibrate"};{"reset": true};{"reset": "calibrate"}'
   IFS=';' read -r -a SETTINGS <<< "${SWEEP:-}"
   [ ${#SETTINGS[@]} -gt 0 ] || SETTINGS=("")
   i=0
@@ -91,10 +94,17 @@ if [ -n "$CAPACITY_LEVELS" ]; then
     CDIR="$OUTDIR/capacity"; [ -n "${SWEEP:-}" ] && CDIR="$OUTDIR/capacity-$i"; i=$((i + 1))
     if [ -n "$SET" ]; then
       echo "== admission settings: $SET"
-      python3 -c 'import sys, urllib.request as u
-r = u.Request("http://127.0.0.1:8000/admin/admission", data=sys.argv[1].encode(), method="PATCH",
-              headers={"Content-Type": "application/json"})
-print(u.urlopen(r, timeout=30).read().decode())' "$SET" || { echo "== cannot apply $SET"; continue; }
+      python3 -c 'import json, sys, urllib.request as u
+def call(path, method, body):
+    r = u.Request("http://127.0.0.1:8000" + path, data=json.dumps(body).encode(), method=method,
+                  headers={"Content-Type": "application/json"})
+    print(u.urlopen(r, timeout=60).read().decode())
+s = json.loads(sys.argv[1])
+reset = s.pop("reset", False)
+if reset:
+    call("/admin/admission/reset", "POST", {"calibrate": reset == "calibrate"})
+if s:
+    call("/admin/admission", "PATCH", s)' "$SET" || { echo "== cannot apply $SET"; continue; }
       sleep 1
     fi
     L0=$(wc -l < "$OUTDIR/server.log")

@@ -1624,6 +1624,38 @@ def test_calibrating_feeds_only_the_fits_of_the_steps_alone_and_replays(tmp_path
     assert [cap for _, cap in replay_admission_trace(records)] == caps
 
 
+def test_reset_forgets_the_measurements_and_replays(tmp_path):
+    """:meth:`CapacityEstimator.reset`: after it the estimator computes what a new one of the same settings would
+    from the same later measurements (slow start again); a trace records it (``reset``) and replays exactly."""
+    clock = Clock()
+    est = CapacityEstimator(25, clock=clock, max_streams=500, lm_alone=True, t2w_price="cost", start_cost=True)
+    est.start_trace(trace := AdmissionTrace(tmp_path / "r.jsonl"))
+
+    def feed(e, n):
+        caps = []
+        for i in range(n):
+            clock.t += 0.01
+            e.observe_lm(1 + i % 12, 0.002 + 0.0001 * (i % 12), admitted=1 + i % 12, beside=i % 2 == 0)
+            e.observe_lm_device(1 + i % 12, 0.0015 + 0.0001 * (i % 12), alone=i % 2 == 1)
+            e.observe_t2w(0.5, 0.02, 0.02, cost=30.0, start=(10.0, 0.2))
+            caps.append(e.capacity(1.2))
+        return caps
+
+    feed(est, 200)
+    assert est.seen == 12 and est.last > est.initial
+    est.reset()
+    assert est.seen == 0 and est.last == est.initial and est.estimate() is None
+    fresh = CapacityEstimator(25, clock=clock, max_streams=500, lm_alone=True, t2w_price="cost", start_cost=True)
+    t0 = clock.t
+    after = feed(est, 100)
+    clock.t = t0
+    assert feed(fresh, 100) == after
+    trace.close()
+    records = list(read_admission_trace(tmp_path / "r.jsonl"))
+    assert sum(r["op"] == "reset" for r in records) == 1
+    assert [cap for _, cap in replay_admission_trace(records)][-100:] == after
+
+
 def test_server_admission_calibrate_runs_lm_only_requests_at_every_row_count(tmp_path, caplog):
     """``serve --admission-calibrate``: after the warm-up the server runs LM-only requests whose lengths differ by
     one token, so the steps alone are fitted over 1..n rows (here the demo model on CPU: the host's), logged as

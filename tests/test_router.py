@@ -168,6 +168,10 @@ def test_admission_settings_change_on_every_worker(router):
     assert [x["index"] for x in listed] == [0, 1] and all(x["status"] == 200 for x in listed)
     assert httpx.patch(url, json={"target": 0.8, "start_share": 0.45, "slack_margin": 0.05},
                        timeout=30).status_code == 200  # as before
+    # POST /admin/admission/reset reaches every worker too (a bad field: the workers' 400)
+    assert httpx.post(url + "/reset", json={"speed": 1}, timeout=30).status_code == 400
+    r = httpx.post(url + "/reset", json={}, timeout=30)
+    assert r.status_code == 200 and [w["reset"] for w in r.json()["workers"]] == [True, True], r.text
 
 
 def test_killed_worker_fails_its_stream_only_and_comes_back(router):

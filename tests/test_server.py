@@ -532,6 +532,25 @@ def test_admission_settings_route(tight):
     assert httpx.get(url, headers=AUTH).json()["settings"] == before["settings"]
 
 
+def test_admission_reset_route(tight):
+    """POST /admin/admission/reset: behind the API key; an unknown field or a non-boolean calibrate is a 400; the
+    capacity model forgets its measurements (logged), and with ``{"calibrate": true}`` the start-up calibration runs
+    again (here ``--max-active-streams 1``: one LM-only request)."""
+    url = tight.url + "/admin/admission/reset"
+    assert httpx.post(url, json={}).status_code == 401
+    for body, needle in (({"speed": 1}, "speed"), ({"calibrate": "yes"}, "calibrate")):
+        r = httpx.post(url, json=body, headers=AUTH)
+        assert r.status_code == 400 and needle in r.json()["error"], (body, r.text)
+    r = httpx.post(url, headers=AUTH)  # (no body: reset only)
+    assert r.status_code == 200 and r.json() == {"reset": True, "calibrated": None}, r.text
+    r = httpx.post(url, json={"calibrate": True}, headers=AUTH)
+    assert r.status_code == 200 and r.json() == {"reset": True, "calibrated": 1}, r.text
+    deadline = time.time() + 30
+    while "measurements were reset" not in tight.logs() and time.time() < deadline:
+        time.sleep(0.05)
+    assert "measurements were reset" in tight.logs() and "admission calibration: 1 of 1" in tight.logs()
+
+
 def test_queue_full_429_and_graceful_shutdown(tight):
     body = {"model": "tts-1", "voice": "default", "response_format": "pcm",
             "input": "这是一个用来占住唯一位置的长句子，" * 6}

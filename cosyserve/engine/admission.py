@@ -560,7 +560,7 @@ class AdmissionTrace:
     ``pace``, the speed-up ``S``, the starting fraction ``f``, ``audio``, the result ``cap``, and what the caller
     noted, e.g. the engine's active ``a`` and waiting ``w`` requests) and ``slack`` (the engine's close calls:
     ``s`` seconds of slack, ``a`` streams active, ``cut``), ``cal`` (:attr:`CapacityEstimator.calibrating` set
-    to ``on``). Floats are written exactly (``repr``; numpy / torch
+    to ``on``), ``reset`` (:meth:`CapacityEstimator.reset`). Floats are written exactly (``repr``; numpy / torch
     scalars as Python floats). Thread-safe (a lock per record); :meth:`close` flushes. Raises OSError where
     ``path`` cannot be opened; a record that cannot be written later (a full disk) stops the recording with one
     logged warning (:attr:`failed`) instead of failing the engine's step, as does reaching ``max_records``
@@ -661,6 +661,8 @@ def replay_admission_trace(records: Iterable[dict], on_cap=None, **overrides) ->
                           None if start is None else tuple(start))
         elif op == "cal":
             m.calibrating = rec["on"]
+        elif op == "reset":
+            m.reset()
         elif op == "set":
             if "target" not in overrides:
                 m.target = rec["target"]
@@ -715,9 +717,19 @@ class CapacityEstimator:
         self.clock = clock
         self.host = _Resource(t2w_price, contention_fit=contention_fit, alone_floor=alone_floor)
         self.device = _Resource(t2w_price, lm_alone, contention_fit=contention_fit, alone_floor=alone_floor)
+        self.start_cost = bool(start_cost)
+        self._forget()
+        self.trace: AdmissionTrace | None = None
+        self._traced_settings: tuple | None = None
+        self._calibrating = False
+
+    def _forget(self) -> None:
+        """The measurements and what follows from them, as before the first (the settings stay)."""
+        h, d = self.host, self.device  # (new resources of the same settings)
+        self.host = _Resource(h.t2w_price, h.price_lm_alone, h.contention_fit, h.alone_floor)
+        self.device = _Resource(d.t2w_price, d.price_lm_alone, d.contention_fit, d.alone_floor)
         self._cost = self._audio = 0.0  # decayed sums of token2wav cost units and audio seconds
         self._start_cost = self._start_audio = 0.0  # the same for the chunks of starting streams
-        self.start_cost = bool(start_cost)
         self.seen = 0  #: the most streams admitted at once while the LM was measured
         #: the chunk schedules' speed-up ``S`` (module doc) that the capacity is computed for
         self.speedup = 1.0
@@ -731,10 +743,13 @@ class CapacityEstimator:
         self.last_estimate: float | None = None
         #: the latest :meth:`latency_estimate` (None: not computed yet)
         self.last_latency_estimate: float | None = None
-        #: the recording of inputs and outputs (:meth:`start_trace`; None: off)
-        self.trace: AdmissionTrace | None = None
-        self._traced_settings: tuple | None = None
-        self._calibrating = False
+
+    def reset(self) -> None:
+        """Forget every measurement (the capacity is ``initial`` again, slow start from scratch), keeping the
+        settings and the trace (a ``reset`` record): a fresh server's state without a restart
+        (``POST /admin/admission/reset``; e.g. to measure several first ramps on one server start)."""
+        self.record("reset")
+        self._forget()
 
     def start_trace(self, trace: AdmissionTrace) -> None:
         """Record from now on into ``trace`` (its ``init`` record: this estimator's settings, as its constructor

@@ -177,6 +177,12 @@ class AsyncEngine:
             self._wake()
         return queued
 
+    def reset_admission(self) -> None:
+        """:meth:`EngineCore.reset_capacity_model <cosyserve.engine.core.EngineCore.reset_capacity_model>`, the
+        engine thread woken to apply it."""
+        self.core.reset_capacity_model()
+        self._wake()
+
     async def calibrate_admission(self, requests: list[EngineRequest]) -> int:
         """Run ``requests`` (LM-only, built by the caller: the server's ``--admission-calibrate`` start-up) to
         their end with the capacity model calibrating (:meth:`EngineCore.set_calibrating

@@ -853,6 +853,13 @@ class EngineCore:
         """Cancel a request (thread-safe); its slot and caches are freed at the next step."""
         self._inbox.put(("abort", request_id, outcome))
 
+    def reset_capacity_model(self) -> None:
+        """(Thread-safe.) Forget what the capacity model measured (:meth:`~cosyserve.engine.admission.CapacityEstimator
+        .reset`: ``initial`` streams and slow start again, as on a fresh server) and drop the slack guard's cap, on
+        the engine thread before its next step (in order with later requests and :meth:`set_calibrating`); the
+        streams admitted already keep running. ``POST /admin/admission/reset``."""
+        self._inbox.put(("reset_capacity",))
+
     def set_calibrating(self, on: bool) -> None:
         """(Thread-safe.) Set the capacity model's :attr:`~cosyserve.engine.admission.CapacityEstimator.calibrating`
         on the engine thread before its next step (in order with the requests added after: the LM steps of
@@ -1106,6 +1113,12 @@ class EngineCore:
                 self._prebuild_prompt_prefixes(cmd[1])
             elif cmd[0] == "calibrate":
                 self.capacity_model.calibrating = cmd[1]
+            elif cmd[0] == "reset_capacity":
+                self.capacity_model.reset()
+                self.slack_guard.release()
+                self._limit = self._admission_limit()
+                log.info("admission: the capacity model's measurements were reset (capacity %d streams)", self._limit,
+                         extra={"event": "admission_reset", "capacity_streams": self._limit})
             else:
                 _, rid, outcome = cmd
                 st = self._active.get(rid) or self._waiting.get(rid)

@@ -10,6 +10,12 @@
   for benchmarks that compare settings on one server start (``benchmarks/capacity_startup.sh`` ``SWEEP``). An
   unknown setting, a wrong type or a value out of range is a 400 naming it, and nothing changes. Answers
   ``{"settings": ...}`` as they will be from the engine's next step (a ``GET`` then shows the limit they give).
+* ``POST /admin/admission/reset`` — the capacity model forgets what it measured (the admission of a fresh server,
+  slow start included; streams already admitted keep running); body ``{"calibrate": true}`` (optional, default
+  false) then runs the start-up calibration (``serve --admission-calibrate``) again. For measuring a fresh
+  server's first ramp several times on one server start (``SWEEP`` entries with ``"reset"``). Answers
+  ``{"reset": true, "calibrated": <LM-only requests finished, or null>}``; an unknown field or a non-boolean
+  ``calibrate`` is a 400.
 
 Behind the API key like every non-health route (``--api-key``). Through the router (``serve --workers N``) a
 ``PATCH`` goes to every worker (:mod:`cosyserve.server.router`).
@@ -44,6 +50,21 @@ async def get_admission(request: Request):
     cap = core.capacity_streams
     return {"settings": core.admission_settings(), "capacity_streams": cap if math.isfinite(cap) else None,
             "admission_limit": core.admission_limit, "admitted": core.active_count}
+
+
+@router.post("/admin/admission/reset")
+async def reset_admission(request: Request, body: dict | None = None):
+    """Forget the capacity model's measurements, then with ``{"calibrate": true}`` calibrate again (module doc)."""
+    _engine(request)
+    body = body or {}
+    unknown = sorted(set(body) - {"calibrate"})
+    if unknown:
+        raise InvalidInputError(f"unknown field {unknown[0]!r} (only 'calibrate')", unknown[0])
+    calibrate = body.get("calibrate", False)
+    if not isinstance(calibrate, bool):
+        raise InvalidInputError("calibrate must be true or false", "calibrate")
+    st: ServerState = request.app.state.cosyserve
+    return await st.reset_admission(calibrate)
 
 
 @router.patch("/admin/admission")

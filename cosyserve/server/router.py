@@ -38,8 +38,8 @@ worker is restarted with exponential back-off (1 s doubling to 30 s, reset once 
 for a minute). ``/v2/health/ready`` is 200 while at least one worker is ready;
 ``GET /router/workers`` lists the workers' state; ``/metrics`` has the router's gauges and
 counters plus the workers' capacity and admitted streams summed (what an autoscaler reads).
-``GET/PATCH /admin/admission`` reads / changes the admission settings of every ready worker
-(:mod:`cosyserve.server.admin`).
+``GET/PATCH /admin/admission`` reads / changes the admission settings of every ready worker, ``POST
+/admin/admission/reset`` resets their capacity models (:mod:`cosyserve.server.admin`).
 """
 
 from __future__ import annotations
@@ -496,10 +496,12 @@ def create_router_app(router: Router) -> FastAPI:
         return Response(router.render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.api_route("/admin/admission", methods=["GET", "PATCH"])
+    @app.api_route("/admin/admission/reset", methods=["POST"])
     async def admission(request: Request):
-        """Every ready worker's admission settings (:mod:`cosyserve.server.admin`): a change goes to all of them
-        (each engine admits its own streams); a worker restarted later starts with its command line's settings.
-        One worker's 4xx (a bad setting: every worker rejects it the same way, changing nothing) is the answer."""
+        """Every ready worker's admission settings (:mod:`cosyserve.server.admin`): a change (or a reset) goes to
+        all of them (each engine admits its own streams); a worker restarted later starts with its command line's
+        settings. One worker's 4xx (a bad setting: every worker rejects it the same way, changing nothing) is the
+        answer."""
         body = await request.body()
         headers = _forward_headers(request)
         out = []
@@ -508,7 +510,7 @@ def create_router_app(router: Router) -> FastAPI:
                 out.append({**w.info(), "status": None})
                 continue
             try:
-                r = await w.http.request(request.method, "/admin/admission", headers=headers, content=body)
+                r = await w.http.request(request.method, request.url.path, headers=headers, content=body)
             except httpx.HTTPError as exc:
                 out.append({**w.info(), "status": None, "error": f"{type(exc).__name__}: {exc}"})
                 continue

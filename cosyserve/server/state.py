@@ -214,6 +214,7 @@ class ServerState:
         self.started = time.time()
         self._voice_cache: OrderedDict[str, Voice] = OrderedDict()
         self._builtin: dict[str, Voice] = {}
+        self._warmup_voice_cache: Voice | None = None
         self.stats = {"inference_count": 0, "success": 0, "fail": 0, "success_ns": 0}
         self._gc_monitor: GCPauseMonitor | None = None
         self.prompt_batcher: PromptBatcher | None = None
@@ -363,11 +364,7 @@ class ServerState:
             async for _ in self.engine.generate(req):
                 pass
             return
-        wav = torch.zeros(1, 24000 * 2)
-        wav[0, ::40] = 0.2
-        # CosyVoice3 prompt texts carry an instruction ending in <|endofprompt|>
-        transcript = (DEFAULT_INSTRUCTION if self.synth.frontend.requires_endofprompt else "") + "你好。"
-        voice = await asyncio.to_thread(self.synth.make_voice, "warmup", (wav, 24000), transcript)
+        voice = await self._warmup_voice()
         for stream in (True, False):
             req = self.synth.build_request("你好，世界。Hello.", voice, SynthesisParams(
                 seed=0, stream=stream, min_token_text_ratio=2, max_token_text_ratio=3), "warmup-" + str(stream))
@@ -377,16 +374,43 @@ class ServerState:
         if self.config.admission_calibrate and not self.config.llm_url:
             await self._calibrate_admission(voice)
 
-    async def _calibrate_admission(self, voice: Voice) -> None:
+    async def _warmup_voice(self) -> Voice:
+        """The synthetic voice of the warm-up requests (made once: a 2-s pulse train)."""
+        if self._warmup_voice_cache is None:
+            wav = torch.zeros(1, 24000 * 2)
+            wav[0, ::40] = 0.2
+            # CosyVoice3 prompt texts carry an instruction ending in <|endofprompt|>
+            transcript = (DEFAULT_INSTRUCTION if self.synth.frontend.requires_endofprompt else "") + "你好。"
+            self._warmup_voice_cache = await asyncio.to_thread(self.synth.make_voice, "warmup", (wav, 24000),
+                                                               transcript)
+        return self._warmup_voice_cache
+
+    async def reset_admission(self, calibrate: bool = False) -> dict:
+        """``POST /admin/admission/reset``: forget what the capacity model measured (a fresh server's admission,
+        :meth:`~cosyserve.engine.core.EngineCore.reset_capacity_model`), then with ``calibrate`` run the start-up
+        calibration again (:meth:`_calibrate_admission`; its LM-only requests run beside whatever streams are
+        active, whose token2wav then keeps their steps out of the fits of steps alone). Returns ``{"reset": true,
+        "calibrated": requests that finished or None}``. Raises InvalidInputError for an engine without a local
+        LM (``--llm-url``: its capacity model prices the remote LM's tokens, measured where it runs)."""
+        if self.config.llm_url or getattr(self.engine.core, "capacity_model", None) is None:
+            raise InvalidInputError("this server's engine has no local capacity model to reset", field="reset")
+        self.engine.reset_admission()
+        done = None
+        if calibrate:
+            done = await self._calibrate_admission(await self._warmup_voice())
+        return {"reset": True, "calibrated": done}
+
+    async def _calibrate_admission(self, voice: Voice) -> int | None:
         """``--admission-calibrate``: up to :data:`CALIBRATION_STREAMS` LM-only requests (at most the engine's
         ``max_active`` and ``max_queue + 1``), request ``i`` generating ``8 + i`` speech tokens, so that the LM
         steps run at every row count from that many down to 1, with no token2wav beside them; the capacity model
         fits them as steps alone only (:meth:`~cosyserve.engine.async_engine.AsyncEngine.calibrate_admission`).
-        Logs the fits (event ``admission_calibration``); a failure is logged and the server starts uncalibrated."""
+        Logs the fits (event ``admission_calibration``) and returns the requests that finished; a failure is logged
+        (None) and the server runs uncalibrated."""
         core = self.engine.core
         model = getattr(core, "capacity_model", None)
         if model is None:
-            return
+            return None
         n = min(CALIBRATION_STREAMS, core.cfg.max_active, core.cfg.max_queue + 1)  # (all submitted at once)
         t0 = time.perf_counter()
         try:
@@ -396,7 +420,7 @@ class ServerState:
             ok = await self.engine.calibrate_admission(reqs)
         except CosyServeError as exc:
             log.warning("admission calibration failed (%s); auto admission starts from the warm-up's steps", exc)
-            return
+            return None
         fits = {name: r.lm_alone.solve() for name, r in (("host", model.host), ("device", model.device))}
         text = ", ".join(f"{k} {a * 1e3:.2f} ms + {c * 1e3:.3f} ms per row" for k, (a, c) in
                          ((k, v) for k, v in fits.items() if v is not None)) or "no steps alone"
@@ -405,6 +429,7 @@ class ServerState:
                  extra={"event": "admission_calibration", "requests": n, "ok": ok,
                         **{f"{k}_alone": None if v is None else [round(v[0], 6), round(v[1], 7)]
                            for k, v in fits.items()}})
+        return ok
 
     def _device_lost(self, exc: BaseException) -> None:
         """The engine's device context is unusable: not ready from now on (health checks and new
