@@ -504,3 +504,15 @@ def test_streamed_completion_gathers_queued_tokens_and_spaces_events():
     # ~120 ms of tokens: an event each when the writer keeps up; in events >= 50 ms apart with the interval
     assert len(spaced) < len(one_each) and 1 <= len(spaced) - 1 <= 4
     assert spaced[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_admission_reset_on_disaggregated_servers(llm, t2w):
+    """``POST /admin/admission/reset``: the LM server resets its capacity model but cannot calibrate (that runs
+    through the whole model: a 400 naming ``calibrate``); a token2wav server with ``--llm-url`` has no local
+    capacity model to reset (400)."""
+    r = httpx.post(llm.url + "/admin/admission/reset", json={"calibrate": True}, timeout=30)
+    assert r.status_code == 400 and "calibrate" in r.text, r.text
+    r = httpx.post(llm.url + "/admin/admission/reset", json={}, timeout=30)
+    assert r.status_code == 200 and r.json() == {"reset": True, "calibrated": None}, r.text
+    r = httpx.post(t2w.url + "/admin/admission/reset", headers={"Authorization": "Bearer sekret"}, timeout=30)
+    assert r.status_code == 400 and "no local capacity model" in r.text, r.text

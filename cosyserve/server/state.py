@@ -391,9 +391,13 @@ class ServerState:
         calibration again (:meth:`_calibrate_admission`; its LM-only requests run beside whatever streams are
         active, whose token2wav then keeps their steps out of the fits of steps alone). Returns ``{"reset": true,
         "calibrated": requests that finished or None}``. Raises InvalidInputError for an engine without a local
-        LM (``--llm-url``: its capacity model prices the remote LM's tokens, measured where it runs)."""
+        LM (``--llm-url``: its capacity model prices the remote LM's tokens, measured where it runs) and for
+        ``calibrate`` on an ``--llm-only`` server (its warm-up voice needs the audio frontend)."""
         if self.config.llm_url or getattr(self.engine.core, "capacity_model", None) is None:
             raise InvalidInputError("this server's engine has no local capacity model to reset", field="reset")
+        if calibrate and self.config.llm_only:
+            raise InvalidInputError("cannot calibrate an --llm-only server: the calibration runs through the "
+                                    "whole model", field="calibrate")
         self.engine.reset_admission()
         done = None
         if calibrate:
