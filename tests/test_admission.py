@@ -1692,3 +1692,37 @@ def test_server_admission_calibrate_runs_lm_only_requests_at_every_row_count(tmp
     plain = asyncio.run(run(False))
     assert plain[1].w < alone.w and plain[3] == seen  # slow start: the served steps only
     assert lm_w == pytest.approx(plain[2], rel=0.5)  # (the warm-up's steps in both)
+
+
+def test_calibrate_admission_counts_what_finished_and_raises_only_when_nothing_did(synth):
+    """``AsyncEngine.calibrate_admission``: requests the queue cannot take fail alone (the others run, counted);
+    the estimator calibrates until every request has ended; when none could be submitted the first error is raised
+    and calibration is off again."""
+    from cosyserve.engine.async_engine import AsyncEngine
+
+    syn, voice = synth
+    core = syn.new_engine(EngineConfig(max_active=2, max_queue=1, admission="off"))
+
+    def reqs(n, tag):
+        return [syn.build_request("你好。", voice, SynthesisParams(seed=i, lm_only=True, min_tokens=4, max_tokens=4),
+                                  f"{tag}-{i}") for i in range(n)]
+
+    async def main():
+        eng = AsyncEngine(core)
+        eng.start()
+        try:
+            ok = await eng.calibrate_admission(reqs(6, "a"))  # at most 2 active + 1 queued are taken
+            assert 1 <= ok <= 3
+            for _ in range(100):
+                if not core.capacity_model.calibrating:
+                    break
+                await asyncio.sleep(0.01)
+            assert not core.capacity_model.calibrating and core.capacity_model.host.lm_alone.w > 0
+            core.cfg = dataclasses.replace(core.cfg, max_queue=0)
+            core._limit = 0  # nothing can be submitted now (the engine thread is idle: nothing recomputes it)
+            with pytest.raises(QueueFullError):
+                await eng.calibrate_admission(reqs(2, "b"))
+        finally:
+            await eng.stop()
+
+    asyncio.run(main())

@@ -187,8 +187,9 @@ class AsyncEngine:
         """Run ``requests`` (LM-only, built by the caller: the server's ``--admission-calibrate`` start-up) to
         their end with the capacity model calibrating (:meth:`EngineCore.set_calibrating
         <cosyserve.engine.core.EngineCore.set_calibrating>`: their LM steps feed only its fits of the steps alone),
-        all submitted at once, before requests of others (start-up: the server is not ready yet). Returns how
-        many finished without an error. Raises what :meth:`submit` raises (the queue full)."""
+        all submitted at once (at start-up, before requests of others: the server is not ready yet), the estimator
+        calibrating until every one has ended. Returns how many finished without an error; raises the first error
+        of :meth:`submit` (the queue full) when none did."""
         async def run(req: EngineRequest) -> bool:
             async for ev in self.generate(req):
                 if isinstance(ev, RequestFinished):
@@ -197,10 +198,15 @@ class AsyncEngine:
 
         self.core.set_calibrating(True)
         try:
-            return sum(await asyncio.gather(*(run(r) for r in requests)))
+            results = await asyncio.gather(*(run(r) for r in requests), return_exceptions=True)
         finally:
             self.core.set_calibrating(False)
             self._wake()
+        ok = sum(r is True for r in results)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors and not ok:
+            raise errors[0]
+        return ok
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[AudioChunk | RequestFinished]:
         """Submit ``req`` and yield its audio chunks, then its :class:`RequestFinished`.
