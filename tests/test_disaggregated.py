@@ -208,6 +208,18 @@ def test_metrics_port_needs_no_key_and_opens_nothing_else(t2w):
     assert httpx.post(t2w.url + "/v1/audio/speech", json={"model": "tts-1", "input": "你好"}).status_code == 401
 
 
+def test_admission_reset_on_disaggregated_servers(llm, t2w):
+    """``POST /admin/admission/reset``: the LM server resets its capacity model but cannot calibrate (that runs
+    through the whole model: a 400 naming ``calibrate``); a token2wav server with ``--llm-url`` has no local
+    capacity model to reset (400)."""
+    r = httpx.post(llm.url + "/admin/admission/reset", json={"calibrate": True}, timeout=30)
+    assert r.status_code == 400 and "calibrate" in r.text, r.text
+    r = httpx.post(llm.url + "/admin/admission/reset", json={}, timeout=30)
+    assert r.status_code == 200 and r.json() == {"reset": True, "calibrated": None}, r.text
+    r = httpx.post(t2w.url + "/admin/admission/reset", headers={"Authorization": "Bearer sekret"}, timeout=30)
+    assert r.status_code == 400 and "no local capacity model" in r.text, r.text
+
+
 def test_llm_killed_mid_stream_fails_that_stream_and_recovers(cache, llm, t2w):
     port = llm.port
     code, events = _openai_sse(t2w.url, LONG_TEXT, on_first=lambda: llm.kill())
@@ -505,14 +517,3 @@ def test_streamed_completion_gathers_queued_tokens_and_spaces_events():
     assert len(spaced) < len(one_each) and 1 <= len(spaced) - 1 <= 4
     assert spaced[-1]["choices"][0]["finish_reason"] == "length"
 
-
-def test_admission_reset_on_disaggregated_servers(llm, t2w):
-    """``POST /admin/admission/reset``: the LM server resets its capacity model but cannot calibrate (that runs
-    through the whole model: a 400 naming ``calibrate``); a token2wav server with ``--llm-url`` has no local
-    capacity model to reset (400)."""
-    r = httpx.post(llm.url + "/admin/admission/reset", json={"calibrate": True}, timeout=30)
-    assert r.status_code == 400 and "calibrate" in r.text, r.text
-    r = httpx.post(llm.url + "/admin/admission/reset", json={}, timeout=30)
-    assert r.status_code == 200 and r.json() == {"reset": True, "calibrated": None}, r.text
-    r = httpx.post(t2w.url + "/admin/admission/reset", headers={"Authorization": "Bearer sekret"}, timeout=30)
-    assert r.status_code == 400 and "no local capacity model" in r.text, r.text
