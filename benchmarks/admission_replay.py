@@ -59,6 +59,13 @@ def with_calibration(records: list[dict], at_s: float, costs: tuple[float, float
     return records[:i] + cal + later
 
 
+def _window(t: float, t0: float, bucket_s: float, start_s: float, end_s: float) -> int | None:
+    """The index of the ``bucket_s``-second window that trace time ``t`` falls in (seconds from ``t0``), None
+    outside ``[start_s, end_s)``."""
+    rel = t - t0
+    return int(rel // bucket_s) if start_s <= rel < end_s else None
+
+
 def replay_table(records: list[dict], variants: list[dict], bucket_s: float = 0.5, start_s: float = 0.0,
                  end_s: float = math.inf) -> tuple[str, int]:
     """The markdown table described in the module doc, and the number of ``cap`` records where the replay with
@@ -68,10 +75,9 @@ def replay_table(records: list[dict], variants: list[dict], bucket_s: float = 0.
     rows: dict[int, dict] = {}
 
     def row(t: float) -> dict | None:
-        rel = t - t0
-        if not start_s <= rel < end_s:
+        k = _window(t, t0, bucket_s, start_s, end_s)
+        if k is None:
             return None
-        k = int(rel // bucket_s)
         return rows.setdefault(k, {"a": 0, "w": 0, "close": 0, "late": 0, "rec": [], "var": [[] for _ in
                                                                                               range(len(variants) + 1)]})
 
@@ -121,12 +127,9 @@ def terms_table(records: list[dict], overrides: dict, bucket_s: float = 0.5, sta
     low: dict[int, tuple[int, dict, dict]] = {}
 
     def keep(rec: dict, m) -> None:
-        rel = rec["t"] - t0
-        if start_s <= rel < end_s:
-            k = int(rel // bucket_s)
-            cap = m.last
-            if k not in low or cap < low[k][0]:
-                low[k] = (cap, rec, m.terms(rec["pace"]))
+        k = _window(rec["t"], t0, bucket_s, start_s, end_s)
+        if k is not None and (k not in low or m.last < low[k][0]):
+            low[k] = (m.last, rec, m.terms(rec["pace"]))
 
     for _ in replay_admission_trace(records, on_cap=keep, **overrides):
         pass

@@ -417,17 +417,21 @@ class _Resource:
                  alone_floor: bool = False):
         if t2w_price not in T2W_PRICES:
             raise ValueError(f"t2w_price must be one of {T2W_PRICES}, got {t2w_price!r}")
-        self.lm = _LinearFit()
         #: the fit of every step's time is floored at the fixed part of the steps that ran alone (:meth:`lm_fit`)
         self.alone_floor = alone_floor
+        self.contention_fit = contention_fit
+        self.t2w_price = t2w_price
+        self.price_lm_alone = price_lm_alone
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop every measurement (the fits and sums; the settings stay)."""
+        self.lm = _LinearFit()
         #: the steps' time against rows and token2wav beside them (:class:`_ContentionFit`; priced with
         #: ``contention_fit``, fed either way)
         self.lm_contention = _ContentionFit()
-        self.contention_fit = contention_fit
         self.lm_alone = _LinearFit()
         self.t2w = _LinearFit()
-        self.t2w_price = t2w_price
-        self.price_lm_alone = price_lm_alone
         self.prefill_s = self.decode_rows = 0.0  # decayed sums over the steps that told their prefill apart
 
     def decay(self, f: float) -> None:
@@ -632,8 +636,8 @@ def replay_admission_trace(records: Iterable[dict], on_cap=None, **overrides) ->
     :class:`CapacityEstimator` built with the recording's settings, ``overrides`` replacing any of its
     constructor's keyword arguments (``target``, ``lm_alone``, ``start_cost``, ``contention_fit``, ``alone_floor``,
     ``half_life_s``, ``growth``, ``initial``, ``max_streams``, ``t2w_price``); the recording's later ``set`` records
-    apply only to settings not overridden. Yields ``(cap record, replayed capacity)`` for every ``cap`` record (its ``cap``
-    field: what the recording computed); ``on_cap(record, estimator)``, if given, is called first (to read the
+    apply only to settings not overridden. Yields ``(cap record, replayed capacity)`` for every ``cap`` record (its
+    ``cap`` field: what the recording computed); ``on_cap(record, estimator)``, if given, is called first (to read the
     estimator's :meth:`~CapacityEstimator.terms` at that moment). Open loop (module doc). Raises ValueError without
     a leading ``init`` record."""
     it = iter(records)
@@ -718,16 +722,14 @@ class CapacityEstimator:
         self.host = _Resource(t2w_price, contention_fit=contention_fit, alone_floor=alone_floor)
         self.device = _Resource(t2w_price, lm_alone, contention_fit=contention_fit, alone_floor=alone_floor)
         self.start_cost = bool(start_cost)
-        self._forget()
+        self._forget_estimates()
         self.trace: AdmissionTrace | None = None
         self._traced_settings: tuple | None = None
         self._calibrating = False
 
-    def _forget(self) -> None:
-        """The measurements and what follows from them, as before the first (the settings stay)."""
-        h, d = self.host, self.device  # (new resources of the same settings)
-        self.host = _Resource(h.t2w_price, h.price_lm_alone, h.contention_fit, h.alone_floor)
-        self.device = _Resource(d.t2w_price, d.price_lm_alone, d.contention_fit, d.alone_floor)
+    def _forget_estimates(self) -> None:
+        """The estimator's own sums and what follows from the measurements, as before the first (the resources'
+        fits: :meth:`_Resource.forget`)."""
         self._cost = self._audio = 0.0  # decayed sums of token2wav cost units and audio seconds
         self._start_cost = self._start_audio = 0.0  # the same for the chunks of starting streams
         self.seen = 0  #: the most streams admitted at once while the LM was measured
@@ -749,7 +751,9 @@ class CapacityEstimator:
         settings and the trace (a ``reset`` record): a fresh server's state without a restart
         (``POST /admin/admission/reset``; e.g. to measure several first ramps on one server start)."""
         self.record("reset")
-        self._forget()
+        self.host.forget()
+        self.device.forget()
+        self._forget_estimates()
 
     def start_trace(self, trace: AdmissionTrace) -> None:
         """Record from now on into ``trace`` (its ``init`` record: this estimator's settings, as its constructor
@@ -829,15 +833,13 @@ class CapacityEstimator:
         if rows < 1 or not host_s >= 0:
             return
         self._decay(now)
+        if beside is False:  # (the host's steps alone: only its floor, :meth:`_Resource.floor`)
+            self.host.lm_alone.add(rows, host_s)
         if self._calibrating:  # (only the steps alone: :attr:`calibrating`)
-            if beside is False:
-                self.host.lm_alone.add(rows, host_s)
             return
         self.host.lm.add(rows, host_s)
         if beside is not None:
             self.host.lm_contention.add(rows, host_s, float(beside))
-            if not beside:  # (the host's steps alone: only its floor, :meth:`_Resource.floor`)
-                self.host.lm_alone.add(rows, host_s)
         self.seen = max(self.seen, rows if admitted is None else admitted)
 
     def observe_lm_device(self, rows: int, device_s: float, alone: bool = False,

@@ -426,8 +426,8 @@ class ServerState:
             log.warning("admission calibration failed (%s); auto admission starts from the warm-up's steps", exc)
             return None
         fits = {name: r.lm_alone.solve() for name, r in (("host", model.host), ("device", model.device))}
-        text = ", ".join(f"{k} {a * 1e3:.2f} ms + {c * 1e3:.3f} ms per row" for k, (a, c) in
-                         ((k, v) for k, v in fits.items() if v is not None)) or "no steps alone"
+        text = ", ".join(f"{k} {v[0] * 1e3:.2f} ms + {v[1] * 1e3:.3f} ms per row"
+                         for k, v in fits.items() if v is not None) or "no steps alone"
         log.info("admission calibration: %d of %d LM-only requests in %.2f s; the LM steps alone: %s", ok, n,
                  time.perf_counter() - t0, text,
                  extra={"event": "admission_calibration", "requests": n, "ok": ok,
