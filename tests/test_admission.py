@@ -1042,10 +1042,38 @@ def test_slack_guard_cuts_at_once_holds_and_grows_back():
     clock.t += 5.0
     assert g.limit(ceiling=120) == 103
     clock.t += 10.0
-    assert g.limit(ceiling=120) is None and g.limit() is None  # past the other bounds: dropped
+    assert g.limit(ceiling=120) == 123  # past the other bounds, not yet for settle_s (5 s): kept, binds nothing
+    clock.t += 5.0
+    assert g.limit(ceiling=120) is None and g.limit() is None  # above them for 5 s: dropped
     assert g.observe(-1.0, 1) and g.limit() == 1  # never below one stream
     with pytest.raises(ValueError):
         SlackGuard(cut=1.0)
+    with pytest.raises(ValueError):
+        SlackGuard(settle_s=-1.0)
+
+
+def test_slack_guard_outlasts_a_swinging_estimate():
+    """Under load the capacity estimate swings by tens of streams within a second (the batch latency it prices):
+    the guard's cap stays while the estimate dips below it and peaks above it again, so the peaks do not admit
+    past the cut (an H200 overload: a cut to 41 dropped on the next dip, 71 streams admitted on the next peak,
+    docs/perf.md "Session 42"); it is dropped only once the estimate stayed below it for ``settle_s``."""
+    clock = Clock()
+    g = SlackGuard(margin_s=0.05, recover_s=0.5, settle_s=2.0, clock=clock)
+    assert g.observe(-0.06, 46) and g.limit() == 41
+    for k in range(8):  # the estimate swings 33 <-> 71 every 0.25 s for 2 s
+        clock.t += 0.25
+        ceiling = 33 if k % 2 == 0 else 71
+        cap = g.limit(ceiling)
+        assert cap is not None and min(ceiling, cap) <= 45  # the peaks stay held at the cut (+ 2 per second)
+    assert g.limit(71) == 45
+    clock.t += 0.5
+    assert g.limit(30) == 46  # above the estimate from now on
+    clock.t += 1.5
+    assert g.limit(30) == 49  # for 1.5 s: kept
+    clock.t += 0.5
+    assert g.limit(30) is None  # for settle_s: dropped
+    g0 = SlackGuard(settle_s=0.0, clock=clock)  # settle_s 0: dropped on the first call above (as before)
+    assert g0.observe(0.0, 50) and g0.limit(40) is None
 
 
 def test_slack_guard_margin_and_recovery_rate():

@@ -1008,16 +1008,20 @@ class SlackGuard:
     then; :meth:`limit` is the cap on active streams now (None: no cap). ``margin_s``: slack below this
     is a close call (cap = active - 1); below 0 a late chunk (cap = ``cut`` x active); ``hold_s``: after
     a cut, further close calls within this many seconds do not cut again (their streams were admitted
-    before the cut took effect); ``recover_s``: seconds per stream the cap grows back; ``clock``: time
-    source (seconds). Counts: :attr:`close_calls`, :attr:`late`, :attr:`cuts`. Raises ValueError for
+    before the cut took effect); ``recover_s``: seconds per stream the cap grows back; ``settle_s``: the cap is
+    dropped once it has stayed above the other bounds (:meth:`limit`'s ``ceiling``) this many seconds in a row
+    (0: at once); ``clock``: time source (seconds). Counts: :attr:`close_calls`, :attr:`late`, :attr:`cuts`. Raises ValueError for
     settings out of range. Not thread-safe (the engine thread feeds and reads it)."""
 
     def __init__(self, margin_s: float = 0.05, hold_s: float = 1.0, recover_s: float = 0.5, cut: float = 0.9,
-                 clock=time.monotonic):
-        if not (margin_s >= 0 and hold_s >= 0 and recover_s > 0 and 0 < cut < 1):
-            raise ValueError("SlackGuard needs margin_s >= 0, hold_s >= 0, recover_s > 0 and 0 < cut < 1")
+                 settle_s: float = 5.0, clock=time.monotonic):
+        if not (margin_s >= 0 and hold_s >= 0 and recover_s > 0 and 0 < cut < 1 and 0 <= settle_s < math.inf):
+            raise ValueError("SlackGuard needs margin_s >= 0, hold_s >= 0, recover_s > 0, 0 < cut < 1 and a finite "
+                             "settle_s >= 0")
         self.margin_s, self.hold_s, self.recover_s, self.cut, self.clock = margin_s, hold_s, recover_s, cut, clock
+        self.settle_s = settle_s
         self._cap: float | None = None
+        self._above: float | None = None  # since when the cap has been above the ceiling (limit())
         self._t = 0.0  # when _cap was last updated (growth is counted from here)
         self._last_cut: float | None = None
         self.close_calls = self.late = self.cuts = 0
@@ -1025,7 +1029,7 @@ class SlackGuard:
     def release(self) -> None:
         """Drop the cap (the counts stay): the next close call cuts afresh. For a change of the admission
         settings, which the cap measured under the old ones should not hold back."""
-        self._cap, self._last_cut = None, None
+        self._cap, self._last_cut, self._above = None, None, None
 
     def observe(self, slack_s: float, active: int) -> bool:
         """One streaming chunk (after a stream's first) was emitted ``slack_s`` seconds before its
@@ -1042,13 +1046,14 @@ class SlackGuard:
         cap = self.limit()
         if cap is not None and cap <= new:
             return False
-        self._cap, self._t, self._last_cut = new, now, now
+        self._cap, self._t, self._last_cut, self._above = new, now, now, None
         self.cuts += 1
         return True
 
     def limit(self, ceiling: int | None = None) -> int | None:
         """The cap on active streams now (the last cut plus one stream per ``recover_s`` since), or
-        None when there is none; a cap that has grown past ``ceiling`` (the other bounds) is dropped."""
+        None when there is none; a cap that has stayed above ``ceiling`` (the other bounds, read at each call)
+        for ``settle_s`` is dropped (until then it is returned, though it does not bind)."""
         if self._cap is None:
             return None
         now = self.clock()
@@ -1056,8 +1061,13 @@ class SlackGuard:
             self._cap += (now - self._t) / self.recover_s
             self._t = now
         if ceiling is not None and self._cap > ceiling:
-            self._cap = None
-            return None
+            if self._above is None:
+                self._above = now
+            if now - self._above >= self.settle_s:
+                self._cap, self._above = None, None
+                return None
+        else:
+            self._above = None
         return int(self._cap)
 
 

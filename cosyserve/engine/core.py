@@ -1897,9 +1897,9 @@ class EngineCore:
 
     def _slack_capped(self, cap: int) -> int:
         """``cap`` (streams), or the :class:`~cosyserve.engine.admission.SlackGuard`'s cap where that is
-        lower (it is dropped once it has grown past ``cap`` and ``max_active``)."""
+        lower (it is dropped once it has stayed above ``cap`` and ``max_active`` for the guard's ``settle_s``)."""
         guard = self.slack_guard.limit(min(cap, self.cfg.max_active))
-        return cap if guard is None else guard
+        return cap if guard is None else min(cap, guard)
 
     def observe_delivered_slack(self, slack_s: float) -> None:
         """(Thread-safe; a server calls it.) A streaming chunk was sent to its client ``slack_s``
