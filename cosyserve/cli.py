@@ -498,6 +498,10 @@ def _engine_args(p, in_process: bool = False) -> None:
     p.add_argument("--admission-slack-recover", type=float, default=0.5, metavar="SECONDS",
                    help="auto admission: after a close call the cap grows back by one stream per SECONDS without "
                         "another (default 0.5; > 0)" + note)
+    p.add_argument("--admission-pace-half-life", type=float, default=1.0, metavar="SECONDS",
+                   help="auto admission: average the token2wav batch-latency pace the capacity estimate is read at "
+                        "over time with this half-life (default 1.0; 0 = the pace of the moment, which swings with "
+                        "the last few batches)" + note)
     p.add_argument("--admission-contention-fit", action=argparse.BooleanOptionalAction, default=False,
                    help="auto admission: price the LM steps as they ran by their time against rows and whether "
                         "token2wav ran beside them, so that a burst's first-chunk flow work is not read as a cost "
@@ -608,6 +612,7 @@ def _engine_config(args, background_default: bool = False, **overrides):
                   admission_slack_margin_s=args.admission_slack_margin,
                   admission_slack_recover_s=args.admission_slack_recover,
                   admission_contention_fit=args.admission_contention_fit,
+                  admission_pace_half_life_s=args.admission_pace_half_life,
                   admission_trace=getattr(args, "admission_trace", None),
                   flow_stream_cache={"auto": None, "on": True, "off": False,
                                      "prefix": "prefix"}[args.flow_stream_cache],
@@ -623,6 +628,8 @@ def _engine_config(args, background_default: bool = False, **overrides):
         raise CLIError(f"--admission-slack-margin must be >= 0 seconds, got {fields['admission_slack_margin_s']}")
     if not 0 < fields["admission_slack_recover_s"] < float("inf"):
         raise CLIError(f"--admission-slack-recover must be > 0 seconds, got {fields['admission_slack_recover_s']}")
+    if not 0 <= fields["admission_pace_half_life_s"] < float("inf"):
+        raise CLIError(f"--admission-pace-half-life must be >= 0 seconds, got {fields['admission_pace_half_life_s']}")
     trace = fields["admission_trace"]
     if trace is not None and not (Path(trace).parent.is_dir() and os.access(Path(trace).parent, os.W_OK)):
         raise CLIError(f"--admission-trace: cannot write {trace} (its folder is missing or not writable)")

@@ -380,8 +380,13 @@ def test_slack_guard_options():
                       (["--admission-slack-recover", "inf"], "--admission-slack-recover must be > 0 seconds")):
         with pytest.raises(cli.CLIError, match=msg):
             cli._engine_config(parser.parse_args(argv))
+    assert cfg.admission_pace_half_life_s == 1.0
+    assert cli._engine_config(parser.parse_args(["--admission-pace-half-life", "0"])).admission_pace_half_life_s == 0
+    for argv in (["--admission-pace-half-life", "-1"], ["--admission-pace-half-life", "inf"]):
+        with pytest.raises(cli.CLIError, match="--admission-pace-half-life must be >= 0 seconds"):
+            cli._engine_config(parser.parse_args(argv))
     for bad in ({"admission_slack_margin_s": -1.0}, {"admission_slack_recover_s": 0.0},
-                {"admission_slack_recover_s": -0.5}):
+                {"admission_slack_recover_s": -0.5}, {"admission_pace_half_life_s": -1.0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EngineConfig(**bad)
 
@@ -699,6 +704,40 @@ def test_admission_settings_change_while_serving(synth):
         assert core.admission_settings()["slack_margin"] == 0.02 and core.admission_settings()["slack_recover"] == 3.0
     finally:
         core.close()
+
+
+def test_admission_reads_the_estimate_at_a_time_averaged_latency_pace(synth):
+    """The batch-latency pace the capacity is read at is averaged over time (``admission_pace_half_life_s``):
+    pace readings alternating 1.2 / 2.4 every 50 ms (batches alternating large and small, as on an H200 under
+    load, docs/perf.md "Session 42") average to ~1.8 instead of swinging the estimate; an infinite pace is
+    taken at once and the average restarts after it; with half-life 0 each reading stands; a reset of the
+    capacity model forgets the average."""
+    syn, _ = synth
+    core = syn.new_engine(EngineConfig(max_active=2))
+    raw = syn.new_engine(EngineConfig(max_active=2, admission_pace_half_life_s=0.0))
+    now = [time.monotonic() + 1000.0]  # (readings on a clock of the test's own, after the engine's own)
+    core._pace = None
+    try:
+        assert core._averaged_pace(1.2, now[0]) == 1.2  # the first reading
+        seen = []
+        for i in range(200):  # 10 s
+            now[0] += 0.05
+            seen.append(core._averaged_pace(2.4 if i % 2 == 0 else 1.2, now[0]))
+        assert all(1.2 < p < 2.4 for p in seen) and max(seen[100:]) - min(seen[100:]) < 0.05
+        assert abs(seen[-1] - 1.8) < 0.03
+        now[0] += 0.05
+        assert core._averaged_pace(math.inf, now[0]) == math.inf  # the batches alone outlast the playback: at once
+        now[0] += 0.05
+        assert core._averaged_pace(1.5, now[0]) == 1.5  # restarts from the next finite reading
+        now[0] += 1.0
+        assert abs(core._averaged_pace(2.5, now[0]) - 2.0) < 1e-9  # one half-life later: half way
+        assert [raw._averaged_pace(p, now[0] + i) for i, p in enumerate((1.2, 2.4, 1.2))] == [1.2, 2.4, 1.2]
+        core.reset_capacity_model()
+        core.step()
+        assert core._pace[1] == 1.0  # forgotten: the reading after the reset (no streams: 1) stands alone
+    finally:
+        core.close()
+        raw.close()
 
 
 def test_fixed_admission_under_3x_load_never_stalls_an_admitted_stream(synth):

@@ -205,6 +205,14 @@ class EngineConfig:
     rows and whether token2wav ran beside them, so that a burst's first-chunk flow work is not read as a cost per
     row (:class:`~cosyserve.engine.admission._ContentionFit`; off by default: not measured yet, docs/perf.md
     "Session 40").
+    ``admission_pace_half_life_s``: the batch-latency pace the capacity estimate is read at (each second chunk
+    waits up to two token2wav batches within the first chunk's playback,
+    :func:`~cosyserve.engine.admission.latency_pace`) is averaged over time with this half-life (seconds; 0: the
+    pace of the moment). The pace of the moment follows the last few batches, which under load alternate
+    between large and small: on an H200 the UNet estimate swung 29-56 streams within one second, its dips
+    holding the queue in a ramp (p99 576 ms at 96 listening clients) and its peaks admitting ~70 streams in
+    an overload where ~50 stayed real time (default 1.0 s; docs/perf.md "Session 42"). An infinite pace
+    (the batches alone outlast the playback) is taken at once.
     ``admission_trace``: a file the capacity model records its measurements and estimates into (JSON lines,
     gzip with a ``.gz`` name; :class:`~cosyserve.engine.admission.AdmissionTrace`), for replaying them into other
     settings offline (``benchmarks/admission_replay.py``); None (default): no recording.
@@ -276,6 +284,7 @@ class EngineConfig:
     admission_slack_margin_s: float = 0.05
     admission_slack_recover_s: float = 0.5
     admission_contention_fit: bool = False
+    admission_pace_half_life_s: float = 1.0
     admission_trace: str | None = None
     strict_min_len: bool = False
     flow_stream_cache: bool | str | None = None
@@ -298,6 +307,8 @@ class EngineConfig:
             raise ValueError("admission_start_share must be in (0, 1]")
         if not 0 <= self.admission_slack_margin_s < math.inf:
             raise ValueError(f"admission_slack_margin_s must be >= 0 seconds, got {self.admission_slack_margin_s}")
+        if not 0 <= self.admission_pace_half_life_s < math.inf:
+            raise ValueError(f"admission_pace_half_life_s must be >= 0 seconds, got {self.admission_pace_half_life_s}")
         if not 0 < self.admission_slack_recover_s < math.inf:
             raise ValueError(f"admission_slack_recover_s must be > 0 seconds per stream, "
                              f"got {self.admission_slack_recover_s}")
@@ -544,6 +555,7 @@ class EngineCore:
             self._lm_stream = torch.cuda.Stream(device=self.cache.k.device, priority=-100)
             self._lm_stream.wait_stream(torch.cuda.current_stream(self.cache.k.device))  # set-up work above
         self._batch_s = None  # moving average of a token2wav batch's duration (adaptive slack)
+        self._pace: tuple[float, float] | None = None  # (monotonic s, the admission's time-averaged latency pace)
         self._worker = None
         if config.t2w_thread and self.t2w is not None:
             self._worker = Token2WavWorker(self.t2w, self._t2w_stream, self._marks)
@@ -1116,6 +1128,7 @@ class EngineCore:
             elif cmd[0] == "reset_capacity":
                 self.capacity_model.reset()
                 self.slack_guard.release()
+                self._pace = None
                 self._limit = self._admission_limit()
                 log.info("admission: the capacity model's measurements were reset (capacity %d streams)", self._limit,
                          extra={"event": "admission_reset", "capacity_streams": self._limit})
@@ -1163,8 +1176,8 @@ class EngineCore:
         # the LM's pace if each second chunk also waits two token2wav batches, within the shortest
         # first chunk's playback (admission module doc: latency)
         hops = [st.first_hop_tokens for st in states if st.first_hop_tokens > 0]
-        pace = latency_pace(min(hops) / model.rate, 2.0 * self._batch_s) \
-            if hops and self._batch_s is not None and model.audio else 1.0
+        pace = self._averaged_pace(latency_pace(min(hops) / model.rate, 2.0 * self._batch_s)
+                                   if hops and self._batch_s is not None and model.audio else 1.0)
         cap = model.capacity(pace) if model.trace is None else \
             model.capacity(pace, note={"a": len(self._active), "w": len(self._waiting)})
         if self._logged_capacity is None or abs(cap - self._logged_capacity) >= max(2, 0.1 * self._logged_capacity):
@@ -1217,6 +1230,20 @@ class EngineCore:
             return min(self.admission.streams, self.cfg.max_active)
         self._limit_reason = "max_active"
         return self.cfg.max_active
+
+    def _averaged_pace(self, pace: float, now: float | None = None) -> float:
+        """The latency pace ``pace`` (>= 1, or ``inf``) read at ``now`` (monotonic seconds, default the clock)
+        averaged over time with ``admission_pace_half_life_s`` (:class:`EngineConfig`; irregular calls weigh by
+        the time between them); an infinite pace is returned at once, and the average restarts from the next
+        finite one."""
+        now = time.monotonic() if now is None else now
+        hl = self.cfg.admission_pace_half_life_s
+        prev = self._pace
+        if hl > 0 and prev is not None and math.isfinite(prev[1]) and math.isfinite(pace):
+            w = 0.5 ** (max(0.0, now - prev[0]) / hl)
+            pace = w * prev[1] + (1.0 - w) * pace
+        self._pace = (now, pace)
+        return pace
 
     def _device_memory(self) -> tuple[int, int] | None:
         """``(bytes held on the engine's device, the device's total bytes)``
