@@ -1036,8 +1036,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--admission-calibrate", action=argparse.BooleanOptionalAction, default=False,
                     help="after the warm-up, run LM-only requests at 1 to 48 rows (no token2wav) so that auto "
                          "admission prices the LM's own step cost from the first request on, not from the start-up "
-                         "probes' 1-3 rows (default off: on an H200 the overloads after it stalled a few streams, its LM-only "
-                         "steps pricing the LM below what served steps cost; docs/perf.md \"Session 42\")")
+                         "probes' 1-3 rows (default off: on an H200 the overloads after it stalled a few streams, "
+                         "its LM-only steps pricing the LM below what served steps cost; docs/perf.md "
+                         "\"Session 42\")")
     sv.add_argument("--workers", type=_positive_int, default=1,
                     help="serve from N worker processes behind one router on --port/--grpc-port (data-parallel "
                          "replicas; each loads the model; voices are shared through --voices-dir)")

@@ -1010,8 +1010,8 @@ class SlackGuard:
     a cut, further close calls within this many seconds do not cut again (their streams were admitted
     before the cut took effect); ``recover_s``: seconds per stream the cap grows back; ``settle_s``: the cap is
     dropped once it has stayed above the other bounds (:meth:`limit`'s ``ceiling``) this many seconds in a row
-    (0: at once); ``clock``: time source (seconds). Counts: :attr:`close_calls`, :attr:`late`, :attr:`cuts`. Raises ValueError for
-    settings out of range. Not thread-safe (the engine thread feeds and reads it)."""
+    (0: at once); ``clock``: time source (seconds). Counts: :attr:`close_calls`, :attr:`late`, :attr:`cuts`.
+    Raises ValueError for settings out of range. Not thread-safe (the engine thread feeds and reads it)."""
 
     def __init__(self, margin_s: float = 0.05, hold_s: float = 1.0, recover_s: float = 0.5, cut: float = 0.9,
                  settle_s: float = 5.0, clock=time.monotonic):
