@@ -4,13 +4,20 @@
 
 Prints one markdown table: per time window (seconds from the trace's start, and the local time it began: line it
 up with a benchmark's level times) the engine's active and waiting requests (most), the close calls and late
-chunks the engine saw, the capacity the server computed (least and mean), and what each variant's estimator
-computes from the same measurements (least and mean). The first variant column is always the recording's own
+chunks the engine saw, the capacity the server computed (least, mean and most: admission admits on the most), and
+what each variant's estimator computes from the same measurements (the same three). The first variant column is always the recording's own
 settings: it must equal the recorded one (the script says so, or counts the records where it does not). Open
 loop (cosyserve/engine/admission.py, "Trace and replay"): a variant that would have admitted more streams is shown
 what the recorded streams cost, not what its own would have. Variant keys: the CapacityEstimator's keyword
 arguments (target, lm_alone, start_cost, contention_fit, alone_floor, half_life_s, growth, initial, max_streams,
 t2w_price).
+
+Around the estimator (the engine's, not fed by a replay of the estimator alone): ``--pace-half-life S`` averages the
+recorded LM paces over time as the engine does since session 42 (``PaceAverage``; for traces recorded before, whose
+init record has no ``pace_half_life_s``: a trace recorded with it holds the averaged paces already); ``--guard``
+adds the slack guard's cap (a ``SlackGuard`` fed the recorded close calls, margin and recovery from the init record
+or the defaults, ``--guard-settle`` its settle time; 0 = as before session 42) and the smaller of it and each
+column's capacity ("guarded"): open loop too, the close calls are those the recorded admissions caused.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cosyserve.engine.admission import read_admission_trace, replay_admission_trace  # noqa: E402
+from cosyserve.engine.admission import (PaceAverage, SlackGuard, read_admission_trace,  # noqa: E402
+                                        replay_admission_trace)
 
 
 def _variant(text: str) -> dict:
@@ -59,6 +67,45 @@ def with_calibration(records: list[dict], at_s: float, costs: tuple[float, float
     return records[:i] + cal + later
 
 
+def with_averaged_pace(records: list[dict], half_life_s: float) -> list[dict]:
+    """``records`` with every ``cap`` record's ``pace`` averaged over time with ``half_life_s`` (:class:`PaceAverage`,
+    as the engine reads its capacity since session 42; reset at each ``reset`` record, as the engine's). Raises
+    ValueError for a trace whose init record says its paces were averaged already (``pace_half_life_s`` > 0)."""
+    if records and records[0].get("pace_half_life_s"):
+        raise ValueError(f"this trace's paces are averaged already (pace_half_life_s "
+                         f"{records[0]['pace_half_life_s']} in its init record)")
+    avg, out = PaceAverage(half_life_s), []
+    for rec in records:
+        if rec["op"] == "reset":
+            avg.reset()
+        elif rec["op"] == "cap":
+            rec = {**rec, "pace": avg.update(rec["pace"], rec["t"])}
+        out.append(rec)
+    return out
+
+
+def guard_caps(records: list[dict], settle_s: float, max_streams: int | None = None) -> dict[int, int | None]:
+    """The slack guard's cap at each ``cap`` record (by index in ``records``; None: no cap), a :class:`SlackGuard`
+    (margin and recovery from the init record, else its defaults; ``settle_s``) fed the recorded close calls in
+    order, its ceiling the recorded capacity (at most ``max_streams``, default the init record's); released at each
+    ``reset`` record."""
+    init = records[0]
+    now = [init["t"]]
+    guard = SlackGuard(margin_s=init.get("slack_margin_s", 0.05), recover_s=init.get("slack_recover_s", 0.5),
+                       settle_s=settle_s, clock=lambda: now[0])
+    top = max_streams if max_streams is not None else init.get("max_streams", 1 << 30)
+    caps: dict[int, int | None] = {}
+    for i, rec in enumerate(records):
+        now[0] = rec["t"]
+        if rec["op"] == "slack":
+            guard.observe(rec["s"], rec["a"])
+        elif rec["op"] == "reset":
+            guard.release()
+        elif rec["op"] == "cap":
+            caps[i] = guard.limit(min(rec["cap"], top))
+    return caps
+
+
 def _window(t: float, t0: float, bucket_s: float, start_s: float, end_s: float) -> int | None:
     """The index of the ``bucket_s``-second window that trace time ``t`` falls in (seconds from ``t0``), None
     outside ``[start_s, end_s)``."""
@@ -67,19 +114,26 @@ def _window(t: float, t0: float, bucket_s: float, start_s: float, end_s: float) 
 
 
 def replay_table(records: list[dict], variants: list[dict], bucket_s: float = 0.5, start_s: float = 0.0,
-                 end_s: float = math.inf) -> tuple[str, int]:
+                 end_s: float = math.inf, guard: dict[int, int | None] | None = None) -> tuple[str, int]:
     """The markdown table described in the module doc, and the number of ``cap`` records where the replay with
     the recording's settings differs from the recording (0 for a complete trace). ``variants``: estimator
-    keyword overrides, one column each after the recording's own."""
+    keyword overrides, one column each after the recording's own; ``guard``: the slack guard's cap per ``cap``
+    record (:func:`guard_caps`): then the recorded and each replayed column also min'd with it ("guarded")."""
     t0 = records[0]["t"]
+    index = {id(rec): i for i, rec in enumerate(records)}
     rows: dict[int, dict] = {}
 
     def row(t: float) -> dict | None:
         k = _window(t, t0, bucket_s, start_s, end_s)
         if k is None:
             return None
-        return rows.setdefault(k, {"a": 0, "w": 0, "close": 0, "late": 0, "rec": [], "var": [[] for _ in
-                                                                                              range(len(variants) + 1)]})
+        n = len(variants) + 1
+        return rows.setdefault(k, {"a": 0, "w": 0, "close": 0, "late": 0, "rec": [], "var": [[] for _ in range(n)],
+                                   "grec": [], "gvar": [[] for _ in range(n)]})
+
+    def guarded(rec: dict, cap: int) -> int:
+        g = guard.get(index[id(rec)]) if guard is not None else None
+        return cap if g is None else min(cap, g)
 
     for rec in records:
         if rec["op"] == "slack" and (r := row(rec["t"])) is not None:
@@ -93,27 +147,35 @@ def replay_table(records: list[dict], variants: list[dict], bucket_s: float = 0.
             if r is None:
                 continue
             r["var"][i].append(cap)
+            r["gvar"][i].append(guarded(rec, cap))
             if i == 0:
                 r["rec"].append(rec["cap"])
+                r["grec"].append(guarded(rec, rec["cap"]))
                 r["a"], r["w"] = max(r["a"], rec.get("a", 0)), max(r["w"], rec.get("w", 0))
 
     def fmt(caps: list[int]) -> str:
-        return f"{min(caps)} / {sum(caps) / len(caps):.0f}" if caps else "–"
+        return f"{min(caps)} / {sum(caps) / len(caps):.0f} / {max(caps)}" if caps else "–"
 
     names = ["replayed"] + [json.dumps(v, separators=(",", ":")) for v in variants]
+    if guard is not None:
+        names = [n for name in names for n in (name, f"{name} guarded")]
     wall = records[0].get("wall")
 
     def window(k: int) -> str:
         label = f"{k * bucket_s:.1f}-{(k + 1) * bucket_s:.1f}"
         return label if wall is None else label + time.strftime(" (%H:%M:%S)", time.localtime(wall + k * bucket_s))
 
-    lines = ["| window (s; local time) | active | waiting | close calls | late | recorded cap min / mean | "
-             + " | ".join(f"{n} min / mean" for n in names) + " |",
-             "|---|---:|---:|---:|---:|---:|" + "---:|" * len(names)]
+    recorded = ["recorded cap"] + (["recorded guarded"] if guard is not None else [])
+    lines = ["| window (s; local time) | active | waiting | close calls | late | "
+             + " | ".join(f"{n} min / mean / max" for n in recorded + names) + " |",
+             "|---|---:|---:|---:|---:|" + "---:|" * (len(recorded) + len(names))]
     for k in sorted(rows):
         r = rows[k]
-        lines.append(f"| {window(k)} | {r['a']} | {r['w']} | {r['close']} | "
-                     f"{r['late']} | {fmt(r['rec'])} | " + " | ".join(fmt(c) for c in r["var"]) + " |")
+        cols = [r["rec"]] + ([r["grec"]] if guard is not None else [])
+        for i in range(len(r["var"])):
+            cols += [r["var"][i]] + ([r["gvar"][i]] if guard is not None else [])
+        lines.append(f"| {window(k)} | {r['a']} | {r['w']} | {r['close']} | {r['late']} | "
+                     + " | ".join(fmt(c) for c in cols) + " |")
     return "\n".join(lines), mismatches
 
 
@@ -167,12 +229,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate-costs", default="0.0014,0.00005,0.0012,0.00006", metavar="DA,DC,HA,HC",
                     help="the calibration steps' seconds: device fixed, per row, host fixed, per row (default: an "
                          "H200's UNet LM alone, docs/perf.md \"Session 41\")")
+    ap.add_argument("--pace-half-life", type=float, default=None, metavar="SECONDS",
+                    help="average the recorded LM paces over time with this half-life first, as the engine does "
+                         "since session 42 (traces recorded before it)")
+    ap.add_argument("--guard", action="store_true",
+                    help="add the slack guard's cap fed the recorded close calls (columns 'guarded')")
+    ap.add_argument("--guard-settle", type=float, default=5.0, metavar="SECONDS",
+                    help="--guard: the guard's settle time (default 5, the engine's; 0 = before session 42)")
     ap.add_argument("--terms", action="store_true",
                     help="also print, per window, the lowest estimate's parts (under the first --variant, else the "
                          "recording's settings)")
     args = ap.parse_args(argv)
     if not args.bucket > 0:
         ap.error("--bucket must be > 0 seconds")
+    if args.pace_half_life is not None and not 0 <= args.pace_half_life < math.inf:
+        ap.error("--pace-half-life must be >= 0 seconds")
+    if not 0 <= args.guard_settle < math.inf:
+        ap.error("--guard-settle must be >= 0 seconds")
     try:
         records = list(read_admission_trace(args.trace))
         if not records:
@@ -182,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
             if len(costs) != 4:
                 raise ValueError("--calibrate-costs takes four numbers")
             records = with_calibration(records, args.calibrate_at, costs)
-        table, mismatches = replay_table(records, args.variant, args.bucket, args.start, args.end)
+        if args.pace_half_life is not None:
+            records = with_averaged_pace(records, args.pace_half_life)
+        guard = guard_caps(records, args.guard_settle) if args.guard else None
+        table, mismatches = replay_table(records, args.variant, args.bucket, args.start, args.end, guard)
         terms = terms_table(records, args.variant[0] if args.variant else {}, args.bucket, args.start,
                             args.end) if args.terms else None
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -193,7 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     if terms is not None:
         print(terms)
         print()
-    if args.calibrate_at is not None:
+    if args.pace_half_life is not None:
+        print(f"paces averaged with a {args.pace_half_life}-s half-life: the recorded column differs from the "
+              f"replayed one at {mismatches} estimates")
+    elif args.calibrate_at is not None:
         print(f"replay with the recording's settings and a calibration inserted at {args.calibrate_at} s: differs "
               f"from the recording at {mismatches} estimates (from the calibration on)")
     else:

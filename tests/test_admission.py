@@ -28,8 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from _server import Server
 from cosyserve.client.bench import playback_stalls
-from cosyserve.engine.admission import (T2W_PERIOD_S, AdmissionPolicy, AdmissionTrace, CapacityEstimator, SlackGuard,
-                                        START_CHUNKS, chunk_speedup, latency_pace, read_admission_trace,
+from cosyserve.engine.admission import (T2W_PERIOD_S, AdmissionPolicy, AdmissionTrace, CapacityEstimator, PaceAverage,
+                                        SlackGuard, START_CHUNKS, chunk_speedup, latency_pace, read_admission_trace,
                                         replay_admission_trace, _LinearFit)
 from cosyserve.engine.chunking import ChunkPolicy
 from cosyserve.engine.core import EngineConfig, QueueFullError
@@ -706,38 +706,50 @@ def test_admission_settings_change_while_serving(synth):
         core.close()
 
 
-def test_admission_reads_the_estimate_at_a_time_averaged_latency_pace(synth):
-    """The batch-latency pace the capacity is read at is averaged over time (``admission_pace_half_life_s``):
-    pace readings alternating 1.2 / 2.4 every 50 ms (batches alternating large and small, as on an H200 under
-    load, docs/perf.md "Session 42") average to ~1.8 instead of swinging the estimate; an infinite pace is
-    taken at once and the average restarts after it; with half-life 0 each reading stands; a reset of the
-    capacity model forgets the average."""
+def test_pace_average_smooths_the_batch_latency_pace_over_time():
+    """:class:`PaceAverage`: readings alternating 1.2 / 2.4 every 50 ms (token2wav batches alternating large and
+    small, as on an H200 under load, docs/perf.md "Session 42") average to ~1.8 instead of swinging; one half-life
+    after the last reading a new one weighs half; an infinite pace is taken at once and the average restarts
+    after it; with half-life 0 each reading stands."""
+    avg = PaceAverage(1.0)
+    assert avg.value is None and avg.update(1.2, 100.0) == 1.2  # the first reading stands
+    t, seen = 100.0, []
+    for i in range(200):  # 10 s
+        t += 0.05
+        seen.append(avg.update(2.4 if i % 2 == 0 else 1.2, t))
+    assert all(1.2 < p < 2.4 for p in seen) and max(seen[100:]) - min(seen[100:]) < 0.05
+    assert abs(seen[-1] - 1.8) < 0.03
+    assert avg.update(math.inf, t + 0.05) == math.inf  # the batches alone outlast the playback: at once
+    assert avg.update(1.5, t + 0.1) == 1.5  # restarts from the next finite reading
+    assert abs(avg.update(2.5, t + 1.1) - 2.0) < 1e-9  # one half-life later: half way
+    avg.reset()
+    assert avg.value is None and avg.update(3.0, t + 1.2) == 3.0
+    raw = PaceAverage(0.0)
+    assert [raw.update(p, float(k)) for k, p in enumerate((1.2, 2.4, 1.2))] == [1.2, 2.4, 1.2]
+    for bad in (-1.0, math.inf):
+        with pytest.raises(ValueError):
+            PaceAverage(bad)
+
+
+def test_engine_reads_the_capacity_at_the_averaged_pace_and_traces_its_half_life(synth, tmp_path):
+    """The engine's admission reads the estimate at :class:`PaceAverage` of the latency pace, with
+    ``admission_pace_half_life_s``; the capacity model's reset forgets the average; the trace's ``init`` record
+    carries the half-life and the slack guard's settings (replays that average the recorded paces, or simulate the
+    guard, read them there)."""
     syn, _ = synth
-    core = syn.new_engine(EngineConfig(max_active=2))
-    raw = syn.new_engine(EngineConfig(max_active=2, admission_pace_half_life_s=0.0))
-    now = [time.monotonic() + 1000.0]  # (readings on a clock of the test's own, after the engine's own)
-    core._pace = None
+    path = tmp_path / "trace.jsonl"
+    core = syn.new_engine(EngineConfig(max_active=2, admission_pace_half_life_s=0.5, admission_trace=str(path)))
     try:
-        assert core._averaged_pace(1.2, now[0]) == 1.2  # the first reading
-        seen = []
-        for i in range(200):  # 10 s
-            now[0] += 0.05
-            seen.append(core._averaged_pace(2.4 if i % 2 == 0 else 1.2, now[0]))
-        assert all(1.2 < p < 2.4 for p in seen) and max(seen[100:]) - min(seen[100:]) < 0.05
-        assert abs(seen[-1] - 1.8) < 0.03
-        now[0] += 0.05
-        assert core._averaged_pace(math.inf, now[0]) == math.inf  # the batches alone outlast the playback: at once
-        now[0] += 0.05
-        assert core._averaged_pace(1.5, now[0]) == 1.5  # restarts from the next finite reading
-        now[0] += 1.0
-        assert abs(core._averaged_pace(2.5, now[0]) - 2.0) < 1e-9  # one half-life later: half way
-        assert [raw._averaged_pace(p, now[0] + i) for i, p in enumerate((1.2, 2.4, 1.2))] == [1.2, 2.4, 1.2]
+        assert core.pace_average.half_life_s == 0.5 and core.pace_average.value == 1.0  # (no streams: 1)
+        core.pace_average.update(2.0, time.monotonic() + 60.0)  # (a reading from a later clock: stands)
+        assert core.pace_average.value == 2.0
         core.reset_capacity_model()
         core.step()
-        assert core._pace[1] == 1.0  # forgotten: the reading after the reset (no streams: 1) stands alone
+        assert core.pace_average.value == 1.0  # forgotten: the reading after the reset stands alone
     finally:
         core.close()
-        raw.close()
+    init = next(read_admission_trace(path))
+    assert (init["pace_half_life_s"], init["slack_margin_s"], init["slack_recover_s"]) == (0.5, 0.05, 0.5)
 
 
 def test_fixed_admission_under_3x_load_never_stalls_an_admitted_stream(synth):
@@ -1452,11 +1464,45 @@ def test_engine_records_an_admission_trace_that_replays_exactly(synth, tmp_path,
     assert all(b["t"] >= a["t"] for a, b in zip(cal, cal[1:]))
     assert tool.main([str(path), "--calibrate-at", "0", "--bucket", "0.2"]) == 0
     assert "a calibration inserted at 0.0 s" in capsys.readouterr().out
+    # --guard: the slack guard's cap beside each column; --pace-half-life: refused, this trace's paces are averaged
+    assert tool.main([str(path), "--bucket", "0.2", "--guard"]) == 0
+    assert "recorded guarded min / mean / max" in capsys.readouterr().out
+    assert tool.main([str(path), "--pace-half-life", "1"]) == 2
+    assert "averaged already" in capsys.readouterr().err
     (tmp_path / "junk.jsonl").write_text("not json\n")
     assert tool.main([str(tmp_path / "junk.jsonl")]) == 2
     assert tool.main([str(path), "--variant", '{"no_such_setting": 1}']) == 2
     err = capsys.readouterr().err
     assert "admission_replay:" in err and "Traceback" not in err
+
+
+def test_replay_averages_old_traces_paces_and_simulates_the_slack_guard():
+    """``admission_replay.py``'s ``with_averaged_pace`` (a trace recorded before session 42: its paces averaged as
+    the engine now does, restarting at a reset) and ``guard_caps`` (a :class:`SlackGuard` fed the recorded close
+    calls): with the settle time, the guard's cut holds through the estimate's swings; without (0, as before),
+    the first dip of the estimate below the cut drops it (docs/perf.md "Session 42")."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("admission_replay", ROOT / "benchmarks" / "admission_replay.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    init = {"op": "init", "t": 0.0, "max_streams": 100}
+    caps = [{"op": "cap", "t": 1.0 + 0.05 * i, "pace": 2.4 if i % 2 == 0 else 1.2, "cap": 33 if i % 2 == 0 else 71}
+            for i in range(40)]
+    late = {"op": "slack", "t": 0.99, "s": -0.06, "a": 46, "cut": True}
+    records = [init, late] + caps[:30] + [{"op": "reset", "t": 2.5}] + caps[30:]
+    avg = tool.with_averaged_pace(records, 1.0)
+    paces = [r["pace"] for r in avg if r["op"] == "cap"]
+    assert paces[0] == 2.4 and all(1.2 < p < 2.4 for p in paces[1:30]) and paces[30] == caps[30]["pace"]
+    assert [r["op"] for r in avg] == [r["op"] for r in records] and records[2]["pace"] == 2.4  # (a copy)
+    with pytest.raises(ValueError, match="averaged already"):
+        tool.with_averaged_pace([{**init, "pace_half_life_s": 1.0}] + caps, 1.0)
+    held = tool.guard_caps(records, settle_s=5.0)
+    cut = [held[i] for i, r in enumerate(records) if r["op"] == "cap" and r["t"] < 2.5]
+    assert cut[0] == 41 and all(c is not None and c <= 44 for c in cut)  # the peaks (71) stay held at the cut
+    assert all(held[i] is None for i, r in enumerate(records) if r["op"] == "cap" and r["t"] > 2.5)  # (reset)
+    before = tool.guard_caps(records, settle_s=0.0)
+    assert all(c is None for c in before.values())  # dropped on the first dip (33 < 41): the peaks unguarded
 
 
 def test_cli_admission_trace_option(tmp_path):

@@ -755,12 +755,13 @@ class CapacityEstimator:
         self.device.forget()
         self._forget_estimates()
 
-    def start_trace(self, trace: AdmissionTrace) -> None:
+    def start_trace(self, trace: AdmissionTrace, **caller) -> None:
         """Record from now on into ``trace`` (its ``init`` record: this estimator's settings, as its constructor
-        takes them; a trace started after measurements cannot be replayed exactly, so the engine starts it at
-        once)."""
+        takes them, and ``caller``'s fields: the engine's settings around the estimator, e.g. its pace
+        averaging, which replays do not feed the estimator; a trace started after measurements cannot be replayed
+        exactly, so the engine starts it at once)."""
         self.trace, self._traced_settings = trace, None  # (the first estimate records the settings in force)
-        trace.write("init", self.clock(), version=TRACE_VERSION, wall=time.time(), token_rate=self.rate,
+        trace.write("init", self.clock(), **caller, version=TRACE_VERSION, wall=time.time(), token_rate=self.rate,
                     target=self.target, max_streams=self.max_streams, initial=self.initial, growth=self.growth,
                     half_life_s=self.half_life_s, t2w_price=self.t2w_price, lm_alone=self.device.price_lm_alone,
                     start_cost=self.start_cost, contention_fit=self.contention_fit, alone_floor=self.alone_floor)
@@ -999,6 +1000,39 @@ class CapacityEstimator:
         return self.last
 
 
+class PaceAverage:
+    """The batch-latency pace (:func:`latency_pace`) the capacity is read at, averaged over time: each reading
+    weighs ``1 - 0.5 ** (dt / half_life_s)`` against the average, ``dt`` the seconds since the previous one (so
+    irregular readings weigh by the time they cover). ``half_life_s`` 0: each reading stands. An infinite pace
+    (the token2wav batches alone outlast the first chunk's playback: no stream may start) is returned at once, and
+    the average restarts from the next finite reading. Why: the pace of the moment follows the last few batches,
+    which under load alternate large and small; on an H200 it moved 1.5 <-> 2.4 within a second and swung the
+    UNet estimate 29-56 streams, its dips holding a ramp's queue and its peaks admitting ~70 streams in an
+    overload where ~50 stayed real time (docs/perf.md "Session 42"). Raises ValueError for a negative or infinite
+    half-life. Not thread-safe (the engine thread reads it)."""
+
+    def __init__(self, half_life_s: float = 1.0):
+        if not 0 <= half_life_s < math.inf:
+            raise ValueError(f"PaceAverage needs a finite half_life_s >= 0, got {half_life_s}")
+        self.half_life_s = float(half_life_s)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the average (the next reading stands alone)."""
+        self._t: float | None = None
+        self.value: float | None = None  #: the last average (None before any reading)
+
+    def update(self, pace: float, now: float) -> float:
+        """Average in the reading ``pace`` (>= 1, or ``inf``) taken at ``now`` (seconds; a clock that does not go
+        back) and return the average."""
+        prev = self.value
+        if self.half_life_s > 0 and prev is not None and math.isfinite(prev) and math.isfinite(pace):
+            w = 0.5 ** (max(0.0, now - self._t) / self.half_life_s)
+            pace = w * prev + (1.0 - w) * pace
+        self._t, self.value = now, pace
+        return pace
+
+
 class SlackGuard:
     """Admission cap from the streams' own chunk deadlines (module doc, "Feedback"; AIMD as in TCP
     congestion control: cut at once on a sign of overload, grow back slowly).
@@ -1071,6 +1105,6 @@ class SlackGuard:
         return int(self._cap)
 
 
-__all__ = ["AdmissionPolicy", "AdmissionTrace", "CapacityEstimator", "SlackGuard", "chunk_speedup", "latency_pace",
+__all__ = ["AdmissionPolicy", "AdmissionTrace", "CapacityEstimator", "PaceAverage", "SlackGuard", "chunk_speedup", "latency_pace",
            "read_admission_trace", "replay_admission_trace",
            "SPEEDUP_HORIZON_TOKENS", "START_CHUNKS", "T2W_PERIOD_S"]

@@ -63,8 +63,8 @@ from ..models.llm import DecodeState, KVCache, SilentTokenFilter
 from ..models.loader import CosyVoice2Models
 from ..models.sampling import UpstreamSampler, ras_sample_device
 from ..models.transfer import to_device
-from .admission import (START_CHUNKS, AdmissionPolicy, AdmissionTrace, CapacityEstimator, DeviceMemory, SlackGuard,
-                        latency_pace)
+from .admission import (START_CHUNKS, AdmissionPolicy, AdmissionTrace, CapacityEstimator, DeviceMemory, PaceAverage,
+                        SlackGuard, latency_pace)
 from .chunking import ChunkPolicy, default_chunk_policy
 from .request import (
     AudioChunk,
@@ -207,12 +207,12 @@ class EngineConfig:
     "Session 40").
     ``admission_pace_half_life_s``: the batch-latency pace the capacity estimate is read at (each second chunk
     waits up to two token2wav batches within the first chunk's playback,
-    :func:`~cosyserve.engine.admission.latency_pace`) is averaged over time with this half-life (seconds; 0: the
-    pace of the moment). The pace of the moment follows the last few batches, which under load alternate
-    between large and small: on an H200 the UNet estimate swung 29-56 streams within one second, its dips
-    holding the queue in a ramp (p99 576 ms at 96 listening clients) and its peaks admitting ~70 streams in
-    an overload where ~50 stayed real time (default 1.0 s; docs/perf.md "Session 42"). An infinite pace
-    (the batches alone outlast the playback) is taken at once.
+    :func:`~cosyserve.engine.admission.latency_pace`) is averaged over time with this half-life
+    (:class:`~cosyserve.engine.admission.PaceAverage`; seconds; 0: the pace of the moment). The pace of the moment
+    follows the last few batches, which under load alternate between large and small: on an H200 the UNet
+    estimate swung 29-56 streams within one second, its dips holding the queue in a ramp (p99 576 ms at 96
+    listening clients) and its peaks admitting ~70 streams in an overload where ~50 stayed real time (default
+    1.0 s; docs/perf.md "Session 42"). An infinite pace (the batches alone outlast the playback) is taken at once.
     ``admission_trace``: a file the capacity model records its measurements and estimates into (JSON lines,
     gzip with a ``.gz`` name; :class:`~cosyserve.engine.admission.AdmissionTrace`), for replaying them into other
     settings offline (``benchmarks/admission_replay.py``); None (default): no recording.
@@ -555,7 +555,8 @@ class EngineCore:
             self._lm_stream = torch.cuda.Stream(device=self.cache.k.device, priority=-100)
             self._lm_stream.wait_stream(torch.cuda.current_stream(self.cache.k.device))  # set-up work above
         self._batch_s = None  # moving average of a token2wav batch's duration (adaptive slack)
-        self._pace: tuple[float, float] | None = None  # (monotonic s, the admission's time-averaged latency pace)
+        #: the latency pace the capacity is read at, averaged over time (``admission_pace_half_life_s``)
+        self.pace_average = PaceAverage(config.admission_pace_half_life_s)
         self._worker = None
         if config.t2w_thread and self.t2w is not None:
             self._worker = Token2WavWorker(self.t2w, self._t2w_stream, self._marks)
@@ -590,7 +591,10 @@ class EngineCore:
                                                 t2w_price="cost" if getattr(self.t2w, "chunk_cost_grows", True)
                                                 else "audio")
         if config.admission_trace:
-            self.capacity_model.start_trace(AdmissionTrace(config.admission_trace))
+            self.capacity_model.start_trace(AdmissionTrace(config.admission_trace),
+                                            pace_half_life_s=config.admission_pace_half_life_s,
+                                            slack_margin_s=config.admission_slack_margin_s,
+                                            slack_recover_s=config.admission_slack_recover_s)
             log.info("admission trace: recording the capacity model's inputs and estimates into %s",
                      config.admission_trace)
         self._t2w_host_s = 0.0  # scheduler-thread token2wav seconds since the last batch was emitted
@@ -1128,7 +1132,7 @@ class EngineCore:
             elif cmd[0] == "reset_capacity":
                 self.capacity_model.reset()
                 self.slack_guard.release()
-                self._pace = None
+                self.pace_average.reset()
                 self._limit = self._admission_limit()
                 log.info("admission: the capacity model's measurements were reset (capacity %d streams)", self._limit,
                          extra={"event": "admission_reset", "capacity_streams": self._limit})
@@ -1176,8 +1180,9 @@ class EngineCore:
         # the LM's pace if each second chunk also waits two token2wav batches, within the shortest
         # first chunk's playback (admission module doc: latency)
         hops = [st.first_hop_tokens for st in states if st.first_hop_tokens > 0]
-        pace = self._averaged_pace(latency_pace(min(hops) / model.rate, 2.0 * self._batch_s)
-                                   if hops and self._batch_s is not None and model.audio else 1.0)
+        pace = self.pace_average.update(latency_pace(min(hops) / model.rate, 2.0 * self._batch_s)
+                                        if hops and self._batch_s is not None and model.audio else 1.0,
+                                        time.monotonic())
         cap = model.capacity(pace) if model.trace is None else \
             model.capacity(pace, note={"a": len(self._active), "w": len(self._waiting)})
         if self._logged_capacity is None or abs(cap - self._logged_capacity) >= max(2, 0.1 * self._logged_capacity):
@@ -1230,20 +1235,6 @@ class EngineCore:
             return min(self.admission.streams, self.cfg.max_active)
         self._limit_reason = "max_active"
         return self.cfg.max_active
-
-    def _averaged_pace(self, pace: float, now: float | None = None) -> float:
-        """The latency pace ``pace`` (>= 1, or ``inf``) read at ``now`` (monotonic seconds, default the clock)
-        averaged over time with ``admission_pace_half_life_s`` (:class:`EngineConfig`; irregular calls weigh by
-        the time between them); an infinite pace is returned at once, and the average restarts from the next
-        finite one."""
-        now = time.monotonic() if now is None else now
-        hl = self.cfg.admission_pace_half_life_s
-        prev = self._pace
-        if hl > 0 and prev is not None and math.isfinite(prev[1]) and math.isfinite(pace):
-            w = 0.5 ** (max(0.0, now - prev[0]) / hl)
-            pace = w * prev[1] + (1.0 - w) * pace
-        self._pace = (now, pace)
-        return pace
 
     def _device_memory(self) -> tuple[int, int] | None:
         """``(bytes held on the engine's device, the device's total bytes)``
