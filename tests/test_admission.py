@@ -645,7 +645,7 @@ def test_admission_settings_change_while_serving(synth):
     try:
         assert core.admission_settings() == {"mode": "off", "target": 0.8, "start_share": 0.45, "lm_alone": False,
                                              "start_cost": False, "slack_margin": 0.1, "slack_recover": 0.5,
-                                             "contention_fit": False}
+                                             "contention_fit": False, "pace_half_life": 1.0}
         for bad, name in (({"bogus": 1}, "bogus"), ({"target": 0}, "target"), ({"target": True}, "target"),
                           ({"target": "0.5"}, "target"), ({"start_share": 1.5}, "start_share"),
                           ({"lm_alone": "yes"}, "lm_alone"), ({"mode": "sometimes"}, "mode"), ({"mode": 0}, "mode"),
@@ -654,7 +654,8 @@ def test_admission_settings_change_while_serving(synth):
                           ({"slack_recover": 0}, "slack_recover"), ({"slack_recover": -1.0}, "slack_recover"),
                           ({"slack_recover": False}, "slack_recover"), ({"slack_recover": "1"}, "slack_recover"),
                           ({"target": 0.5, "slack_recover": 0}, "slack_recover"),
-                          ({"contention_fit": 1}, "contention_fit")):
+                          ({"contention_fit": 1}, "contention_fit"), ({"pace_half_life": -1}, "pace_half_life"),
+                          ({"pace_half_life": True}, "pace_half_life"), ({"pace_half_life": "1"}, "pace_half_life")):
             with pytest.raises(InvalidInputError) as err:
                 core.set_admission(**bad)
             assert err.value.field == name and name in str(err.value)
@@ -662,12 +663,12 @@ def test_admission_settings_change_while_serving(synth):
         assert core.set_admission(mode=2, target=0.5)["mode"] == "2"
         out = core.set_admission(lm_alone=True, start_share=1)  # before the first was applied
         assert out == {"mode": "off", "target": 0.8, "start_share": 1, "lm_alone": True, "start_cost": False,
-                       "slack_margin": 0.1, "slack_recover": 0.5, "contention_fit": False}
+                       "slack_margin": 0.1, "slack_recover": 0.5, "contention_fit": False, "pace_half_life": 1.0}
         assert core.has_work()
         core.step()
         assert core.admission_settings() == {"mode": "2", "target": 0.5, "start_share": 1, "lm_alone": True,
                                              "start_cost": False, "slack_margin": 0.1, "slack_recover": 0.5,
-                                             "contention_fit": False}
+                                             "contention_fit": False, "pace_half_life": 1.0}
         m = core.capacity_model
         assert core.admission_limit == 2 and m.target == 0.5 and m.device.price_lm_alone and not m.host.price_lm_alone
         reqs = [syn.build_request(TEXT, voice, stream_params(i), f"r{i}") for i in range(4)]
@@ -696,6 +697,11 @@ def test_admission_settings_change_while_serving(synth):
         assert core.admission_settings()["slack_margin"] == 0.05 and core.admission_settings()["slack_recover"] == 0.2
         assert core.cfg.admission_slack_margin_s == 0.05 and core.cfg.admission_slack_recover_s == 0.2
         assert not guard.observe(0.07, 5) and guard.cuts == 1  # 70 ms: a close call only under the old margin
+        assert core.set_admission(pace_half_life=0)["pace_half_life"] == 0  # the latency pace's averaging
+        assert core.pace_average.half_life_s == 1.0  # not yet
+        core.step()
+        assert core.pace_average.half_life_s == 0 and core.cfg.admission_pace_half_life_s == 0
+        assert core.admission_settings()["pace_half_life"] == 0
     finally:
         core.close()
     core = syn.new_engine(EngineConfig(max_active=2, admission_slack_margin_s=0.02, admission_slack_recover_s=3.0))

@@ -163,7 +163,7 @@ def test_admission_settings_change_on_every_worker(router):
             time.sleep(0.05)
         assert got["settings"] == {"mode": "4", "target": 0.5, "start_share": 0.9, "lm_alone": True,
                                    "start_cost": True, "slack_margin": 0.08, "slack_recover": 0.5,
-                                   "contention_fit": False}, (w["index"], got)
+                                   "contention_fit": False, "pace_half_life": 1.0}, (w["index"], got)
     listed = httpx.get(url, timeout=30).json()["workers"]
     assert [x["index"] for x in listed] == [0, 1] and all(x["status"] == 200 for x in listed)
     assert httpx.patch(url, json={"target": 0.8, "start_share": 0.45, "slack_margin": 0.05},

@@ -503,21 +503,21 @@ def test_admission_settings_route(tight):
     before = httpx.get(url, headers=AUTH).json()
     assert before["settings"] == {"mode": "off", "target": 0.8, "start_share": 0.45, "lm_alone": True,
                                   "start_cost": True, "slack_margin": 0.05, "slack_recover": 0.5,
-                                  "contention_fit": False}
+                                  "contention_fit": False, "pace_half_life": 1.0}
     assert before["admission_limit"] == 1 and before["admitted"] == 0
     for body, needle in (({"target": 2}, "target"), ({"lm_alone": 1}, "lm_alone"), ({"mode": "maybe"}, "mode"),
                          ({"speed": 1}, "speed"), ({}, "no admission setting"), ([1], "JSON object"),
                          ({"slack_margin": -0.1}, "slack_margin"), ({"slack_margin": "0.05"}, "slack_margin"),
-                         ({"slack_recover": 0}, "slack_recover")):
+                         ({"slack_recover": 0}, "slack_recover"), ({"pace_half_life": -1}, "pace_half_life")):
         r = httpx.patch(url, json=body, headers=AUTH)
         assert r.status_code == 400 and needle in r.json()["error"], (body, r.text)
     assert httpx.get(url, headers=AUTH).json()["settings"] == before["settings"]
     r = httpx.patch(url, json={"mode": 3, "target": 0.6, "lm_alone": False, "slack_margin": 0.08,
-                               "slack_recover": 0.2, "contention_fit": True}, headers=AUTH)
+                               "slack_recover": 0.2, "contention_fit": True, "pace_half_life": 0}, headers=AUTH)
     assert r.status_code == 200 and r.json()["settings"]["mode"] == "3", r.text
     assert r.json()["settings"]["slack_margin"] == 0.08 and r.json()["settings"]["slack_recover"] == 0.2
     want = {"mode": "3", "target": 0.6, "start_share": 0.45, "lm_alone": False, "start_cost": True,
-            "slack_margin": 0.08, "slack_recover": 0.2, "contention_fit": True}
+            "slack_margin": 0.08, "slack_recover": 0.2, "contention_fit": True, "pace_half_life": 0}
     deadline = time.time() + 30
     while (now := httpx.get(url, headers=AUTH).json())["settings"] != want and time.time() < deadline:
         time.sleep(0.05)
@@ -525,7 +525,7 @@ def test_admission_settings_route(tight):
     assert "admission settings changed" in tight.logs()
     # back to the command line's settings (the next test needs its one stream and empty queue)
     r = httpx.patch(url, json={"mode": "off", "target": 0.8, "lm_alone": True, "slack_margin": 0.05,
-                               "slack_recover": 0.5, "contention_fit": False}, headers=AUTH)
+                               "slack_recover": 0.5, "contention_fit": False, "pace_half_life": 1.0}, headers=AUTH)
     assert r.status_code == 200
     while httpx.get(url, headers=AUTH).json()["settings"] != before["settings"] and time.time() < deadline:
         time.sleep(0.05)

@@ -369,10 +369,11 @@ ADMISSION_HOLDS = ("capacity", "slack", "memory", "starting", "fixed", "max_acti
 ADMISSION_SETTINGS = {"mode": "admission", "target": "admission_target", "start_share": "admission_start_share",
                       "lm_alone": "admission_lm_alone", "start_cost": "admission_start_cost",
                       "slack_margin": "admission_slack_margin_s", "slack_recover": "admission_slack_recover_s",
-                      "contention_fit": "admission_contention_fit"}
+                      "contention_fit": "admission_contention_fit", "pace_half_life": "admission_pace_half_life_s"}
 #: the numeric ones among them, with what :meth:`EngineCore.set_admission`'s type error says they must be
 _NUMBER_SETTINGS = {"target": "a number in (0, 1]", "start_share": "a number in (0, 1]",
-                    "slack_margin": "a number of seconds >= 0", "slack_recover": "a number of seconds per stream > 0"}
+                    "slack_margin": "a number of seconds >= 0", "slack_recover": "a number of seconds per stream > 0",
+                    "pace_half_life": "a number of seconds >= 0"}
 #: ``EngineConfig.hift_f0``: the CosyVoice2 HiFT's F0 item by item in float32 (bit-identical to a stream's F0
 #: run alone) or in one masked float64 pass per batch (:attr:`~cosyserve.models.hift.HiFTGenerator.batched_f0`)
 HIFT_F0_MODES = ("per-item", "batched")
@@ -887,7 +888,7 @@ class EngineCore:
         """(Thread-safe read.) The admission settings in effect, under the names :meth:`set_admission` takes:
         ``mode`` (``"auto"``, ``"off"`` or the fixed number of streams as text), ``target``, ``start_share``,
         ``lm_alone``, ``start_cost``, ``slack_margin`` (seconds), ``slack_recover`` (seconds per stream),
-        ``contention_fit`` (the ``--admission*`` options)."""
+        ``contention_fit``, ``pace_half_life`` (seconds) (the ``--admission*`` options)."""
         return {key: str(self.admission) if key == "mode" else getattr(self.cfg, name)
                 for key, name in ADMISSION_SETTINGS.items()}
 
@@ -895,10 +896,10 @@ class EngineCore:
         """(Thread-safe.) Change admission settings while serving, keeping what the capacity model has measured:
         ``mode`` (``"auto"``, ``"off"`` or a number of streams), ``target`` (0-1], ``start_share`` (0-1],
         ``lm_alone``, ``start_cost`` (bools), ``slack_margin`` (seconds >= 0), ``slack_recover`` (seconds per stream,
-        > 0), ``contention_fit`` (bool) — the ``--admission``, ``--admission-target``, ``--admission-start-share``,
-        ``--admission-lm-alone``, ``--admission-start-cost``, ``--admission-slack-margin``,
-        ``--admission-slack-recover`` (the slack guard's close-call margin and recovery rate),
-        ``--admission-contention-fit`` options. Checked at once
+        > 0), ``contention_fit`` (bool), ``pace_half_life`` (seconds >= 0) — the ``--admission``,
+        ``--admission-target``, ``--admission-start-share``, ``--admission-lm-alone``, ``--admission-start-cost``,
+        ``--admission-slack-margin``, ``--admission-slack-recover`` (the slack guard's close-call margin and recovery
+        rate), ``--admission-contention-fit``, ``--admission-pace-half-life`` options. Checked at once
         (raises :class:`~cosyserve.errors.InvalidInputError` naming the setting: unknown, wrong type or out of
         range); applied by the engine thread before its next step, so the streams admitted already keep running
         and the next admission decision uses the new settings (the slack guard's cap, measured under the old
@@ -933,7 +934,8 @@ class EngineCore:
     def _apply_admission(self, fields: dict) -> None:
         """(Engine thread.) :meth:`set_admission`'s settings take effect: the policy, the capacity model's target
         and prices (its measurements kept), the starting streams' share, the slack guard's margin and recovery
-        rate; the slack guard's cap is dropped (the next close call cuts afresh); the limit is recomputed at once."""
+        rate, the latency pace's averaging half-life (its average kept); the slack guard's cap is dropped (the next close
+        call cuts afresh); the limit is recomputed at once."""
         before = self.admission_settings()
         cfg = self.cfg = dataclasses.replace(self.cfg, **fields)
         if cfg.admission is not None:
@@ -944,6 +946,7 @@ class EngineCore:
         m.contention_fit = cfg.admission_contention_fit
         self.slack_guard.margin_s = cfg.admission_slack_margin_s
         self.slack_guard.recover_s = cfg.admission_slack_recover_s
+        self.pace_average.half_life_s = cfg.admission_pace_half_life_s
         self.slack_guard.release()  # a cap from close calls under the old settings starts over
         self._limit = self._admission_limit()
         after = self.admission_settings()

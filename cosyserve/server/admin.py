@@ -3,7 +3,8 @@
 * ``GET /admin/admission`` — the settings in effect (``mode``: ``"auto"``, ``"off"`` or a fixed number of
   streams; ``target``; ``start_share``; ``lm_alone``; ``start_cost``; ``slack_margin``: seconds of slack below
   which a streaming chunk is a close call; ``slack_recover``: seconds per stream the slack guard's cap grows back;
-  ``contention_fit``; the ``serve --admission*`` options), with the capacity gauge (streams, as
+  ``contention_fit``; ``pace_half_life``: seconds, the averaging of the batch-latency pace the capacity is read at;
+  the ``serve --admission*`` options), with the capacity gauge (streams, as
   ``cosyserve_capacity_streams``), the admission limit and the streams admitted.
 * ``PATCH /admin/admission`` — a JSON object with any of those settings changes them without a restart (the
   capacity model keeps what it measured; streams already admitted keep running): for tuning a live server and
