@@ -556,8 +556,6 @@ class EngineCore:
             self._lm_stream = torch.cuda.Stream(device=self.cache.k.device, priority=-100)
             self._lm_stream.wait_stream(torch.cuda.current_stream(self.cache.k.device))  # set-up work above
         self._batch_s = None  # moving average of a token2wav batch's duration (adaptive slack)
-        #: the latency pace the capacity is read at, averaged over time (``admission_pace_half_life_s``)
-        self.pace_average = PaceAverage(config.admission_pace_half_life_s)
         self._worker = None
         if config.t2w_thread and self.t2w is not None:
             self._worker = Token2WavWorker(self.t2w, self._t2w_stream, self._marks)
@@ -603,6 +601,8 @@ class EngineCore:
         # the feedback cap from chunk deadlines (auto admission)
         self.slack_guard = SlackGuard(margin_s=config.admission_slack_margin_s,
                                       recover_s=config.admission_slack_recover_s)
+        #: the latency pace the capacity is read at, averaged over time (``admission_pace_half_life_s``)
+        self.pace_average = PaceAverage(config.admission_pace_half_life_s)
         self._last_admitted_arrival = float("-inf")
         self._logged_capacity: int | None = None
         self._memory_bound_logged = False
