@@ -2,13 +2,13 @@
 
     python benchmarks/admission_replay.py TRACE [--variant '{"target": 0.9}' ...] [--bucket 0.5] [--start S --end S]
 
-Prints one markdown table: per time window (seconds from the trace's start, and the local time it began: line it
-up with a benchmark's level times) the engine's active and waiting requests (most), the close calls and late
-chunks the engine saw, the capacity the server computed (least, mean and most: admission admits on the most), and
-what each variant's estimator computes from the same measurements (the same three). The first variant column is always the recording's own
-settings: it must equal the recorded one (the script says so, or counts the records where it does not). Open
-loop (cosyserve/engine/admission.py, "Trace and replay"): a variant that would have admitted more streams is shown
-what the recorded streams cost, not what its own would have. Variant keys: the CapacityEstimator's keyword
+Prints one markdown table: per time window (seconds from the trace's start, and the local time it began: line it up
+with a benchmark's level times) the engine's active and waiting requests (most), the close calls and late chunks the
+engine saw, the capacity the server computed (least, mean and most: admission admits on the most), and what each
+variant's estimator computes from the same measurements (the same three). The first variant column is always the
+recording's own settings: it must equal the recorded one (the script says so, or counts the records where it does
+not). Open loop (cosyserve/engine/admission.py, "Trace and replay"): a variant that would have admitted more streams
+is shown what the recorded streams cost, not what its own would have. Variant keys: the CapacityEstimator's keyword
 arguments (target, lm_alone, start_cost, contention_fit, alone_floor, half_life_s, growth, initial, max_streams,
 t2w_price).
 

@@ -49,7 +49,9 @@ the model's ``token_frame_rate``, 25/s for CosyVoice2) and one second of audio f
 * latency: a stream's second chunk must be out before its first chunk has played (``D1``
   seconds), and besides its tokens it waits for the token2wav batch in flight and then runs in its
   own (``L``, two batch durations): so the LM must make the next hop's tokens within ``D1 - L``,
-  i.e. at ``S*R * D1/(D1 - L)`` (:func:`latency_pace`). The engine passes that pace to
+  i.e. at ``S*R * D1/(D1 - L)`` (:func:`latency_pace`). The engine passes that pace, averaged over
+  time (:class:`PaceAverage`: under load the batches alternate large and small, and the pace of the
+  moment swung the estimate by tens of streams within a second, docs/perf.md "Session 42"), to
   :meth:`CapacityEstimator.capacity`, which admits the smaller of the two estimates; once the
   batches alone outlast ``D1``, no new stream starts while one runs. (Throughput alone admitted
   CosyVoice3 and DiT streams that stalled on their second chunks at 2x overload: docs/perf.md
@@ -1105,6 +1107,6 @@ class SlackGuard:
         return int(self._cap)
 
 
-__all__ = ["AdmissionPolicy", "AdmissionTrace", "CapacityEstimator", "PaceAverage", "SlackGuard", "chunk_speedup", "latency_pace",
-           "read_admission_trace", "replay_admission_trace",
+__all__ = ["AdmissionPolicy", "AdmissionTrace", "CapacityEstimator", "PaceAverage", "SlackGuard", "chunk_speedup",
+           "latency_pace", "read_admission_trace", "replay_admission_trace",
            "SPEEDUP_HORIZON_TOKENS", "START_CHUNKS", "T2W_PERIOD_S"]
