@@ -84,8 +84,8 @@ def with_averaged_pace(records: list[dict], half_life_s: float) -> list[dict]:
     return out
 
 
-def guard_caps(records: list[dict], settle_s: float, max_streams: int | None = None) -> dict[int, int | None]:
-    """The slack guard's cap at each ``cap`` record (by index in ``records``; None: no cap), a :class:`SlackGuard`
+def guard_caps(records: list[dict], settle_s: float, max_streams: int | None = None) -> list[int | None]:
+    """The slack guard's cap at each ``cap`` record (in their order; None: no cap), a :class:`SlackGuard`
     (margin and recovery from the init record, else its defaults; ``settle_s``) fed the recorded close calls in
     order, its ceiling the recorded capacity (at most ``max_streams``, default the init record's); released at each
     ``reset`` record."""
@@ -94,15 +94,15 @@ def guard_caps(records: list[dict], settle_s: float, max_streams: int | None = N
     guard = SlackGuard(margin_s=init.get("slack_margin_s", 0.05), recover_s=init.get("slack_recover_s", 0.5),
                        settle_s=settle_s, clock=lambda: now[0])
     top = max_streams if max_streams is not None else init.get("max_streams", 1 << 30)
-    caps: dict[int, int | None] = {}
-    for i, rec in enumerate(records):
+    caps: list[int | None] = []
+    for rec in records:
         now[0] = rec["t"]
         if rec["op"] == "slack":
             guard.observe(rec["s"], rec["a"])
         elif rec["op"] == "reset":
             guard.release()
         elif rec["op"] == "cap":
-            caps[i] = guard.limit(min(rec["cap"], top))
+            caps.append(guard.limit(min(rec["cap"], top)))
     return caps
 
 
@@ -114,13 +114,12 @@ def _window(t: float, t0: float, bucket_s: float, start_s: float, end_s: float) 
 
 
 def replay_table(records: list[dict], variants: list[dict], bucket_s: float = 0.5, start_s: float = 0.0,
-                 end_s: float = math.inf, guard: dict[int, int | None] | None = None) -> tuple[str, int]:
+                 end_s: float = math.inf, guard: list[int | None] | None = None) -> tuple[str, int]:
     """The markdown table described in the module doc, and the number of ``cap`` records where the replay with
     the recording's settings differs from the recording (0 for a complete trace). ``variants``: estimator
     keyword overrides, one column each after the recording's own; ``guard``: the slack guard's cap per ``cap``
     record (:func:`guard_caps`): then the recorded and each replayed column also min'd with it ("guarded")."""
     t0 = records[0]["t"]
-    index = {id(rec): i for i, rec in enumerate(records)}
     rows: dict[int, dict] = {}
 
     def row(t: float) -> dict | None:
@@ -131,8 +130,8 @@ def replay_table(records: list[dict], variants: list[dict], bucket_s: float = 0.
         return rows.setdefault(k, {"a": 0, "w": 0, "close": 0, "late": 0, "rec": [], "var": [[] for _ in range(n)],
                                    "grec": [], "gvar": [[] for _ in range(n)]})
 
-    def guarded(rec: dict, cap: int) -> int:
-        g = guard.get(index[id(rec)]) if guard is not None else None
+    def guarded(j: int, cap: int) -> int:  # (j: the cap record's place among them)
+        g = guard[j] if guard is not None else None
         return cap if g is None else min(cap, g)
 
     for rec in records:
@@ -140,17 +139,17 @@ def replay_table(records: list[dict], variants: list[dict], bucket_s: float = 0.
             r["late" if rec["s"] < 0 else "close"] += 1
     mismatches = 0
     for i, overrides in enumerate([{}] + variants):
-        for rec, cap in replay_admission_trace(records, **overrides):
+        for j, (rec, cap) in enumerate(replay_admission_trace(records, **overrides)):
             if i == 0 and cap != rec["cap"]:
                 mismatches += 1
             r = row(rec["t"])
             if r is None:
                 continue
             r["var"][i].append(cap)
-            r["gvar"][i].append(guarded(rec, cap))
+            r["gvar"][i].append(guarded(j, cap))
             if i == 0:
                 r["rec"].append(rec["cap"])
-                r["grec"].append(guarded(rec, rec["cap"]))
+                r["grec"].append(guarded(j, rec["cap"]))
                 r["a"], r["w"] = max(r["a"], rec.get("a", 0)), max(r["w"], rec.get("w", 0))
 
     def fmt(caps: list[int]) -> str:

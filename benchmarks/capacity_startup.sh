@@ -17,8 +17,8 @@
 # streaming levels' clients listen, `bench --playback`: each plays its streams in real time and sends the next request
 # when the audio has played, so N clients are N concurrent real-time streams; MIN_REQ: requests per client per
 # capacity level, default 3; OVERLOAD: the overload factor after the capacity search, default 2, 0 skips it;
-# CAPACITY_TOL: `bench --capacity-tolerance`, default 0.1 (0.5 ends a failing search after two bisection levels); SWEEP:
-# admission settings, JSON objects separated by ';', one capacity search each on the same server, see below).
+# CAPACITY_TOL: `bench --capacity-tolerance`, default 0.1 (0.5 ends a failing search after two bisection levels);
+# SWEEP: admission settings, JSON objects separated by ';', one capacity search each on the same server, see below).
 # Needs .whl.
 set -u
 cd "$(dirname "$0")/.."
@@ -112,7 +112,8 @@ if s:
     echo "== capacity (voice default, 0 stalls, p99 <= 500 ms), then 2x overload${LISTEN:+; clients listen}"
     $CS bench --url grpc://127.0.0.1:8001 --metrics-url http://127.0.0.1:8000/metrics --no-progress --voice default \
       --capacity --concurrency "$CAPACITY_LEVELS" --max-streams "$MAX_ACTIVE" --p99-bound-ms 500 \
-      --capacity-tolerance "${CAPACITY_TOL:-0.1}" --min-requests-per-client "${MIN_REQ:-3}" --overload "${OVERLOAD:-2}" --ramp-s "${RAMP_S:-0}" --warmup 0 \
+      --capacity-tolerance "${CAPACITY_TOL:-0.1}" --min-requests-per-client "${MIN_REQ:-3}" \
+      --overload "${OVERLOAD:-2}" --ramp-s "${RAMP_S:-0}" --warmup 0 \
       $LISTEN --out "$CDIR" 2>&1 | tail -30
     # per level and 2-s arrival window: first chunk and its engine phases, and the slowest requests' phases
     tail -n +"$((L0 + 1))" "$OUTDIR/server.log" > "$CDIR/server_part.log"

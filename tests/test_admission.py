@@ -1503,12 +1503,12 @@ def test_replay_averages_old_traces_paces_and_simulates_the_slack_guard():
     assert [r["op"] for r in avg] == [r["op"] for r in records] and records[2]["pace"] == 2.4  # (a copy)
     with pytest.raises(ValueError, match="averaged already"):
         tool.with_averaged_pace([{**init, "pace_half_life_s": 1.0}] + caps, 1.0)
-    held = tool.guard_caps(records, settle_s=5.0)
-    cut = [held[i] for i, r in enumerate(records) if r["op"] == "cap" and r["t"] < 2.5]
+    held = list(zip([r for r in records if r["op"] == "cap"], tool.guard_caps(records, settle_s=5.0), strict=True))
+    cut = [c for r, c in held if r["t"] < 2.5]
     assert cut[0] == 41 and all(c is not None and c <= 44 for c in cut)  # the peaks (71) stay held at the cut
-    assert all(held[i] is None for i, r in enumerate(records) if r["op"] == "cap" and r["t"] > 2.5)  # (reset)
+    assert all(c is None for r, c in held if r["t"] > 2.5)  # (reset)
     before = tool.guard_caps(records, settle_s=0.0)
-    assert all(c is None for c in before.values())  # dropped on the first dip (33 < 41): the peaks unguarded
+    assert len(before) == len(held) and all(c is None for c in before)  # dropped on the first dip (33 < 41)
 
 
 def test_cli_admission_trace_option(tmp_path):
