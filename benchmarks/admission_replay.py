@@ -18,6 +18,10 @@ init record has no ``pace_half_life_s``: a trace recorded with it holds the aver
 adds the slack guard's cap (a ``SlackGuard`` fed the recorded close calls, margin and recovery from the init record
 or the defaults, ``--guard-settle`` its settle time; 0 = as before session 42) and the smaller of it and each
 column's capacity ("guarded"): open loop too, the close calls are those the recorded admissions caused.
+
+``--batches [--gap S]`` adds what the token2wav batches cost the scheduler thread: host and device seconds by the audio
+a batch emitted, and the gaps without an LM step while streams were active with the batch whose launch filled them
+(:func:`batch_tables`).
 """
 
 from __future__ import annotations
@@ -214,6 +218,69 @@ def terms_table(records: list[dict], overrides: dict, bucket_s: float = 0.5, sta
     return "\n".join(lines)
 
 
+def batch_tables(records: list[dict], start_s: float = 0.0, end_s: float = math.inf, gap_s: float = 0.1,
+                 bin_s: float = 5.0, top: int = 10) -> str:
+    """What the token2wav batches cost the scheduler thread, from the trace's ``t2w`` and ``lm`` records between
+    ``start_s`` and ``end_s`` (seconds from the trace's start). Two markdown tables: the batches by the audio they
+    emitted (``bin_s``-second bins): count, host seconds (the scheduler thread's launch and hand-out time, mean and
+    most), device seconds (mean and most) and cost units (mean; traces priced per cost unit); then the scheduler's
+    gaps: the stretches of at least ``gap_s`` seconds (and under 1 s: longer is idle) without an LM step while
+    streams were active (the last ``cap`` record's ``a``; counted when a trace has none), their count and seconds,
+    and the ``top`` longest with the token2wav batch of the most host time among those handed out in the gap and
+    the first after it (a batch is recorded when handed out, its launch earlier): its host and device seconds and
+    audio. A gap that one batch's host time fills is the LM waiting for that batch's launch: every stream's next
+    tokens wait with it (docs/perf.md "Session 43": in ``--flow-stream-cache off`` the batches' host time grew with
+    their flow input, up to 0.24 s, and the starting streams' second chunks came late behind one)."""
+    t0 = records[0]["t"]
+    bins: dict[int, list[tuple[float, float, float | None]]] = {}
+    gaps: list[list] = []  # [start (s from t0), seconds, active, the batch with the most host time, open]
+    last_lm = active = None
+    since_lm: list[dict] = []  # the batches handed out since the last LM step
+    for r in records:
+        rel = r["t"] - t0
+        inside = start_s <= rel < end_s
+        if r["op"] == "cap" and "a" in r:
+            active = r["a"]
+        elif r["op"] == "t2w":
+            if inside and r.get("device_s") is not None:
+                bins.setdefault(int(r["audio_s"] // bin_s), []).append((r["host_s"], r["device_s"], r.get("cost")))
+            # a batch's record comes when it is handed out: its launch may have filled the gap before it, so a
+            # gap takes the batches handed out in it and the first after it
+            since_lm.append(r)
+            for g in gaps[-2:]:
+                if g[4]:
+                    if g[3] is None or r["host_s"] > g[3]["host_s"]:
+                        g[3] = r
+                    g[4] = False
+        elif r["op"] == "lm":
+            if (last_lm is not None and start_s <= last_lm - t0 < end_s and gap_s <= r["t"] - last_lm < 1.0
+                    and (active is None or active > 0)):  # (a gap belongs to the window it starts in)
+                gaps.append([last_lm - t0, r["t"] - last_lm, active,
+                             max(since_lm, key=lambda b: b["host_s"], default=None), True])
+            last_lm, since_lm = r["t"], []
+    def ms(x: float | None) -> str:
+        return "–" if x is None else f"{1e3 * x:.0f}"
+
+    lines = ["| batch audio (s) | batches | host mean / most (ms) | device mean / most (ms) | cost units (mean) |",
+             "|---|---:|---:|---:|---:|"]
+    for k in sorted(bins):
+        v = bins[k]
+        host, dev = [h for h, _, _ in v], [d for _, d, _ in v]
+        costs = [c for _, _, c in v if c is not None]
+        lines.append(f"| {k * bin_s:g}-{(k + 1) * bin_s:g} | {len(v)} | {ms(sum(host) / len(v))} / {ms(max(host))} | "
+                     f"{ms(sum(dev) / len(v))} / {ms(max(dev))} | "
+                     f"{f'{sum(costs) / len(costs):.0f}' if costs else '–'} |")
+    lines += ["", f"Scheduler gaps of {ms(gap_s)} ms or more without an LM step while streams were active: "
+              f"{len(gaps)}, {sum(g[1] for g in gaps):.2f} s in all; the longest:", "",
+              "| at (s) | gap (ms) | active | token2wav batch handed out in it or next: host / device (ms), audio (s) "
+              "|",
+              "|---:|---:|---:|---|"]
+    for at, g, a, b, _ in sorted(gaps, key=lambda x: -x[1])[:top]:
+        what = "–" if b is None else f"{ms(b['host_s'])} / {ms(b.get('device_s'))}, {b['audio_s']:.1f}"
+        lines.append(f"| {at:.2f} | {ms(g)} | {'–' if a is None else a} | {what} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", type=Path)
@@ -238,6 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--terms", action="store_true",
                     help="also print, per window, the lowest estimate's parts (under the first --variant, else the "
                          "recording's settings)")
+    ap.add_argument("--batches", action="store_true",
+                    help="also print the token2wav batches' host and device seconds by audio size, and the scheduler's "
+                         "gaps without an LM step (a batch's launch holding the LM)")
+    ap.add_argument("--gap", type=float, default=0.1, metavar="SECONDS",
+                    help="--batches: the shortest scheduler gap listed (default 0.1)")
     args = ap.parse_args(argv)
     if not args.bucket > 0:
         ap.error("--bucket must be > 0 seconds")
@@ -245,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--pace-half-life must be >= 0 seconds")
     if not 0 <= args.guard_settle < math.inf:
         ap.error("--guard-settle must be >= 0 seconds")
+    if not 0 < args.gap < 1:
+        ap.error("--gap must be between 0 and 1 seconds")
     try:
         records = list(read_admission_trace(args.trace))
         if not records:
@@ -260,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         table, mismatches = replay_table(records, args.variant, args.bucket, args.start, args.end, guard)
         terms = terms_table(records, args.variant[0] if args.variant else {}, args.bucket, args.start,
                             args.end) if args.terms else None
+        batches = batch_tables(records, args.start, args.end, args.gap) if args.batches else None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"admission_replay: {exc}", file=sys.stderr)
         return 2
@@ -267,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     if terms is not None:
         print(terms)
+        print()
+    if batches is not None:
+        print(batches)
         print()
     if args.pace_half_life is not None:
         print(f"paces averaged with a {args.pace_half_life}-s half-life: the recorded column differs from the "

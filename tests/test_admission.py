@@ -1511,6 +1511,41 @@ def test_replay_averages_old_traces_paces_and_simulates_the_slack_guard():
     assert len(before) == len(held) and all(c is None for c in before)  # dropped on the first dip (33 < 41)
 
 
+def test_replay_batch_tables_attribute_scheduler_gaps_to_the_batch_launched_in_them(capsys):
+    """``admission_replay.py --batches``: the token2wav batches by the audio they emitted (host and device seconds,
+    cost units) and the scheduler's gaps without an LM step while streams were active, each with the batch of the
+    most host time handed out in it or right after it (a batch's record comes when it is handed out, after its
+    launch held the scheduler); idle stretches (nobody active, or 1 s and longer) are not gaps (docs/perf.md
+    "Session 43")."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("admission_replay", ROOT / "benchmarks" / "admission_replay.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    recs = [{"op": "init", "t": 10.0}, {"op": "cap", "t": 10.0, "a": 5, "w": 0, "cap": 8, "pace": 1.0}]
+    recs += [{"op": "lm", "t": 10.0 + 0.01 * i, "rows": 5, "host_s": 0.002} for i in range(1, 11)]  # to 10.10
+    recs.append({"op": "t2w", "t": 10.10, "audio_s": 2.0, "host_s": 0.01, "device_s": 0.04, "cost": 200})
+    recs.append({"op": "lm", "t": 10.36, "rows": 5, "host_s": 0.002})  # a 260-ms gap: the next batch's launch
+    recs.append({"op": "lm", "t": 10.37, "rows": 5, "host_s": 0.002})
+    recs.append({"op": "t2w", "t": 10.40, "audio_s": 43.5, "host_s": 0.24, "device_s": 0.29, "cost": 4840})
+    recs.append({"op": "lm", "t": 10.50, "rows": 5, "host_s": 0.002})  # 130 ms: the one handed out at 10.40
+    recs.append({"op": "cap", "t": 10.50, "a": 0, "w": 0, "cap": 8, "pace": 1.0})
+    recs.append({"op": "lm", "t": 10.90, "rows": 1, "host_s": 0.002})  # nobody active: idle, not a gap
+    recs.append({"op": "cap", "t": 10.90, "a": 3, "w": 0, "cap": 8, "pace": 1.0})
+    recs.append({"op": "lm", "t": 12.50, "rows": 3, "host_s": 0.002})  # 1.6 s: idle too
+    out = tool.batch_tables(recs, gap_s=0.1)
+    assert "| 0-5 | 1 | 10 / 10 | 40 / 40 | 200 |" in out and "| 40-45 | 1 | 240 / 240 | 290 / 290 | 4840 |" in out
+    assert "while streams were active: 2, 0.39 s in all" in out
+    rows = [line for line in out.splitlines() if line.startswith("| 0.")]
+    assert rows == ["| 0.10 | 260 | 5 | 240 / 290, 43.5 |", "| 0.37 | 130 | 5 | 240 / 290, 43.5 |"]
+    assert "| 0.50 |" not in out and "| 0.90 |" not in out
+    assert "while streams were active: 1," in tool.batch_tables(recs, start_s=0.2)  # (from 0.2 s on)
+    path = ROOT / "tests" / "data" / "no-such-trace.jsonl"
+    assert tool.main([str(path), "--batches"]) == 2 and "admission_replay:" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # (argparse: a usage error)
+        tool.main(["x", "--batches", "--gap", "0"])
+
+
 def test_cli_admission_trace_option(tmp_path):
     """``--admission-trace FILE`` reaches the engine config; a file in a missing folder is a CLI error."""
     import argparse
