@@ -441,7 +441,8 @@ def _engine_args(p, in_process: bool = False) -> None:
                         + note)
     p.add_argument("--t2w-queue-steps", type=int, default=4, metavar="N",
                    help="token2wav batches on the GPU are issued N flow steps ahead of the device, between LM "
-                        "steps (default 4; 0 = whole batches at once)" + note)
+                        "steps (default 4; 0 = whole batches at once; 1 with --flow-stream-cache off and many "
+                        "streams: its long flow steps fill the launch queue, docs/perf.md \"Session 43\")" + note)
     p.add_argument("--sampling", choices=sorted(_SAMPLING), default="auto",
                    help="where speech tokens are sampled: 'device' = inside the GPU decode step (reproducible per "
                         "seed and batch-independent, not upstream's random stream), 'host' = on the CPU with "
