@@ -233,31 +233,32 @@ def batch_tables(records: list[dict], start_s: float = 0.0, end_s: float = math.
     their flow input, up to 0.24 s, and the starting streams' second chunks came late behind one)."""
     t0 = records[0]["t"]
     bins: dict[int, list[tuple[float, float, float | None]]] = {}
-    gaps: list[list] = []  # [start (s from t0), seconds, active, the batch with the most host time, open]
+    gaps: list[list] = []  # [start (s from t0), seconds, active, the batch with the most host time]
+    waiting: list[list] = []  # the gaps whose next batch has not been handed out yet
     last_lm = active = None
     since_lm: list[dict] = []  # the batches handed out since the last LM step
     for r in records:
         rel = r["t"] - t0
-        inside = start_s <= rel < end_s
         if r["op"] == "cap" and "a" in r:
             active = r["a"]
         elif r["op"] == "t2w":
-            if inside and r.get("device_s") is not None:
+            if start_s <= rel < end_s and r.get("device_s") is not None:
                 bins.setdefault(int(r["audio_s"] // bin_s), []).append((r["host_s"], r["device_s"], r.get("cost")))
             # a batch's record comes when it is handed out: its launch may have filled the gap before it, so a
             # gap takes the batches handed out in it and the first after it
             since_lm.append(r)
-            for g in gaps[-2:]:
-                if g[4]:
-                    if g[3] is None or r["host_s"] > g[3]["host_s"]:
-                        g[3] = r
-                    g[4] = False
+            for g in waiting:
+                if g[3] is None or r["host_s"] > g[3]["host_s"]:
+                    g[3] = r
+            waiting.clear()
         elif r["op"] == "lm":
             if (last_lm is not None and start_s <= last_lm - t0 < end_s and gap_s <= r["t"] - last_lm < 1.0
                     and (active is None or active > 0)):  # (a gap belongs to the window it starts in)
                 gaps.append([last_lm - t0, r["t"] - last_lm, active,
-                             max(since_lm, key=lambda b: b["host_s"], default=None), True])
+                             max(since_lm, key=lambda b: b["host_s"], default=None)])
+                waiting.append(gaps[-1])
             last_lm, since_lm = r["t"], []
+
     def ms(x: float | None) -> str:
         return "–" if x is None else f"{1e3 * x:.0f}"
 
@@ -275,7 +276,7 @@ def batch_tables(records: list[dict], start_s: float = 0.0, end_s: float = math.
               "| at (s) | gap (ms) | active | token2wav batch handed out in it or next: host / device (ms), audio (s) "
               "|",
               "|---:|---:|---:|---|"]
-    for at, g, a, b, _ in sorted(gaps, key=lambda x: -x[1])[:top]:
+    for at, g, a, b in sorted(gaps, key=lambda x: -x[1])[:top]:
         what = "–" if b is None else f"{ms(b['host_s'])} / {ms(b.get('device_s'))}, {b['audio_s']:.1f}"
         lines.append(f"| {at:.2f} | {ms(g)} | {'–' if a is None else a} | {what} |")
     return "\n".join(lines)
