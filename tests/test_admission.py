@@ -1435,13 +1435,21 @@ def test_trace_replays_to_the_recorded_capacities_and_into_other_settings(tmp_pa
     assert len(list(read_admission_trace(tmp_path / "cut.jsonl"))) == 50
 
 
+def _replay_tool():
+    """``benchmarks/admission_replay.py`` loaded as a module (benchmarks/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("admission_replay", ROOT / "benchmarks" / "admission_replay.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
 def test_engine_records_an_admission_trace_that_replays_exactly(synth, tmp_path, capsys):
     """``EngineConfig.admission_trace`` (``serve --admission-trace``): the engine's capacity model records from
     its start, each estimate with the engine's active and waiting requests; closed, the trace replays to the
     engine's own estimates, and ``benchmarks/admission_replay.py`` prints its table with the variants asked for
     (bad input: a message and exit status 2, no traceback)."""
-    import importlib.util
-
     path = tmp_path / "adm.jsonl"
     core, _ = slow_engine(synth, max_active=16, max_queue=16, admission="auto", admission_trace=str(path))
     res = run_load(synth, core, 4)
@@ -1452,9 +1460,7 @@ def test_engine_records_an_admission_trace_that_replays_exactly(synth, tmp_path,
     assert caps and max(r["w"] for r in caps) >= 1 and max(r["a"] for r in caps) >= 1
     assert sum(r["op"] == "t2w" for r in records) >= 4 and sum(r["op"] == "lm" for r in records) >= 10
     assert [cap for _, cap in replay_admission_trace(records)] == [r["cap"] for r in caps]
-    spec = importlib.util.spec_from_file_location("admission_replay", ROOT / "benchmarks" / "admission_replay.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _replay_tool()
     assert tool.main([str(path), "--variant", '{"target": 0.5}', "--bucket", "0.2"]) == 0
     out = capsys.readouterr().out
     assert '{"target":0.5} min / mean' in out and "equals the recording at every estimate" in out
@@ -1487,11 +1493,7 @@ def test_replay_averages_old_traces_paces_and_simulates_the_slack_guard():
     the engine now does, restarting at a reset) and ``guard_caps`` (a :class:`SlackGuard` fed the recorded close
     calls): with the settle time, the guard's cut holds through the estimate's swings; without (0, as before),
     the first dip of the estimate below the cut drops it (docs/perf.md "Session 42")."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("admission_replay", ROOT / "benchmarks" / "admission_replay.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _replay_tool()
     init = {"op": "init", "t": 0.0, "max_streams": 100}
     caps = [{"op": "cap", "t": 1.0 + 0.05 * i, "pace": 2.4 if i % 2 == 0 else 1.2, "cap": 33 if i % 2 == 0 else 71}
             for i in range(40)]
@@ -1517,11 +1519,7 @@ def test_replay_batch_tables_attribute_scheduler_gaps_to_the_batch_launched_in_t
     most host time handed out in it or right after it (a batch's record comes when it is handed out, after its
     launch held the scheduler); idle stretches (nobody active, or 1 s and longer) are not gaps (docs/perf.md
     "Session 43")."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("admission_replay", ROOT / "benchmarks" / "admission_replay.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _replay_tool()
     recs = [{"op": "init", "t": 10.0}, {"op": "cap", "t": 10.0, "a": 5, "w": 0, "cap": 8, "pace": 1.0}]
     recs += [{"op": "lm", "t": 10.0 + 0.01 * i, "rows": 5, "host_s": 0.002} for i in range(1, 11)]  # to 10.10
     recs.append({"op": "t2w", "t": 10.10, "audio_s": 2.0, "host_s": 0.01, "device_s": 0.04, "cost": 200})
