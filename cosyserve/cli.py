@@ -370,6 +370,13 @@ def _queue_steps(n: int) -> int | None:
     return n or None
 
 
+def _queue_ms(ms: float) -> float | None:
+    """``--t2w-queue-ms``: milliseconds > 0 -> seconds, 0 = no time bound (None); CLIError otherwise."""
+    if not ms >= 0:
+        raise CLIError(f"--t2w-queue-ms must be >= 0, got {ms}")
+    return ms / 1000.0 or None
+
+
 def _slack(value: str) -> float | None:
     """``--t2w-slack``: 'auto' (adaptive) or seconds >= 0; CLIError otherwise."""
     if value == "auto":
@@ -440,9 +447,13 @@ def _engine_args(p, in_process: bool = False) -> None:
                    help="run token2wav on its own thread (experimental; slower on the H100 measured, docs/perf-history.md)"
                         + note)
     p.add_argument("--t2w-queue-steps", type=int, default=4, metavar="N",
-                   help="token2wav batches on the GPU are issued N flow steps ahead of the device, between LM "
-                        "steps (default 4; 0 = whole batches at once; 1 with --flow-stream-cache off and many "
-                        "streams: its long flow steps fill the launch queue, docs/perf.md \"Session 43\")" + note)
+                   help="token2wav batches on the GPU are issued at most N flow steps ahead of the device, "
+                        "between LM steps (default 4; 0 = whole batches at once)" + note)
+    p.add_argument("--t2w-queue-ms", type=float, default=25.0, metavar="MS",
+                   help="beyond the first, a flow step is queued only while the queued steps' device time, "
+                        "measured per batch shape, stays within MS (default 25; 0 = steps only): large batches' "
+                        "long steps go one at a time and cannot hold the scheduler in the driver while a full "
+                        "launch queue drains (docs/perf.md \"Session 44\")" + note)
     p.add_argument("--sampling", choices=sorted(_SAMPLING), default="auto",
                    help="where speech tokens are sampled: 'device' = inside the GPU decode step (reproducible per "
                         "seed and batch-independent, not upstream's random stream), 'host' = on the CPU with "
@@ -600,7 +611,8 @@ def _engine_config(args, background_default: bool = False, **overrides):
     lazy = args.lazy_graphs
     fields = dict(max_active=args.max_active_streams, kv_max_len=args.kv_max_len,
                   dit_graph_memory=args.dit_graph_memory, hift_f0=args.hift_f0, t2w_thread=args.token2wav_thread,
-                  t2w_queue_steps=_queue_steps(args.t2w_queue_steps), device_sampling=_SAMPLING[args.sampling],
+                  t2w_queue_steps=_queue_steps(args.t2w_queue_steps), t2w_queue_s=_queue_ms(args.t2w_queue_ms),
+                  device_sampling=_SAMPLING[args.sampling],
                   t2w_slack_s=_slack(args.t2w_slack), lm_stream_priority=args.lm_stream_priority == "high",
                   max_t2w_tokens=args.max_t2w_tokens, t2w_batch_target=args.t2w_batch_target,
                   t2w_gather_s=args.t2w_gather, t2w_length_window=args.t2w_length_window,

@@ -449,7 +449,7 @@ class SlowToken2Wav(Token2Wav):
         super().__init__(real.flow, real.hift, real.ratio)
         self.spt, self.lookahead = samples_per_token, lookahead
 
-    def launch(self, jobs, stream=None, marks=None, queue_steps=None):
+    def launch(self, jobs, stream=None, marks=None, queue_steps=None, queue_s=None):
         n_tok = [len(j.tokens) - j.token_offset - (0 if j.finalize else self.lookahead) for j in jobs]
         time.sleep(T2W_FIXED + T2W_PER_AUDIO_S * sum(n_tok) * self.spt / 24000)
 

@@ -174,6 +174,12 @@ def test_t2w_queue_steps_must_not_be_negative(capsys):
     assert code == 2 and "--t2w-queue-steps must be >= 0, got -1" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("value", ["-5", "nan"])
+def test_t2w_queue_ms_must_not_be_negative(capsys, value):
+    code, out, err = run(capsys, "serve", "--model-dir", model_dir(), "--t2w-queue-ms", value)
+    assert code == 2 and f"--t2w-queue-ms must be >= 0, got {float(value)}" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("value", ["0", "many"])
 def test_max_t2w_tokens_is_a_positive_integer(capsys, value):
     with pytest.raises(SystemExit) as exc:  # an argparse usage error
@@ -210,7 +216,7 @@ def test_engine_options_reach_the_server_config(capsys, monkeypatch):
     code, out, err = run(capsys, "serve", "--model-dir", model_dir(), "--max-t2w-tokens", "4096", "--lazy-graphs",
                          "--t2w-batch-target", "8", "--t2w-gather", "0.25", "--hift-dtype", "float16",
                          "--max-active-streams", "5", "--max-queue", "7", "--t2w-queue-steps", "0",
-                         "--sampling", "host", "--t2w-slack", "auto", "--lm-stream-priority", "normal",
+                         "--t2w-queue-ms", "0", "--sampling", "host", "--t2w-slack", "auto", "--lm-stream-priority", "normal",
                          "--token2wav-thread", "--decode-lookahead", "2", "--t2w-length-window", "0.5",
                          "--kv-max-len", "1536", "--dit-graph-memory", "0.12", "--hift-f0", "per-item",
                          "--llm-stream-interval", "0.03")
@@ -220,6 +226,7 @@ def test_engine_options_reach_the_server_config(capsys, monkeypatch):
     assert e.kv_max_len == 1536 and e.dit_graph_memory == 0.12 and e.hift_f0 == "per-item"
     assert e.t2w_batch_target == 8 and e.t2w_gather_s == 0.25
     assert (e.max_active, e.max_queue, e.t2w_queue_steps, e.device_sampling) == (5, 7, None, False)
+    assert e.t2w_queue_s is None
     assert e.t2w_slack_s is None and e.lm_stream_priority is False and e.t2w_thread is True
     assert e.decode_lookahead == 2 and e.t2w_length_window == 0.5
     assert seen["cfg"].hift_dtype == "float16" and seen["cfg"].llm_stream_interval_s == 0.03
@@ -245,10 +252,10 @@ def test_bench_in_process_engine_options(capsys, monkeypatch):
 
     monkeypatch.setattr(bench, "run_bench", fake_run_bench)
     code, out, err = run(capsys, "bench", "--in-process", "--demo", "--max-active-streams", "3", "--t2w-gather", "0",
-                         "--t2w-queue-steps", "2")
+                         "--t2w-queue-steps", "2", "--t2w-queue-ms", "40")
     assert code == 0, err
     e = seen["opts"].engine
-    assert (e.max_active, e.t2w_gather_s, e.t2w_queue_steps) == (3, 0.0, 2)
+    assert (e.max_active, e.t2w_gather_s, e.t2w_queue_steps, e.t2w_queue_s) == (3, 0.0, 2, 0.04)
     code, out, err = run(capsys, "bench", "--url", "grpc://127.0.0.1:1")
     assert code == 0 and seen["opts"].engine is None
     code, out, err = run(capsys, "bench", "--in-process", "--demo", "--t2w-queue-steps", "-2")

@@ -458,11 +458,17 @@ def test_token2wav_launch_does_not_wait_for_the_gpu(yaml_dir):
         issued = time.perf_counter() - t0
         assert not pending.done() and pending.run.steps_left == pending.run.state.n - 2
         got = t2w.finish(pending)
+        # bounded by the steps' device time: timing events around each step measure it
+        pending = t2w.launch(jobs(), stream=side, queue_steps=4, queue_s=0.025)
+        key, timed = pending.run.cost_key, t2w.finish(pending)
     finally:
         m.flow.graph = m.hift.graph_decode = None
     assert issued < 0.5, f"launch blocked the host for {issued:.3f} s"
-    for a, b in zip(got, ref):  # same draws; kernels may round differently between runs
+    for a, b, c in zip(got, ref, timed):  # same draws; kernels may round differently between runs
         assert a.speech.shape == b.speech.shape and rel(a.speech, b.speech) < 1e-4
+        assert c.speech.shape == b.speech.shape and rel(c.speech, b.speech) < 1e-4
+    per_step = t2w.step_times.snapshot()
+    assert list(per_step) == [key] and 0 < per_step[key] < 0.1, per_step
 
 
 @torch.inference_mode()

@@ -459,8 +459,9 @@ def test_token2wav_in_flight_while_lm_decodes(syn, voice, monkeypatch):
     engine._t2w_stream = "side-stream"  # what the engine holds on CUDA
     real_launch = engine.t2w.launch
 
-    def launch(jobs, stream=None, marks=None, queue_steps=None):
+    def launch(jobs, stream=None, marks=None, queue_steps=None, queue_s=None):
         assert stream == "side-stream" and queue_steps == engine.cfg.t2w_queue_steps
+        assert queue_s == engine.cfg.t2w_queue_s
         pending = real_launch(jobs, stream=None, marks=marks)
         pending.event = _SlowEvent(3)
         return pending
@@ -484,9 +485,19 @@ def test_token2wav_in_flight_while_lm_decodes(syn, voice, monkeypatch):
 
 
 class _FakeCudaEvent:
-    """A CUDA event stand-in for CPU tests: complete once its stream's clock passes it."""
+    """A CUDA event stand-in for CPU tests: complete once its stream's clock passes it;
+    ``elapsed_time`` from a timing event to another (as a real event, both need
+    ``enable_timing``) is ``step_ms``: every flow step takes that long on the fake GPU."""
 
     clock = 0
+    step_ms = 0.0
+
+    def __init__(self, enable_timing=False):
+        self.timing = enable_timing
+
+    def elapsed_time(self, end):
+        assert self.timing and end.timing, "elapsed_time needs two timing events"
+        return _FakeCudaEvent.step_ms
 
     def record(self, stream=None):
         self.at = _FakeCudaEvent.clock
@@ -537,6 +548,77 @@ def test_token2wav_issued_a_few_flow_steps_at_a_time(syn, voice, monkeypatch):
     assert pending.issued and issued_hift == [0]
     got = t2w.finish(pending)
     assert torch.equal(got[0].speech, ref[0].speech)  # same batch, same kernels, issued in pieces: exact by construction
+
+
+def test_token2wav_queue_bounded_by_measured_step_time(syn, voice, monkeypatch):
+    """With ``queue_s``, a second step is queued only while the unfinished steps' expected device
+    time stays within it: a shape never measured goes one step at a time; each finished step
+    reports its time (timing events around it), and the next steps of that shape are queued as
+    many as fit (10 ms steps in 25 ms: 2), up to ``queue_steps`` for short ones (2 ms: 4). The
+    audio equals the batch issued at once."""
+    import contextlib
+
+    from cosyserve.engine.token2wav import Token2WavJob
+    from cosyserve.models.hift import HiFTStreamState
+
+    t2w = syn.new_engine(EngineConfig(max_active=2)).t2w
+    tokens = torch.randint(0, 100, (30,), generator=torch.Generator().manual_seed(0))
+
+    def jobs():
+        return [Token2WavJob(voice, tokens, 0, True, False, HiFTStreamState(), torch.Generator().manual_seed(1))]
+
+    ref = t2w.finish(t2w.launch(jobs()))
+    monkeypatch.setattr(torch.cuda, "Event", _FakeCudaEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    real_issue = type(t2w)._issue_hift
+
+    def issue_hift(self, p):  # on the CPU: no pinned copies
+        stream, p.stream = p.stream, None
+        try:
+            real_issue(self, p)
+        finally:
+            p.stream = stream
+
+    monkeypatch.setattr(type(t2w), "_issue_hift", issue_hift)
+    monkeypatch.setattr(_FakeCudaEvent, "step_ms", 10.0)
+    pending = t2w.launch(jobs(), stream="side-stream", queue_steps=4, queue_s=0.025)
+    n, key = pending.run.state.n, pending.run.cost_key
+    assert key[0] == 1 and t2w.step_times.estimate(key) is None
+    assert pending.run.steps_left == n - 1  # nothing measured yet: one step at a time
+    assert not pending.advance(4, 0.025) and pending.run.steps_left == n - 1  # still running
+    _FakeCudaEvent.clock += 1
+    assert not pending.advance(4, 0.025) and pending.run.steps_left == n - 3  # 10 ms each: 2 in 25 ms
+    assert t2w.step_times.estimate(key) == pytest.approx(0.010)
+    _FakeCudaEvent.step_ms = 2.0  # (the next batch's steps run short)
+    while not pending.advance(4, 0.025):
+        _FakeCudaEvent.clock += 1
+    _FakeCudaEvent.clock += 1
+    got = t2w.finish(pending)  # the last steps report their times here
+    assert torch.equal(got[0].speech, ref[0].speech)
+    assert 0.002 < t2w.step_times.estimate(key) < 0.010
+    t2w.step_times = type(t2w.step_times)()
+    t2w.step_times.observe(key, 0.002)
+    pending = t2w.launch(jobs(), stream="side-stream", queue_steps=4, queue_s=0.025)
+    assert pending.run.steps_left == n - 4  # short steps: as many as queue_steps allows
+
+
+def test_flow_step_times_estimate():
+    """Per-shape moving averages; a shape never measured is scaled from the nearest measured work."""
+    from cosyserve.engine.token2wav import FlowStepTimes
+
+    st = FlowStepTimes(alpha=0.5)
+    assert st.estimate((4, 400)) is None and st.estimate(None) is None
+    st.observe((4, 400), 0.010)
+    st.observe((4, 400), 0.020)
+    assert st.estimate((4, 400)) == pytest.approx(0.015)
+    st.observe((1, 100), 0.004)
+    st.observe((1, 100), 0.0)  # (no time: ignored)
+    assert st.estimate((1, 100)) == pytest.approx(0.004)
+    assert st.estimate((8, 400)) == pytest.approx(0.030)  # nearest (4, 400), twice its work
+    assert st.estimate((1, 120)) == pytest.approx(0.0048)  # nearest (1, 100)
+    assert st.snapshot() == {(4, 400): pytest.approx(0.015), (1, 100): pytest.approx(0.004)}
+    with pytest.raises(ValueError, match="alpha"):
+        FlowStepTimes(alpha=0)
 
 
 def test_admission_abort_and_timeout(syn, voice):

@@ -148,7 +148,13 @@ class EngineConfig:
     ``t2w_queue_steps``: a token2wav batch on the side stream is issued a few flow steps at a
     time, between LM steps, keeping at most this many unfinished on the GPU (``None``: the
     whole batch at once, which can hold the scheduler in the driver until the GPU has worked
-    through most of it, docs/perf-history.md run 10); ``device_sampling`` (``None``: on when the LM
+    through most of it, docs/perf-history.md run 10); ``t2w_queue_s`` (seconds; ``None``: no
+    bound): beyond the first, a step is queued only while the unfinished steps' device time,
+    measured per batch shape (:class:`~cosyserve.engine.token2wav.FlowStepTimes`), stays within
+    it — a large batch's long steps (``--flow-stream-cache off``: the whole history in every
+    step) then go one at a time and cannot hold the scheduler in ``cudaGraphLaunch`` while a
+    full launch queue drains (docs/perf.md "Session 43"), a lone stream's short ones up to
+    ``t2w_queue_steps`` ahead; ``device_sampling`` (``None``: on when the LM
     is on CUDA): rows with the default sampler draw their next token on the device, inside
     the decode step
     (:func:`~cosyserve.models.sampling.ras_sample_device`: the same RAS rule with counter-based
@@ -272,6 +278,7 @@ class EngineConfig:
     graph_priming: bool = False
     t2w_thread: bool = False
     t2w_queue_steps: int | None = 4
+    t2w_queue_s: float | None = 0.025
     device_sampling: bool | None = None
     lm_stream_priority: bool = True
     pipeline_decode: bool | None = None
@@ -319,6 +326,7 @@ class EngineConfig:
             ("t2w_gather_s >= 0", self.t2w_gather_s >= 0), ("0 <= t2w_length_window < 1", 0 <= self.t2w_length_window < 1),
             ("t2w_slack_s >= 0", self.t2w_slack_s is None or self.t2w_slack_s >= 0),
             ("t2w_queue_steps >= 1", self.t2w_queue_steps is None or self.t2w_queue_steps >= 1),
+            ("t2w_queue_s > 0", self.t2w_queue_s is None or self.t2w_queue_s > 0),
             ("decode_lookahead >= 1", self.decode_lookahead >= 1),
             ("flow_stream_cache_frames >= 0", self.flow_stream_cache_frames is None or self.flow_stream_cache_frames >= 0),
             ("flow_stream_cache in (None, True, False, 'prefix')",
@@ -1734,7 +1742,7 @@ class EngineCore:
             return
         try:
             pending = self.t2w.launch(jobs, stream=self._t2w_stream, marks=self._marks,
-                                      queue_steps=self.cfg.t2w_queue_steps)
+                                      queue_steps=self.cfg.t2w_queue_steps, queue_s=self.cfg.t2w_queue_s)
         except Exception:  # noqa: BLE001 - find the culprit, keep the others
             self._emit(picked, self.t2w.run_each(jobs), events, t0)
             return
@@ -1826,7 +1834,10 @@ class EngineCore:
             if not pending.issued:  # issue the next flow steps (then HiFT) that fit the queue
                 t_issue = time.perf_counter()
                 try:
-                    pending.advance(None if wait else self.cfg.t2w_queue_steps)
+                    if wait:
+                        pending.advance(None)
+                    else:
+                        pending.advance(self.cfg.t2w_queue_steps, self.cfg.t2w_queue_s)
                 except Exception:  # noqa: BLE001 - find the culprit, keep the others
                     self._inflight = None
                     self._emit(picked, self.t2w.run_each(pending.jobs), events, t0)

@@ -24,6 +24,7 @@ chunks, computed once per voice by the first stream that needs them.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -454,6 +455,50 @@ class Token2WavBackend:
         return out
 
 
+class FlowStepTimes:
+    """Measured device seconds of one flow Euler step, by the solver's ``(rows, frames)`` shape
+    (:attr:`FlowRun.cost_key <cosyserve.models.flow.FlowRun.cost_key>`; with CUDA graphs the
+    bucket, so a few dozen keys): what bounds how many steps a batch queues ahead of the GPU
+    (``EngineConfig.t2w_queue_ms``, :meth:`PendingToken2Wav.advance`).
+
+    Each key keeps an exponential moving average (weight ``alpha`` for the newest step) of the
+    steps measured with CUDA timing events on the token2wav stream, i.e. the step's duration on a
+    GPU shared with the LM. A key never measured is estimated from the measured key of the nearest
+    work (rows x frames) scaled linearly by the work (a step of few rows costs more per row than
+    that, so a small batch is estimated cheap and queued as before; a large one, dear and queued
+    one step at a time); None before any step was measured.
+    """
+
+    def __init__(self, alpha: float = 0.25):
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"FlowStepTimes: alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self._ema: dict[tuple[int, int], float] = {}
+
+    def observe(self, key: tuple[int, int], seconds: float) -> None:
+        """One step of shape ``key`` took ``seconds`` on the device (ignored unless > 0)."""
+        if not seconds > 0.0:
+            return
+        old = self._ema.get(key)
+        self._ema[key] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def estimate(self, key: tuple[int, int] | None) -> float | None:
+        """Device seconds one step of shape ``key`` is expected to take (None: nothing measured
+        yet, or ``key`` None)."""
+        if key is None:
+            return None
+        got = self._ema.get(key)
+        if got is not None or not self._ema:
+            return got
+        work = max(1, key[0] * key[1])
+        near = min(self._ema, key=lambda k: abs(math.log(max(1, k[0] * k[1]) / work)))
+        return self._ema[near] * work / max(1, near[0] * near[1])
+
+    def snapshot(self) -> dict[tuple[int, int], float]:
+        """The measured keys and their averaged step seconds (a copy)."""
+        return dict(self._ema)
+
+
 class Token2Wav(Token2WavBackend):
     """Batched flow + HiFT over :class:`Token2WavJob`s.
 
@@ -471,6 +516,8 @@ class Token2Wav(Token2WavBackend):
         self.prefixes = PromptPrefixes()
         #: the voices' prompt prefixes in a fixed device pool (:meth:`enable_prompt_prefixes`; None: off)
         self.prefix_pool: VoicePrefixPool | None = None
+        #: one flow step's device time by solver shape, measured while batches run with ``queue_ms``
+        self.step_times = FlowStepTimes()
 
     @property
     def supports_prompt_prefixes(self) -> bool:
@@ -543,7 +590,7 @@ class Token2Wav(Token2WavBackend):
 
     @torch.inference_mode()
     def launch(self, jobs: list[Token2WavJob], stream=None, marks=None,
-               queue_steps: int | None = None) -> "PendingToken2Wav":
+               queue_steps: int | None = None, queue_s: float | None = None) -> "PendingToken2Wav":
         """Enqueue ``jobs`` without waiting for the GPU.
 
         With a CUDA ``stream``, all work is issued on it (inputs are created there too, so
@@ -557,6 +604,10 @@ class Token2Wav(Token2WavBackend):
         (then HiFT), called by the engine between LM steps. A whole batch at once can hold the
         calling thread in the driver until the GPU has worked through most of it (the stream's
         launch queue is shorter than a 10-step solve). ``None``: issue everything now.
+        ``queue_s`` (seconds, with ``queue_steps``): a second step is queued only while the
+        unfinished steps, at the device time :attr:`step_times` expects per step of this
+        batch's shape, stay within it — one step at a time for a large batch's long steps
+        (each measured as it runs), up to ``queue_steps`` for a lone stream's short ones.
         """
         pending = PendingToken2Wav(self, jobs, stream, marks)
         if not jobs:
@@ -584,7 +635,7 @@ class Token2Wav(Token2WavBackend):
                 pending.run = self.flow.start_prefixed(inputs, self.prefix_pool.pool, slots, starts)
             else:
                 pending.run = self.flow.start(inputs)
-        pending.advance(queue_steps)
+        pending.advance(queue_steps, queue_s)
         return pending
 
     def _seed_prefixes(self, jobs, caches) -> list:
@@ -647,6 +698,7 @@ class Token2Wav(Token2WavBackend):
         pending.advance(None)
         if pending.event is not None:
             pending.event.synchronize()
+        pending._queued()  # every step finished: the timed ones report their device time
         for job in pending.jobs:  # the streams' flow caches have grown: the memory bound's per-stream size
             if job.flow_cache is not None:
                 self._state_bytes = max(self._state_bytes, self.flow_cache_bytes(job.flow_cache))
@@ -710,31 +762,50 @@ class PendingToken2Wav:
         return torch.cuda.stream(self.stream) if self.stream is not None else _null()
 
     def _queued(self) -> int:
-        while self._step_events and self._step_events[0].query():
-            self._step_events.pop(0)
+        """Issued steps not finished on the GPU; each finished timed step (``(start, end)`` events)
+        reports its device time to the backend's :class:`FlowStepTimes`."""
+        while self._step_events and self._step_events[0][1].query():
+            begin, end = self._step_events.pop(0)
+            if begin is not None:
+                self.t2w.step_times.observe(self.run.cost_key, begin.elapsed_time(end) / 1000.0)
         return len(self._step_events)
 
+    def _may_queue(self, queued: int, queue_steps: int, queue_s: float | None) -> bool:
+        """One more step now, with ``queued`` unfinished (see :meth:`Token2Wav.launch`)?"""
+        if queued >= queue_steps:
+            return False
+        if queued == 0 or queue_s is None:
+            return True
+        per_step = self.t2w.step_times.estimate(getattr(self.run, "cost_key", None))
+        return per_step is not None and (queued + 1) * per_step <= queue_s
+
     @torch.inference_mode()
-    def advance(self, queue_steps: int | None = None) -> bool:
+    def advance(self, queue_steps: int | None = None, queue_s: float | None = None) -> bool:
         """Issue more of the batch: Euler steps while fewer than ``queue_steps`` issued steps
-        are unfinished on the GPU (``None``, or no CUDA stream: all of them), then HiFT and the
-        copies. Never waits for the GPU. Returns :attr:`issued`."""
+        are unfinished on the GPU and, with ``queue_s``, their expected device time stays within
+        ``queue_s`` seconds (always at least one; ``queue_steps`` None, or no CUDA stream: all of
+        them), then HiFT and the copies. Never waits for the GPU. Returns :attr:`issued`."""
         if self.issued:
             return True
         if self.stream is None:
             queue_steps = None
+        timed = queue_steps is not None and queue_s is not None and getattr(self.run, "cost_key", None) is not None
         with self.on_stream():
-            while self.run.steps_left and (queue_steps is None or self._queued() < queue_steps):
+            while self.run.steps_left and (queue_steps is None
+                                           or self._may_queue(self._queued(), queue_steps, queue_s if timed else None)):
+                begin = None
+                if timed:
+                    begin = torch.cuda.Event(enable_timing=True)
+                    begin.record(self.stream)
                 self.run.step()
                 if queue_steps is not None:
-                    ev = torch.cuda.Event()
-                    ev.record(self.stream)
-                    self._step_events.append(ev)
+                    end = torch.cuda.Event(enable_timing=timed)
+                    end.record(self.stream)
+                    self._step_events.append((begin, end))
             if self.run.steps_left:
                 return False
             self.t2w._issue_hift(self)
-        self.issued = True
-        self._step_events.clear()
+        self.issued = True  # (steps still unfinished report their times in Token2Wav.finish)
         return True
 
     def done(self) -> bool:

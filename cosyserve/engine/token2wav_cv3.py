@@ -368,14 +368,14 @@ class Cv3Token2WavBackend(Token2Wav):
         slot = job.flow_cache
         return slot if isinstance(slot, Cv3FlowCacheSlot) and not slot.off else None
 
-    def launch(self, jobs, stream=None, marks=None, queue_steps=None):
+    def launch(self, jobs, stream=None, marks=None, queue_steps=None, queue_s=None):
         """As :meth:`Token2Wav.launch <cosyserve.engine.token2wav.Token2Wav.launch>`; with the flow
         stream cache on, the streaming non-final jobs run through
         :meth:`~cosyserve.models.cv3_flow.CV3FlowModel.stream_cached_batch` (one eager batch, issued
         here) and the others through the usual flow pass; HiFT then runs over all of them at once."""
         cached = [i for i, j in enumerate(jobs) if j.streaming and not j.finalize and self._flow_cache(j) is not None]
         if not cached:
-            return super().launch(jobs, stream, marks, queue_steps)
+            return super().launch(jobs, stream, marks, queue_steps, queue_s)
         from .token2wav import PendingToken2Wav
 
         pending = PendingToken2Wav(self, jobs, stream, marks)
@@ -395,7 +395,7 @@ class Cv3Token2WavBackend(Token2Wav):
                                                                  [self._flow_cache(jobs[i]).cache for i in cached])
             pending.run = _SplitFlowRun(len(jobs), cached, mels, firsts, caches,
                                         self.flow.start(prepare(rest)) if rest else None, rest)
-        pending.advance(queue_steps)
+        pending.advance(queue_steps, queue_s)
         return pending
 
     def _state(self, job) -> CV3StreamState:
@@ -473,6 +473,11 @@ class _SplitFlowRun:
     @property
     def steps_left(self) -> int:
         return self._run.steps_left if self._run is not None else 0
+
+    @property
+    def cost_key(self):
+        """The uncached jobs' :attr:`FlowRun.cost_key <cosyserve.models.flow.FlowRun.cost_key>` (None without)."""
+        return self._run.cost_key if self._run is not None else None
 
     def step(self) -> None:
         self._run.step()

@@ -65,7 +65,7 @@ class _Done:
     def marks(self) -> tuple:
         return tuple(self.stamps)
 
-    def advance(self, queue_steps=None) -> bool:
+    def advance(self, queue_steps=None, queue_s=None) -> bool:
         return True
 
     def done(self) -> bool:
@@ -147,7 +147,7 @@ class DitToken2WavBackend(Token2WavBackend):
         return res
 
     @torch.inference_mode()
-    def launch(self, jobs: list[Token2WavJob], stream=None, marks=None, queue_steps=None) -> _Done:
+    def launch(self, jobs: list[Token2WavJob], stream=None, marks=None, queue_steps=None, queue_s=None) -> _Done:
         """Run ``jobs`` (set-ups, then flow, then HiFT), on ``stream`` when given; never waits for the
         GPU (speech is copied to pinned host buffers and an event marks completion)."""
         stamps: list = []

@@ -314,6 +314,13 @@ class FlowRun:
         self.starts = tuple(starts) if starts is not None else (0,) * inputs.ids.shape[0]
 
     @property
+    def cost_key(self) -> tuple[int, int]:
+        """``(rows, frames)`` of the solver state (with CUDA graphs: its bucket, padding included):
+        what one Euler step's device time depends on (the engine's
+        :class:`~cosyserve.engine.token2wav.FlowStepTimes`)."""
+        return int(self.state.xt.shape[0]), int(self.state.xt.shape[1])
+
+    @property
     def mel_starts(self) -> tuple[int, ...]:
         """Per item the first non-prompt frame :meth:`mels` returns (``max(0, starts - prompt
         frames)``; 0 without stream caches)."""
