@@ -370,10 +370,16 @@ def _queue_steps(n: int) -> int | None:
     return n or None
 
 
-def _queue_ms(ms: float) -> float | None:
-    """``--t2w-queue-ms``: milliseconds > 0 -> seconds, 0 = no time bound (None); CLIError otherwise."""
-    if not ms >= 0:
-        raise CLIError(f"--t2w-queue-ms must be >= 0, got {ms}")
+def _queue_ms(value: str) -> float | str | None:
+    """``--t2w-queue-ms``: 'auto', milliseconds > 0 -> seconds, 0 = no time bound (None); CLIError otherwise."""
+    if value == "auto":
+        return value
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = float("nan")
+    if not ms >= 0 or ms == float("inf"):
+        raise CLIError(f"--t2w-queue-ms must be 'auto' or milliseconds >= 0, got {value!r}")
     return ms / 1000.0 or None
 
 
@@ -449,11 +455,12 @@ def _engine_args(p, in_process: bool = False) -> None:
     p.add_argument("--t2w-queue-steps", type=int, default=4, metavar="N",
                    help="token2wav batches on the GPU are issued at most N flow steps ahead of the device, "
                         "between LM steps (default 4; 0 = whole batches at once)" + note)
-    p.add_argument("--t2w-queue-ms", type=float, default=25.0, metavar="MS",
+    p.add_argument("--t2w-queue-ms", default="auto", metavar="MS",
                    help="beyond the first, a flow step is queued only while the queued steps' device time, "
-                        "measured per batch shape, stays within MS (default 25; 0 = steps only): large batches' "
-                        "long steps go one at a time and cannot hold the scheduler in the driver while a full "
-                        "launch queue drains (docs/perf.md \"Session 44\")" + note)
+                        "measured per batch shape, stays within MS: large batches' long steps go one at a time and "
+                        "cannot hold the scheduler in the driver while a full launch queue drains; 0 = steps only; "
+                        "'auto' (default) = 25 with --flow-stream-cache off (every chunk recomputes its history), "
+                        "else 0 (docs/perf.md \"Session 44\")" + note)
     p.add_argument("--sampling", choices=sorted(_SAMPLING), default="auto",
                    help="where speech tokens are sampled: 'device' = inside the GPU decode step (reproducible per "
                         "seed and batch-independent, not upstream's random stream), 'host' = on the CPU with "

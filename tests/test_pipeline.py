@@ -602,6 +602,23 @@ def test_token2wav_queue_bounded_by_measured_step_time(syn, voice, monkeypatch):
     assert pending.run.steps_left == n - 4  # short steps: as many as queue_steps allows
 
 
+def test_queue_bound_auto_follows_the_flow_stream_cache(syn):
+    """``t2w_queue_s`` "auto" bounds the queued flow steps' device time only where every chunk recomputes
+    its history (flow stream cache off); an explicit bound is kept; bad values are refused."""
+    from cosyserve.engine.core import T2W_QUEUE_S
+
+    def resolved(**kw):
+        return syn.new_engine(EngineConfig(max_active=1, **kw)).cfg.t2w_queue_s
+
+    assert resolved(flow_stream_cache=False) == T2W_QUEUE_S
+    assert resolved() is None  # (CPU: auto = per-stream caches)
+    assert resolved(flow_stream_cache=False, t2w_queue_s=None) is None
+    assert resolved(flow_stream_cache=True, t2w_queue_s=0.04) == 0.04
+    for bad in (0, -0.01, "soon", True):
+        with pytest.raises(ValueError, match="t2w_queue_s 'auto' or > 0"):
+            EngineConfig(t2w_queue_s=bad)
+
+
 def test_flow_step_times_estimate():
     """Per-shape moving averages; a shape never measured is scaled from the nearest measured work."""
     from cosyserve.engine.token2wav import FlowStepTimes

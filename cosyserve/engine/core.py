@@ -89,6 +89,11 @@ class QueueFullError(CosyServeError):
 #: (2.19 MiB per frame at full size in bf16: 0.64 GiB per voice)
 FLOW_PREFIX_FRAMES = 300
 
+#: ``EngineConfig.t2w_queue_s`` "auto" with ``flow_stream_cache`` off: the queued flow steps' device time (s); a
+#: launch then holds the scheduler for at most about that long, less than an LM step at a hundred streams plus a
+#: flow step (docs/perf.md "Session 44")
+T2W_QUEUE_S = 0.025
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -151,10 +156,11 @@ class EngineConfig:
     through most of it, docs/perf-history.md run 10); ``t2w_queue_s`` (seconds; ``None``: no
     bound): beyond the first, a step is queued only while the unfinished steps' device time,
     measured per batch shape (:class:`~cosyserve.engine.token2wav.FlowStepTimes`), stays within
-    it — a large batch's long steps (``--flow-stream-cache off``: the whole history in every
-    step) then go one at a time and cannot hold the scheduler in ``cudaGraphLaunch`` while a
-    full launch queue drains (docs/perf.md "Session 43"), a lone stream's short ones up to
-    ``t2w_queue_steps`` ahead; ``device_sampling`` (``None``: on when the LM
+    it — a large batch's long steps then go one at a time and cannot hold the scheduler in
+    ``cudaGraphLaunch`` while a full launch queue drains, a lone stream's short ones up to
+    ``t2w_queue_steps`` ahead; ``"auto"`` (default): :data:`T2W_QUEUE_S` where the flow recomputes
+    every chunk's history (``flow_stream_cache`` off: its steps grow with the streams), else
+    ``None`` (:meth:`EngineCore._resolve_queue_bound`, docs/perf.md "Session 44"); ``device_sampling`` (``None``: on when the LM
     is on CUDA): rows with the default sampler draw their next token on the device, inside
     the decode step
     (:func:`~cosyserve.models.sampling.ras_sample_device`: the same RAS rule with counter-based
@@ -278,7 +284,7 @@ class EngineConfig:
     graph_priming: bool = False
     t2w_thread: bool = False
     t2w_queue_steps: int | None = 4
-    t2w_queue_s: float | None = 0.025
+    t2w_queue_s: float | str | None = "auto"
     device_sampling: bool | None = None
     lm_stream_priority: bool = True
     pipeline_decode: bool | None = None
@@ -326,7 +332,9 @@ class EngineConfig:
             ("t2w_gather_s >= 0", self.t2w_gather_s >= 0), ("0 <= t2w_length_window < 1", 0 <= self.t2w_length_window < 1),
             ("t2w_slack_s >= 0", self.t2w_slack_s is None or self.t2w_slack_s >= 0),
             ("t2w_queue_steps >= 1", self.t2w_queue_steps is None or self.t2w_queue_steps >= 1),
-            ("t2w_queue_s > 0", self.t2w_queue_s is None or self.t2w_queue_s > 0),
+            ("t2w_queue_s 'auto' or > 0", self.t2w_queue_s in (None, "auto")
+             or (isinstance(self.t2w_queue_s, (int, float)) and not isinstance(self.t2w_queue_s, bool)
+                 and self.t2w_queue_s > 0)),
             ("decode_lookahead >= 1", self.decode_lookahead >= 1),
             ("flow_stream_cache_frames >= 0", self.flow_stream_cache_frames is None or self.flow_stream_cache_frames >= 0),
             ("flow_stream_cache in (None, True, False, 'prefix')",
@@ -511,7 +519,7 @@ class EngineCore:
         if self.lm.max_positions < config.kv_max_len:
             self.lm.setup_rope(config.kv_max_len)
         use_graphs = config.cuda_graphs and self.lm.llm_decoder.weight.is_cuda
-        config = self.cfg = self._resolve_flow_stream_cache(config, graphed=use_graphs)
+        config = self.cfg = self._resolve_queue_bound(self._resolve_flow_stream_cache(config, graphed=use_graphs))
         self._device_sampling = self.lm.llm_decoder.weight.is_cuda if config.device_sampling is None \
             else config.device_sampling
         # with CUDA graphs, one extra (scratch) slot absorbs the padding rows of a bucket
@@ -767,6 +775,17 @@ class EngineCore:
         else:
             mode = not graphed
         return dataclasses.replace(config, flow_stream_cache=mode)
+
+    @staticmethod
+    def _resolve_queue_bound(config: EngineConfig) -> EngineConfig:
+        """``config`` with ``t2w_queue_s`` "auto" resolved (after ``flow_stream_cache``): :data:`T2W_QUEUE_S`
+        when the flow recomputes each chunk's whole history (``flow_stream_cache`` False), else None. Measured
+        on an H200 (session 44): with recomputation the bound took the UNet from 80 to 96 streams, 40 scheduler
+        gaps of >= 100 ms to 1 and an overload from 11 stalled to 0, the one-stream first chunk unchanged; with
+        prompt prefixes (short steps, few gaps) it gained nothing (1 + 2 stalls against 0 at 104 clients)."""
+        if config.t2w_queue_s != "auto":
+            return config
+        return dataclasses.replace(config, t2w_queue_s=T2W_QUEUE_S if config.flow_stream_cache is False else None)
 
     def _set_flow_stream_cache(self, models, config: EngineConfig) -> None:
         """Per-stream flow caches (``EngineConfig.flow_stream_cache``, auto resolved by
