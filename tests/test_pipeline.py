@@ -506,13 +506,14 @@ class _FakeCudaEvent:
         return _FakeCudaEvent.clock > self.at
 
 
-def test_token2wav_issued_a_few_flow_steps_at_a_time(syn, voice, monkeypatch):
-    """With ``queue_steps``, a batch on a side stream issues Euler steps only while fewer than
-    that many are unfinished; ``advance`` issues more as the GPU catches up, then HiFT; the
-    result equals the batch issued at once."""
+def _side_stream_t2w(syn, voice, monkeypatch):
+    """A token2wav backend whose "side stream" runs on the CPU (:class:`_FakeCudaEvent` for CUDA
+    events, HiFT issued without pinned copies), a job factory (one 30-token final job, the same
+    draws every call) and the job's speech issued at once, untouched: ``(t2w, jobs, ref, issued_hift)``
+    with ``issued_hift`` the flow steps left at each HiFT issue."""
     import contextlib
 
-    from cosyserve.engine.token2wav import PendingToken2Wav, Token2WavJob
+    from cosyserve.engine.token2wav import Token2WavJob
     from cosyserve.models.hift import HiFTStreamState
 
     t2w = syn.new_engine(EngineConfig(max_active=2)).t2w
@@ -536,6 +537,16 @@ def test_token2wav_issued_a_few_flow_steps_at_a_time(syn, voice, monkeypatch):
             p.stream = stream
 
     monkeypatch.setattr(type(t2w), "_issue_hift", issue_hift)
+    return t2w, jobs, ref, issued_hift
+
+
+def test_token2wav_issued_a_few_flow_steps_at_a_time(syn, voice, monkeypatch):
+    """With ``queue_steps``, a batch on a side stream issues Euler steps only while fewer than
+    that many are unfinished; ``advance`` issues more as the GPU catches up, then HiFT; the
+    result equals the batch issued at once."""
+    from cosyserve.engine.token2wav import PendingToken2Wav
+
+    t2w, jobs, ref, issued_hift = _side_stream_t2w(syn, voice, monkeypatch)
     pending = t2w.launch(jobs(), stream="side-stream", queue_steps=2)
     assert isinstance(pending, PendingToken2Wav) and not pending.issued
     n = pending.run.state.n
@@ -556,30 +567,7 @@ def test_token2wav_queue_bounded_by_measured_step_time(syn, voice, monkeypatch):
     reports its time (timing events around it), and the next steps of that shape are queued as
     many as fit (10 ms steps in 25 ms: 2), up to ``queue_steps`` for short ones (2 ms: 4). The
     audio equals the batch issued at once."""
-    import contextlib
-
-    from cosyserve.engine.token2wav import Token2WavJob
-    from cosyserve.models.hift import HiFTStreamState
-
-    t2w = syn.new_engine(EngineConfig(max_active=2)).t2w
-    tokens = torch.randint(0, 100, (30,), generator=torch.Generator().manual_seed(0))
-
-    def jobs():
-        return [Token2WavJob(voice, tokens, 0, True, False, HiFTStreamState(), torch.Generator().manual_seed(1))]
-
-    ref = t2w.finish(t2w.launch(jobs()))
-    monkeypatch.setattr(torch.cuda, "Event", _FakeCudaEvent)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    real_issue = type(t2w)._issue_hift
-
-    def issue_hift(self, p):  # on the CPU: no pinned copies
-        stream, p.stream = p.stream, None
-        try:
-            real_issue(self, p)
-        finally:
-            p.stream = stream
-
-    monkeypatch.setattr(type(t2w), "_issue_hift", issue_hift)
+    t2w, jobs, ref, _ = _side_stream_t2w(syn, voice, monkeypatch)
     monkeypatch.setattr(_FakeCudaEvent, "step_ms", 10.0)
     pending = t2w.launch(jobs(), stream="side-stream", queue_steps=4, queue_s=0.025)
     n, key = pending.run.state.n, pending.run.cost_key
