@@ -8,7 +8,10 @@
 # 8,16,32,48,64, MAX_ACTIVE 64, SERVE_ARGS; e.g. SERVE_ARGS="--flow-stream-cache on" for the A/B of the per-stream DiT
 # cache, which the default `auto` leaves off while the flow runs as CUDA graphs; SAMPLE_STACKS=1: the scheduler thread's
 # stacks per level, benchmarks/stack_sampler.py; RAMP_S: each capacity level's clients start over RAMP_S seconds,
-# `bench --ramp-s`, default 0 = all at once, as benchmarks/capacity_startup.sh). Needs .whl.
+# `bench --ramp-s`, default 0 = all at once, as benchmarks/capacity_startup.sh; PLAYBACK=1: the capacity levels' clients
+# listen, `bench --playback`; ADMISSION_TRACE=1: the server records OUT/admission.jsonl.gz (complete once the server has
+# stopped, after this script: then `benchmarks/admission_replay.py TRACE --batches` tabulates its token2wav batches
+# and scheduler gaps). Needs .whl.
 # The server runs with --strict-min-len: with random weights CosyVoice3's upstream min-length mask (it masks sos, not
 # the 200 stop ids) ends most utterances after ~30 tokens whatever the ratio, which made requests ~1.2 s long.
 set -u
@@ -32,7 +35,9 @@ stacks() {  # stacks LABEL SINCE: the scheduler thread's stacks from SINCE (seco
   python3 benchmarks/stack_sampler.py --report "$OUTDIR/stacks.txt" --since "$2" --until "$(( $(date +%s) - t0 ))" \
     --thread cosyserve-engine --top "${STACKS_TOP:-40}" | cut -c1-190
 }
-"${PREFIX[@]}" serve --graphs-before-ready --random-weights benchmarks/configs/cosyvoice3-0.5b.yaml --qwen-config benchmarks/configs/CosyVoice-BlankEN-config.json \
+TRACE_ARGS=(); [ "${ADMISSION_TRACE:-0}" = 1 ] && TRACE_ARGS=(--admission-trace "$OUTDIR/admission.jsonl.gz")
+LISTEN=; [ "${PLAYBACK:-0}" = 1 ] && LISTEN=--playback
+"${PREFIX[@]}" serve "${TRACE_ARGS[@]}" --graphs-before-ready --random-weights benchmarks/configs/cosyvoice3-0.5b.yaml --qwen-config benchmarks/configs/CosyVoice-BlankEN-config.json \
   --device cuda --dtype "$DTYPE" --min-token-text-ratio "$RATIO" --max-token-text-ratio "$RATIO" --max-active-streams "$MAX_ACTIVE" \
   --max-queue 256 --strict-min-len --voices-dir /tmp/cosyserve-voices-cv3 --port 8000 --grpc-port 8001 ${SERVE_ARGS:-} >"$OUTDIR/server.log" 2>&1 &
 SERVER=$!; trap 'stop_and_wait $SERVER' EXIT
@@ -50,7 +55,8 @@ stacks "offline at $OFFLINE clients" "$S0"
 if [ -n "$CAPACITY_LEVELS" ]; then
   echo "== capacity (voice default, 0 stalls, p99 <= 500 ms, ramp ${RAMP_S:-0} s), then 2x overload"
   $CS bench "${URL[@]}" --capacity --concurrency "$CAPACITY_LEVELS" --max-streams "$MAX_ACTIVE" --p99-bound-ms 500 \
-    --min-requests-per-client 3 --overload 2 --ramp-s "${RAMP_S:-0}" --warmup 0 --out "$OUTDIR/capacity" 2>&1 | tail -40
+    --min-requests-per-client 3 --overload 2 --ramp-s "${RAMP_S:-0}" --warmup 0 $LISTEN --out "$OUTDIR/capacity" 2>&1 \
+    | tail -40
   grep -m3 -i "capacity" "$OUTDIR/server.log"
 fi
 echo "== token2wav stage times (server /metrics)"
