@@ -217,7 +217,8 @@ def test_engine_options_reach_the_server_config(capsys, monkeypatch):
     code, out, err = run(capsys, "serve", "--model-dir", model_dir(), "--max-t2w-tokens", "4096", "--lazy-graphs",
                          "--t2w-batch-target", "8", "--t2w-gather", "0.25", "--hift-dtype", "float16",
                          "--max-active-streams", "5", "--max-queue", "7", "--t2w-queue-steps", "0",
-                         "--t2w-queue-ms", "0", "--sampling", "host", "--t2w-slack", "auto", "--lm-stream-priority", "normal",
+                         "--t2w-queue-ms", "0", "--sampling", "host", "--t2w-slack", "auto",
+                         "--lm-stream-priority", "normal",
                          "--token2wav-thread", "--decode-lookahead", "2", "--t2w-length-window", "0.5",
                          "--kv-max-len", "1536", "--dit-graph-memory", "0.12", "--hift-f0", "per-item",
                          "--llm-stream-interval", "0.03")

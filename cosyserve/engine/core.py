@@ -160,9 +160,9 @@ class EngineConfig:
     ``cudaGraphLaunch`` while a full launch queue drains, a lone stream's short ones up to
     ``t2w_queue_steps`` ahead; ``"auto"`` (default): :data:`T2W_QUEUE_S` where the flow recomputes
     every chunk's history (``flow_stream_cache`` off: its steps grow with the streams), else
-    ``None`` (:meth:`EngineCore._resolve_queue_bound`, docs/perf.md "Session 44"); ``device_sampling`` (``None``: on when the LM
-    is on CUDA): rows with the default sampler draw their next token on the device, inside
-    the decode step
+    ``None`` (:meth:`EngineCore._resolve_queue_bound`, docs/perf.md "Session 44");
+    ``device_sampling`` (``None``: on when the LM is on CUDA): rows with the default sampler draw
+    their next token on the device, inside the decode step
     (:func:`~cosyserve.models.sampling.ras_sample_device`: the same RAS rule with counter-based
     randomness keyed by the request's seed and token index — reproducible per seed and
     independent of batching, but not upstream's random stream; the first token of each segment,

@@ -459,7 +459,7 @@ class FlowStepTimes:
     """Measured device seconds of one flow Euler step, by the solver's ``(rows, frames)`` shape
     (:attr:`FlowRun.cost_key <cosyserve.models.flow.FlowRun.cost_key>`; with CUDA graphs the
     bucket, so a few dozen keys): what bounds how many steps a batch queues ahead of the GPU
-    (``EngineConfig.t2w_queue_ms``, :meth:`PendingToken2Wav.advance`).
+    (``EngineConfig.t2w_queue_s``, :meth:`PendingToken2Wav.advance`).
 
     Each key keeps an exponential moving average (weight ``alpha`` for the newest step) of the
     steps measured with CUDA timing events on the token2wav stream, i.e. the step's duration on a
@@ -516,7 +516,7 @@ class Token2Wav(Token2WavBackend):
         self.prefixes = PromptPrefixes()
         #: the voices' prompt prefixes in a fixed device pool (:meth:`enable_prompt_prefixes`; None: off)
         self.prefix_pool: VoicePrefixPool | None = None
-        #: one flow step's device time by solver shape, measured while batches run with ``queue_ms``
+        #: one flow step's device time by solver shape, measured while batches run with ``queue_s``
         self.step_times = FlowStepTimes()
 
     @property
@@ -770,13 +770,13 @@ class PendingToken2Wav:
                 self.t2w.step_times.observe(self.run.cost_key, begin.elapsed_time(end) / 1000.0)
         return len(self._step_events)
 
-    def _may_queue(self, queued: int, queue_steps: int, queue_s: float | None) -> bool:
-        """One more step now, with ``queued`` unfinished (see :meth:`Token2Wav.launch`)?"""
+    def _may_queue(self, queued: int, queue_steps: int, queue_s: float | None, key) -> bool:
+        """One more step of shape ``key`` now, with ``queued`` unfinished (see :meth:`Token2Wav.launch`)?"""
         if queued >= queue_steps:
             return False
         if queued == 0 or queue_s is None:
             return True
-        per_step = self.t2w.step_times.estimate(getattr(self.run, "cost_key", None))
+        per_step = self.t2w.step_times.estimate(key)
         return per_step is not None and (queued + 1) * per_step <= queue_s
 
     @torch.inference_mode()
@@ -789,17 +789,18 @@ class PendingToken2Wav:
             return True
         if self.stream is None:
             queue_steps = None
-        timed = queue_steps is not None and queue_s is not None and getattr(self.run, "cost_key", None) is not None
+        key = getattr(self.run, "cost_key", None)  # (None: a run without one is bounded by count only)
+        bound = queue_s if queue_steps is not None and key is not None else None  # then its steps are timed
         with self.on_stream():
             while self.run.steps_left and (queue_steps is None
-                                           or self._may_queue(self._queued(), queue_steps, queue_s if timed else None)):
+                                           or self._may_queue(self._queued(), queue_steps, bound, key)):
                 begin = None
-                if timed:
+                if bound is not None:
                     begin = torch.cuda.Event(enable_timing=True)
                     begin.record(self.stream)
                 self.run.step()
                 if queue_steps is not None:
-                    end = torch.cuda.Event(enable_timing=timed)
+                    end = torch.cuda.Event(enable_timing=begin is not None)
                     end.record(self.stream)
                     self._step_events.append((begin, end))
             if self.run.steps_left:
